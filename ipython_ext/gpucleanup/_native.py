@@ -1,0 +1,219 @@
+"""The only module that touches ctypes: loads libgpucleanup.so and declares its C ABI.
+
+Every function returns plain Python objects decoded from the library's JSON
+(shapes in ``share/schema``). Failures of the library itself raise
+:class:`NativeError` whose message starts with the library's stable id; states
+such as "no CUDA driver" are values in the returned dicts, never exceptions.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import os
+import threading
+from importlib import resources
+from typing import Any, Callable, Optional
+
+__all__ = [
+    "NativeError",
+    "library",
+    "library_path",
+    "version",
+    "abi_version",
+    "probe",
+    "snapshot",
+    "drain",
+    "shutdown",
+    "server_start",
+    "server_stop",
+    "server_set_state",
+    "server_publish",
+]
+
+ABI_VERSION = 1
+
+# gpucleanup_status values (native/include/gpucleanup/gpucleanup.h)
+OK = 0
+ERR_INVALID_ARGUMENT = 1
+ERR_DRIVER = 2
+ERR_INTERNAL = 3
+ERR_EXITING = 4
+ERR_SERVER = 5
+
+_STATUS_NAMES = {
+    ERR_INVALID_ARGUMENT: "invalid argument",
+    ERR_DRIVER: "driver",
+    ERR_INTERNAL: "internal",
+    ERR_EXITING: "exiting",
+    ERR_SERVER: "server",
+}
+
+PROGRESS_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+
+
+class NativeError(RuntimeError):
+    """A call into libgpucleanup failed; ``status`` is the gpucleanup_status code."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+_lock = threading.Lock()
+_lib: Optional[ctypes.CDLL] = None
+
+
+def library_path() -> str:
+    """Path of the shared library: ``$GPUCLEANUP_LIBRARY`` or the one in this package."""
+    override = os.environ.get("GPUCLEANUP_LIBRARY")
+    if override:
+        return override
+    return str(resources.files("gpucleanup").joinpath("libgpucleanup.so"))
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    c_char_pp = ctypes.POINTER(ctypes.c_void_p)
+    lib.gpucleanup_version.argtypes = []
+    lib.gpucleanup_version.restype = ctypes.c_char_p
+    lib.gpucleanup_abi_version.argtypes = []
+    lib.gpucleanup_abi_version.restype = ctypes.c_int
+    lib.gpucleanup_free.argtypes = [ctypes.c_void_p]
+    lib.gpucleanup_free.restype = None
+    lib.gpucleanup_last_error.argtypes = []
+    lib.gpucleanup_last_error.restype = ctypes.c_char_p
+    lib.gpucleanup_probe.argtypes = [c_char_pp]
+    lib.gpucleanup_probe.restype = ctypes.c_int
+    lib.gpucleanup_snapshot.argtypes = [c_char_pp]
+    lib.gpucleanup_snapshot.restype = ctypes.c_int
+    lib.gpucleanup_drain.argtypes = [ctypes.c_double, PROGRESS_FN, ctypes.c_void_p, c_char_pp]
+    lib.gpucleanup_drain.restype = ctypes.c_int
+    lib.gpucleanup_shutdown.argtypes = []
+    lib.gpucleanup_shutdown.restype = None
+    lib.gpucleanup_server_start.argtypes = [ctypes.c_char_p, c_char_pp]
+    lib.gpucleanup_server_start.restype = ctypes.c_int
+    lib.gpucleanup_server_stop.argtypes = []
+    lib.gpucleanup_server_stop.restype = ctypes.c_int
+    lib.gpucleanup_server_set_state.argtypes = [ctypes.c_char_p]
+    lib.gpucleanup_server_set_state.restype = ctypes.c_int
+    lib.gpucleanup_server_publish.argtypes = [ctypes.c_char_p]
+    lib.gpucleanup_server_publish.restype = ctypes.c_int
+
+
+def library() -> ctypes.CDLL:
+    """The loaded library (loaded on first use, RTLD_LOCAL, ABI version checked)."""
+    global _lib
+    with _lock:
+        if _lib is None:
+            lib = ctypes.CDLL(library_path(), mode=os.RTLD_LOCAL | os.RTLD_NOW)
+            _declare(lib)
+            found = lib.gpucleanup_abi_version()
+            if found != ABI_VERSION:
+                raise NativeError(
+                    ERR_INTERNAL,
+                    f"[gpucleanup.python.101] {library_path()} has ABI version {found}, "
+                    f"this package needs {ABI_VERSION}: reinstall gpucleanup",
+                )
+            _lib = lib
+        return _lib
+
+
+def _raise(lib: ctypes.CDLL, status: int) -> None:
+    message = (lib.gpucleanup_last_error() or b"").decode("utf-8", "replace")
+    if not message:
+        message = f"gpucleanup call failed ({_STATUS_NAMES.get(status, status)})"
+    raise NativeError(status, message)
+
+
+def _call_json(fn: Callable[..., int], *args: Any) -> Any:
+    lib = library()
+    out = ctypes.c_void_p()
+    status = fn(*args, ctypes.byref(out))
+    if status != OK:
+        _raise(lib, status)
+    try:
+        text = ctypes.string_at(out.value).decode("utf-8")
+    finally:
+        lib.gpucleanup_free(out)
+    return json.loads(text)
+
+
+def version() -> str:
+    return library().gpucleanup_version().decode()
+
+
+def abi_version() -> int:
+    return library().gpucleanup_abi_version()
+
+
+def probe() -> dict:
+    """Driver state and which devices are in use; no memory queries."""
+    return _call_json(library().gpucleanup_probe)
+
+
+def snapshot() -> dict:
+    """Full per-device snapshot (share/schema/snapshot.schema.json)."""
+    return _call_json(library().gpucleanup_snapshot)
+
+
+def drain(timeout: float = 30.0, progress: Optional[Callable[[dict], bool]] = None) -> dict:
+    """Settle (bounded by ``timeout`` seconds) and trim the driver pools of every device in use.
+
+    ``progress``, if given, is called with ``{"device", "waited_s", "limit_s"}`` about once
+    a second once a wait passes 2 s; returning True abandons the remaining waits. A
+    ``KeyboardInterrupt`` raised while the callback runs also abandons them; it is not
+    re-raised (a drain never stops the kernel) but recorded as
+    ``result["keyboard_interrupt"] = True``.
+    """
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
+        raise TypeError(f"timeout must be a number of seconds, not {type(timeout).__name__}")
+    if not math.isfinite(timeout) or timeout < 0:
+        raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout!r}")
+    interrupted: list = []
+
+    def _on_progress(payload: bytes, _user: Any) -> int:
+        try:
+            if progress is None:
+                return 0
+            return 1 if progress(json.loads(payload.decode("utf-8"))) else 0
+        except KeyboardInterrupt as exc:
+            interrupted.append(exc)
+            return 1
+        except Exception:  # a faulty callback must not abort the drain
+            return 0
+
+    callback = PROGRESS_FN(_on_progress)
+    result = _call_json(library().gpucleanup_drain, float(timeout), callback, None)
+    if interrupted:
+        result["keyboard_interrupt"] = True
+    return result
+
+
+def shutdown() -> None:
+    """Stop the status server and refuse every later driver call (process exit)."""
+    if _lib is not None:
+        _lib.gpucleanup_shutdown()
+
+
+def server_start(config: dict) -> dict:
+    return _call_json(library().gpucleanup_server_start, json.dumps(config).encode())
+
+
+def _call_status(fn: Callable[..., int], *args: Any) -> None:
+    lib = library()
+    status = fn(*args)
+    if status != OK:
+        _raise(lib, status)
+
+
+def server_stop() -> None:
+    _call_status(library().gpucleanup_server_stop)
+
+
+def server_set_state(state: dict) -> None:
+    _call_status(library().gpucleanup_server_set_state, json.dumps(state).encode())
+
+
+def server_publish(record: dict) -> None:
+    _call_status(library().gpucleanup_server_publish, json.dumps(record).encode())

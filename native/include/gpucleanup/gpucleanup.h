@@ -1,0 +1,151 @@
+/*
+ * gpucleanup: the C ABI of libgpucleanup.so.
+ *
+ * This header is the only exported surface of the native library. Everything a
+ * caller may rely on is written here; everything else is hidden.
+ *
+ * Guarantees that hold for every function below:
+ *   - No C++ exception ever crosses this boundary. Every call returns a
+ *     gpucleanup_status; GPUCLEANUP_OK means the JSON out-parameter (when there
+ *     is one) is set.
+ *   - JSON strings handed out are allocated by the library, UTF-8, NUL
+ *     terminated, and must be released with gpucleanup_free(). Their shapes are
+ *     defined once, in share/schema/*.schema.json.
+ *   - The library never calls cuInit and never creates a CUDA context. It acts
+ *     only on devices whose primary context is already active, or on the
+ *     context current to the calling thread.
+ *   - "No CUDA driver", "driver not initialised", "no device in use" and
+ *     "device busy" are states reported in the JSON, not errors.
+ *   - After the process has begun to exit no driver call is made; calls return
+ *     GPUCLEANUP_ERR_EXITING. A child created by fork() starts with clean state.
+ *   - On any status other than GPUCLEANUP_OK, gpucleanup_last_error() returns a
+ *     message for the calling thread that starts with a stable id, for example
+ *     "[gpucleanup.api.101] json_out is NULL: pass the address of a char*".
+ *
+ * Environment:
+ *   GPUCLEANUP_LIBCUDA  path of the CUDA driver library to load instead of
+ *                       "libcuda.so.1" (used by the tests' fake driver).
+ *
+ * Thread safety: every function may be called from any thread. Snapshot and
+ * drain calls are serialised inside the library.
+ */
+#ifndef GPUCLEANUP_GPUCLEANUP_H
+#define GPUCLEANUP_GPUCLEANUP_H
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(GPUCLEANUP_BUILDING_LIBRARY)
+#define GPUCLEANUP_API __attribute__((visibility("default")))
+#else
+#define GPUCLEANUP_API
+#endif
+
+/* Bumped whenever a function's signature or meaning changes. */
+#define GPUCLEANUP_ABI_VERSION 1
+
+typedef enum gpucleanup_status {
+  GPUCLEANUP_OK = 0,
+  /* A NULL pointer, a negative or non-finite timeout, malformed JSON in. */
+  GPUCLEANUP_ERR_INVALID_ARGUMENT = 1,
+  /* The driver library is present but unusable: a required entry point is
+   * missing (the message names it) or the driver returned a fault. */
+  GPUCLEANUP_ERR_DRIVER = 2,
+  /* A fault inside the library (out of memory, a bug). */
+  GPUCLEANUP_ERR_INTERNAL = 3,
+  /* The process is exiting: nothing was done. */
+  GPUCLEANUP_ERR_EXITING = 4,
+  /* The status server could not be started or is not running. */
+  GPUCLEANUP_ERR_SERVER = 5
+} gpucleanup_status;
+
+/* Library version, e.g. "0.1.0". Static storage; never free it. */
+GPUCLEANUP_API const char* gpucleanup_version(void);
+
+/* GPUCLEANUP_ABI_VERSION of the library that was loaded. */
+GPUCLEANUP_API int gpucleanup_abi_version(void);
+
+/* Releases a string returned by this library. NULL is accepted. */
+GPUCLEANUP_API void gpucleanup_free(char* json);
+
+/* The last error message of the calling thread, or "" if none. Static per
+ * thread storage, valid until the next call on the same thread. */
+GPUCLEANUP_API const char* gpucleanup_last_error(void);
+
+/* Cheap probe, meant for every cell: whether a driver is loaded, whether it is
+ * initialised in this process, and which devices are in use (primary context
+ * active or a context current to the calling thread). No memory queries.
+ * JSON shape: share/schema/snapshot.schema.json with "kind": "probe". */
+GPUCLEANUP_API gpucleanup_status gpucleanup_probe(char** json_out);
+
+/* Full snapshot: the probe plus, per device, name, UUID and total memory; for
+ * devices in use also cuMemGetInfo free/total and the default and current
+ * memory pools' reserved/used current and high marks.
+ * JSON shape: share/schema/snapshot.schema.json with "kind": "snapshot". */
+GPUCLEANUP_API gpucleanup_status gpucleanup_snapshot(char** json_out);
+
+/* Progress callback for a drain. Called on the thread that called
+ * gpucleanup_drain, about once a second once a settle has waited more than
+ * 2 s, with a JSON object {"device": N, "waited_s": S, "limit_s": L}.
+ * Returning non-zero abandons the remaining waits (reported as "interrupted");
+ * the trims that do not need a wait still run. */
+typedef int (*gpucleanup_progress_fn)(const char* progress_json, void* user);
+
+/* Drain every device in use:
+ *   1. settle: wait for queued work (cuCtxSynchronize on a watchdog thread per
+ *      device) for at most timeout_s seconds in total. A device still busy at
+ *      the limit is reported "busy" with how long it was waited for, and is not
+ *      trimmed; its watchdog keeps waiting in the background and the next
+ *      drain reports it as still busy rather than starting another wait.
+ *   2. trim: cuMemPoolTrimTo(pool, 0) on the default and the current memory
+ *      pool of each settled device.
+ * Reports per device reserved/free before and after and any error by name.
+ * A sticky error (CUDA_ERROR_ILLEGAL_ADDRESS and the like) is reported once
+ * with "restart the kernel"; that device is left alone afterwards.
+ * timeout_s must be finite and >= 0; 0 skips the settle (the trim then
+ * releases only what no queued work still holds). progress may be NULL.
+ * JSON shape: share/schema/drain.schema.json. */
+GPUCLEANUP_API gpucleanup_status gpucleanup_drain(double timeout_s,
+                                                  gpucleanup_progress_fn progress,
+                                                  void* user,
+                                                  char** json_out);
+
+/* Marks the process as exiting: stops the status server and makes every later
+ * call a no-op returning GPUCLEANUP_ERR_EXITING. Idempotent. Also runs
+ * automatically from the library's destructor. */
+GPUCLEANUP_API void gpucleanup_shutdown(void);
+
+/* ---- Status server (out-of-band status for a busy kernel) ----------------
+ * Runs on a thread of its own with a ZeroMQ socket and answers from native
+ * state, never taking the Python interpreter lock. Protocol:
+ * share/schema/protocol.schema.json and share/protocol.md.
+ */
+
+/* Starts the server. config_json:
+ *   {"endpoint": "ipc:///path/sock" | "tcp://127.0.0.1:0",
+ *    "key": "<hex key>" (required for tcp, optional for ipc),
+ *    "kernel": {...}  (opaque kernel description echoed in replies),
+ *    "history_limit": 50}
+ * On success *json_out is {"endpoint": "<bound endpoint>",
+ * "pub_endpoint": "<bound publish endpoint>"}. Starting a running server
+ * returns GPUCLEANUP_ERR_SERVER. */
+GPUCLEANUP_API gpucleanup_status gpucleanup_server_start(const char* config_json,
+                                                         char** json_out);
+
+/* Stops the server and joins its thread. Idempotent; safe if never started. */
+GPUCLEANUP_API gpucleanup_status gpucleanup_server_stop(void);
+
+/* Sets the kernel's state as the server reports it, a JSON object such as
+ * {"state": "running", "cell": 12, "since_ns": ...}. */
+GPUCLEANUP_API gpucleanup_status gpucleanup_server_set_state(const char* state_json);
+
+/* Hands one finished cell's record (a JSON object) to the server: kept in its
+ * history and published to subscribers. */
+GPUCLEANUP_API gpucleanup_status gpucleanup_server_publish(const char* record_json);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* GPUCLEANUP_GPUCLEANUP_H */

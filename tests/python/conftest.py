@@ -1,0 +1,103 @@
+"""Shared fixtures: the fake CUDA driver and the library under test.
+
+The fake driver (tests/fake_cuda, built by CMake with GPUCLEANUP_BUILD_TESTS=ON)
+is what libgpucleanup loads in these tests, through GPUCLEANUP_LIBCUDA. The
+fixture loads the same shared object with ctypes, so the test scripts the very
+instance the library talks to.
+
+GPUCLEANUP_BUILD_DIR selects the CMake build directory (default: build/).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BUILD = pathlib.Path(os.environ.get("GPUCLEANUP_BUILD_DIR", ROOT / "build")).resolve()
+FAKE_CUDA = BUILD / "tests" / "fake_cuda" / "libcuda.so.1"
+SCHEMA_DIR = ROOT / "share" / "schema"
+
+# Before anything loads libgpucleanup: point it at the fake driver, and at the
+# build tree's library when the package in use carries none (PYTHONPATH=ipython_ext).
+os.environ.setdefault("GPUCLEANUP_LIBCUDA", str(FAKE_CUDA))
+if "GPUCLEANUP_LIBRARY" not in os.environ:
+    import importlib.util
+
+    spec = importlib.util.find_spec("gpucleanup")
+    if spec is not None and spec.submodule_search_locations:
+        packaged = pathlib.Path(list(spec.submodule_search_locations)[0]) / "libgpucleanup.so"
+        if not packaged.exists():
+            os.environ["GPUCLEANUP_LIBRARY"] = str(BUILD / "native" / "libgpucleanup.so")
+
+
+class FakeCuda:
+    """ctypes front of tests/fake_cuda/fake_cuda_control.h."""
+
+    def __init__(self, path: pathlib.Path):
+        if not path.exists():
+            pytest.fail(f"fake CUDA driver not built at {path}: run CMake with -DGPUCLEANUP_BUILD_TESTS=ON")
+        self.lib = ctypes.CDLL(str(path), mode=os.RTLD_LOCAL)
+        self.lib.fake_cuda_reset.argtypes = [ctypes.c_char_p]
+        self.lib.fake_cuda_reset.restype = ctypes.c_int
+        self.lib.fake_cuda_update.argtypes = [ctypes.c_char_p]
+        self.lib.fake_cuda_update.restype = ctypes.c_int
+        self.lib.fake_cuda_counter.argtypes = [ctypes.c_char_p]
+        self.lib.fake_cuda_counter.restype = ctypes.c_longlong
+        self.lib.fake_cuda_release_sync.argtypes = []
+        self.lib.fake_cuda_release_sync.restype = None
+        self.lib.fake_cuda_state_json.argtypes = []
+        self.lib.fake_cuda_state_json.restype = ctypes.c_char_p
+        self.lib.fake_cuda_last_error.argtypes = []
+        self.lib.fake_cuda_last_error.restype = ctypes.c_char_p
+
+    def reset(self, scenario: dict | None = None) -> None:
+        if self.lib.fake_cuda_reset(json.dumps(scenario or {}).encode()) != 0:
+            raise ValueError(self.lib.fake_cuda_last_error().decode())
+
+    def update(self, patch: dict) -> None:
+        if self.lib.fake_cuda_update(json.dumps(patch).encode()) != 0:
+            raise ValueError(self.lib.fake_cuda_last_error().decode())
+
+    def counter(self, name: str) -> int:
+        return self.lib.fake_cuda_counter(name.encode())
+
+    def release_sync(self) -> None:
+        self.lib.fake_cuda_release_sync()
+
+    def state(self) -> dict:
+        return json.loads(self.lib.fake_cuda_state_json().decode())
+
+
+_FAKE: FakeCuda | None = None
+
+
+@pytest.fixture
+def fake_cuda():
+    """The fake driver, reset to one idle default device; hanging syncs released afterwards."""
+    global _FAKE
+    if _FAKE is None:
+        _FAKE = FakeCuda(FAKE_CUDA)
+    _FAKE.reset({})
+    yield _FAKE
+    _FAKE.release_sync()
+
+
+@pytest.fixture(scope="session")
+def schemas():
+    """The JSON schemas of share/schema, with a validator per file name."""
+    import jsonschema
+    from referencing import Registry, Resource
+
+    registry = Registry()
+    docs = {}
+    for path in SCHEMA_DIR.glob("*.schema.json"):
+        doc = json.loads(path.read_text())
+        docs[path.name] = doc
+        resource = Resource.from_contents(doc)
+        registry = registry.with_resource(doc["$id"], resource).with_resource(path.name, resource)
+    return {name: jsonschema.Draft202012Validator(doc, registry=registry) for name, doc in docs.items()}
