@@ -10,7 +10,7 @@
  *     is one) is set.
  *   - JSON strings handed out are allocated by the library, UTF-8, NUL
  *     terminated, and must be released with gpucleanup_free(). Their shapes are
- *     defined once, in share/schema/*.schema.json.
+ *     defined once, in the JSON schemas of share/schema/.
  *   - The library never calls cuInit and never creates a CUDA context. It acts
  *     only on devices whose primary context is already active, or on the
  *     context current to the calling thread.

@@ -1,0 +1,312 @@
+// The C ABI: argument checks, status codes, the thread's last error, JSON out.
+// Nothing may escape as an exception; every entry point ends in a catch(...).
+#include "gpucleanup/gpucleanup.h"
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "accounting.hpp"
+#include "devices.hpp"
+#include "drain.hpp"
+#include "driver.hpp"
+#include "errors.hpp"
+#include "process_state.hpp"
+#include "status_server.hpp"
+
+namespace gpucleanup {
+namespace {
+
+thread_local std::string last_error;
+
+// Everything the C ABI keeps between calls, fresh in a forked child.
+struct ApiState {
+  // Serialises probe, snapshot and drain; timed so the status server's thread
+  // can give up instead of waiting out a long drain.
+  std::timed_mutex cleanup;
+  DeviceRegistry registry;
+  // The last snapshot, for status requests that arrive during a drain.
+  std::mutex cached_mutex;
+  nlohmann::json cached_snapshot;
+
+  std::mutex server_mutex;
+  std::unique_ptr<StatusServer> server;
+};
+
+PerProcess<ApiState>& api_state() {
+  static auto* state = new PerProcess<ApiState>();  // leaked: no destructor at exit
+  return *state;
+}
+
+class Failure {
+ public:
+  Failure(gpucleanup_status status, std::string message) : status_(status), message_(std::move(message)) {}
+  gpucleanup_status status() const { return status_; }
+  const std::string& message() const { return message_; }
+
+ private:
+  gpucleanup_status status_;
+  std::string message_;
+};
+
+[[noreturn]] void fail(gpucleanup_status status, std::string message) { throw Failure(status, std::move(message)); }
+
+template <typename Body>
+gpucleanup_status guarded(Body&& body) noexcept {
+  try {
+    try {
+      last_error.clear();
+      body();
+      return GPUCLEANUP_OK;
+    } catch (const Failure& failure) {
+      last_error = failure.message();
+      return failure.status();
+    } catch (const Error& error) {
+      last_error = error.what();
+      return GPUCLEANUP_ERR_INTERNAL;
+    } catch (const std::bad_alloc&) {
+      last_error = "[gpucleanup.api.108] out of memory: free host memory and try again";
+      return GPUCLEANUP_ERR_INTERNAL;
+    } catch (const std::exception& e) {
+      last_error = std::string("[gpucleanup.api.109] internal error: ") + e.what() + ": please report this";
+      return GPUCLEANUP_ERR_INTERNAL;
+    } catch (...) {
+      last_error = "[gpucleanup.api.109] internal error: unknown exception: please report this";
+      return GPUCLEANUP_ERR_INTERNAL;
+    }
+  } catch (...) {
+    // Even recording the message failed (out of memory).
+    return GPUCLEANUP_ERR_INTERNAL;
+  }
+}
+
+void require_out(char** json_out) {
+  if (json_out == nullptr) {
+    fail(GPUCLEANUP_ERR_INVALID_ARGUMENT, "[gpucleanup.api.101] json_out is NULL: pass the address of a char*");
+  }
+  *json_out = nullptr;
+}
+
+void require_running() {
+  if (process_is_exiting()) {
+    fail(GPUCLEANUP_ERR_EXITING, "[gpucleanup.api.102] the process is exiting: gpucleanup makes no more driver calls");
+  }
+}
+
+// The process-wide driver, or GPUCLEANUP_ERR_DRIVER when it lacks a required
+// entry point. A missing driver is not an error: the probe reports no_driver.
+const Driver& usable_driver() {
+  const Driver& driver = Driver::process();
+  if (driver.loaded() && !driver.usable()) fail(GPUCLEANUP_ERR_DRIVER, driver.message());
+  return driver;
+}
+
+nlohmann::json parse_object(const char* text, const char* what) {
+  if (text == nullptr) {
+    fail(GPUCLEANUP_ERR_INVALID_ARGUMENT,
+         std::string("[gpucleanup.api.104] ") + what + " is NULL: pass a JSON object as a UTF-8 string");
+  }
+  nlohmann::json value = nlohmann::json::parse(text, nullptr, false);
+  if (value.is_discarded() || !value.is_object()) {
+    fail(GPUCLEANUP_ERR_INVALID_ARGUMENT,
+         std::string("[gpucleanup.api.104] ") + what + " is not a JSON object: pass a JSON object such as {}");
+  }
+  return value;
+}
+
+void hand_out(const nlohmann::json& value, char** json_out) {
+  const std::string text = value.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  char* copy = strdup(text.c_str());
+  if (copy == nullptr) throw std::bad_alloc();
+  *json_out = copy;
+}
+
+nlohmann::json locked_snapshot(ApiState& state, const Driver& driver, SnapshotKind kind) {
+  nlohmann::json report = take_snapshot(driver, state.registry, kind);
+  if (kind == SnapshotKind::snapshot) {
+    std::lock_guard lock(state.cached_mutex);
+    state.cached_snapshot = report;
+  }
+  return report;
+}
+
+// Hooks for the status server's thread: never hold it for long behind a drain.
+nlohmann::json server_snapshot() {
+  ApiState& state = api_state().get();
+  if (process_is_exiting()) return take_snapshot(Driver::process(), state.registry, SnapshotKind::probe);
+  std::unique_lock lock(state.cleanup, std::chrono::milliseconds(250));
+  if (!lock.owns_lock()) {
+    std::lock_guard cached(state.cached_mutex);
+    if (!state.cached_snapshot.is_null()) return state.cached_snapshot;
+    lock.lock();
+  }
+  return locked_snapshot(state, Driver::process(), SnapshotKind::snapshot);
+}
+
+nlohmann::json server_drain(double timeout_s) {
+  require_running();
+  GPUCLEANUP_EXPECTS(std::isfinite(timeout_s) && timeout_s >= 0, "gpucleanup.api.103",
+                     "timeout_s must be a finite number of seconds >= 0");
+  ApiState& state = api_state().get();
+  std::unique_lock lock(state.cleanup, std::chrono::seconds(1));
+  GPUCLEANUP_EXPECTS(lock.owns_lock(), "gpucleanup.api.110", "a drain is already running: try again when it ends");
+  DrainOptions options;
+  options.timeout_s = timeout_s;
+  return drain(Driver::process(), state.registry, options);
+}
+
+void stop_server() noexcept {
+  try {
+    ApiState& state = api_state().get();
+    std::unique_ptr<StatusServer> server;
+    {
+      std::lock_guard lock(state.server_mutex);
+      server = std::move(state.server);
+    }
+    if (server) server->stop();
+  } catch (...) {
+  }
+}
+
+// The library's destructor: runs during exit() or dlclose; from here on no
+// driver call is made (the driver may be unloading itself).
+[[gnu::destructor]] void on_unload() {
+  mark_process_exiting();
+  stop_server();
+}
+
+}  // namespace
+}  // namespace gpucleanup
+
+using namespace gpucleanup;
+
+extern "C" {
+
+const char* gpucleanup_version(void) { return GPUCLEANUP_VERSION; }
+
+int gpucleanup_abi_version(void) { return GPUCLEANUP_ABI_VERSION; }
+
+void gpucleanup_free(char* json) { std::free(json); }
+
+const char* gpucleanup_last_error(void) { return last_error.c_str(); }
+
+gpucleanup_status gpucleanup_probe(char** json_out) {
+  return guarded([&] {
+    require_out(json_out);
+    require_running();
+    ApiState& state = api_state().get();
+    std::lock_guard lock(state.cleanup);
+    hand_out(locked_snapshot(state, usable_driver(), SnapshotKind::probe), json_out);
+  });
+}
+
+gpucleanup_status gpucleanup_snapshot(char** json_out) {
+  return guarded([&] {
+    require_out(json_out);
+    require_running();
+    ApiState& state = api_state().get();
+    std::lock_guard lock(state.cleanup);
+    hand_out(locked_snapshot(state, usable_driver(), SnapshotKind::snapshot), json_out);
+  });
+}
+
+gpucleanup_status gpucleanup_drain(double timeout_s, gpucleanup_progress_fn progress, void* user,
+                                   char** json_out) {
+  return guarded([&] {
+    require_out(json_out);
+    if (!std::isfinite(timeout_s) || timeout_s < 0) {
+      char shown[64];
+      std::snprintf(shown, sizeof shown, "%g", timeout_s);
+      fail(GPUCLEANUP_ERR_INVALID_ARGUMENT, std::string("[gpucleanup.api.103] timeout_s is ") + shown +
+                                                ": pass a finite number of seconds >= 0 (0 skips the wait)");
+    }
+    require_running();
+    ApiState& state = api_state().get();
+    std::lock_guard lock(state.cleanup);
+    DrainOptions options;
+    options.timeout_s = timeout_s;
+    if (progress != nullptr) {
+      options.progress = [progress, user](const nlohmann::json& report) {
+        const std::string text = report.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+        return progress(text.c_str(), user) != 0;
+      };
+    }
+    hand_out(drain(usable_driver(), state.registry, options), json_out);
+  });
+}
+
+void gpucleanup_shutdown(void) {
+  mark_process_exiting();
+  stop_server();
+}
+
+gpucleanup_status gpucleanup_server_start(const char* config_json, char** json_out) {
+  return guarded([&] {
+    require_out(json_out);
+    const nlohmann::json config = parse_object(config_json, "config_json");
+    require_running();
+    ServerConfig settings;
+    try {
+      settings.endpoint = config.value("endpoint", std::string());
+      settings.key = config.value("key", std::string());
+      if (config.contains("kernel")) settings.kernel = config.at("kernel");
+      settings.history_limit = config.value("history_limit", settings.history_limit);
+    } catch (const nlohmann::json::exception& e) {
+      fail(GPUCLEANUP_ERR_INVALID_ARGUMENT, std::string("[gpucleanup.api.105] config_json has a field of the wrong type (") +
+                                                e.what() + "): endpoint and key are strings, history_limit a number");
+    }
+    ApiState& state = api_state().get();
+    std::lock_guard lock(state.server_mutex);
+    if (state.server) {
+      fail(GPUCLEANUP_ERR_SERVER,
+           "[gpucleanup.api.106] the status server is already running: call gpucleanup_server_stop first");
+    }
+    auto server = std::make_unique<StatusServer>(std::move(settings), ServerHooks{server_snapshot, server_drain});
+    nlohmann::json bound;
+    try {
+      bound = server->start();
+    } catch (const Error& e) {
+      fail(GPUCLEANUP_ERR_SERVER, e.what());
+    }
+    state.server = std::move(server);
+    hand_out(bound, json_out);
+  });
+}
+
+gpucleanup_status gpucleanup_server_stop(void) {
+  return guarded([] { stop_server(); });
+}
+
+gpucleanup_status gpucleanup_server_set_state(const char* state_json) {
+  return guarded([&] {
+    nlohmann::json value = parse_object(state_json, "state_json");
+    ApiState& state = api_state().get();
+    std::lock_guard lock(state.server_mutex);
+    if (!state.server) {
+      fail(GPUCLEANUP_ERR_SERVER,
+           "[gpucleanup.api.107] the status server is not running: call gpucleanup_server_start first");
+    }
+    state.server->set_state(std::move(value));
+  });
+}
+
+gpucleanup_status gpucleanup_server_publish(const char* record_json) {
+  return guarded([&] {
+    nlohmann::json value = parse_object(record_json, "record_json");
+    ApiState& state = api_state().get();
+    std::lock_guard lock(state.server_mutex);
+    if (!state.server) {
+      fail(GPUCLEANUP_ERR_SERVER,
+           "[gpucleanup.api.107] the status server is not running: call gpucleanup_server_start first");
+    }
+    state.server->publish(std::move(value));
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,130 @@
+// Which devices this process already uses, and scoped access to them.
+//
+// Nothing here initialises CUDA or creates a context: the probe starts with
+// cuDeviceGetCount (CUDA_ERROR_NOT_INITIALIZED means nothing in the process
+// uses CUDA), a device is "in use" only when its primary context is already
+// active or a context of it is current to the calling thread, and
+// ScopedContext re-checks after retaining so a context released meanwhile is
+// never brought back to life.
+#pragma once
+
+#include <cuda.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "driver.hpp"
+
+namespace gpucleanup {
+
+enum class DriverState { no_driver, not_initialized, ready, unusable, exiting };
+const char* to_string(DriverState state) noexcept;
+
+enum class ContextKind { none, primary, current };
+
+// A driver call that did not return CUDA_SUCCESS.
+struct CallFailure {
+  std::string call;
+  CUresult code = CUDA_SUCCESS;
+};
+
+struct DeviceUse {
+  int index = 0;
+  CUdevice device = 0;
+  std::optional<std::string> uuid;  // "GPU-xxxxxxxx-..." when cuDeviceGetUuid exists
+  std::string key;                  // the uuid, else "index:<n>"
+  ContextKind context = ContextKind::none;
+  CUcontext current = nullptr;      // the calling thread's context, for ContextKind::current
+  std::optional<CallFailure> failure;  // the probe itself failed on this device
+
+  bool in_use() const noexcept { return context != ContextKind::none; }
+};
+
+struct Probe {
+  DriverState state = DriverState::no_driver;
+  std::string message;
+  std::vector<DeviceUse> devices;
+};
+
+// The cheap probe: driver state and, when initialised, every device with
+// whether it is in use. Makes no call at all while the process exits or in a
+// child forked after the driver was initialised.
+Probe probe(const Driver& driver);
+
+// The "driver" object of the snapshot and drain schemas.
+nlohmann::json describe_driver(const Driver& driver, const Probe& probe);
+
+// A watchdog's wait for queued work on one device. Shared between the thread
+// that waits (which may outlive the drain that started it) and the registry.
+struct DeviceWait {
+  std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
+  std::atomic<bool> finished{false};
+  std::atomic<int> result{CUDA_SUCCESS};
+  std::atomic<const char*> call{"cuCtxSynchronize"};  // the call that produced result
+  std::atomic<std::int64_t> finished_ns{0};  // steady clock, when finished
+
+  double busy_for_s() const;
+};
+
+// What is remembered about a device between calls.
+struct DeviceRecord {
+  std::optional<CallFailure> sticky;   // once set, the device is left alone
+  std::shared_ptr<DeviceWait> wait;    // a settle still running (or finished, not yet seen)
+  std::optional<std::string> name;     // static facts, read once
+  std::optional<std::uint64_t> total_bytes;
+};
+
+// Per-device memory of the library, keyed by UUID (stable across renumbering
+// by CUDA_VISIBLE_DEVICES within a process), else by index. Not synchronised:
+// its owner serialises access (the C ABI's mutex).
+class DeviceRegistry {
+ public:
+  DeviceRecord& at(const DeviceUse& use);
+
+  // Folds a finished wait into the record: a sticky result marks the device
+  // unusable; the wait is then forgotten. Returns the record.
+  DeviceRecord& refresh(const DeviceUse& use);
+
+ private:
+  std::map<std::string, DeviceRecord> records_;
+};
+
+// Reads (and caches in the record) the name and total memory; no context.
+void read_static_facts(const Driver& driver, const DeviceUse& use, DeviceRecord& record);
+
+// Retain -> re-check -> push on construction, pop -> release on destruction,
+// on the calling thread. entered() is false when the device is no longer in use
+// (its primary context went inactive) or a call failed (failure()).
+class ScopedContext {
+ public:
+  ScopedContext(const Driver& driver, const DeviceUse& use);
+  ~ScopedContext();
+  ScopedContext(const ScopedContext&) = delete;
+  ScopedContext& operator=(const ScopedContext&) = delete;
+
+  bool entered() const noexcept { return entered_; }
+  const std::optional<CallFailure>& failure() const noexcept { return failure_; }
+
+ private:
+  const Driver& driver_;
+  const DeviceUse& use_;
+  bool retained_ = false;
+  bool pushed_ = false;
+  bool entered_ = false;
+  std::optional<CallFailure> failure_;
+};
+
+// JSON error object (schema "error") and the user's one-line message.
+// Sticky: "GPU0 is unusable after CUDA_ERROR_ILLEGAL_ADDRESS: restart the kernel".
+std::string failure_message(const Driver& driver, int index, const CallFailure& failure);
+nlohmann::json failure_json(const Driver& driver, int index, const CallFailure& failure);
+
+}  // namespace gpucleanup
