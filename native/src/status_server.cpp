@@ -1,20 +1,800 @@
-// Placeholder until the ZeroMQ status server lands: every start fails with a
-// clear message, so the library links and cleanup works without it.
 #include "status_server.hpp"
 
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <deque>
+#include <iterator>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <zmq.hpp>
+#include <zmq_addon.hpp>
+
+#include "detail/hmac.hpp"
+#include "detail/status_replay_guard.hpp"
 #include "errors.hpp"
 
 namespace gpucleanup {
+namespace {
 
-struct StatusServer::Impl {};
+using json = nlohmann::json;
+using steady = std::chrono::steady_clock;
 
-StatusServer::StatusServer(ServerConfig, ServerHooks) : impl_(std::make_unique<Impl>()) {}
-StatusServer::~StatusServer() = default;
-nlohmann::json StatusServer::start() {
-  GPUCLEANUP_FAIL("gpucleanup.server.501", "this build has no status server");
+constexpr int kProtocol = 1;
+constexpr std::size_t kMaxIdLength = 256;
+
+std::int64_t now_ns() {
+  timespec ts{};
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return static_cast<std::int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
 }
-void StatusServer::stop() noexcept {}
-void StatusServer::set_state(nlohmann::json) {}
-void StatusServer::publish(nlohmann::json) {}
+
+// Records come from Python and may carry anything; invalid UTF-8 must not
+// turn a reply into an exception.
+std::string dump(const json& value) { return value.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+// A request the server refuses: answered with an error reply, then it serves on.
+struct Rejection {
+  std::string id;
+  std::string message;
+};
+
+[[noreturn]] void reject(const char* number, std::string message) {
+  throw Rejection{std::string("gpucleanup.server.") + number, std::move(message)};
+}
+
+std::string scheme_of(const std::string& endpoint) {
+  const auto pos = endpoint.find("://");
+  return pos == std::string::npos ? std::string() : endpoint.substr(0, pos);
+}
+
+std::string tcp_host(const std::string& endpoint) {
+  const std::string rest = endpoint.substr(6);  // after "tcp://"
+  if (!rest.empty() && rest.front() == '[') {
+    const auto close = rest.find(']');
+    return close == std::string::npos ? rest : rest.substr(0, close + 1);
+  }
+  return rest.substr(0, rest.rfind(':'));
+}
+
+bool is_loopback(const std::string& host) {
+  return host == "localhost" || host == "[::1]" || host.rfind("127.", 0) == 0;
+}
+
+// An ipc socket is as private as the directory that holds it.
+void check_ipc_directory(const std::string& endpoint) {
+  const std::string path = endpoint.substr(6);  // after "ipc://"
+  if (path.empty() || path.front() != '/') {
+    GPUCLEANUP_FAIL("gpucleanup.server.504",
+                    "ipc endpoint " + endpoint +
+                        " is not an absolute path (abstract sockets have no permissions): use ipc:///dir/socket "
+                        "in a directory of mode 0700");
+  }
+  const std::string dir = path.substr(0, std::max<std::size_t>(path.rfind('/'), 1));
+  struct stat info {};
+  if (stat(dir.c_str(), &info) != 0 || !S_ISDIR(info.st_mode)) {
+    GPUCLEANUP_FAIL("gpucleanup.server.504", "directory " + dir + " of ipc endpoint does not exist: create it with mode 0700");
+  }
+  if (info.st_uid != geteuid() || (info.st_mode & 077) != 0) {
+    char mode[8];
+    std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(info.st_mode & 07777));
+    GPUCLEANUP_FAIL("gpucleanup.server.504", "directory " + dir + " of ipc endpoint is open to others (mode " + mode +
+                                                 "): use a directory of your own with mode 0700");
+  }
+}
+
+std::string derive_pub_endpoint(const std::string& endpoint) {
+  const std::string scheme = scheme_of(endpoint);
+  if (scheme == "ipc") return endpoint + ".pub";
+  if (scheme == "inproc") return endpoint + "-pub";
+  return "tcp://" + tcp_host(endpoint) + ":0";
+}
+
+void validate(const ServerConfig& config) {
+  for (const std::string* endpoint : {&config.endpoint, &config.pub_endpoint}) {
+    if (endpoint->empty()) continue;
+    const std::string scheme = scheme_of(*endpoint);
+    if (scheme == "ipc") {
+      check_ipc_directory(*endpoint);
+    } else if (scheme == "tcp") {
+      if (!is_loopback(tcp_host(*endpoint))) {
+        GPUCLEANUP_FAIL("gpucleanup.server.502", "tcp endpoint " + *endpoint +
+                                                     " is not loopback: bind 127.0.0.1 or [::1]; the status server "
+                                                     "never listens beyond this machine");
+      }
+      if (config.key.empty()) {
+        GPUCLEANUP_FAIL("gpucleanup.server.503",
+                        "tcp endpoint " + *endpoint + " needs a key: every request over tcp is signed");
+      }
+    } else if (scheme != "inproc") {
+      GPUCLEANUP_FAIL("gpucleanup.server.501", "endpoint \"" + *endpoint +
+                                                   "\" is not supported: use ipc:///dir/socket, "
+                                                   "tcp://127.0.0.1:0 or inproc://name");
+    }
+  }
+}
+
+// libzmq's ipc listener creates the socket with the umask; the directory
+// already keeps others out, this is the second lock.
+void restrict_ipc_socket(const std::string& bound) {
+  if (scheme_of(bound) == "ipc") chmod(bound.substr(6).c_str(), 0600);
+}
+
+}  // namespace
+
+ServerConfig server_config_from_json(const json& config) {
+  if (!config.is_object()) {
+    GPUCLEANUP_FAIL("gpucleanup.server.506", "server config must be a JSON object with at least \"endpoint\"");
+  }
+  ServerConfig out;
+  auto field = [&](const char* name, auto& target, auto check, const char* expected) {
+    const auto it = config.find(name);
+    if (it == config.end() || it->is_null()) return;
+    if (!check(*it)) {
+      GPUCLEANUP_FAIL("gpucleanup.server.506",
+                      std::string("server config \"") + name + "\" must be " + expected + ", got " + dump(*it));
+    }
+    it->get_to(target);
+  };
+  const auto is_string = [](const json& v) { return v.is_string(); };
+  const auto is_count = [](const json& v) { return v.is_number_integer() && v.get<std::int64_t>() >= 0; };
+  const auto is_seconds = [](const json& v) {
+    return v.is_number() && std::isfinite(v.get<double>()) && v.get<double>() >= 0;
+  };
+  field("endpoint", out.endpoint, is_string, "a string");
+  field("pub_endpoint", out.pub_endpoint, is_string, "a string");
+  field("key", out.key, is_string, "a string");
+  field("history_limit", out.history_limit, is_count, "an integer >= 0");
+  field("max_request_bytes", out.max_request_bytes, is_count, "an integer >= 0");
+  field("require_signature", out.require_signature, [](const json& v) { return v.is_boolean(); }, "true or false");
+  field("replay_window_s", out.replay_window_s, is_seconds, "a number of seconds >= 0");
+  field("snapshot_timeout_s", out.snapshot_timeout_s, is_seconds, "a number of seconds >= 0");
+  field("drain_timeout_s", out.drain_timeout_s, is_seconds, "a number of seconds >= 0");
+  field("max_drain_timeout_s", out.max_drain_timeout_s, is_seconds, "a number of seconds >= 0");
+  if (const auto it = config.find("kernel"); it != config.end() && !it->is_null()) out.kernel = *it;
+  if (out.endpoint.empty()) {
+    GPUCLEANUP_FAIL("gpucleanup.server.506", "server config needs \"endpoint\": ipc:///dir/socket or tcp://127.0.0.1:0");
+  }
+  return out;
+}
+
+struct StatusServer::Impl {
+  struct PendingDrain {
+    std::vector<std::string> envelope;
+    json id;
+    double timeout_s = 0;
+  };
+
+  Impl(ServerConfig c, ServerHooks h)
+      : config(std::move(c)),
+        hooks(std::move(h)),
+        replay(static_cast<std::int64_t>(config.replay_window_s * 1e9), config.replay_capacity) {
+    if (scheme_of(config.endpoint) == "tcp") config.require_signature = true;
+    state_since_ns = state_updated_ns = now_ns();
+  }
+
+  ServerConfig config;
+  ServerHooks hooks;
+
+  std::mutex lifecycle;  // start and stop
+  bool started = false;
+  pid_t owner_pid = 0;
+  std::atomic<bool> stopping{false};
+
+  std::unique_ptr<zmq::context_t> own_context;
+  zmq::context_t* context = nullptr;
+  zmq::socket_t router;
+  zmq::socket_t pub;
+  zmq::socket_t wake_rx;
+  std::mutex wake_mutex;
+  zmq::socket_t wake_tx;
+  bool wake_open = false;
+  std::string endpoint;
+  std::string pub_endpoint;
+  std::thread thread;
+
+  // Shared with set_state and publish, which come from Python's threads.
+  std::mutex state_mutex;
+  json state = json{{"state", "unknown"}};
+  std::int64_t state_since_ns = 0;
+  std::int64_t state_updated_ns = 0;
+  std::deque<json> history;
+  std::deque<std::string> outbox;
+  std::uint64_t published = 0;
+
+  // The hook worker: hooks may block (the library serialises snapshot and
+  // drain), so they never run on the thread that answers.
+  std::thread worker;
+  std::mutex job_mutex;
+  std::condition_variable job_cv;
+  std::condition_variable snapshot_cv;
+  bool worker_stop = false;
+  std::uint64_t snapshot_requested = 0;
+  std::uint64_t snapshot_done = 0;
+  steady::time_point snapshot_started{};
+  json last_snapshot;  // null until the first snapshot
+  std::int64_t last_snapshot_ns = 0;
+  std::string last_snapshot_error;
+  std::optional<double> drain_job;         // timeout of a drain to run
+  std::optional<json> drain_result;        // finished drain (result or error reply)
+  bool drain_running = false;
+
+  // Server thread only.
+  std::optional<PendingDrain> pending_drain;
+  detail::ReplayGuard replay;
+  std::int64_t started_ns = 0;
+  std::uint64_t requests = 0;
+  std::uint64_t errors = 0;
+
+  void wake() noexcept {
+    std::lock_guard<std::mutex> lock(wake_mutex);
+    if (!wake_open) return;
+    try {
+      // A full pipe already holds a wake-up: EAGAIN is fine.
+      (void)wake_tx.send(zmq::const_buffer("w", 1), zmq::send_flags::dontwait);
+    } catch (...) {
+    }
+  }
+
+  std::string sign(const std::string& body) const {
+    return config.key.empty() ? std::string() : detail::hmac_sha256_hex(config.key, body);
+  }
+
+  void send_reply(const std::vector<std::string>& envelope, json body) {
+    body["protocol"] = kProtocol;
+    body["time_ns"] = now_ns();
+    const std::string text = dump(body);
+    std::vector<zmq::const_buffer> frames;
+    for (const auto& frame : envelope) frames.emplace_back(frame.data(), frame.size());
+    const std::string signature = sign(text);
+    frames.emplace_back(signature.data(), signature.size());
+    frames.emplace_back(text.data(), text.size());
+    // A client that went away takes its reply with it; never block here.
+    (void)zmq::send_multipart(router, frames, zmq::send_flags::dontwait);
+  }
+
+  void send_error(const std::vector<std::string>& envelope, const json& id, const Rejection& rejection) {
+    ++errors;
+    send_reply(envelope, json{{"ok", false},
+                              {"kind", "error"},
+                              {"id", id},
+                              {"error", {{"id", rejection.id}, {"message", "[" + rejection.id + "] " + rejection.message}}}});
+  }
+
+  json state_view(std::int64_t now) {
+    std::lock_guard<std::mutex> lock(state_mutex);
+    json view = state;
+    view["since_ns"] = state_since_ns;
+    view["updated_ns"] = state_updated_ns;
+    view["age_s"] = static_cast<double>(now - state_since_ns) / 1e9;
+    return view;
+  }
+
+  std::string current_state_name() {
+    std::lock_guard<std::mutex> lock(state_mutex);
+    const auto it = state.find("state");
+    return it != state.end() && it->is_string() ? it->get<std::string>() : std::string("unknown");
+  }
+
+  // The freshest snapshot available within snapshot_timeout_s of the request
+  // that started it; a stuck hook makes replies stale, never late.
+  void add_snapshot(json& reply) {
+    std::unique_lock<std::mutex> lock(job_mutex);
+    if (!hooks.snapshot) {
+      reply["snapshot"] = nullptr;
+      reply["snapshot_status"] = "unavailable";
+      reply["snapshot_age_s"] = nullptr;
+      reply["snapshot_error"] = "this server has no snapshot hook";
+      return;
+    }
+    if (snapshot_done == snapshot_requested) {
+      ++snapshot_requested;
+      snapshot_started = steady::now();
+      job_cv.notify_all();
+    }
+    const std::uint64_t target = snapshot_requested;
+    const auto deadline = snapshot_started + std::chrono::duration_cast<steady::duration>(
+                                                 std::chrono::duration<double>(config.snapshot_timeout_s));
+    const bool fresh = snapshot_cv.wait_until(lock, deadline, [&] { return snapshot_done >= target; });
+    reply["snapshot"] = last_snapshot;
+    if (last_snapshot.is_null()) {
+      reply["snapshot_status"] = "unavailable";
+      reply["snapshot_age_s"] = nullptr;
+    } else {
+      reply["snapshot_status"] = fresh && last_snapshot_error.empty() ? "fresh" : "stale";
+      reply["snapshot_age_s"] = static_cast<double>(now_ns() - last_snapshot_ns) / 1e9;
+    }
+    reply["snapshot_error"] = last_snapshot_error.empty() ? json(nullptr) : json(last_snapshot_error);
+  }
+
+  json status_reply(bool is_signed) {
+    const std::int64_t now = now_ns();
+    json reply{{"ok", true}, {"kind", "status"}, {"kernel", config.kernel}, {"state", state_view(now)}};
+    bool draining = false;
+    {
+      std::lock_guard<std::mutex> lock(job_mutex);
+      draining = drain_running;
+    }
+    {
+      std::lock_guard<std::mutex> lock(state_mutex);
+      reply["last_record"] = history.empty() ? json(nullptr) : history.back();
+      reply["server"] = {{"pid", static_cast<long long>(getpid())},
+                         {"endpoint", endpoint},
+                         {"pub_endpoint", pub_endpoint},
+                         {"started_ns", started_ns},
+                         {"uptime_s", static_cast<double>(now - started_ns) / 1e9},
+                         {"requests", requests},
+                         {"errors", errors},
+                         {"records", published},
+                         {"history_size", history.size()},
+                         {"history_limit", config.history_limit},
+                         {"require_signature", config.require_signature},
+                         {"drain_enabled", !config.key.empty()},
+                         {"drain_running", draining},
+                         {"request_signed", is_signed}};
+    }
+    add_snapshot(reply);
+    return reply;
+  }
+
+  json history_reply(const json& request) {
+    std::size_t limit = config.history_limit;
+    if (const auto it = request.find("limit"); it != request.end() && !it->is_null()) {
+      if (!it->is_number_integer() || it->get<std::int64_t>() < 0) {
+        reject("408", "request is malformed: \"limit\" must be an integer >= 0");
+      }
+      limit = std::min<std::size_t>(limit, it->get<std::size_t>());
+    }
+    std::lock_guard<std::mutex> lock(state_mutex);
+    json records = json::array();
+    const std::size_t skip = history.size() > limit ? history.size() - limit : 0;
+    for (std::size_t i = skip; i < history.size(); ++i) records.push_back(history[i]);
+    return json{{"ok", true},
+                {"kind", "history"},
+                {"kernel", config.kernel},
+                {"records", std::move(records)},
+                {"history_limit", config.history_limit},
+                {"records_total", published}};
+  }
+
+  void accept_drain(const std::vector<std::string>& envelope, const json& id, const json& request, bool is_signed) {
+    if (config.key.empty()) {
+      reject("413", "drain is disabled: this server has no key, and a drain must be signed; start it with a key");
+    }
+    if (!is_signed) {
+      reject("414", "drain needs a signed request: sign it with HMAC-SHA256 under the key from the kernel's key file");
+    }
+    double timeout_s = config.drain_timeout_s;
+    if (const auto it = request.find("timeout_s"); it != request.end() && !it->is_null()) {
+      if (!it->is_number() || !std::isfinite(it->get<double>()) || it->get<double>() < 0 ||
+          it->get<double>() > config.max_drain_timeout_s) {
+        char limit[32];
+        std::snprintf(limit, sizeof limit, "%g", config.max_drain_timeout_s);
+        reject("408", std::string("request is malformed: \"timeout_s\" must be a number of seconds from 0 to ") + limit);
+      }
+      timeout_s = it->get<double>();
+    }
+    const std::string state_name = current_state_name();
+    if (state_name != "idle") {
+      reject("411", "drain refused: the kernel is " + state_name + "; a drain runs only between cells (state idle)");
+    }
+    std::lock_guard<std::mutex> lock(job_mutex);
+    if (drain_running) reject("412", "drain refused: another drain is still running; ask again when it has answered");
+    drain_running = true;
+    drain_job = timeout_s;
+    pending_drain = PendingDrain{envelope, id, timeout_s};
+    job_cv.notify_all();
+  }
+
+  void finish_drain() {
+    std::optional<json> result;
+    {
+      std::lock_guard<std::mutex> lock(job_mutex);
+      if (!drain_result) return;
+      result = std::move(drain_result);
+      drain_result.reset();
+      drain_running = false;
+    }
+    if (!pending_drain) return;
+    const PendingDrain pending = std::move(*pending_drain);
+    pending_drain.reset();
+    if (result->contains("error")) {
+      send_error(pending.envelope, pending.id,
+                 Rejection{"gpucleanup.server.417", "drain failed: " + (*result)["error"].get<std::string>()});
+      return;
+    }
+    send_reply(pending.envelope, json{{"ok", true},
+                                      {"kind", "drain"},
+                                      {"id", pending.id},
+                                      {"kernel", config.kernel},
+                                      {"timeout_s", pending.timeout_s},
+                                      {"result", std::move((*result)["result"])}});
+  }
+
+  void flush_outbox() {
+    std::deque<std::string> out;
+    {
+      std::lock_guard<std::mutex> lock(state_mutex);
+      out.swap(outbox);
+    }
+    for (const auto& body : out) {
+      const std::string signature = sign(body);
+      std::array<zmq::const_buffer, 3> frames{zmq::buffer(std::string_view("record")),
+                                              zmq::const_buffer(signature.data(), signature.size()),
+                                              zmq::const_buffer(body.data(), body.size())};
+      // PUB drops for slow subscribers rather than block the server.
+      (void)zmq::send_multipart(pub, frames, zmq::send_flags::dontwait);
+    }
+  }
+
+  void handle(std::vector<zmq::message_t>& frames) {
+    ++requests;
+    // The routing id, then REQ's empty delimiter when the client sent one.
+    std::size_t first = 1;
+    if (frames.size() >= 3 && frames[1].size() == 0) first = 2;
+    std::vector<std::string> envelope;
+    for (std::size_t i = 0; i < first && i < frames.size(); ++i) envelope.emplace_back(frames[i].to_string());
+    json id = nullptr;
+    try {
+      const std::size_t parts = frames.size() - first;
+      if (parts < 1 || parts > 2) {
+        reject("407", "request must be [signature, body] or [body] after the routing envelope, got " +
+                          std::to_string(parts) + " frames");
+      }
+      std::size_t bytes = 0;
+      for (std::size_t i = first; i < frames.size(); ++i) bytes += frames[i].size();
+      if (bytes > config.max_request_bytes) {
+        reject("406", "request is too large (" + std::to_string(bytes) + " bytes, limit " +
+                          std::to_string(config.max_request_bytes) + "): send one small JSON object");
+      }
+      const std::string signature = parts == 2 ? frames[first].to_string() : std::string();
+      const std::string_view body(static_cast<const char*>(frames.back().data()), frames.back().size());
+      const bool is_signed = !signature.empty();
+      if (is_signed) {
+        if (config.key.empty()) {
+          reject("415", "request is signed but this server has no key: send it unsigned, with an empty signature frame");
+        }
+        if (!detail::hmac_sha256_verify(config.key, body, signature)) {
+          reject("403", "bad signature: sign the body with HMAC-SHA256 (hex digest) under the key from the "
+                        "kernel's key file");
+        }
+      } else if (config.require_signature) {
+        reject("401", "request is not signed: this endpoint needs every request signed with HMAC-SHA256 under the "
+                      "key from the kernel's key file");
+      }
+
+      json request;
+      try {
+        request = json::parse(body, [](int depth, json::parse_event_t, json&) {
+          if (depth > 32) throw Rejection{"gpucleanup.server.408", "request is malformed: nested deeper than 32 levels"};
+          return true;
+        });
+      } catch (const json::exception&) {
+        reject("402", "request is not valid JSON: send one JSON object per message");
+      }
+      if (!request.is_object()) reject("408", "request is malformed: the body must be a JSON object");
+      if (const auto it = request.find("id"); it != request.end()) {
+        if (!it->is_null() && !(it->is_string() && it->get_ref<const std::string&>().size() <= kMaxIdLength)) {
+          reject("408", "request is malformed: \"id\" must be a string of at most 256 characters");
+        }
+        id = *it;
+      }
+      const auto protocol = request.find("protocol");
+      if (protocol == request.end() || !protocol->is_number_integer()) {
+        reject("408", "request is malformed: \"protocol\" must be the integer 1");
+      }
+      if (protocol->get<std::int64_t>() != kProtocol) {
+        reject("409", "protocol version " + dump(*protocol) + " is not supported: this server speaks protocol 1");
+      }
+      const auto kind = request.find("kind");
+      if (kind == request.end() || !kind->is_string()) {
+        reject("408", "request is malformed: \"kind\" must be a string (status, history, drain or ping)");
+      }
+      if (is_signed) {
+        const auto time = request.find("time_ns");
+        if (time == request.end() || !time->is_number_integer()) {
+          reject("408", "request is malformed: a signed request needs \"time_ns\", the current time in ns");
+        }
+        switch (replay.admit(signature, time->get<std::int64_t>(), now_ns())) {
+          case detail::ReplayGuard::Verdict::fresh:
+            break;
+          case detail::ReplayGuard::Verdict::duplicate:
+            reject("404", "duplicate signature: a signed request is accepted once; send a new id and time_ns");
+          case detail::ReplayGuard::Verdict::stale:
+          case detail::ReplayGuard::Verdict::future: {
+            char window[32];
+            std::snprintf(window, sizeof window, "%g", config.replay_window_s);
+            reject("405", std::string("request time is outside the replay window of ") + window +
+                              " s: set \"time_ns\" to the current time (CLOCK_REALTIME, ns)");
+          }
+        }
+      }
+
+      const std::string& what = kind->get_ref<const std::string&>();
+      json reply;
+      if (what == "status") {
+        reply = status_reply(is_signed);
+      } else if (what == "history") {
+        reply = history_reply(request);
+      } else if (what == "ping") {
+        reply = json{{"ok", true}, {"kind", "ping"}, {"kernel", config.kernel}};
+      } else if (what == "drain") {
+        accept_drain(envelope, id, request, is_signed);
+        return;  // answered when the hook is done
+      } else {
+        reject("410", "unknown request kind \"" + what + "\": use status, history, drain or ping");
+      }
+      reply["id"] = id;
+      send_reply(envelope, std::move(reply));
+    } catch (const Rejection& rejection) {
+      send_error(envelope, id, rejection);
+    }
+  }
+
+  void serve() {
+    zmq::pollitem_t items[] = {{router.handle(), 0, ZMQ_POLLIN, 0}, {wake_rx.handle(), 0, ZMQ_POLLIN, 0}};
+    while (!stopping.load()) {
+      try {
+        zmq::poll(items, 2, std::chrono::milliseconds(-1));
+        if (items[1].revents & ZMQ_POLLIN) {
+          zmq::message_t ignored;
+          while (wake_rx.recv(ignored, zmq::recv_flags::dontwait)) {
+          }
+        }
+        if (stopping.load()) break;
+        flush_outbox();
+        finish_drain();
+        if (items[0].revents & ZMQ_POLLIN) {
+          // Bounded, so a flood of requests cannot starve the outbox.
+          for (int i = 0; i < 256; ++i) {
+            std::vector<zmq::message_t> frames;
+            if (!zmq::recv_multipart(router, std::back_inserter(frames), zmq::recv_flags::dontwait)) break;
+            handle(frames);
+          }
+        }
+      } catch (const zmq::error_t& error) {
+        if (error.num() == ETERM) break;
+        if (error.num() != EINTR) ++errors;
+      } catch (...) {
+        ++errors;
+      }
+    }
+    try {
+      if (pending_drain) {
+        send_error(pending_drain->envelope, pending_drain->id,
+                   Rejection{"gpucleanup.server.416", "the server stopped before the drain finished"});
+        pending_drain.reset();
+      }
+    } catch (...) {
+    }
+  }
+
+  void work() {
+    std::unique_lock<std::mutex> lock(job_mutex);
+    while (true) {
+      job_cv.wait(lock, [&] { return worker_stop || snapshot_done < snapshot_requested || drain_job.has_value(); });
+      if (worker_stop) return;
+      if (snapshot_done < snapshot_requested) {
+        const std::uint64_t target = snapshot_requested;
+        lock.unlock();
+        json snapshot;
+        std::string error;
+        try {
+          snapshot = hooks.snapshot();
+        } catch (const std::exception& e) {
+          error = e.what();
+        } catch (...) {
+          error = "unknown exception";
+        }
+        lock.lock();
+        if (error.empty()) {
+          last_snapshot = std::move(snapshot);
+          last_snapshot_ns = now_ns();
+          last_snapshot_error.clear();
+        } else {
+          last_snapshot_error = "snapshot failed: " + error;
+        }
+        snapshot_done = target;
+        snapshot_cv.notify_all();
+        continue;
+      }
+      const double timeout_s = *drain_job;
+      drain_job.reset();
+      lock.unlock();
+      json outcome;
+      try {
+        if (!hooks.drain) throw std::runtime_error("this server has no drain hook");
+        outcome = json{{"result", hooks.drain(timeout_s)}};
+      } catch (const std::exception& e) {
+        outcome = json{{"error", e.what()}};
+      } catch (...) {
+        outcome = json{{"error", "unknown exception"}};
+      }
+      lock.lock();
+      drain_result = std::move(outcome);
+      lock.unlock();
+      wake();
+      lock.lock();
+    }
+  }
+
+  void close_sockets() noexcept {
+    // libzmq leaves the socket files of a closed listener behind.
+    for (const std::string* bound : {&endpoint, &pub_endpoint}) {
+      if (scheme_of(*bound) != "ipc") continue;
+      struct stat info {};
+      const std::string path = bound->substr(6);
+      if (lstat(path.c_str(), &info) == 0 && S_ISSOCK(info.st_mode)) unlink(path.c_str());
+    }
+    endpoint.clear();
+    pub_endpoint.clear();
+    {
+      std::lock_guard<std::mutex> lock(wake_mutex);
+      wake_open = false;
+      wake_tx.close();
+    }
+    router.close();
+    pub.close();
+    wake_rx.close();
+    own_context.reset();
+    context = nullptr;
+  }
+};
+
+StatusServer::StatusServer(ServerConfig config, ServerHooks hooks)
+    : impl_(std::make_unique<Impl>(std::move(config), std::move(hooks))) {}
+
+StatusServer::~StatusServer() { stop(); }
+
+nlohmann::json StatusServer::start() {
+  if (!impl_) GPUCLEANUP_FAIL("gpucleanup.server.509", "this status server was abandoned by fork(): make a new one");
+  Impl& s = *impl_;
+  std::lock_guard<std::mutex> lifecycle(s.lifecycle);
+  if (s.started) GPUCLEANUP_FAIL("gpucleanup.server.509", "the status server is already running: stop it first");
+  validate(s.config);
+  if (s.config.endpoint.empty()) GPUCLEANUP_FAIL("gpucleanup.server.501", "the status server needs an endpoint");
+  try {
+    if (s.config.context != nullptr) {
+      s.context = s.config.context;
+    } else {
+      s.own_context = std::make_unique<zmq::context_t>(1);
+      s.context = s.own_context.get();
+    }
+    const auto frame_limit = static_cast<std::int64_t>(std::min<std::size_t>(
+        std::max<std::size_t>(std::size_t{1} << 20, 16 * s.config.max_request_bytes), std::size_t{1} << 30));
+    auto bind = [&](zmq::socket_t& socket, const std::string& where) {
+      socket.set(zmq::sockopt::linger, 0);
+      if (scheme_of(where) == "tcp" && tcp_host(where).front() == '[') socket.set(zmq::sockopt::ipv6, 1);
+      try {
+        socket.bind(where);
+      } catch (const zmq::error_t& error) {
+        GPUCLEANUP_FAIL("gpucleanup.server.505", "cannot bind " + where + ": " + error.what() +
+                                                     " (is the path too long for a socket, or the name taken?)");
+      }
+      std::string bound = socket.get(zmq::sockopt::last_endpoint);
+      restrict_ipc_socket(bound);
+      return bound;
+    };
+    s.router = zmq::socket_t(*s.context, zmq::socket_type::router);
+    // Beyond this a peer is disconnected without a reply: a memory bound, far
+    // above max_request_bytes, which gets its own error reply.
+    s.router.set(zmq::sockopt::maxmsgsize, frame_limit);
+    s.endpoint = bind(s.router, s.config.endpoint);
+    s.pub = zmq::socket_t(*s.context, zmq::socket_type::pub);
+    s.pub_endpoint = bind(s.pub, s.config.pub_endpoint.empty() ? derive_pub_endpoint(s.config.endpoint)
+                                                                : s.config.pub_endpoint);
+    const std::string wake = "inproc://gpucleanup-status-wake-" + std::to_string(reinterpret_cast<std::uintptr_t>(&s));
+    s.wake_rx = zmq::socket_t(*s.context, zmq::socket_type::pair);
+    s.wake_rx.set(zmq::sockopt::linger, 0);
+    s.wake_rx.bind(wake);
+    {
+      std::lock_guard<std::mutex> lock(s.wake_mutex);
+      s.wake_tx = zmq::socket_t(*s.context, zmq::socket_type::pair);
+      s.wake_tx.set(zmq::sockopt::linger, 0);
+      s.wake_tx.connect(wake);
+      s.wake_open = true;
+    }
+  } catch (const Error&) {
+    s.close_sockets();
+    throw;
+  } catch (const std::exception& e) {
+    s.close_sockets();
+    GPUCLEANUP_FAIL("gpucleanup.server.505", std::string("cannot start the status server: ") + e.what());
+  }
+  s.stopping = false;
+  s.worker_stop = false;
+  s.started_ns = now_ns();
+  s.requests = s.errors = 0;
+  s.replay = detail::ReplayGuard(static_cast<std::int64_t>(s.config.replay_window_s * 1e9), s.config.replay_capacity);
+  s.owner_pid = getpid();
+  s.worker = std::thread([&s] { s.work(); });
+  s.thread = std::thread([&s] { s.serve(); });
+  s.started = true;
+  return json{{"endpoint", s.endpoint}, {"pub_endpoint", s.pub_endpoint}};
+}
+
+void StatusServer::stop() noexcept {
+  if (!impl_) return;
+  Impl& s = *impl_;
+  std::lock_guard<std::mutex> lifecycle(s.lifecycle);
+  if (!s.started) return;
+  if (getpid() != s.owner_pid) {
+    // A forked child has the memory but not the threads: joining them would
+    // hang and libzmq's context is unusable here. Leave all of it alone.
+    (void)impl_.release();
+    return;
+  }
+  s.stopping = true;
+  s.wake();
+  if (s.thread.joinable()) s.thread.join();
+  {
+    std::lock_guard<std::mutex> lock(s.job_mutex);
+    s.worker_stop = true;
+    s.drain_job.reset();
+    s.drain_result.reset();
+    s.drain_running = false;
+  }
+  s.job_cv.notify_all();
+  if (s.worker.joinable()) s.worker.join();
+  s.close_sockets();
+  s.started = false;
+}
+
+void StatusServer::set_state(nlohmann::json state) {
+  if (!state.is_object()) {
+    GPUCLEANUP_FAIL("gpucleanup.server.507", "state must be a JSON object such as {\"state\": \"idle\"}, got " + dump(state));
+  }
+  if (!impl_) return;
+  const std::int64_t now = now_ns();
+  std::int64_t since = now;
+  if (const auto it = state.find("since_ns"); it != state.end() && it->is_number_integer()) since = it->get<std::int64_t>();
+  std::lock_guard<std::mutex> lock(impl_->state_mutex);
+  impl_->state = std::move(state);
+  impl_->state_since_ns = since;
+  impl_->state_updated_ns = now;
+}
+
+void StatusServer::publish(nlohmann::json record) {
+  if (!record.is_object()) {
+    GPUCLEANUP_FAIL("gpucleanup.server.508", "a cell record must be a JSON object, got " + dump(record));
+  }
+  if (!impl_) return;
+  Impl& s = *impl_;
+  {
+    std::lock_guard<std::mutex> lock(s.state_mutex);
+    ++s.published;
+    s.outbox.push_back(dump(json{{"protocol", kProtocol},
+                                 {"kind", "record"},
+                                 {"seq", s.published},
+                                 {"time_ns", now_ns()},
+                                 {"kernel", s.config.kernel},
+                                 {"record", record}}));
+    // Nobody reads a stopped server's outbox; the history is what survives.
+    while (s.outbox.size() > std::max<std::size_t>(s.config.history_limit, 1)) s.outbox.pop_front();
+    s.history.push_back(std::move(record));
+    while (s.history.size() > s.config.history_limit) s.history.pop_front();
+  }
+  s.wake();
+}
+
+bool StatusServer::running() const noexcept {
+  if (!impl_) return false;
+  std::lock_guard<std::mutex> lifecycle(impl_->lifecycle);
+  return impl_->started;
+}
 
 }  // namespace gpucleanup

@@ -13,6 +13,10 @@
 
 #include <nlohmann/json.hpp>
 
+namespace zmq {
+class context_t;
+}
+
 namespace gpucleanup {
 
 struct ServerConfig {
@@ -21,7 +25,33 @@ struct ServerConfig {
   nlohmann::json kernel = nlohmann::json::object();  // echoed in replies
   std::size_t history_limit = 50;
   std::size_t max_request_bytes = 64 * 1024;
+
+  // Where records are published; "" derives it from `endpoint` (ipc: "<path>.pub",
+  // tcp: same host on a free port, inproc: "<name>-pub").
+  std::string pub_endpoint;
+  // Every request must be signed. Always true for tcp://; drain requests need
+  // a signature whatever this says.
+  bool require_signature = false;
+  // Signed requests older (or further ahead) than this are refused; their
+  // signatures are remembered this long, at most replay_capacity of them.
+  double replay_window_s = 60.0;
+  std::size_t replay_capacity = 65536;
+  // A status reply waits at most this long for the snapshot hook, then answers
+  // with the last snapshot it has, marked stale.
+  double snapshot_timeout_s = 0.25;
+  // Bounds and default of a drain request's "timeout_s".
+  double drain_timeout_s = 10.0;
+  double max_drain_timeout_s = 60.0;
+  // A libzmq context to share (inproc:// clients need the server's context);
+  // nullptr: the server owns one.
+  zmq::context_t* context = nullptr;
 };
+
+// The config of gpucleanup_server_start's JSON: endpoint, key, kernel,
+// history_limit, and optionally pub_endpoint, require_signature,
+// max_request_bytes, replay_window_s, snapshot_timeout_s, drain_timeout_s.
+// Throws gpucleanup::Error (gpucleanup.server.506) on a wrong type.
+ServerConfig server_config_from_json(const nlohmann::json& config);
 
 struct ServerHooks {
   std::function<nlohmann::json()> snapshot;              // live device snapshot
@@ -41,8 +71,14 @@ class StatusServer {
   // Stops the thread and closes the sockets. Idempotent.
   void stop() noexcept;
 
+  // The kernel's state, a JSON object such as {"state": "running", "cell": 12,
+  // "since_ns": ...}; replies add "age_s" from since_ns (or from this call).
+  // Throws gpucleanup::Error (gpucleanup.server.507) if it is not an object.
   void set_state(nlohmann::json state);
+  // One finished cell's record: kept in the bounded history, sent on PUB.
   void publish(nlohmann::json record);
+
+  bool running() const noexcept;
 
  private:
   struct Impl;
