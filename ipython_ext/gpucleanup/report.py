@@ -1,0 +1,408 @@
+"""What the user reads: the summary line after a cell, the %gpumem tables (text and HTML), units.
+
+Everything here is a pure function of the records the extension builds (plain
+dicts with exact bytes, see ``history.py``), so it is tested without a GPU and
+without a shell. Numbers shown to a user are rounded for reading and carry a
+unit (``6.0 GiB``, ``512 MiB``, ``4 ms``); ``--json`` output keeps exact bytes.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+from typing import Any, Iterable, Optional, Sequence
+
+__all__ = [
+    "PREFIX",
+    "format_bytes",
+    "format_duration",
+    "short_device_name",
+    "summary_lines",
+    "progress_line",
+    "Table",
+    "Report",
+    "memory_report",
+    "history_report",
+    "vars_report",
+    "JSONReport",
+]
+
+PREFIX = "gpucleanup"
+SEP = " · "
+
+_UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
+
+
+def _unit_for(n: int) -> tuple[str, int]:
+    for unit, size in _UNITS:
+        if n >= size:
+            return unit, size
+    return "B", 1
+
+
+def _number(value: float, unit: str) -> str:
+    if unit == "B":
+        return str(int(value))
+    if unit in ("GiB", "TiB"):
+        return f"{value:.1f}"
+    # MiB and KiB: whole numbers once they are big enough to read that way
+    return f"{value:.0f}" if value >= 10 else f"{value:.1f}"
+
+
+def format_bytes(n: Optional[int]) -> str:
+    """``6.0 GiB``, ``512 MiB``, ``1.5 MiB``, ``8 B``; ``?`` when unknown."""
+    if n is None:
+        return "?"
+    n = int(n)
+    sign = "-" if n < 0 else ""
+    unit, size = _unit_for(abs(n))
+    return f"{sign}{_number(abs(n) / size, unit)} {unit}"
+
+
+def format_in_unit(n: int, unit_of: int) -> str:
+    """``n`` as a bare number in the unit ``format_bytes(unit_of)`` would pick (``5.5`` for GiB)."""
+    unit, size = _unit_for(abs(int(unit_of)))
+    return _number(int(n) / size, unit)
+
+
+def format_pair(used: Optional[int], total: Optional[int]) -> str:
+    """``2.7/79.6 GiB``: used in the unit of the total."""
+    if total is None:
+        return format_bytes(used)
+    if used is None:
+        return f"?/{format_bytes(total)}"
+    unit, _ = _unit_for(abs(int(total)))
+    return f"{format_in_unit(used, total)}/{format_bytes(total)}" if unit != "B" else f"{used}/{total} B"
+
+
+def format_duration(seconds: Optional[float]) -> str:
+    """``0.4 ms``, ``12 ms``, ``2.5 s``, ``31 s``, ``2 min 5 s``."""
+    if seconds is None:
+        return "?"
+    s = max(0.0, float(seconds))
+    if s < 0.001:
+        return f"{s * 1000:.1f} ms"
+    if s < 1.0:
+        ms = round(s * 1000)
+        return f"{ms} ms" if ms < 1000 else "1.0 s"
+    if s < 10.0:
+        return f"{s:.1f} s"
+    if s < 60.0:
+        return f"{s:.0f} s"
+    minutes, rest = divmod(int(round(s)), 60)
+    return f"{minutes} min {rest} s" if rest else f"{minutes} min"
+
+
+_VENDOR = {"nvidia", "tesla", "geforce", "quadro"}
+_DETAIL = re.compile(r"^(\d+\s*[GT]B|PCIe|SXM\d*|HBM\w*|NVL\d*|NVLink|MIG|with|Max-Q|\d+GB\w*)$", re.IGNORECASE)
+
+
+def short_device_name(name: Optional[str]) -> str:
+    """``NVIDIA H100 80GB HBM3`` → ``H100``; ``NVIDIA A100-SXM4-80GB`` → ``A100``;
+    ``NVIDIA GeForce RTX 4090`` → ``RTX 4090``. Unknown shapes are kept as they are."""
+    if not name:
+        return ""
+    words = []
+    for word in name.split():
+        if not words and word.lower() in _VENDOR:
+            continue
+        parts = word.split("-")
+        if len(parts) > 1 and all(_DETAIL.match(p) for p in parts[1:]):
+            word = parts[0]
+            words.append(word)
+            break
+        if _DETAIL.match(word):
+            break
+        words.append(word)
+    return " ".join(words) or name
+
+
+def _device_label(dev: dict) -> str:
+    label = f"GPU{dev.get('index', '?')}"
+    short = short_device_name(dev.get("name"))
+    return f"{label} {short}" if short else label
+
+
+def _parts(amounts: dict, unit_of: int) -> str:
+    """``cupy 5.5, torch 0.5`` in the unit of ``unit_of``; tiny parts with their own unit."""
+    items = [(k, v) for k, v in amounts.items() if v]
+    items.sort(key=lambda kv: -kv[1])
+    out = []
+    for name, value in items:
+        shown = format_in_unit(value, unit_of)
+        if unit_of >= (1 << 10) and float(shown) == 0.0:
+            shown = format_bytes(value)
+        out.append(f"{name} {shown}")
+    return ", ".join(out)
+
+
+def _sum(d: Optional[dict]) -> int:
+    return sum(int(v or 0) for v in (d or {}).values())
+
+
+def progress_line(device: int, waited_s: float) -> str:
+    """``gpucleanup · waiting for GPU0 to finish queued work … 5 s``."""
+    return f"{PREFIX}{SEP}waiting for GPU{device} to finish queued work … {int(waited_s)} s"
+
+
+def _pinned_segment(pinned: dict) -> Optional[str]:
+    segs = []
+    now = _sum(pinned.get("freed_bytes"))
+    if now:
+        segs.append(f"pinned {format_bytes(now)}")
+    for done in pinned.get("background", []):
+        freed = _sum(done.get("freed_bytes"))
+        if freed:
+            segs.append(f"pinned {format_bytes(freed)} freed in background")
+    if pinned.get("pending"):
+        segs.append("pinned release running in background")
+    return SEP.join(segs) if segs else None
+
+
+def _device_line(dev: dict, record: dict, pinned: Optional[str]) -> str:
+    segs = [PREFIX, _device_label(dev)]
+    state = dev.get("state")
+    settle = dev.get("settle") or {}
+    if state == "busy":
+        waited = settle.get("busy_for_s") or settle.get("waited_s")
+        if settle.get("status") == "still_busy":
+            segs.append(f"still busy with queued work ({format_duration(waited)}): skipped, nothing freed")
+        else:
+            segs.append(f"busy after {format_duration(waited)}: skipped freeing, queued work keeps running")
+    elif state == "unusable":
+        segs.append(dev.get("message") or "unusable: restart the kernel")
+    elif state == "interrupted":
+        segs.append("interrupted (Ctrl-C): cleanup stopped, nothing more freed")
+    else:
+        freed = dev.get("freed_bytes") or {}
+        total = _sum(freed)
+        if total:
+            segs.append(f"freed {format_bytes(total)} ({_parts(freed, total)})")
+        else:
+            segs.append("freed 0 B")
+    if pinned:
+        segs.append(pinned)
+    live = dev.get("live_bytes") or {}
+    live_total = _sum(live)
+    if live:
+        names = ", ".join(k for k, v in sorted(live.items(), key=lambda kv: -kv[1]) if v)
+        segs.append(f"kept {format_bytes(live_total)} live" + (f" ({names})" if names else ""))
+    cached = {k: v for k, v in (dev.get("cached_bytes") or {}).items() if v}
+    if cached:
+        cached_total = _sum(cached)
+        segs.append(f"held {format_bytes(cached_total)} cached ({_parts(cached, cached_total)})")
+    if dev.get("total_bytes") is not None or dev.get("used_after_bytes") is not None:
+        segs.append(f"device {format_pair(dev.get('used_after_bytes'), dev.get('total_bytes'))}")
+    segs.append(format_duration(record.get("elapsed_s")))
+    return SEP.join(segs)
+
+
+def summary_lines(record: dict) -> list[str]:
+    """The lines printed after a cell: one per device touched, then new notes.
+
+    The pinned host segment (host-wide, not per device) goes on the first line.
+    """
+    lines = []
+    pinned = _pinned_segment(record.get("pinned") or {})
+    devices = [d for d in record.get("devices", []) if not d.get("quiet")]
+    for i, dev in enumerate(devices):
+        lines.append(_device_line(dev, record, pinned if i == 0 else None))
+    if not devices and pinned:
+        lines.append(SEP.join([PREFIX, pinned, format_duration(record.get("elapsed_s"))]))
+    if record.get("interrupted") and not any(d.get("state") == "interrupted" for d in devices):
+        lines.append(f"{PREFIX}{SEP}interrupted (Ctrl-C): cleanup stopped")
+    for note in record.get("shown_notes", []):
+        lines.append(f"{PREFIX}{SEP}{note}")
+    return lines
+
+
+# ---------------------------------------------------------------- tables
+
+
+class Table:
+    """A titled table that renders as aligned text and as HTML."""
+
+    def __init__(self, title: str, headers: Sequence[str], rows: Iterable[Sequence[Any]], notes: Sequence[str] = ()):
+        self.title = title
+        self.headers = [str(h) for h in headers]
+        self.rows = [[("" if c is None else str(c)) for c in row] for row in rows]
+        self.notes = list(notes)
+
+    def text(self) -> str:
+        widths = [len(h) for h in self.headers]
+        for row in self.rows:
+            for i, cell in enumerate(row):
+                widths[i] = max(widths[i], len(cell))
+
+        def fmt(row: Sequence[str]) -> str:
+            cells = []
+            for i, cell in enumerate(row):
+                # first column is a label (left), the others are numbers (right)
+                cells.append(cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i]))
+            return "  ".join(cells).rstrip()
+
+        lines = [self.title]
+        if self.headers:
+            lines.append(fmt(self.headers))
+            lines.append("  ".join("-" * w for w in widths))
+        lines.extend(fmt(r) for r in self.rows)
+        lines.extend(f"  {n}" for n in self.notes)
+        return "\n".join(lines)
+
+    def html(self) -> str:
+        esc = html.escape
+        out = [f"<table class='gpucleanup'><caption style='text-align:left'><b>{esc(self.title)}</b></caption>"]
+        if self.headers:
+            out.append("<thead><tr>" + "".join(f"<th>{esc(h)}</th>" for h in self.headers) + "</tr></thead>")
+        out.append("<tbody>")
+        for row in self.rows:
+            cells = []
+            for i, cell in enumerate(row):
+                align = "left" if i == 0 else "right"
+                cells.append(f"<td style='text-align:{align}'>{esc(cell)}</td>")
+            out.append("<tr>" + "".join(cells) + "</tr>")
+        out.append("</tbody></table>")
+        if self.notes:
+            out.append("<ul>" + "".join(f"<li>{esc(n)}</li>" for n in self.notes) + "</ul>")
+        return "".join(out)
+
+
+class Report:
+    """What %gpumem displays: rich frontends take ``_repr_html_``, terminals the text repr."""
+
+    def __init__(self, tables: Sequence[Table], lines: Sequence[str] = ()):
+        self.tables = list(tables)
+        self.lines = list(lines)
+
+    def text(self) -> str:
+        parts = list(self.lines) + [t.text() for t in self.tables]
+        return "\n\n".join(parts) if self.tables else "\n".join(parts)
+
+    def __repr__(self) -> str:
+        return self.text()
+
+    def _repr_pretty_(self, p, cycle):
+        p.text(self.text())
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<div>{html.escape(line)}</div>" for line in self.lines)
+        return "<div class='gpucleanup-report'>" + head + "".join(t.html() for t in self.tables) + "</div>"
+
+
+class JSONReport(dict):
+    """The ``--json`` result: a dict (assign it: ``d = %gpumem --json``) shown as JSON text."""
+
+    def text(self) -> str:
+        return json.dumps(self, indent=1, sort_keys=True, default=str)
+
+    def __repr__(self) -> str:
+        return self.text()
+
+    def _repr_pretty_(self, p, cycle):
+        p.text(self.text())
+
+
+def _fw_total(entry: dict) -> int:
+    return int(entry.get("live_bytes") or 0) + int(entry.get("cached_bytes") or 0)
+
+
+def memory_report(status: dict, history_rows: int = 5) -> Report:
+    """The %gpumem tables from the status dict the extension builds (exact bytes in, rounded out)."""
+    lines = []
+    driver = status.get("driver") or {}
+    state = driver.get("state")
+    if state != "ready":
+        lines.append(f"{PREFIX}{SEP}{driver_sentence(driver)}")
+    if not status.get("enabled", True):
+        lines.append(f"{PREFIX}{SEP}automatic cleanup is off (%gpumem --on resumes it)")
+    tables = []
+    for dev in status.get("devices", []):
+        total = dev.get("total_bytes")
+        rows = [["total", format_bytes(total), ""], ["used (device, all processes)", format_bytes(dev.get("used_bytes")), ""]]
+        for name, entry in sorted((dev.get("frameworks") or {}).items()):
+            rows.append([f"{name}", format_bytes(entry.get("live_bytes")), format_bytes(entry.get("cached_bytes"))])
+        for pool in dev.get("pools") or []:
+            rows.append(
+                [f"driver pool ({pool.get('which')})", format_bytes(pool.get("used_bytes")), format_bytes(pool.get("reserved_bytes"))]
+            )
+        rows.append(["outside every pool", format_bytes(dev.get("outside_bytes")), ""])
+        notes = ["frameworks: live (held by objects) / cached (freeable); driver pools: used / reserved."]
+        notes.append(
+            "outside every pool = device used - everything known: the CUDA context (~500 MiB), "
+            "other processes on this GPU and raw allocations are in it."
+        )
+        if dev.get("message"):
+            notes.append(dev["message"])
+        title = f"{_device_label(dev)} — {format_pair(dev.get('used_bytes'), total)} used"
+        tables.append(Table(title, ["", "live / used", "cached / reserved"], rows, notes))
+    pinned = status.get("pinned") or {}
+    if pinned:
+        rows = [[name, format_bytes(e.get("live_bytes")), format_bytes(e.get("cached_bytes"))] for name, e in sorted(pinned.items())]
+        tables.append(Table("pinned host memory pools", ["", "live", "cached"], rows))
+    if not status.get("devices") and state == "ready":
+        lines.append(f"{PREFIX}{SEP}no GPU in use by this kernel")
+    history = status.get("history") or []
+    if history_rows and history:
+        tables.append(history_table(history[-history_rows:], title="last cells"))
+    notes = status.get("notes") or []
+    lines.extend(f"{PREFIX}{SEP}{n}" for n in notes)
+    return Report(tables, lines)
+
+
+def driver_sentence(driver: dict) -> str:
+    state = driver.get("state")
+    if state == "no_driver":
+        return "no CUDA driver: nothing to clean"
+    if state == "not_initialized":
+        return "CUDA is not initialised in this kernel: nothing to clean"
+    if state == "exiting":
+        return "the kernel is exiting"
+    message = driver.get("message")
+    return f"CUDA driver unusable: {message}" if message else f"CUDA driver state: {state}"
+
+
+def history_table(records: Sequence[dict], title: str = "history") -> Table:
+    rows = []
+    for rec in records:
+        devices = rec.get("devices") or []
+        freed = sum(_sum(d.get("freed_bytes")) for d in devices)
+        pinned = rec.get("pinned") or {}
+        pinned_freed = _sum(pinned.get("freed_bytes")) + sum(_sum(b.get("freed_bytes")) for b in pinned.get("background", []))
+        used = ", ".join(
+            f"GPU{d.get('index')} {format_pair(d.get('used_after_bytes'), d.get('total_bytes'))}" for d in devices
+        )
+        states = sorted({d.get("state") for d in devices if d.get("state") not in (None, "drained")})
+        rows.append(
+            [
+                f"[{rec.get('cell') if rec.get('cell') is not None else '-'}]",
+                format_bytes(freed),
+                format_bytes(pinned_freed),
+                (rec.get("gc") or {}).get("ran") or "-",
+                used or "-",
+                ", ".join(states) or "ok",
+                format_duration(rec.get("elapsed_s")),
+            ]
+        )
+    return Table(title, ["cell", "freed", "pinned", "gc", "device used", "state", "time"], rows)
+
+
+def history_report(records: Sequence[dict]) -> Report:
+    if not records:
+        return Report([], [f"{PREFIX}{SEP}no cell recorded yet"])
+    return Report([history_table(records, title=f"last {len(records)} cells")])
+
+
+def vars_report(found: Sequence[dict], limit: int) -> Report:
+    """The largest GPU arrays/tensors reachable from the user's namespace."""
+    if not found:
+        return Report([], [f"{PREFIX}{SEP}no GPU arrays or tensors reachable from the namespace"])
+    top = sorted(found, key=lambda f: -int(f.get("bytes") or 0))[:limit]
+    rows = [
+        [f["name"], f.get("kind", ""), "×".join(str(s) for s in f.get("shape") or ()) or "()", f.get("dtype", ""),
+         f.get("device", ""), format_bytes(f.get("bytes"))]
+        for f in top
+    ]
+    total = sum(int(f.get("bytes") or 0) for f in found)
+    notes = [f"{len(found)} objects, {format_bytes(total)} in all; views of one buffer each count their own size."]
+    return Report([Table("GPU arrays and tensors in the namespace", ["name", "type", "shape", "dtype", "device", "bytes"], rows, notes)])
