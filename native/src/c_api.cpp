@@ -31,10 +31,6 @@ struct ApiState {
   // can give up instead of waiting out a long drain.
   std::timed_mutex cleanup;
   DeviceRegistry registry;
-  // The last snapshot, for status requests that arrive during a drain.
-  std::mutex cached_mutex;
-  nlohmann::json cached_snapshot;
-
   std::mutex server_mutex;
   std::unique_ptr<StatusServer> server;
 };
@@ -127,26 +123,13 @@ void hand_out(const nlohmann::json& value, char** json_out) {
   *json_out = copy;
 }
 
-nlohmann::json locked_snapshot(ApiState& state, const Driver& driver, SnapshotKind kind) {
-  nlohmann::json report = take_snapshot(driver, state.registry, kind);
-  if (kind == SnapshotKind::snapshot) {
-    std::lock_guard lock(state.cached_mutex);
-    state.cached_snapshot = report;
-  }
-  return report;
-}
-
-// Hooks for the status server's thread: never hold it for long behind a drain.
+// Hooks for the status server's thread. The server bounds how long it waits
+// for a snapshot (and answers with its last one, marked stale), so waiting here
+// behind a drain is fine; a drain request does not queue behind another.
 nlohmann::json server_snapshot() {
   ApiState& state = api_state().get();
-  if (process_is_exiting()) return take_snapshot(Driver::process(), state.registry, SnapshotKind::probe);
-  std::unique_lock lock(state.cleanup, std::chrono::milliseconds(250));
-  if (!lock.owns_lock()) {
-    std::lock_guard cached(state.cached_mutex);
-    if (!state.cached_snapshot.is_null()) return state.cached_snapshot;
-    lock.lock();
-  }
-  return locked_snapshot(state, Driver::process(), SnapshotKind::snapshot);
+  std::lock_guard lock(state.cleanup);
+  return take_snapshot(Driver::process(), state.registry, SnapshotKind::snapshot);
 }
 
 nlohmann::json server_drain(double timeout_s) {
@@ -202,7 +185,7 @@ gpucleanup_status gpucleanup_probe(char** json_out) {
     require_running();
     ApiState& state = api_state().get();
     std::lock_guard lock(state.cleanup);
-    hand_out(locked_snapshot(state, usable_driver(), SnapshotKind::probe), json_out);
+    hand_out(take_snapshot(usable_driver(), state.registry, SnapshotKind::probe), json_out);
   });
 }
 
@@ -212,7 +195,7 @@ gpucleanup_status gpucleanup_snapshot(char** json_out) {
     require_running();
     ApiState& state = api_state().get();
     std::lock_guard lock(state.cleanup);
-    hand_out(locked_snapshot(state, usable_driver(), SnapshotKind::snapshot), json_out);
+    hand_out(take_snapshot(usable_driver(), state.registry, SnapshotKind::snapshot), json_out);
   });
 }
 
@@ -253,13 +236,9 @@ gpucleanup_status gpucleanup_server_start(const char* config_json, char** json_o
     require_running();
     ServerConfig settings;
     try {
-      settings.endpoint = config.value("endpoint", std::string());
-      settings.key = config.value("key", std::string());
-      if (config.contains("kernel")) settings.kernel = config.at("kernel");
-      settings.history_limit = config.value("history_limit", settings.history_limit);
-    } catch (const nlohmann::json::exception& e) {
-      fail(GPUCLEANUP_ERR_INVALID_ARGUMENT, std::string("[gpucleanup.api.105] config_json has a field of the wrong type (") +
-                                                e.what() + "): endpoint and key are strings, history_limit a number");
+      settings = server_config_from_json(config);
+    } catch (const Error& e) {
+      fail(GPUCLEANUP_ERR_INVALID_ARGUMENT, e.what());
     }
     ApiState& state = api_state().get();
     std::lock_guard lock(state.server_mutex);

@@ -160,6 +160,17 @@ void read_static_facts(const Driver& driver, const DeviceUse& use, DeviceRecord&
   }
 }
 
+namespace {
+
+// A failed query counts as inactive: the device is then skipped, not touched.
+bool primary_active(const Driver& driver, CUdevice device) {
+  unsigned flags = 0;
+  int active = 0;
+  return driver.api().cuDevicePrimaryCtxGetState(device, &flags, &active) == CUDA_SUCCESS && active != 0;
+}
+
+}  // namespace
+
 ScopedContext::ScopedContext(const Driver& driver, const DeviceUse& use) : driver_(driver), use_(use) {
   if (process_is_exiting() || !use.in_use()) return;
   const EntryPoints& api = driver.api();
@@ -176,21 +187,18 @@ ScopedContext::ScopedContext(const Driver& driver, const DeviceUse& use) : drive
     pushed_ = entered_ = true;
     return;
   }
+  // The probe's answer may be stale: a context released since then must not
+  // be created again by the retain (that costs ~500 MiB of device memory).
+  if (!primary_active(driver, use.device)) return;
   CUcontext context = nullptr;
   if (const CUresult retained = api.cuDevicePrimaryCtxRetain(&context, use.device); retained != CUDA_SUCCESS) {
     failure_ = CallFailure{"cuDevicePrimaryCtxRetain", retained};
     return;
   }
   retained_ = true;
-  // Someone may have reset the device between the probe and the retain; then
-  // the retain just created a context, and releasing it is the only way out.
-  unsigned flags = 0;
-  int active = 0;
-  if (const CUresult state = api.cuDevicePrimaryCtxGetState(use.device, &flags, &active); state != CUDA_SUCCESS) {
-    failure_ = CallFailure{"cuDevicePrimaryCtxGetState", state};
-    return;
-  }
-  if (active == 0) return;
+  // Checked again with our reference held: if it is not active now, what we
+  // hold is not the context the process was using; give it back untouched.
+  if (!primary_active(driver, use.device)) return;
   if (const CUresult pushed = api.cuCtxPushCurrent(context); pushed != CUDA_SUCCESS) {
     failure_ = CallFailure{"cuCtxPushCurrent", pushed};
     return;

@@ -1,0 +1,137 @@
+// Loading the driver and resolving its entry points, against the three
+// variants of the fake driver.
+#include "driver.hpp"
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "test_support.hpp"
+
+using gpucleanup::Driver;
+using gpucleanup::Resolver;
+using gpucleanup::testing::FakeCuda;
+
+TEST(Driver, ResolvesEveryEntryPointThroughGetProcAddressV2) {
+  FakeCuda fake;
+  fake.reset({{"driver_version", 13000}});
+  const Driver driver(FAKE_CUDA_PATH);
+  ASSERT_TRUE(driver.loaded());
+  EXPECT_TRUE(driver.usable());
+  EXPECT_EQ(driver.resolver(), Resolver::proc_address_v2);
+  EXPECT_TRUE(driver.missing_required().empty());
+  EXPECT_TRUE(driver.missing_optional().empty());
+  EXPECT_EQ(driver.version(), 13000);
+  EXPECT_EQ(driver.message(), "");
+  EXPECT_GT(fake.counter("calls.cuGetProcAddress_v2"), 0);
+  EXPECT_EQ(fake.counter("calls.cuGetProcAddress"), 0);
+}
+
+TEST(Driver, FallsBackToFourArgumentGetProcAddressOnOlderDrivers) {
+  FakeCuda fake(FAKE_CUDA_V1_PATH);
+  fake.reset({{"driver_version", 11080}});
+  const Driver driver(FAKE_CUDA_V1_PATH);
+  ASSERT_TRUE(driver.usable()) << driver.message();
+  EXPECT_EQ(driver.resolver(), Resolver::proc_address);
+  EXPECT_TRUE(driver.missing_optional().empty());
+  EXPECT_GT(fake.counter("calls.cuGetProcAddress"), 0);
+  size_t total = 0;
+  ASSERT_EQ(driver.api().cuDeviceTotalMem(&total, 0), CUDA_SUCCESS);
+  EXPECT_EQ(total, 80ull << 30);
+}
+
+TEST(Driver, FallsBackToPlainDlsymOfTheV2SymbolsWithoutAResolver) {
+  FakeCuda fake(FAKE_CUDA_PLAIN_PATH);
+  fake.reset({{"devices", {{{"primary_active", true}}}}});
+  const Driver driver(FAKE_CUDA_PLAIN_PATH);
+  ASSERT_TRUE(driver.usable()) << driver.message();
+  EXPECT_EQ(driver.resolver(), Resolver::dlsym);
+  EXPECT_TRUE(driver.missing_optional().empty());
+  // The _v2 symbols are the ones found: they answer through the fake's state.
+  size_t total = 0;
+  ASSERT_EQ(driver.api().cuDeviceTotalMem(&total, 0), CUDA_SUCCESS);
+  EXPECT_EQ(total, 80ull << 30);
+  EXPECT_EQ(fake.counter("calls.cuDeviceTotalMem"), 1);
+}
+
+TEST(Driver, NoDriverIsAStateNotAnError) {
+  const Driver driver("/nonexistent/libcuda.so.1");
+  EXPECT_FALSE(driver.loaded());
+  EXPECT_FALSE(driver.usable());
+  EXPECT_EQ(driver.resolver(), Resolver::none);
+  EXPECT_EQ(driver.path(), "/nonexistent/libcuda.so.1");
+  EXPECT_EQ(driver.message().rfind("[gpucleanup.driver.101] no CUDA driver: cannot load /nonexistent/libcuda.so.1 (", 0),
+            0u)
+      << driver.message();
+  EXPECT_NE(driver.message().find("there is no GPU memory to clean on this machine"), std::string::npos);
+}
+
+TEST(Driver, MissingRequiredEntryPointNamesItself) {
+  FakeCuda fake;
+  fake.reset({{"missing", {"cuMemGetInfo"}}});
+  const Driver driver(FAKE_CUDA_PATH);
+  EXPECT_TRUE(driver.loaded());
+  EXPECT_FALSE(driver.usable());
+  EXPECT_EQ(driver.missing_required(), std::vector<std::string>{"cuMemGetInfo"});
+  EXPECT_EQ(driver.message(), std::string("[gpucleanup.driver.102] the CUDA driver ") + FAKE_CUDA_PATH +
+                                  " lacks cuMemGetInfo, which gpucleanup needs: update the NVIDIA driver");
+}
+
+TEST(Driver, MissingOptionalEntryPointIsListedAndLeftNull) {
+  FakeCuda fake;
+  fake.reset({{"missing", {"cuMemPoolTrimTo"}}});
+  const Driver driver(FAKE_CUDA_PATH);
+  EXPECT_TRUE(driver.usable());
+  EXPECT_EQ(driver.missing_optional(), std::vector<std::string>{"cuMemPoolTrimTo"});
+  EXPECT_EQ(driver.api().cuMemPoolTrimTo, nullptr);
+  EXPECT_NE(driver.api().cuMemPoolGetAttribute, nullptr);
+}
+
+TEST(Driver, OlderDriverVersionLeavesNewerOptionalEntryPointsOut) {
+  FakeCuda fake;
+  fake.reset({{"driver_version", 11000}});
+  const Driver driver(FAKE_CUDA_PATH);
+  EXPECT_TRUE(driver.usable()) << driver.message();
+  EXPECT_EQ(driver.version(), 11000);
+  EXPECT_EQ(driver.missing_optional(),
+            (std::vector<std::string>{"cuDeviceGetUuid", "cuDeviceGetDefaultMemPool", "cuDeviceGetMemPool",
+                                      "cuMemPoolTrimTo", "cuMemPoolGetAttribute"}));
+}
+
+TEST(Driver, NamesErrorsWithCuGetErrorName) {
+  FakeCuda fake;
+  fake.reset();
+  const Driver driver(FAKE_CUDA_PATH);
+  EXPECT_EQ(driver.error_name(CUDA_ERROR_ILLEGAL_ADDRESS), "CUDA_ERROR_ILLEGAL_ADDRESS");
+  EXPECT_GT(fake.counter("calls.cuGetErrorName"), 0);
+}
+
+TEST(Driver, NamesErrorsFromItsOwnTableWithoutCuGetErrorName) {
+  FakeCuda fake;
+  fake.reset({{"missing", {"cuGetErrorName"}}});
+  const Driver driver(FAKE_CUDA_PATH);
+  EXPECT_EQ(driver.missing_optional(), std::vector<std::string>{"cuGetErrorName"});
+  EXPECT_EQ(driver.error_name(CUDA_ERROR_ILLEGAL_ADDRESS), "CUDA_ERROR_ILLEGAL_ADDRESS");
+  EXPECT_EQ(driver.error_name(CUDA_ERROR_NOT_INITIALIZED), "CUDA_ERROR_NOT_INITIALIZED");
+  EXPECT_EQ(driver.error_name(static_cast<CUresult>(12345)), "CUresult 12345");
+  EXPECT_EQ(fake.counter("calls.cuGetErrorName"), 0);
+}
+
+TEST(Driver, RecognisesExactlyTheStickyErrors) {
+  for (int code : {700, 702, 710, 714, 715, 716, 717, 718, 719, 226}) {
+    EXPECT_TRUE(gpucleanup::is_sticky(static_cast<CUresult>(code))) << code;
+  }
+  for (int code : {0, 1, 2, 3, 4, 100, 101, 201, 801, 999}) {
+    EXPECT_FALSE(gpucleanup::is_sticky(static_cast<CUresult>(code))) << code;
+  }
+}
+
+TEST(Driver, ProcessInstanceFollowsGpucleanupLibcuda) {
+  // FakeCuda points GPUCLEANUP_LIBCUDA at the fake before the first use.
+  FakeCuda fake;
+  fake.reset();
+  EXPECT_EQ(Driver::default_path(), FAKE_CUDA_PATH);
+  EXPECT_EQ(Driver::process().path(), FAKE_CUDA_PATH);
+  EXPECT_EQ(&Driver::process(), &Driver::process());
+}
