@@ -1,0 +1,423 @@
+"""``gpucleanup``: GPU memory of every Jupyter kernel on this machine, from outside the kernels.
+
+    gpucleanup ps                     one line per kernel: state, memory per device, last cell
+    gpucleanup status KERNEL [--json] one kernel in full (KERNEL: pid, kernel id or a unique prefix, notebook)
+    gpucleanup watch [KERNEL]         cell records as they happen, until Ctrl-C
+    gpucleanup drain KERNEL           settle and trim the driver pools now (only between cells)
+
+Kernels are found through their discovery files in Jupyter's runtime directory;
+files left by dead kernels are removed on the way. Each kernel gets at most
+``--timeout`` seconds (default 1), and all are asked at once.
+
+Exit status: 0 done; 1 no kernel, unknown or ambiguous kernel; 2 usage;
+3 a kernel did not answer; 4 a kernel refused the request (bad key, drain
+refused) or answered something unreadable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+from . import discovery, status_client
+from .report import format_bytes, format_duration
+
+EXIT_OK = 0
+EXIT_NOT_FOUND = 1
+EXIT_USAGE = 2
+EXIT_NO_ANSWER = 3
+EXIT_REFUSED = 4
+
+
+class CliError(Exception):
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+# ------------------------------------------------------------------ kernels
+
+
+def _scan(args) -> Tuple[List[discovery.Kernel], List]:
+    directory = Path(args.runtime_dir) if args.runtime_dir else None
+    return discovery.scan(directory, clean=True)
+
+
+def _no_kernels_message(args) -> str:
+    where = args.runtime_dir or str(discovery.runtime_dir())
+    return (
+        f"no kernel with gpucleanup is running (no discovery files in {where}): "
+        "run %load_ext gpucleanup in a kernel first"
+    )
+
+
+def _resolve(args, query: str) -> discovery.Kernel:
+    kernels, dead = _scan(args)
+    exact = [k for k in kernels if query in (str(k.pid), k.kernel_id, k.notebook)]
+    if not exact:
+        exact = [k for k in kernels if k.notebook and os.path.basename(k.notebook) == query]
+    if not exact:
+        exact = [k for k in kernels if k.kernel_id and k.kernel_id.startswith(query)]
+    if len(exact) == 1:
+        return exact[0]
+    if len(exact) > 1:
+        names = ", ".join(f"{k.pid} ({k.kernel_id})" for k in exact)
+        raise CliError(f"{query!r} matches {len(exact)} kernels: {names}; give more of the kernel id or the pid", EXIT_NOT_FOUND)
+    if any(p.name == f"{discovery.PREFIX}{query}{discovery.SUFFIX}" for p in dead):
+        raise CliError(f"kernel {query} is dead: its process is gone (its discovery file was removed)", EXIT_NOT_FOUND)
+    if not kernels:
+        raise CliError(_no_kernels_message(args), EXIT_NOT_FOUND)
+    raise CliError(f"no kernel {query!r}: gpucleanup ps lists the kernels (pid, kernel id or notebook)", EXIT_NOT_FOUND)
+
+
+def _target(kernel: discovery.Kernel, endpoint: Optional[str] = None) -> status_client.Target:
+    try:
+        key = kernel.read_key()
+    except OSError as exc:
+        raise CliError(
+            f"kernel {kernel.pid}: cannot read its key file {kernel.key_file} ({exc.strerror}): "
+            "run gpucleanup as the user who started the kernel",
+            EXIT_REFUSED,
+        ) from None
+    return status_client.Target(endpoint or kernel.endpoint, key, kernel.label)
+
+
+def _failure(kernel: discovery.Kernel, error: status_client.StatusError, timeout: float) -> CliError:
+    who = f"kernel {kernel.pid}"
+    if isinstance(error, status_client.StatusTimeout):
+        return CliError(
+            f"{who} did not answer within {timeout:g} s: the process may be stopped or overloaded "
+            "(--timeout waits longer)",
+            EXIT_NO_ANSWER,
+        )
+    if isinstance(error, status_client.StatusUnreachable):
+        return CliError(f"{who}: {error}", EXIT_NO_ANSWER)
+    if error.error_id == "gpucleanup.server.403":
+        return CliError(
+            f"{who} refused the request: its key file {kernel.key_file} does not hold the kernel's key "
+            f"(the file was replaced or belongs to another kernel): {error}",
+            EXIT_REFUSED,
+        )
+    return CliError(f"{who}: {error}", EXIT_REFUSED)
+
+
+# ------------------------------------------------------------------ reading replies
+
+
+def _total(value) -> int:
+    if isinstance(value, dict):
+        return sum(v for v in value.values() if isinstance(v, int))
+    return value if isinstance(value, int) else 0
+
+
+def state_text(state: Optional[dict]) -> str:
+    """``running cell 12 for 5.2 s``, ``idle for 3 min 2 s``, ``waiting for GPU0 for 8.0 s``."""
+    if not isinstance(state, dict):
+        return "?"
+    name = str(state.get("state") or "unknown")
+    words = name
+    if name in ("running", "draining") and state.get("cell") is not None:
+        words = f"{name} cell {state['cell']}"
+    elif name == "waiting" and state.get("device") is not None:
+        words = f"waiting for GPU{state['device']}"
+    age = state.get("age_s")
+    if isinstance(age, (int, float)):
+        words += f" for {format_duration(age)}"
+    return words
+
+
+def device_rows(reply: dict) -> List[dict]:
+    """Per device: the kernel's framework pools (live, cached) from the last record, driver pools from the snapshot."""
+    devices = {}
+    snapshot = reply.get("snapshot") or {}
+    for dev in snapshot.get("devices") or []:
+        if not isinstance(dev, dict) or not dev.get("in_use"):
+            continue
+        pools = dev.get("pools") or []
+        devices[dev.get("index")] = {
+            "index": dev.get("index"),
+            "name": dev.get("name"),
+            "used_bytes": dev.get("used_bytes"),
+            "total_bytes": dev.get("total_bytes"),
+            "driver_pool_reserved_bytes": sum(p.get("reserved_bytes") or 0 for p in pools),
+            "driver_pool_used_bytes": sum(p.get("used_bytes") or 0 for p in pools),
+            "live_bytes": {},
+            "cached_bytes": {},
+        }
+    record = reply.get("last_record") or {}
+    for dev in record.get("devices") or []:
+        if not isinstance(dev, dict):
+            continue
+        entry = devices.setdefault(
+            dev.get("index"),
+            {"index": dev.get("index"), "name": dev.get("name"), "used_bytes": dev.get("used_after_bytes"),
+             "total_bytes": dev.get("total_bytes"), "driver_pool_reserved_bytes": None,
+             "driver_pool_used_bytes": None},
+        )
+        entry["live_bytes"] = dev.get("live_bytes") or {}
+        entry["cached_bytes"] = dev.get("cached_bytes") or {}
+    return [devices[k] for k in sorted(devices, key=lambda i: (i is None, i))]
+
+
+def memory_text(reply: dict) -> str:
+    rows = device_rows(reply)
+    if not rows:
+        driver = ((reply.get("snapshot") or {}).get("driver") or {}).get("state")
+        return "no GPU in use" if driver in (None, "not_initialized", "ready") else f"no GPU ({driver})"
+    parts = []
+    for dev in rows:
+        text = f"GPU{dev['index']} live {format_bytes(_total(dev['live_bytes']))} cached {format_bytes(_total(dev['cached_bytes']))}"
+        if dev.get("driver_pool_reserved_bytes"):
+            text += f" pool {format_bytes(dev['driver_pool_reserved_bytes'])}"
+        parts.append(text)
+    return "; ".join(parts)
+
+
+def last_cell_text(reply: dict) -> str:
+    record = reply.get("last_record")
+    if not isinstance(record, dict):
+        return "-"
+    freed = sum(_total(d.get("freed_bytes")) for d in record.get("devices") or [] if isinstance(d, dict))
+    freed += _total((record.get("pinned") or {}).get("freed_bytes"))
+    cell = record.get("cell")
+    return f"cell {cell} freed {format_bytes(freed)}" if cell is not None else f"freed {format_bytes(freed)}"
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+    lines = ["  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip() for r in [headers, *rows]]
+    return "\n".join(lines)
+
+
+def _kernel_name(kernel: discovery.Kernel) -> str:
+    if kernel.notebook and kernel.kernel_id:
+        return f"{kernel.kernel_id[:8]} ({kernel.notebook})"
+    return kernel.notebook or kernel.kernel_id or "-"
+
+
+# ------------------------------------------------------------------ commands
+
+
+def cmd_ps(args) -> int:
+    kernels, _dead = _scan(args)
+    if not kernels:
+        raise CliError(_no_kernels_message(args), EXIT_NOT_FOUND)
+    targets, results = [], [None] * len(kernels)
+    asked = []
+    for i, kernel in enumerate(kernels):
+        try:
+            targets.append(_target(kernel))
+            asked.append(i)
+        except CliError as exc:
+            results[i] = exc
+    for i, result in zip(asked, status_client.request_many(targets, "status", args.timeout)):
+        results[i] = _failure(kernels[i], result, args.timeout) if isinstance(result, status_client.StatusError) else result
+    if args.json:
+        out = []
+        for kernel, result in zip(kernels, results):
+            entry = {"pid": kernel.pid, "kernel_id": kernel.kernel_id, "notebook": kernel.notebook, "discovery_file": str(kernel.path)}
+            if isinstance(result, CliError):
+                entry["error"] = str(result)
+            else:
+                entry["status"] = result
+            out.append(entry)
+        print(json.dumps(out, indent=1))
+        return EXIT_OK
+    rows = []
+    for kernel, result in zip(kernels, results):
+        if isinstance(result, CliError):
+            rows.append([str(kernel.pid), _kernel_name(kernel), _short_error(result), "", ""])
+        else:
+            rows.append([str(kernel.pid), _kernel_name(kernel), state_text(result.get("state")), memory_text(result), last_cell_text(result)])
+    print(_table(["PID", "KERNEL", "STATE", "GPU MEMORY", "LAST CELL"], rows))
+    return EXIT_OK
+
+
+def _short_error(error: CliError) -> str:
+    if error.code == EXIT_NO_ANSWER:
+        return "no answer"
+    text = str(error)
+    return "refused: " + text.split(": ", 1)[-1][:60] if error.code == EXIT_REFUSED else text[:60]
+
+
+def _ask(args, kernel: discovery.Kernel, kind: str, timeout: float, **fields) -> dict:
+    target = _target(kernel)
+    try:
+        return status_client.request(target, kind, timeout, **fields)
+    except status_client.StatusError as exc:
+        raise _failure(kernel, exc, timeout) from None
+
+
+def cmd_status(args) -> int:
+    kernel = _resolve(args, args.kernel)
+    reply = _ask(args, kernel, "status", args.timeout)
+    if args.json:
+        print(json.dumps(reply, indent=1))
+        return EXIT_OK
+    kinfo = reply.get("kernel") or {}
+    lines = [
+        f"kernel     {kernel.pid}  {kernel.kernel_id or '-'}",
+        f"notebook   {kinfo.get('notebook') or kernel.notebook or '-'}",
+        f"state      {state_text(reply.get('state'))}",
+        f"endpoint   {kernel.endpoint}",
+    ]
+    snapshot = reply.get("snapshot") or {}
+    driver = snapshot.get("driver") or {}
+    lines.append(f"driver     {driver.get('state', '?')}" + (f" ({reply.get('snapshot_status')})" if reply.get("snapshot_status") != "fresh" else ""))
+    rows = []
+    for dev in device_rows(reply):
+        frameworks = sorted(set(dev["live_bytes"]) | set(dev["cached_bytes"]))
+        fw = ", ".join(
+            f"{name} {format_bytes(dev['live_bytes'].get(name, 0))} live/{format_bytes(dev['cached_bytes'].get(name, 0))} cached"
+            for name in frameworks
+        ) or "-"
+        used = dev.get("used_bytes")
+        total = dev.get("total_bytes")
+        rows.append([
+            f"GPU{dev['index']}",
+            dev.get("name") or "",
+            f"{format_bytes(used)}/{format_bytes(total)}" if used is not None else "-",
+            format_bytes(dev["driver_pool_reserved_bytes"]) if dev.get("driver_pool_reserved_bytes") is not None else "-",
+            fw,
+        ])
+    if rows:
+        lines.append("")
+        lines.append(_table(["DEVICE", "NAME", "USED/TOTAL", "DRIVER POOLS", "FRAMEWORK POOLS (live/cached)"], rows))
+    else:
+        lines.append("devices    no GPU in use")
+    lines.append("")
+    lines.append(f"last cell  {last_cell_text(reply)}")
+    print("\n".join(lines))
+    return EXIT_OK
+
+
+def cmd_drain(args) -> int:
+    kernel = _resolve(args, args.kernel)
+    # The reply comes after the drain: wait for it as long as the drain may take.
+    reply = _ask(args, kernel, "drain", args.timeout + args.drain_timeout, timeout_s=args.drain_timeout)
+    if args.json:
+        print(json.dumps(reply, indent=1))
+        return EXIT_OK
+    result = reply.get("result") or {}
+    devices = result.get("devices") or []
+    if not devices:
+        print(f"kernel {kernel.pid}: drained; no GPU in use")
+    for dev in devices:
+        line = f"kernel {kernel.pid} GPU{dev.get('index')}: {dev.get('state')}, released {format_bytes(dev.get('released_bytes') or 0)}"
+        if dev.get("message"):
+            line += f" ({dev['message']})"
+        print(line)
+    return EXIT_OK
+
+
+def _record_line(target: status_client.Target, message: dict) -> str:
+    record = message.get("record") or {}
+    kernel = message.get("kernel") or {}
+    who = f"{kernel.get('pid', '?')} {target.label}"
+    stamp = time.strftime("%H:%M:%S", time.localtime((message.get("time_ns") or time.time_ns()) / 1e9))
+    parts = [stamp, who, last_cell_text({"last_record": record})]
+    memory = memory_text({"last_record": record})
+    if memory and not memory.startswith("no GPU"):
+        parts.append(memory)
+    if isinstance(record.get("elapsed_s"), (int, float)):
+        parts.append(format_duration(record["elapsed_s"]))
+    return "  ".join(parts)
+
+
+def cmd_watch(args) -> int:
+    only = _resolve(args, args.kernel) if args.kernel else None
+    subscriber = status_client.Subscriber()
+    announced = False
+    try:
+        next_scan = 0.0
+        while True:
+            now = time.monotonic()
+            if now >= next_scan:
+                kernels = [only] if only else _scan(args)[0]
+                if only and not only.alive():
+                    raise CliError(f"kernel {only.pid} has exited", EXIT_NOT_FOUND)
+                names = {str(k.pid): k for k in kernels}
+                for name in subscriber.names():
+                    if name not in names:
+                        subscriber.remove(name)
+                for name, kernel in names.items():
+                    if name not in subscriber:
+                        try:
+                            subscriber.add(name, _target(kernel, kernel.pub_endpoint))
+                        except CliError as exc:
+                            print(f"gpucleanup: {exc}", file=sys.stderr)
+                if not announced:
+                    if not names:
+                        raise CliError(_no_kernels_message(args), EXIT_NOT_FOUND)
+                    print(f"watching {len(names)} kernel(s); Ctrl-C stops", file=sys.stderr, flush=True)
+                    announced = True
+                next_scan = now + 2.0
+            for target, message in subscriber.poll(0.5):
+                if args.json:
+                    print(json.dumps(message), flush=True)
+                else:
+                    print(_record_line(target, message), flush=True)
+    except KeyboardInterrupt:
+        return EXIT_OK
+    finally:
+        subscriber.close()
+
+
+# ------------------------------------------------------------------ entry point
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--timeout", type=float, default=status_client.DEFAULT_TIMEOUT, metavar="SECONDS",
+                        help="how long to wait for each kernel (default: %(default)s)")
+    common.add_argument("--runtime-dir", default=None, help=argparse.SUPPRESS)
+
+    parser = argparse.ArgumentParser(
+        prog="gpucleanup",
+        description="GPU memory of every Jupyter kernel with gpucleanup loaded, asked from outside the kernels.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    ps = sub.add_parser("ps", parents=[common], help="one line per kernel")
+    ps.add_argument("--json", action="store_true", help="every kernel's full status as JSON (exact bytes)")
+    ps.set_defaults(run=cmd_ps)
+    status = sub.add_parser("status", parents=[common], help="one kernel in full")
+    status.add_argument("kernel", metavar="KERNEL", help="pid, kernel id (or a unique prefix) or notebook")
+    status.add_argument("--json", action="store_true", help="the status reply as JSON (exact bytes)")
+    status.set_defaults(run=cmd_status)
+    watch = sub.add_parser("watch", parents=[common], help="cell records as they happen, until Ctrl-C")
+    watch.add_argument("kernel", metavar="KERNEL", nargs="?", help="only this kernel")
+    watch.add_argument("--json", action="store_true", help="one JSON message per line")
+    watch.set_defaults(run=cmd_watch)
+    drain = sub.add_parser("drain", parents=[common], help="settle and trim the driver pools now (between cells only)")
+    drain.add_argument("kernel", metavar="KERNEL", help="pid, kernel id (or a unique prefix) or notebook")
+    drain.add_argument("--drain-timeout", type=float, default=10.0, metavar="SECONDS",
+                       help="longest wait for queued GPU work (default: %(default)s, at most 60)")
+    drain.add_argument("--json", action="store_true", help="the drain reply as JSON (exact bytes)")
+    drain.set_defaults(run=cmd_drain)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.timeout <= 0:
+        print("gpucleanup: --timeout must be a positive number of seconds", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        return args.run(args)
+    except CliError as exc:
+        print(f"gpucleanup: {exc}", file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return EXIT_OK
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

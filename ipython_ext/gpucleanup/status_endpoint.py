@@ -1,0 +1,250 @@
+"""The kernel's side of the status endpoint: the native server, its key and its discovery file.
+
+Used by the extension exactly so::
+
+    endpoint = StatusEndpoint()
+    endpoint.start(shell)          # at load
+    endpoint.set_state({...})      # before and after every cell
+    endpoint.publish(record)       # each finished cell's record
+    endpoint.close()               # at unload; also registered with atexit
+
+None of these ever raises: a failure is kept in :attr:`error` (and logged)
+and the endpoint stays off, because cleanup never depends on it.
+
+Layout (all private to the user)::
+
+    <runtime dir>/gpucleanup-<pid>.json   discovery file, 0600 (jupyter_core secure_write)
+    <runtime dir>/gpucleanup/             0700
+        <pid>.key                         HMAC-SHA256 key, 0600
+        <pid>.sock, <pid>.sock.pub        ipc sockets (default transport)
+
+``GPUCLEANUP_STATUS_TRANSPORT=tcp`` (or ``StatusEndpoint(transport="tcp")``)
+binds loopback TCP instead; every request must then be signed with the key.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import secrets
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from . import discovery
+
+__all__ = ["StatusEndpoint"]
+
+log = logging.getLogger("gpucleanup")
+
+# sun_path holds 108 bytes with its NUL; the publish socket adds ".pub".
+_MAX_SOCKET_PATH = 107 - len(".pub")
+
+
+def _jsonable(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=repr))
+
+
+class StatusEndpoint:
+    """The status server of this kernel, found by ``gpucleanup ps`` through a discovery file."""
+
+    def __init__(
+        self,
+        transport: Optional[str] = None,
+        history_limit: int = 50,
+        runtime_dir: Optional[os.PathLike] = None,
+        native: Any = None,
+    ):
+        self.transport = (transport or os.environ.get("GPUCLEANUP_STATUS_TRANSPORT") or "ipc").lower()
+        self.history_limit = history_limit
+        self._runtime_dir = Path(runtime_dir) if runtime_dir is not None else None
+        self._native = native
+        self._shell = None
+        self._pid: Optional[int] = None
+        self._running = False
+        self._discovery_path: Optional[Path] = None
+        self._key_file: Optional[Path] = None
+        self._temp_dir: Optional[Path] = None
+        self._atexit = False
+        self.info: Optional[dict] = None
+        self.error: Optional[str] = None
+
+    # ------------------------------------------------------------------ API
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    @property
+    def discovery_path(self) -> Optional[Path]:
+        return self._discovery_path
+
+    def start(self, shell: Any) -> None:
+        """Starts the native server and writes the discovery file; never raises."""
+        if self._running:
+            return
+        try:
+            self._start(shell)
+        except Exception as exc:
+            self.error = f"{type(exc).__name__}: {exc}"
+            log.warning("gpucleanup status endpoint did not start: %s", self.error)
+            self._teardown()
+
+    def set_state(self, state: dict) -> None:
+        """The kernel's state as ``gpucleanup status`` shows it; never raises."""
+        if not self._running:
+            return
+        try:
+            self._refresh_notebook()
+            try:
+                self._lib().server_set_state(state)
+            except TypeError:
+                self._lib().server_set_state(_jsonable(state))
+        except Exception as exc:
+            self._note(exc)
+
+    def publish(self, record: dict) -> None:
+        """One finished cell's record: kept in the server's history and sent to watchers; never raises."""
+        if not self._running:
+            return
+        try:
+            try:
+                self._lib().server_publish(record)
+            except TypeError:
+                self._lib().server_publish(_jsonable(record))
+        except Exception as exc:
+            self._note(exc)
+
+    def close(self) -> None:
+        """Stops the server and removes the discovery file, key and sockets; idempotent, never raises."""
+        try:
+            if self._atexit:
+                atexit.unregister(self.close)
+                self._atexit = False
+        except Exception:
+            pass
+        if self._pid is not None and self._pid != os.getpid():
+            # A forked child must not take its parent's endpoint down.
+            self._running = False
+            return
+        self._teardown()
+
+    # ------------------------------------------------------------ internals
+
+    def _lib(self):
+        if self._native is None:
+            from . import _native
+
+            self._native = _native
+        return self._native
+
+    def _note(self, exc: BaseException) -> None:
+        self.error = f"{type(exc).__name__}: {exc}"
+        log.debug("gpucleanup status endpoint: %s", self.error)
+
+    def _start(self, shell: Any) -> None:
+        if self.transport not in ("ipc", "tcp"):
+            raise ValueError(f"transport {self.transport!r} is not supported: use 'ipc' or 'tcp'")
+        self._shell = shell
+        self._pid = pid = os.getpid()
+        runtime = self._runtime_dir or discovery.runtime_dir()
+        runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
+        private = discovery.ensure_private_dir(runtime / "gpucleanup")
+
+        from jupyter_core.paths import secure_write
+
+        key = secrets.token_hex(32)
+        self._key_file = private / f"{pid}.key"
+        with secure_write(str(self._key_file)) as f:
+            f.write(key)
+
+        if self.transport == "tcp":
+            endpoint = "tcp://127.0.0.1:0"
+        else:
+            socket = private / f"{pid}.sock"
+            if len(os.fsencode(str(socket))) > _MAX_SOCKET_PATH:
+                # A deep runtime dir cannot hold a socket: use a private temp dir.
+                self._temp_dir = Path(tempfile.mkdtemp(prefix="gpucleanup-"))
+                socket = self._temp_dir / f"{pid}.sock"
+            endpoint = f"ipc://{socket}"
+
+        connection_file = discovery.own_connection_file()
+        notebook = self._notebook()
+        started_ns = time.time_ns()
+        kernel = {
+            "pid": pid,
+            "kernel_id": discovery.kernel_id_from_connection_file(connection_file),
+            "connection_file": connection_file,
+            "notebook": notebook,
+            "started_ns": started_ns,
+            "python": sys.version.split()[0],
+            "executable": sys.executable,
+        }
+        bound = self._lib().server_start(
+            {"endpoint": endpoint, "key": key, "kernel": kernel, "history_limit": int(self.history_limit)}
+        )
+        self._running = True
+        try:
+            from . import __version__ as version
+        except ImportError:
+            version = None
+        self.info = discovery.describe(
+            endpoint=bound["endpoint"],
+            pub_endpoint=bound["pub_endpoint"],
+            key_file=str(self._key_file),
+            transport=self.transport,
+            connection_file=connection_file,
+            notebook=notebook,
+            started_ns=started_ns,
+            version=version,
+        )
+        self._discovery_path = discovery.discovery_path(pid, runtime)
+        discovery.write(self._discovery_path, self.info)
+        atexit.register(self.close)
+        self._atexit = True
+        self.error = None
+
+    def _notebook(self) -> Optional[str]:
+        name = os.environ.get("JPY_SESSION_NAME")
+        if name:
+            return name
+        try:
+            value = self._shell.user_ns.get("__session__") if self._shell is not None else None
+        except Exception:
+            return None
+        return value if isinstance(value, str) and value else None
+
+    def _refresh_notebook(self) -> None:
+        # The frontend may name the notebook after the kernel started.
+        if self.info is None or self.info.get("notebook") or self._discovery_path is None:
+            return
+        notebook = self._notebook()
+        if notebook:
+            self.info["notebook"] = notebook
+            discovery.write(self._discovery_path, self.info)
+
+    def _teardown(self) -> None:
+        if self._running:
+            self._running = False
+            try:
+                self._lib().server_stop()
+            except Exception as exc:
+                self._note(exc)
+        for path in (self._discovery_path, self._key_file):
+            if path is not None:
+                try:
+                    path.unlink()
+                except FileNotFoundError:
+                    pass
+                except Exception as exc:
+                    self._note(exc)
+        self._discovery_path = None
+        self._key_file = None
+        if self._temp_dir is not None:
+            shutil.rmtree(self._temp_dir, ignore_errors=True)
+            self._temp_dir = None
