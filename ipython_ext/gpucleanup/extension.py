@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
+import signal
 import sys
 import threading
 import time
@@ -68,6 +69,7 @@ class _Unraisables:
         self._lock = threading.Lock()
         self._saved: Optional[Callable] = None
         self._by_thread: Dict[int, List[dict]] = {}
+        self._local = threading.local()
 
     @contextlib.contextmanager
     def capture(self):
@@ -88,19 +90,34 @@ class _Unraisables:
                         sys.unraisablehook = self._saved or sys.__unraisablehook__
                     self._saved = None
 
+    @contextlib.contextmanager
+    def source(self, name: str):
+        """Attribute what is captured meanwhile on this thread to ``name`` (an adapter)."""
+        previous = getattr(self._local, "source", None)
+        self._local.source = name
+        try:
+            yield
+        finally:
+            self._local.source = previous
+
     def _hook(self, unraisable) -> None:
         entries = self._by_thread.get(threading.get_ident())
         if entries is None:
             (self._saved or sys.__unraisablehook__)(unraisable)
             return
         exc_type = getattr(unraisable, "exc_type", None)
-        module = getattr(exc_type, "__module__", "") or ""
+        obj = getattr(unraisable, "object", None)
+        source = getattr(self._local, "source", None)
+        if not source:
+            module = obj if isinstance(obj, str) else getattr(obj, "__module__", None)
+            module = module or getattr(exc_type, "__module__", "") or ""
+            source = "" if module == "builtins" else module.split(".", 1)[0]
         entries.append(
             {
+                "source": source or "a framework",
                 "type": getattr(exc_type, "__name__", str(exc_type)),
-                "module": module,
                 "message": str(getattr(unraisable, "exc_value", ""))[:300],
-                "object": repr(getattr(unraisable, "object", None))[:200],
+                "object": (obj if isinstance(obj, str) else repr(obj))[:200],
                 "err_msg": str(getattr(unraisable, "err_msg", "") or "")[:200],
             }
         )
@@ -111,11 +128,51 @@ def summarize_unraisables(entries: List[dict]) -> Optional[str]:
     if not entries:
         return None
     first = entries[0]
-    source = first["module"].split(".", 1)[0] or "a framework"
     detail = f"{first['type']}: {first['message']}" if first["message"] else first["type"]
     count = len(entries)
     what = "traceback" if count == 1 else "tracebacks"
-    return f"{count} {what} from {source} while freeing captured (first: {detail})"
+    return f"{count} {what} from {first['source']} while freeing captured (first: {detail})"
+
+
+class _CtrlC:
+    """Ctrl-C during the cleanup becomes a flag the cleanup checks between steps.
+
+    A KeyboardInterrupt raised by the default handler lands wherever the main thread
+    runs Python next, which during the native settle is the first line of the ctypes
+    progress callback, where it would be printed and lost. With this handler the
+    progress callback sees the flag and asks the native wait to stop; the steps after
+    it are skipped. The previous handler is restored when the cleanup ends.
+    """
+
+    def __init__(self):
+        self.pressed = False
+
+    @contextlib.contextmanager
+    def armed(self):
+        self.pressed = False
+        previous = None
+        installed = False
+        if threading.current_thread() is threading.main_thread():
+            try:
+                previous = signal.getsignal(signal.SIGINT)
+                if previous is not None:
+                    signal.signal(signal.SIGINT, self._handler)
+                    installed = True
+            except (ValueError, TypeError, OSError):
+                installed = False
+        try:
+            yield self
+        finally:
+            if installed:
+                with contextlib.suppress(Exception):
+                    signal.signal(signal.SIGINT, previous)
+
+    def _handler(self, signum, frame) -> None:
+        self.pressed = True
+
+    def check(self) -> None:
+        if self.pressed:
+            raise KeyboardInterrupt
 
 
 class _PinnedJob:
@@ -141,7 +198,7 @@ class _PinnedJob:
                     if self.owner._exiting:
                         break
                     lock = self.owner._adapter_lock(adapter.name)
-                    with lock:
+                    with lock, self.owner._unraisables.source(adapter.name):
                         result, note = self.owner._guarded(adapter, "drain_pinned")
                     if note:
                         self.notes.append(note)
@@ -194,6 +251,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         self._locks_lock = threading.Lock()
         self._pinned_job: Optional[_PinnedJob] = None
         self._progress_shown = False
+        self._ctrl_c = _CtrlC()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -436,6 +494,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
     # ------------------------------------------------------------ the cleanup
 
     def _progress(self, payload: dict) -> bool:
+        if self._ctrl_c.pressed:
+            return True  # stop waiting
         if self.show == "never":
             return False
         line = report.progress_line(int(payload.get("device", 0)), float(payload.get("waited_s", 0.0)))
@@ -536,7 +596,9 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         pending = False
         adapters: list = []
         stats_after: Dict[str, dict] = {}
+        stats_settled: Dict[str, dict] = {}
         captured: List[dict] = []
+        captured_now: List[dict] = []
 
         def released(drain: Optional[dict]) -> None:
             for dev in (drain or {}).get("devices") or []:
@@ -544,12 +606,16 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                 if idx in freed and dev.get("released_bytes"):
                     freed[idx]["driver"] = freed[idx].get("driver", 0) + int(dev["released_bytes"])
 
+        background = self._take_pinned_results()
+        for job in background:
+            notes.extend(job.notes)
+            captured.extend(job.unraisable)
         try:
-            with self._unraisables.capture() as captured:
+            with self._ctrl_c.armed() as ctrl_c, self._unraisables.capture() as captured_now:
                 # 1. settle (the native drain also trims the driver pools once)
                 first = self._drain(self.settle_timeout, notes, progress=True)
                 if first is not None:
-                    interrupted = bool(first.get("keyboard_interrupt"))
+                    interrupted = bool(first.get("keyboard_interrupt")) or ctrl_c.pressed
                     for dev in first.get("devices") or []:
                         idx = _index(dev.get("index"))
                         if idx is None:
@@ -571,13 +637,13 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                 settled = [i for i in devices if dev_state.get(i) == "drained"]
                 if interrupted:
                     raise KeyboardInterrupt
+                ctrl_c.check()
                 adapters = self._adapters(notes) if settled else []
+                stats_settled = self._stats(adapters, settled, notes) if adapters else {}
 
                 # 2. garbage, only when it can release GPU memory
                 if settled and self.gc != "never":
-                    live = None
-                    if adapters and self.gc == "auto":
-                        live = self._live_total(self._stats(adapters, settled, notes), settled)
+                    live = self._live_total(stats_settled, settled) if adapters else None
                     unbound = self._cell_unbound_something(pre) if self.gc == "auto" else False
 
                     def recount() -> Optional[int]:
@@ -586,9 +652,11 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                         return self._live_total(self._stats(adapters, settled, []), settled)
 
                     gc_info = self._collect_garbage(live, unbound, recount)
+                ctrl_c.check()
 
                 # 3. the frameworks' caches, device by device
                 for adapter in adapters:
+                    ctrl_c.check()
                     if not getattr(adapter, "can_release", True):
                         continue
                     lock = self._adapter_lock(adapter.name)
@@ -598,7 +666,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                         )
                         continue
                     try:
-                        res, note = self._guarded(adapter, "drain", list(settled))
+                        with self._unraisables.source(adapter.name):
+                            res, note = self._guarded(adapter, "drain", list(settled))
                     finally:
                         lock.release()
                     if note:
@@ -618,7 +687,15 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                     if job is not None and not job.done.is_set():
                         pending = True
                     else:
-                        candidates = [a for a in adapters if getattr(a, "can_release", True) and hasattr(a, "drain_pinned")]
+                        candidates = [
+                            a
+                            for a in adapters
+                            if getattr(a, "can_release", True)
+                            and hasattr(a, "drain_pinned")
+                            and a.name in stats_settled
+                            # unknown pinned stats: try; known empty pools: no thread for nothing
+                            and (stats_settled[a.name]["pinned"] is None or stats_settled[a.name]["pinned"]["cached_bytes"] > 0)
+                        ]
                         if candidates:
                             new = _PinnedJob(self, candidates, cell)
                             self._pinned_job = new
@@ -633,6 +710,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                                 pending = True
 
                 # 4. the driver's pools, after the frameworks gave memory back to them
+                ctrl_c.check()
                 if self.driver_pools and settled:
                     released(self._drain(0.0, notes, progress=False))
         except KeyboardInterrupt:
@@ -642,10 +720,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                     dev_state[i] = "interrupted"
 
         # 5. what is left, and the record
-        background = self._take_pinned_results()
-        for job in background:
-            notes.extend(job.notes)
-            captured.extend(job.unraisable)
+        captured.extend(captured_now)
         snapshot = None
         try:
             snapshot = self.native.snapshot()
@@ -727,7 +802,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         first_sticky = [d for d in record_devices if d["state"] == "unusable" and not d["quiet"]]
         lines = report.summary_lines(record) if (shown or first_sticky) else []
         if not shown and first_sticky:
-            lines = [report.SEP.join([report.PREFIX, d["message"] or f"GPU{d['index']} is unusable: restart the kernel"]) for d in first_sticky]
+            lines = [report.SEP.join([report.PREFIX, d["message"] or report.unusable_sentence(d)]) for d in first_sticky]
         record["shown"] = bool(lines)
         record["_lines"] = lines
         self.history.append({k: v for k, v in record.items() if k != "_lines"})

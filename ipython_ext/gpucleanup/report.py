@@ -170,8 +170,6 @@ def _device_line(dev: dict, record: dict, pinned: Optional[str]) -> str:
             segs.append(f"still busy with queued work ({format_duration(waited)}): skipped, nothing freed")
         else:
             segs.append(f"busy after {format_duration(waited)}: skipped freeing, queued work keeps running")
-    elif state == "unusable":
-        segs.append(dev.get("message") or "unusable: restart the kernel")
     elif state == "interrupted":
         segs.append("interrupted (Ctrl-C): cleanup stopped, nothing more freed")
     else:
@@ -198,6 +196,10 @@ def _device_line(dev: dict, record: dict, pinned: Optional[str]) -> str:
     return SEP.join(segs)
 
 
+def unusable_sentence(dev: dict) -> str:
+    return f"GPU{dev.get('index', '?')} is unusable: restart the kernel"
+
+
 def summary_lines(record: dict) -> list[str]:
     """The lines printed after a cell: one per device touched, then new notes.
 
@@ -206,8 +208,14 @@ def summary_lines(record: dict) -> list[str]:
     lines = []
     pinned = _pinned_segment(record.get("pinned") or {})
     devices = [d for d in record.get("devices", []) if not d.get("quiet")]
-    for i, dev in enumerate(devices):
-        lines.append(_device_line(dev, record, pinned if i == 0 else None))
+    first = True
+    for dev in devices:
+        if dev.get("state") == "unusable":
+            # said once, as the driver words it: "GPU0 is unusable after ...: restart the kernel"
+            lines.append(f"{PREFIX}{SEP}{dev.get('message') or unusable_sentence(dev)}")
+            continue
+        lines.append(_device_line(dev, record, pinned if first else None))
+        first = False
     if not devices and pinned:
         lines.append(SEP.join([PREFIX, pinned, format_duration(record.get("elapsed_s"))]))
     if record.get("interrupted") and not any(d.get("state") == "interrupted" for d in devices):
@@ -223,11 +231,18 @@ def summary_lines(record: dict) -> list[str]:
 class Table:
     """A titled table that renders as aligned text and as HTML."""
 
-    def __init__(self, title: str, headers: Sequence[str], rows: Iterable[Sequence[Any]], notes: Sequence[str] = ()):
+    def __init__(
+        self, title: str, headers: Sequence[str], rows: Iterable[Sequence[Any]], notes: Sequence[str] = (), align: str = ""
+    ):
+        """``align``: one letter per column, ``l`` or ``r``; default: a left label, then numbers on the right."""
         self.title = title
         self.headers = [str(h) for h in headers]
         self.rows = [[("" if c is None else str(c)) for c in row] for row in rows]
         self.notes = list(notes)
+        self.align = align or "l" + "r" * (len(self.headers) - 1)
+
+    def _left(self, i: int) -> bool:
+        return i >= len(self.align) or self.align[i] == "l"
 
     def text(self) -> str:
         widths = [len(h) for h in self.headers]
@@ -239,7 +254,7 @@ class Table:
             cells = []
             for i, cell in enumerate(row):
                 # first column is a label (left), the others are numbers (right)
-                cells.append(cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i]))
+                cells.append(cell.ljust(widths[i]) if self._left(i) else cell.rjust(widths[i]))
             return "  ".join(cells).rstrip()
 
         lines = [self.title]
@@ -259,7 +274,7 @@ class Table:
         for row in self.rows:
             cells = []
             for i, cell in enumerate(row):
-                align = "left" if i == 0 else "right"
+                align = "left" if self._left(i) else "right"
                 cells.append(f"<td style='text-align:{align}'>{esc(cell)}</td>")
             out.append("<tr>" + "".join(cells) + "</tr>")
         out.append("</tbody></table>")
@@ -384,7 +399,7 @@ def history_table(records: Sequence[dict], title: str = "history") -> Table:
                 format_duration(rec.get("elapsed_s")),
             ]
         )
-    return Table(title, ["cell", "freed", "pinned", "gc", "device used", "state", "time"], rows)
+    return Table(title, ["cell", "freed", "pinned", "gc", "device used", "state", "time"], rows, align="lrrllll")
 
 
 def history_report(records: Sequence[dict]) -> Report:
@@ -405,4 +420,5 @@ def vars_report(found: Sequence[dict], limit: int) -> Report:
     ]
     total = sum(int(f.get("bytes") or 0) for f in found)
     notes = [f"{len(found)} objects, {format_bytes(total)} in all; views of one buffer each count their own size."]
-    return Report([Table("GPU arrays and tensors in the namespace", ["name", "type", "shape", "dtype", "device", "bytes"], rows, notes)])
+    headers = ["name", "type", "shape", "dtype", "device", "bytes"]
+    return Report([Table("GPU arrays and tensors in the namespace", headers, rows, notes, align="lllllr")])

@@ -1,0 +1,977 @@
+"""The extension in an in-process IPython shell: lifecycle, the after-cell flow, failure paths.
+
+Two kinds of tests:
+- ``stand_in``: the native module and the framework adapters are small scripted
+  stand-ins injected into the extension (``extension.DEFAULTS``), so each path of
+  the after-cell flow is driven exactly;
+- ``fake``: the real libgpucleanup over the fake CUDA driver (conftest.fake_cuda).
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import types
+
+import pytest
+
+from gpucleanup import extension
+
+GiB = 1 << 30
+MiB = 1 << 20
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# ------------------------------------------------------------------ stand-ins
+
+
+class StandInDevice:
+    def __init__(self, index, name="NVIDIA H100 80GB HBM3", total=80 * GiB, used=GiB, pool_reserved=0, in_use=True):
+        self.index = index
+        self.name = name
+        self.total = total
+        self.used = used  # everything but the driver pool's reserved bytes
+        self.pool_reserved = pool_reserved
+        self.in_use = in_use
+
+    @property
+    def used_bytes(self):
+        return self.used + self.pool_reserved
+
+
+class StandInNative:
+    """Stand-in for gpucleanup._native: probe/snapshot/drain with the schemas' shapes, scripted."""
+
+    def __init__(self, state="ready", devices=None):
+        self.state = state
+        self.devices = devices if devices is not None else [StandInDevice(0, pool_reserved=GiB)]
+        self.calls = collections.Counter()
+        self.progress = []  # payloads sent to the progress callback by drains with a timeout > 0
+        self.interrupt_at_progress = False  # Ctrl-C arrives while the callback runs (as _native sees it)
+        self.busy = set()
+        self.sticky = set()
+        self.fail = {}  # call name -> exception to raise
+
+    def _maybe_fail(self, name):
+        self.calls[name] += 1
+        if name in self.fail:
+            raise self.fail[name]
+
+    def _driver(self):
+        return {"state": self.state, "path": "/stand-in/libcuda.so.1", "version": 13000, "resolver": None, "missing_optional": [], "message": ""}
+
+    def device(self, index):
+        return next(d for d in self.devices if d.index == index)
+
+    def probe(self):
+        self._maybe_fail("probe")
+        devices = []
+        if self.state == "ready":
+            devices = [{"index": d.index, "in_use": d.in_use, "context": "primary" if d.in_use else None, "state": "in_use" if d.in_use else "idle"} for d in self.devices]
+        return {"kind": "probe", "driver": self._driver(), "devices": devices}
+
+    def snapshot(self):
+        self._maybe_fail("snapshot")
+        out = self.probe()
+        self.calls["probe"] -= 1
+        out["kind"] = "snapshot"
+        for entry, d in zip(out["devices"], self.devices):
+            entry.update(name=d.name, total_bytes=d.total)
+            if d.in_use and d.index not in self.sticky:
+                entry.update(
+                    used_bytes=d.used_bytes,
+                    free_bytes=d.total - d.used_bytes,
+                    pools=[{"which": "default", "handle": "0x1", "reserved_bytes": d.pool_reserved, "used_bytes": 0, "reserved_high_bytes": d.pool_reserved, "used_high_bytes": 0}],
+                )
+        return out
+
+    def drain(self, timeout=30.0, progress=None):
+        self._maybe_fail("drain")
+        keyboard = False
+        interrupted = False
+        if timeout > 0 and progress is not None:
+            for payload in self.progress:
+                try:
+                    if progress(payload):
+                        interrupted = True
+                        break
+                    if self.interrupt_at_progress:
+                        raise KeyboardInterrupt
+                except KeyboardInterrupt:
+                    keyboard = interrupted = True
+                    break
+        devices = []
+        for d in self.devices:
+            if not d.in_use:
+                continue
+            entry = {"index": d.index, "name": d.name, "context": "primary", "pools": [], "error": None, "message": None,
+                     "free_before_bytes": d.total - d.used_bytes, "free_after_bytes": None, "released_bytes": 0}
+            if d.index in self.sticky:
+                entry.update(state="unusable", settle={"status": "skipped", "waited_s": 0.0},
+                             message=f"GPU{d.index} is unusable after CUDA_ERROR_ILLEGAL_ADDRESS: restart the kernel",
+                             free_before_bytes=None)
+            elif interrupted:
+                entry.update(state="busy", settle={"status": "interrupted", "waited_s": 2.0, "busy_for_s": 2.0})
+            elif d.index in self.busy:
+                entry.update(state="busy", settle={"status": "timeout", "waited_s": timeout, "busy_for_s": timeout})
+            else:
+                released, d.pool_reserved = d.pool_reserved, 0
+                entry.update(state="drained", settle={"status": "done" if timeout else "skipped", "waited_s": 0.0},
+                             released_bytes=released, free_after_bytes=d.total - d.used_bytes)
+            devices.append(entry)
+        result = {"kind": "drain", "driver": self._driver(), "timeout_s": timeout, "elapsed_s": 0.0, "interrupted": interrupted, "devices": devices}
+        if keyboard:
+            result["keyboard_interrupt"] = True
+        return result
+
+
+class StandInAdapter:
+    """Stand-in framework adapter with the interface of gpucleanup.frameworks."""
+
+    def __init__(self, name, native, live=None, cached=None, pinned_cached=0, can_release=True):
+        self.name = name
+        self.native = native
+        self.live = dict(live or {})
+        self.cached = dict(cached or {})
+        self.pinned_cached = pinned_cached
+        self.can_release = can_release
+        self.calls = collections.Counter()
+        self.fail = {}
+        self.pinned_gate = None  # threading.Event the background pinned release waits for
+        self.in_pinned = False
+        self.overlaps = 0
+        self.on_drain = None
+
+    def _call(self, verb):
+        self.calls[verb] += 1
+        if verb in self.fail:
+            raise self.fail[verb]
+
+    def in_use(self):
+        return True
+
+    def stats(self, devices):
+        self._call("stats")
+        return {
+            "devices": {i: {"live_bytes": self.live.get(i, 0), "cached_bytes": self.cached.get(i, 0)} for i in devices},
+            "pinned": {"live_bytes": 0, "cached_bytes": self.pinned_cached},
+            "notes": [],
+        }
+
+    def drain(self, devices):
+        if self.in_pinned:
+            self.overlaps += 1
+        self._call("drain")
+        if self.on_drain:
+            self.on_drain()
+        freed = {}
+        for i in devices:
+            n = self.cached.pop(i, 0)
+            if n:
+                freed[i] = n
+                self.native.device(i).used -= n
+        return {"freed_bytes": freed, "notes": []}
+
+    def drain_pinned(self):
+        self.in_pinned = True
+        try:
+            self._call("drain_pinned")
+            if self.pinned_gate is not None:
+                self.pinned_gate.wait(10)
+            freed, self.pinned_cached = self.pinned_cached, 0
+            return {"freed_bytes": freed, "notes": []}
+        finally:
+            self.in_pinned = False
+
+    def describe(self):
+        return f"{self.name} stand-in"
+
+
+class StandInEndpoint:
+    def __init__(self):
+        self.events = []
+
+    def start(self, shell):
+        self.events.append(("start", shell))
+
+    def set_state(self, state):
+        self.events.append(("set_state", dict(state)))
+
+    def publish(self, record):
+        json.dumps(record)  # what is published must be JSON
+        self.events.append(("publish", record))
+
+    def close(self):
+        self.events.append(("close",))
+
+
+# ------------------------------------------------------------------ fixtures
+
+
+@pytest.fixture
+def shell():
+    """The process's InteractiveShell, with gpucleanup unloaded and config reset afterwards."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    ip = InteractiveShell.instance()
+    ip.config.pop("GPUCleanup", None)
+    yield ip
+    ip.extension_manager.unload_extension("gpucleanup")
+    for name in ("x", "y", "z", "err"):
+        ip.user_ns.pop(name, None)
+    ip.config.pop("GPUCleanup", None)
+
+
+class StandIn(types.SimpleNamespace):
+    pass
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    """Stand-in native module, one cupy-like adapter and a recording status endpoint, injected."""
+    native = StandInNative()
+    cupy = StandInAdapter("cupy", native, live={0: 2 * GiB}, cached={0: 3 * GiB}, pinned_cached=GiB)
+    native.device(0).used += 5 * GiB
+    adapters = [cupy]
+    endpoint = StandInEndpoint()
+    monkeypatch.setitem(extension.DEFAULTS, "native", native)
+    monkeypatch.setitem(extension.DEFAULTS, "adapters", lambda: list(adapters))
+    monkeypatch.setitem(extension.DEFAULTS, "status_endpoint", lambda: endpoint)
+    return StandIn(native=native, cupy=cupy, adapters=adapters, endpoint=endpoint)
+
+
+def _ext(ip):
+    return extension.get_extension(ip)
+
+
+def _wait_pinned(ip):
+    job = _ext(ip)._pinned_job
+    if job is not None:
+        assert job.done.wait(10)
+
+
+def _lines(text):
+    """Output lines of gpucleanup with the (varying) timing replaced."""
+    return [re.sub(r" · [0-9.]+ (ms|s)$", " · <t>", line) for line in text.splitlines() if line.startswith("gpucleanup")]
+
+
+def _run(ip, code, capsys):
+    result = ip.run_cell(code, store_history=True)
+    _wait_for_quiet = None
+    out = capsys.readouterr()
+    assert "Error in callback" not in out.out
+    return result, out
+
+
+# ------------------------------------------------------------------ lifecycle
+
+
+def test_load_registers_one_handler_pair_and_the_magic_stand_in(shell, stand_in, capsys):
+    shell.run_line_magic("load_ext", "gpucleanup")
+    ext = _ext(shell)
+    assert shell.events.callbacks["pre_run_cell"].count(ext.pre_run_cell) == 1
+    assert shell.events.callbacks["post_run_cell"].count(ext.post_run_cell) == 1
+    assert shell.magics_manager.magics["line"]["gpumem"].__self__ is ext
+    assert [c for c in shell.configurables if type(c).__name__ == "GPUCleanup"] == [ext]
+    assert capsys.readouterr().out == ""
+
+
+def test_load_again_says_it_is_loaded_stand_in(shell, stand_in, capsys):
+    shell.run_line_magic("load_ext", "gpucleanup")
+    shell.run_line_magic("load_ext", "gpucleanup")
+    assert "already loaded" in capsys.readouterr().out
+    extension.load_ipython_extension(shell)  # called directly, past IPython's own check
+    assert capsys.readouterr().out == "gpucleanup is already loaded (%reload_ext gpucleanup reloads it)\n"
+    assert len([f for f in shell.events.callbacks["post_run_cell"] if getattr(f, "__self__", None).__class__.__name__ == "GPUCleanup"]) == 1
+
+
+def test_reload_does_not_register_twice_stand_in(shell, stand_in):
+    shell.run_line_magic("load_ext", "gpucleanup")
+    first = _ext(shell)
+    for _ in range(3):
+        shell.run_line_magic("reload_ext", "gpucleanup")
+    ext = _ext(shell)
+    assert ext is not first
+    ours = [f for f in shell.events.callbacks["post_run_cell"] if isinstance(getattr(f, "__self__", None), extension.GPUCleanup)]
+    assert ours == [ext.post_run_cell]
+    ours = [f for f in shell.events.callbacks["pre_run_cell"] if isinstance(getattr(f, "__self__", None), extension.GPUCleanup)]
+    assert ours == [ext.pre_run_cell]
+    assert [c for c in shell.configurables if isinstance(c, extension.GPUCleanup)] == [ext]
+    assert shell.magics_manager.magics["line"]["gpumem"].__self__ is ext
+    closes = [e for e in stand_in.endpoint.events if e[0] == "close"]
+    assert len(closes) == 3  # each unload closed the endpoint it started
+
+
+def test_unload_unregisters_the_same_bound_methods_stand_in(shell, stand_in):
+    shell.run_line_magic("load_ext", "gpucleanup")
+    ext = _ext(shell)
+    shell.run_line_magic("unload_ext", "gpucleanup")
+    assert ext.post_run_cell not in shell.events.callbacks["post_run_cell"]
+    assert ext.pre_run_cell not in shell.events.callbacks["pre_run_cell"]
+    assert "gpumem" not in shell.magics_manager.magics["line"]
+    assert ext not in shell.configurables
+    assert extension.get_extension(shell) is None
+    assert stand_in.endpoint.events[-1] == ("close",)
+    shell.run_line_magic("load_ext", "gpucleanup")  # and it loads again
+    assert _ext(shell) is not None
+
+
+def test_autoload_through_config_reads_the_traits_stand_in(shell, stand_in):
+    from traitlets.config import Config
+
+    cfg = Config()
+    cfg.GPUCleanup.gc = "never"
+    cfg.GPUCleanup.settle_timeout = 5.0
+    shell.config.merge(cfg)
+    shell.extension_manager.load_extension("gpucleanup")  # what InteractiveShellApp.extensions does
+    ext = _ext(shell)
+    assert (ext.gc, ext.settle_timeout) == ("never", 5.0)
+
+
+@pytest.mark.parametrize(
+    "state, line",
+    [
+        ("no_driver", "gpucleanup · no CUDA driver found (/stand-in/libcuda.so.1): nothing to clean, no cleanup after cells\n"),
+    ],
+)
+def test_no_driver_prints_one_line_and_costs_nothing_per_cell_stand_in(shell, stand_in, capsys, state, line):
+    stand_in.native.state = state
+    shell.run_line_magic("load_ext", "gpucleanup")
+    assert capsys.readouterr().out == line
+    calls = dict(stand_in.native.calls)
+    for _ in range(3):
+        _run(shell, "x = 1", capsys)
+    assert dict(stand_in.native.calls) == calls  # no hook: nothing per cell
+    assert capsys.readouterr().out == ""
+    assert _ext(shell).post_run_cell not in shell.events.callbacks["post_run_cell"]
+
+
+def test_no_gpu_prints_one_line_stand_in(shell, stand_in, capsys):
+    stand_in.native.devices = []
+    shell.run_line_magic("load_ext", "gpucleanup")
+    assert capsys.readouterr().out == "gpucleanup · no GPU on this machine: nothing to clean, no cleanup after cells\n"
+
+
+def test_native_library_missing_prints_one_line_stand_in(shell, stand_in, capsys):
+    stand_in.native.fail["probe"] = OSError("libgpucleanup.so: cannot open shared object file")
+    shell.run_line_magic("load_ext", "gpucleanup")
+    assert capsys.readouterr().out == (
+        "gpucleanup · the native library could not be loaded (OSError: libgpucleanup.so: cannot open shared object file): "
+        "nothing is cleaned after cells\n"
+    )
+    _run(shell, "x = 1", capsys)
+    assert capsys.readouterr().out == ""
+
+
+def test_cuda_not_initialised_costs_one_probe_per_cell_stand_in(shell, stand_in, capsys):
+    stand_in.native.state = "not_initialized"
+    shell.run_line_magic("load_ext", "gpucleanup")
+    stand_in.native.calls.clear()
+    for _ in range(5):
+        _, out = _run(shell, "x = 1", capsys)
+        assert out.out == ""
+    assert dict(stand_in.native.calls) == {"probe": 5}
+    assert stand_in.cupy.calls == {}
+
+
+# ------------------------------------------------------------------ after a cell
+
+
+def test_summary_line_after_a_cell_stand_in(shell, stand_in, capsys):
+    shell.run_line_magic("load_ext", "gpucleanup")
+    result, out = _run(shell, "x = 1", capsys)
+    assert _lines(out.out) == [
+        "gpucleanup · GPU0 H100 · freed 4.0 GiB (cupy 3.0, driver 1.0) · pinned 1.0 GiB · kept 2.0 GiB live (cupy) · device 3.0/80.0 GiB · <t>"
+    ]
+    record = _ext(shell).history.last()[-1]
+    assert record["cell"] == result.execution_count
+    dev = record["devices"][0]
+    assert dev["freed_bytes"] == {"cupy": 3 * GiB, "driver": GiB}
+    assert (dev["used_before_bytes"], dev["used_after_bytes"]) == (7 * GiB, 3 * GiB)
+    assert record["pinned"]["freed_bytes"] == {"cupy": GiB}
+    json.dumps(record)
+
+
+def test_show_auto_stays_quiet_when_nothing_changed_stand_in(shell, stand_in, capsys):
+    shell.run_line_magic("load_ext", "gpucleanup")
+    _run(shell, "x = 1", capsys)
+    _, out = _run(shell, "x = 2", capsys)
+    assert out.out == ""
+    assert _ext(shell).history.last()[-1]["shown"] is False
+
+
+def test_show_auto_prints_when_the_cell_touched_gpu_memory_stand_in(shell, stand_in, capsys):
+    shell.run_line_magic("load_ext", "gpucleanup")
+    _run(shell, "x = 1", capsys)
+    stand_in.native.device(0).used += 256 * MiB  # the cell allocated and keeps it
+    shell.user_ns["grow"] = lambda: None
+    stand_in.cupy.live[0] += 256 * MiB
+    ext = _ext(shell)
+    ext.pre_run_cell(None)
+    stand_in.native.device(0).used += 256 * MiB
+    ext.post_run_cell(None)
+    out = capsys.readouterr().out
+    assert _lines(out) == ["gpucleanup · GPU0 H100 · freed 0 B · kept 2.2 GiB live (cupy) · device 3.5/80.0 GiB · <t>"]
+
+
+def test_show_always_and_never_stand_in(shell, stand_in, capsys):
+    shell.run_line_magic("load_ext", "gpucleanup")
+    _run(shell, "x = 1", capsys)
+    shell.run_line_magic("config", "GPUCleanup.show = 'always'")
+    _, out = _run(shell, "x = 2", capsys)
+    assert _lines(out.out) == ["gpucleanup · GPU0 H100 · freed 0 B · kept 2.0 GiB live (cupy) · device 3.0/80.0 GiB · <t>"]
+    shell.run_line_magic("config", "GPUCleanup.show = 'never'")
+    stand_in.cupy.cached[0] = GiB
+    _, out = _run(shell, "x = 3", capsys)
+    assert out.out == ""
+    assert _ext(shell).history.last()[-1]["devices"][0]["freed_bytes"] == {"cupy": GiB}
+
+
+def test_several_devices_one_line_each_stand_in(shell, stand_in, capsys):
+    stand_in.native.devices.append(StandInDevice(1, name="NVIDIA H100 80GB HBM3", used=GiB, pool_reserved=2 * GiB))
+    stand_in.native.devices.append(StandInDevice(2, in_use=False))
+    shell.run_line_magic("load_ext", "gpucleanup")
+    _, out = _run(shell, "x = 1", capsys)
+    assert _lines(out.out) == [
+        "gpucleanup · GPU0 H100 · freed 4.0 GiB (cupy 3.0, driver 1.0) · pinned 1.0 GiB · kept 2.0 GiB live (cupy) · device 3.0/80.0 GiB · <t>",
+        "gpucleanup · GPU1 H100 · freed 2.0 GiB (driver 2.0) · device 1.0/80.0 GiB · <t>",
+    ]
+    assert stand_in.cupy.calls["drain"] == 1
+
+
+def test_adapters_get_only_devices_in_use_and_only_when_ready_stand_in(shell, stand_in, capsys):
+    seen = []
+    stand_in.cupy.on_drain = lambda: seen.append("drain")
+    original = stand_in.cupy.stats
+    stand_in.cupy.stats = lambda devices: (seen.append(list(devices)), original(devices))[1]
+    stand_in.native.devices.append(StandInDevice(1, in_use=False))
+    shell.run_line_magic("load_ext", "gpucleanup")
+    _run(shell, "x = 1", capsys)
+    assert [s for s in seen if isinstance(s, list)] and all(s == [0] for s in seen if isinstance(s, list))
+    stand_in.native.state = "not_initialized"
+    seen.clear()
+    _run(shell, "x = 2", capsys)
+    assert seen == []
+
+
+def test_disabled_framework_is_not_called_stand_in(shell, stand_in, capsys):
+    shell.run_line_magic("load_ext", "gpucleanup")
+    _ext(shell).frameworks = {"cupy": False}
+    _, out = _run(shell, "x = 1", capsys)
+    assert stand_in.cupy.calls == {}
+    assert _lines(out.out) == ["gpucleanup · GPU0 H100 · freed 1.0 GiB (driver 1.0) · device 6.0/80.0 GiB · <t>"]
+
+
+def test_framework_that_cannot_release_is_reported_not_drained_stand_in(shell, stand_in, capsys):
+    jax = StandInAdapter("jax", stand_in.native, live={0: GiB}, cached={0: 4 * GiB}, can_release=False)
+    stand_in.adapters.append(jax)
+    shell.run_line_magic("load_ext", "gpucleanup")
+    _, out = _run(shell, "x = 1", capsys)
+    assert jax.calls["drain"] == 0 and jax.calls["drain_pinned"] == 0
+    assert "held 4.0 GiB cached (jax 4.0)" in out.out
+
+
+def test_driver_pools_off_skips_the_trim_after_the_frameworks_stand_in(shell, stand_in, capsys):
+    shell.run_line_magic("load_ext", "gpucleanup")
+    _ext(shell).driver_pools = False
+    _run(shell, "x = 1", capsys)
+    assert stand_in.native.calls["drain"] == 1
+    _ext(shell).driver_pools = True
+    _run(shell, "x = 1", capsys)
+    assert stand_in.native.calls["drain"] == 3
+
+
+def test_pinned_off_does_not_touch_pinned_pools_stand_in(shell, stand_in, capsys):
+    shell.run_line_magic("load_ext", "gpucleanup")
+    _ext(shell).pinned = False
+    _, out = _run(shell, "x = 1", capsys)
+    assert stand_in.cupy.calls["drain_pinned"] == 0
+    assert "pinned" not in out.out
+
+
+def test_pinned_release_runs_in_background_and_is_reported_next_cell_stand_in(shell, stand_in, capsys):
+    gate = threading.Event()
+    stand_in.cupy.pinned_gate = gate
+    shell.run_line_magic("load_ext", "gpucleanup")
+    _, out = _run(shell, "x = 1", capsys)
+    assert _lines(out.out) == [
+        "gpucleanup · GPU0 H100 · freed 4.0 GiB (cupy 3.0, driver 1.0) · pinned release running in background · kept 2.0 GiB live (cupy) · device 3.0/80.0 GiB · <t>"
+    ]
+    assert stand_in.cupy.in_pinned  # the cell returned while the release runs
+    gate.set()
+    _wait_pinned(shell)
+    _, out = _run(shell, "x = 2", capsys)
+    assert _lines(out.out) == [
+        "gpucleanup · GPU0 H100 · freed 0 B · pinned 1.0 GiB freed in background · kept 2.0 GiB live (cupy) · device 3.0/80.0 GiB · <t>"
+    ]
+    record = _ext(shell).history.last()[-1]
+    assert record["pinned"]["background"][0]["freed_bytes"] == {"cupy": GiB}
+    assert record["pinned"]["background"][0]["cell"] == record["cell"] - 1
+
+
+def test_pinned_release_never_overlaps_the_next_drain_of_the_same_adapter_stand_in(shell, stand_in, capsys):
+    gate = threading.Event()
+    stand_in.cupy.pinned_gate = gate
+    shell.run_line_magic("load_ext", "gpucleanup")
+    _run(shell, "x = 1", capsys)
+    stand_in.cupy.cached[0] = GiB
+    _, out = _run(shell, "x = 2", capsys)
+    assert stand_in.cupy.overlaps == 0
+    assert stand_in.cupy.calls["drain"] == 1  # skipped this time, not run beside the pinned release
+    assert stand_in.cupy.calls["drain_pinned"] == 1  # and no second pinned job started
+    assert "cupy: pinned release of an earlier cell still running" in out.out
+    gate.set()
+    _wait_pinned(shell)
+    _run(shell, "x = 3", capsys)
+    assert stand_in.cupy.calls["drain"] == 2 and stand_in.cupy.overlaps == 0
+
+
+def test_busy_device_is_skipped_and_the_line_says_so_stand_in(shell, stand_in, capsys):
+    stand_in.native.busy.add(0)
+    shell.run_line_magic("load_ext", "gpucleanup")
+    _ext(shell).settle_timeout = 30
+    _, out = _run(shell, "x = 1", capsys)
+    assert _lines(out.out) == ["gpucleanup · GPU0 H100 · busy after 30 s: skipped freeing, queued work keeps running · device 7.0/80.0 GiB · <t>"]
+    assert stand_in.cupy.calls["drain"] == 0 and stand_in.cupy.calls["drain_pinned"] == 0
+
+
+def test_progress_line_while_the_settle_waits_stand_in(shell, stand_in, capsys):
+    stand_in.native.progress = [{"device": 0, "waited_s": 2.0, "limit_s": 30}, {"device": 0, "waited_s": 3.0, "limit_s": 30}]
+    shell.run_line_magic("load_ext", "gpucleanup")
+    _, out = _run(shell, "x = 1", capsys)
+    assert out.out.startswith(
+        "gpucleanup · waiting for GPU0 to finish queued work … 2 s\rgpucleanup · waiting for GPU0 to finish queued work … 3 s\n"
+    )
+
+
+def test_keyboard_interrupt_during_the_settle_stops_the_drain_and_says_so_stand_in(shell, stand_in, capsys):
+    stand_in.native.progress = [{"device": 0, "waited_s": 2.0, "limit_s": 30}]
+    stand_in.native.interrupt_at_progress = True
+    shell.run_line_magic("load_ext", "gpucleanup")
+    result, out = _run(shell, "x = 41 + 1", capsys)
+    assert result.success and shell.user_ns["x"] == 42
+    assert _lines(out.out)[-1] == "gpucleanup · GPU0 H100 · interrupted (Ctrl-C): cleanup stopped, nothing more freed · device 7.0/80.0 GiB · <t>"
+    assert stand_in.cupy.calls["drain"] == 0
+    assert _ext(shell).history.last()[-1]["interrupted"] is True
+
+
+def test_keyboard_interrupt_in_a_framework_drain_stops_the_rest_stand_in(shell, stand_in, capsys):
+    torch = StandInAdapter("torch", stand_in.native, cached={0: GiB})
+    stand_in.adapters.append(torch)
+    stand_in.cupy.fail["drain"] = KeyboardInterrupt()
+    shell.run_line_magic("load_ext", "gpucleanup")
+    result, out = _run(shell, "x = 1", capsys)
+    assert result.success
+    assert torch.calls["drain"] == 0
+    assert "interrupted (Ctrl-C): cleanup stopped" in out.out
+    assert "Traceback" not in out.out + out.err
+
+
+def test_hook_never_raises_and_leaves_the_users_error_and_result_alone_stand_in(shell, stand_in, capsys):
+    shell.run_line_magic("load_ext", "gpucleanup")
+    stand_in.native.fail["drain"] = RuntimeError("[gpucleanup.api.999] boom")
+    stand_in.native.fail["snapshot"] = RuntimeError("[gpucleanup.api.998] boom")
+    stand_in.cupy.fail["stats"] = ValueError("stats broke")
+    result, out = _run(shell, "1 / 0", capsys)
+    assert isinstance(result.error_in_exec, ZeroDivisionError)
+    assert isinstance(sys.last_value, ZeroDivisionError)
+    assert sys.last_value is result.error_in_exec
+    assert "ZeroDivisionError" in out.out + out.err
+    result, out = _run(shell, "6 * 7", capsys)
+    assert result.result == 42 and shell.user_ns["_"] == 42 and shell.user_ns["Out"][result.execution_count] == 42
+    assert isinstance(sys.last_value, ZeroDivisionError)  # still the user's, not ours
+
+
+def test_one_warning_per_kind_of_failure_not_per_cell_stand_in(shell, stand_in, capsys):
+    stand_in.cupy.fail["drain"] = RuntimeError("cudaErrorMemoryAllocation")
+    shell.run_line_magic("load_ext", "gpucleanup")
+    outputs = []
+    for i in range(4):
+        stand_in.native.device(0).pool_reserved = GiB
+        outputs.append(_run(shell, f"x = {i}", capsys)[1].out)
+    text = "".join(outputs)
+    assert text.count("gpucleanup · cupy.drain failed: RuntimeError: cudaErrorMemoryAllocation") == 1
+    assert all("cupy.drain failed" in r["notes"][0] for r in _ext(shell).history.last()[-4:])
+
+
+def test_post_run_cell_none_and_pre_run_cell_none_are_handled_stand_in(shell, stand_in, capsys):
+    shell.run_line_magic("load_ext", "gpucleanup")
+    ext = _ext(shell)
+    ext.pre_run_cell(None)
+    ext.post_run_cell(None)
+    out = capsys.readouterr().out
+    assert _lines(out)[0].startswith("gpucleanup · GPU0 H100 · freed 4.0 GiB")
+    assert ext.history.last()[-1]["cell"] is None
+    ext.post_run_cell()  # no argument at all, as old IPython versions call it
+    assert "Error" not in capsys.readouterr().out
+
+
+def test_silent_executions_are_not_cleaned_stand_in(shell, stand_in, capsys):
+    shell.run_line_magic("load_ext", "gpucleanup")
+    stand_in.native.calls.clear()
+    shell.run_cell("x = 1", silent=True)
+    assert stand_in.native.calls == {}
+    result = types.SimpleNamespace(info=types.SimpleNamespace(silent=True), execution_count=None)
+    _ext(shell).post_run_cell(result)
+    assert stand_in.native.calls == {}
+    assert capsys.readouterr().out == ""
+
+
+def test_sticky_error_is_said_once_then_the_device_is_left_alone_stand_in(shell, stand_in, capsys):
+    shell.run_line_magic("load_ext", "gpucleanup")
+    stand_in.native.sticky.add(0)
+    _, out = _run(shell, "x = 1", capsys)
+    assert out.out == "gpucleanup · GPU0 is unusable after CUDA_ERROR_ILLEGAL_ADDRESS: restart the kernel\n"
+    assert stand_in.cupy.calls["drain"] == 0
+    for i in range(3):
+        _, out = _run(shell, f"x = {i}", capsys)
+        assert out.out == ""
+    assert stand_in.cupy.calls["drain"] == 0 and stand_in.cupy.calls["stats"] == 0
+
+
+def test_sticky_error_is_said_even_with_show_never_stand_in(shell, stand_in, capsys):
+    shell.run_line_magic("load_ext", "gpucleanup")
+    shell.run_line_magic("config", "GPUCleanup.show = 'never'")
+    stand_in.native.sticky.add(0)
+    _, out = _run(shell, "x = 1", capsys)
+    assert out.out == "gpucleanup · GPU0 is unusable after CUDA_ERROR_ILLEGAL_ADDRESS: restart the kernel\n"
+
+
+def test_unraisable_tracebacks_during_a_drain_are_captured_in_one_line_stand_in(shell, stand_in, capsys):
+    class Memory:
+        def __del__(self):
+            raise RuntimeError("cudaErrorIllegalAddress: an illegal memory access was encountered")
+
+    def free_blocks():
+        for _ in range(3):
+            Memory()  # each __del__ raises: CPython reports it through sys.unraisablehook
+
+    stand_in.cupy.on_drain = free_blocks
+    shell.run_line_magic("load_ext", "gpucleanup")
+    hook = sys.unraisablehook
+    _, out = _run(shell, "x = 1", capsys)
+    assert sys.unraisablehook is hook
+    assert "Exception ignored" not in out.err
+    assert "gpucleanup · 3 tracebacks from cupy while freeing captured (first: RuntimeError: cudaErrorIllegalAddress: an illegal memory access was encountered)" in out.out
+    assert len(_ext(shell).history.last()[-1]["unraisable"]) == 3
+
+
+def test_unraisable_from_other_threads_still_reach_the_previous_hook_stand_in(shell, stand_in, capsys):
+    seen = []
+    ext = extension.GPUCleanup(shell=shell, native=stand_in.native, adapters=None, status_endpoint=None)
+    saved = sys.unraisablehook
+    sys.unraisablehook = seen.append
+    try:
+        with ext._unraisables.capture() as captured:
+            worker = threading.Thread(target=lambda: sys.unraisablehook(types.SimpleNamespace(exc_type=ValueError)))
+            worker.start()
+            worker.join()
+        assert captured == [] and len(seen) == 1
+        assert sys.unraisablehook == seen.append
+    finally:
+        sys.unraisablehook = saved
+        shell.configurables.remove(ext)
+
+
+# ------------------------------------------------------------------ garbage policy
+
+
+@pytest.fixture
+def collects(monkeypatch):
+    calls = []
+    monkeypatch.setattr(extension.gc, "collect", lambda generation=2: calls.append(generation) or 0)
+    return calls
+
+
+def test_gc_auto_skips_collection_when_no_gpu_object_is_live_stand_in(shell, stand_in, collects, capsys):
+    stand_in.cupy.live = {}
+    shell.run_line_magic("load_ext", "gpucleanup")
+    _run(shell, "x = 1", capsys)
+    _run(shell, "del x", capsys)
+    assert collects == []
+
+
+def test_gc_auto_young_collection_only_when_nothing_was_unbound_stand_in(shell, stand_in, collects, capsys):
+    shell.run_line_magic("load_ext", "gpucleanup")
+    _run(shell, "x = 1", capsys)
+    collects.clear()
+    _run(shell, "y = 2", capsys)
+    assert collects == [1]
+    assert _ext(shell).history.last()[-1]["gc"]["ran"] == "young"
+
+
+def test_gc_auto_full_collection_when_the_cell_deleted_a_name_and_gpu_memory_is_live_stand_in(shell, stand_in, collects, capsys):
+    shell.run_line_magic("load_ext", "gpucleanup")
+    _run(shell, "x = 1", capsys)
+    collects.clear()
+    _run(shell, "del x", capsys)
+    assert collects == [1, 2]
+    assert _ext(shell).history.last()[-1]["gc"]["ran"] == "full"
+
+
+def test_gc_auto_no_full_collection_when_the_young_one_released_everything_stand_in(shell, stand_in, monkeypatch, capsys):
+    calls = []
+
+    def collect(generation=2):
+        calls.append(generation)
+        stand_in.cupy.live = {}  # the young collection freed the cycle that held the memory
+        return 1
+
+    monkeypatch.setattr(extension.gc, "collect", collect)
+    shell.run_line_magic("load_ext", "gpucleanup")
+    _run(shell, "x = 1", capsys)
+    calls.clear()
+    stand_in.cupy.live = {0: GiB}
+    _run(shell, "del x", capsys)
+    assert calls == [1]
+
+
+def test_gc_always_and_never_stand_in(shell, stand_in, collects, capsys):
+    stand_in.cupy.live = {}
+    shell.run_line_magic("load_ext", "gpucleanup")
+    shell.run_line_magic("config", "GPUCleanup.gc = 'always'")
+    _run(shell, "x = 1", capsys)
+    assert collects == [2]
+    shell.run_line_magic("config", "GPUCleanup.gc = 'never'")
+    stand_in.cupy.live = {0: GiB}
+    _run(shell, "del x", capsys)
+    assert collects == [2]
+
+
+def test_gc_really_releases_a_gpu_object_held_in_a_cycle_stand_in(shell, stand_in, capsys):
+    """End to end with the real gc: a cycle holding a (stand-in) GPU buffer is collected after `del`."""
+    shell.run_line_magic("load_ext", "gpucleanup")
+    live = stand_in.cupy.live
+    shell.run_cell(textwrap.dedent("""
+        class Node:
+            pass
+        x = Node(); x.self = x
+    """), store_history=True)
+    import weakref
+
+    ref = weakref.ref(shell.user_ns["x"])
+    ref().__class__.__del__ = lambda self: live.pop(0, None)  # "frees the GPU buffer"
+    gc.collect()  # promote it to the oldest generation, as a long cell would
+    capsys.readouterr()
+    _run(shell, "del x", capsys)
+    assert ref() is None and 0 not in live
+
+
+# ------------------------------------------------------------------ history and status endpoint
+
+
+def test_history_is_bounded_by_history_size_stand_in(shell, stand_in, capsys):
+    shell.run_line_magic("load_ext", "gpucleanup")
+    shell.run_line_magic("config", "GPUCleanup.history_size = 3")
+    for i in range(5):
+        _run(shell, f"x = {i}", capsys)
+    records = _ext(shell).history.last()
+    assert len(records) == 3
+    assert [r["cell"] for r in records] == sorted(r["cell"] for r in records)
+
+
+def test_status_endpoint_sees_running_draining_idle_and_each_record_stand_in(shell, stand_in, capsys):
+    shell.run_line_magic("load_ext", "gpucleanup")
+    ext = _ext(shell)
+    assert stand_in.endpoint.events[0] == ("start", shell)
+    del stand_in.endpoint.events[:]
+    result, _ = _run(shell, "x = 1", capsys)
+    kinds = [(e[0], e[1].get("state")) if e[0] == "set_state" else (e[0],) for e in stand_in.endpoint.events]
+    assert kinds == [("set_state", "running"), ("set_state", "draining"), ("publish",), ("set_state", "idle")]
+    assert stand_in.endpoint.events[0][1]["cell"] == result.execution_count
+    assert stand_in.endpoint.events[2][1] == ext.history.last()[-1]
+    shell.run_line_magic("unload_ext", "gpucleanup")
+    assert stand_in.endpoint.events[-1] == ("close",)
+
+
+def test_status_endpoint_is_closed_at_exit_and_no_driver_call_after_stand_in(shell, stand_in, capsys):
+    shell.run_line_magic("load_ext", "gpucleanup")
+    ext = _ext(shell)
+    ext._at_exit()
+    assert stand_in.endpoint.events[-1] == ("close",)
+    stand_in.native.calls.clear()
+    _run(shell, "x = 1", capsys)
+    assert stand_in.native.calls == {}
+
+
+def test_status_endpoint_failures_never_reach_the_cell_stand_in(shell, stand_in, capsys):
+    stand_in.endpoint.set_state = lambda state: 1 / 0
+    shell.run_line_magic("load_ext", "gpucleanup")
+    result, out = _run(shell, "x = 1", capsys)
+    assert result.success
+    assert out.out.count("status endpoint failed (ZeroDivisionError") == 1
+
+
+def test_status_endpoint_module_absent_is_skipped_silently_stand_in(shell, stand_in, monkeypatch, capsys):
+    monkeypatch.setitem(extension.DEFAULTS, "status_endpoint", None)
+    monkeypatch.setitem(sys.modules, "gpucleanup.status_endpoint", None)  # import raises ModuleNotFoundError
+    shell.run_line_magic("load_ext", "gpucleanup")
+    assert _ext(shell)._endpoint is None
+    assert capsys.readouterr().out == ""
+
+
+def test_status_server_off_starts_no_endpoint_stand_in(shell, stand_in):
+    from traitlets.config import Config
+
+    cfg = Config()
+    cfg.GPUCleanup.status_server = False
+    shell.config.merge(cfg)
+    shell.run_line_magic("load_ext", "gpucleanup")
+    assert stand_in.endpoint.events == []
+
+
+def test_enabled_false_does_nothing_per_cell_stand_in(shell, stand_in, capsys):
+    shell.run_line_magic("load_ext", "gpucleanup")
+    _ext(shell).enabled = False
+    stand_in.native.calls.clear()
+    _run(shell, "x = 1", capsys)
+    assert stand_in.native.calls == {}
+
+
+# ------------------------------------------------------------------ with the fake CUDA driver
+
+
+class CountingNative:
+    """The real _native module, with its calls counted."""
+
+    def __init__(self):
+        from gpucleanup import _native
+
+        self._native = _native
+        self.calls = collections.Counter()
+
+    def __getattr__(self, name):
+        fn = getattr(self._native, name)
+        if callable(fn) and name in ("probe", "snapshot", "drain"):
+            def counted(*a, **k):
+                self.calls[name] += 1
+                return fn(*a, **k)
+            return counted
+        return fn
+
+
+@pytest.fixture
+def real(monkeypatch):
+    native = CountingNative()
+    monkeypatch.setitem(extension.DEFAULTS, "native", native)
+    monkeypatch.setitem(extension.DEFAULTS, "adapters", lambda: [])
+    monkeypatch.setitem(extension.DEFAULTS, "status_endpoint", lambda: StandInEndpoint())
+    return native
+
+
+def _settled(fake_cuda):
+    fake_cuda.release_sync()
+    from gpucleanup import _native
+
+    deadline = time.monotonic() + 10
+    while any(d["state"] == "busy" for d in _native.probe()["devices"]):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_fake_driver_summary_line(shell, real, fake_cuda, capsys):
+    fake_cuda.reset({"devices": [{"name": "Fake H100", "primary_active": True, "default_pool": {"reserved_bytes": GiB, "used_bytes": 0}}]})
+    shell.run_line_magic("load_ext", "gpucleanup")
+    _, out = _run(shell, "x = 1", capsys)
+    assert _lines(out.out) == ["gpucleanup · GPU0 Fake H100 · freed 1.0 GiB (driver 1.0) · device 0.5/80.0 GiB · <t>"]
+    assert fake_cuda.counter("cuInit") == 0 and fake_cuda.counter("contexts_created") == 0
+    assert fake_cuda.counter("calls.cuMemPoolTrimTo") >= 1
+    _, out = _run(shell, "x = 2", capsys)
+    assert out.out == ""
+
+
+def test_fake_driver_not_initialised_one_probe_per_cell_and_no_cuinit(shell, real, fake_cuda, capsys):
+    fake_cuda.reset({"initialized": False})
+    shell.run_line_magic("load_ext", "gpucleanup")
+    assert capsys.readouterr().out == ""
+    real.calls.clear()
+    for i in range(10):
+        _, out = _run(shell, f"x = {i}", capsys)
+        assert out.out == ""
+    assert dict(real.calls) == {"probe": 10}
+    assert fake_cuda.counter("cuInit") == 0 and fake_cuda.counter("contexts_created") == 0
+
+
+def test_fake_driver_inactive_device_is_not_touched(shell, real, fake_cuda, capsys):
+    fake_cuda.reset({"devices": [{"primary_active": False}]})
+    shell.run_line_magic("load_ext", "gpucleanup")
+    _, out = _run(shell, "x = 1", capsys)
+    assert out.out == ""
+    assert fake_cuda.counter("contexts_created") == 0 and fake_cuda.counter("calls.cuMemPoolTrimTo") == 0
+
+
+def test_fake_driver_hanging_device_returns_at_the_limit(shell, real, fake_cuda, capsys):
+    fake_cuda.reset({"devices": [{"name": "Fake H100", "primary_active": True, "sync_seconds": -1}]})
+    shell.run_line_magic("load_ext", "gpucleanup")
+    shell.run_line_magic("config", "GPUCleanup.settle_timeout = 0.3")
+    try:
+        start = time.monotonic()
+        _, out = _run(shell, "x = 1", capsys)
+        assert time.monotonic() - start < 5
+        assert _lines(out.out) == ["gpucleanup · GPU0 Fake H100 · busy after 300 ms: skipped freeing, queued work keeps running · device 0.5/80.0 GiB · <t>"]
+        _, out = _run(shell, "x = 2", capsys)
+        assert re.fullmatch(r"gpucleanup · GPU0 Fake H100 · still busy with queued work \(\d+ ms\): skipped, nothing freed · device 0.5/80.0 GiB · <t>", _lines(out.out)[0])
+    finally:
+        _settled(fake_cuda)
+
+
+def test_fake_driver_progress_line_after_two_seconds(shell, real, fake_cuda, capsys):
+    fake_cuda.reset({"devices": [{"name": "Fake H100", "primary_active": True, "sync_seconds": -1}]})
+    shell.run_line_magic("load_ext", "gpucleanup")
+    shell.run_line_magic("config", "GPUCleanup.settle_timeout = 2.5")
+    try:
+        _, out = _run(shell, "x = 1", capsys)
+        assert out.out.startswith("gpucleanup · waiting for GPU0 to finish queued work … 2 s\n")
+        assert _lines(out.out)[-1] == "gpucleanup · GPU0 Fake H100 · busy after 2.5 s: skipped freeing, queued work keeps running · device 0.5/80.0 GiB · <t>"
+    finally:
+        _settled(fake_cuda)
+
+
+def test_fake_driver_ctrl_c_during_the_settle_stops_it(shell, real, fake_cuda, capsys):
+    import _thread
+
+    fake_cuda.reset({"devices": [{"name": "Fake H100", "primary_active": True, "sync_seconds": -1}]})
+    shell.run_line_magic("load_ext", "gpucleanup")
+    shell.run_line_magic("config", "GPUCleanup.settle_timeout = 20")
+    ext = _ext(shell)
+    try:
+        ext.pre_run_cell(None)
+        timer = threading.Timer(0.3, _thread.interrupt_main)  # Ctrl-C while the native wait runs
+        timer.start()
+        start = time.monotonic()
+        ext.post_run_cell(None)
+        timer.join()
+        assert time.monotonic() - start < 10
+        out = capsys.readouterr().out
+        assert "gpucleanup · GPU0 Fake H100 · interrupted (Ctrl-C): cleanup stopped, nothing more freed" in out
+        assert ext.history.last()[-1]["interrupted"] is True
+    finally:
+        _settled(fake_cuda)
+
+
+def test_fake_driver_sticky_error_said_once_in_a_fresh_process(fake_cuda, tmp_path):
+    """The native library remembers a sticky error for the process's life, so this runs in its own."""
+    scenario = {"devices": [{"name": "Fake H100", "primary_active": True, "sticky_error": 700}]}
+    script = textwrap.dedent(
+        """
+        from IPython.core.interactiveshell import InteractiveShell
+        ip = InteractiveShell.instance()
+        ip.run_line_magic("load_ext", "gpucleanup")
+        ip.run_line_magic("config", "GPUCleanup.status_server = False")
+        for i in range(3):
+            ip.run_cell(f"x = {i}", store_history=True)
+        print("done")
+        """
+    )
+    env = dict(os.environ, GPUCLEANUP_FAKE_CUDA_SCENARIO=json.dumps(scenario), PYTHONPATH=os.path.join(ROOT, "ipython_ext"))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "gpucleanup · GPU0 is unusable after CUDA_ERROR_ILLEGAL_ADDRESS: restart the kernel\ndone\n"
