@@ -12,6 +12,9 @@
 #include <string>
 #include <thread>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include "test_support.hpp"
 
 using gpucleanup::testing::FakeCuda;
@@ -175,6 +178,42 @@ TEST_F(CApi, DrainReturnsAtTheLimitAndReportsProgressOnTheCallingThread) {
   const json again = call_json([](char** out) { return gpucleanup_drain(0.2, nullptr, nullptr, out); });
   EXPECT_EQ(again["devices"][0]["settle"]["status"], "still_busy");
   EXPECT_EQ(fake.counter("calls.cuCtxSynchronize"), 1);
+}
+
+TEST_F(CApi, ForkedChildStartsCleanEvenWhileTheParentIsMidDrain) {
+  fake.reset({{"devices", {{{"primary_active", true}, {"sync_seconds", -1}}}}});
+  // A drain on another thread holds the library's lock while the fork happens.
+  std::thread drainer([] {
+    char* out = nullptr;
+    gpucleanup_drain(30.0, nullptr, nullptr, &out);
+    gpucleanup_free(out);
+  });
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (fake.counter("syncs_in_flight") != 1) {
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline);
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  const pid_t pid = fork();
+  if (pid == 0) {
+    alarm(10);  // a deadlock on the parent's lock would hang here
+    const long long calls = fake.counter("calls.cuDeviceGetCount");
+    char* out = nullptr;
+    if (gpucleanup_snapshot(&out) != GPUCLEANUP_OK) _exit(1);
+    const json snapshot = json::parse(out);
+    gpucleanup_free(out);
+    const bool ok = snapshot["driver"]["state"] == "unusable" &&
+                    snapshot["driver"]["message"] ==
+                        "[gpucleanup.driver.105] CUDA was initialised before this process forked: CUDA cannot be "
+                        "used in a forked child" &&
+                    snapshot["devices"].empty() && fake.counter("calls.cuDeviceGetCount") == calls;
+    _exit(ok ? 0 : 2);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  fake.release_sync();
+  drainer.join();
+  ASSERT_TRUE(WIFEXITED(status)) << "child died with signal " << WTERMSIG(status);
+  EXPECT_EQ(WEXITSTATUS(status), 0);
 }
 
 TEST(CApiDeathTest, NoDriverIsAStateAndStatusOk) {
