@@ -57,6 +57,8 @@ def gpumem_arguments(func: Callable) -> Callable:
     """Decorate the ``gpumem`` magic method with its arguments (``%gpumem?`` shows them)."""
     for deco in reversed(_ARGUMENTS):
         func = deco(func)
+    # "--dr" must not silently mean --drain (MagicArgumentParser takes no allow_abbrev)
+    func.parser.allow_abbrev = False
     return func
 
 
