@@ -1,0 +1,218 @@
+"""The extension in a real IPython kernel, through jupyter_client (the ipykernel test-helper pattern).
+
+Each test starts a kernel whose environment points libgpucleanup at the fake CUDA
+driver (GPUCLEANUP_LIBCUDA) with a scenario (GPUCLEANUP_FAKE_CUDA_SCENARIO), runs
+cells, collects the iopub messages of each cell until the kernel is idle, and
+asserts what arrived on that cell's stdout stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import re
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from conftest import BUILD, FAKE_CUDA
+
+jupyter_client = pytest.importorskip("jupyter_client")
+pytest.importorskip("ipykernel")
+
+ROOT = Path(__file__).resolve().parents[2]
+LIBRARY = BUILD / "native" / "libgpucleanup.so"
+GiB = 1 << 30
+TIMEOUT = 60
+
+
+def _kernel_env(tmp_path: Path, **extra: str) -> dict:
+    env = dict(os.environ)
+    for name in list(env):
+        if name.startswith(("GPUCLEANUP_FAKE_CUDA", "JPY_")):
+            env.pop(name)
+    env.update(
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "ipython_ext"), extra.pop("PYTHONPATH", "")])),
+        GPUCLEANUP_LIBRARY=str(LIBRARY),
+        GPUCLEANUP_LIBCUDA=str(FAKE_CUDA),
+        JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
+        IPYTHONDIR=str(tmp_path / "ipython"),
+    )
+    env.update(extra)
+    return env
+
+
+@contextlib.contextmanager
+def kernel(tmp_path: Path, python: str = sys.executable, **env: str):
+    from jupyter_client.manager import KernelManager
+
+    km = KernelManager()
+    km.kernel_spec  # resolve the spec, then make it run the interpreter we want
+    km.kernel_spec.argv = [python, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+    km.start_kernel(env=_kernel_env(tmp_path, **env))
+    kc = km.client()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=TIMEOUT)
+        yield kc
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def execute(kc, code: str) -> dict:
+    """Run one cell; its stdout, stderr, rich outputs and reply, collected until the kernel is idle."""
+    msg_id = kc.execute(code)
+    out = {"stdout": "", "stderr": "", "display": [], "error": None}
+    while True:
+        msg = kc.get_iopub_msg(timeout=TIMEOUT)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "stream":
+            out[content["name"]] += content["text"]
+        elif kind in ("display_data", "execute_result"):
+            out["display"].append(content["data"])
+        elif kind == "error":
+            out["error"] = content
+        elif kind == "status" and content["execution_state"] == "idle":
+            break
+    reply = kc.get_shell_msg(timeout=TIMEOUT)
+    assert reply["parent_header"]["msg_id"] == msg_id
+    out["reply"] = reply["content"]
+    return out
+
+
+def _timeless(text: str) -> str:
+    return re.sub(r" · [0-9.]+ (ms|s)$", " · <t>", text, flags=re.MULTILINE)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built():
+    if not LIBRARY.exists() or not FAKE_CUDA.exists():
+        pytest.fail(f"build libgpucleanup and the fake driver first ({LIBRARY}, {FAKE_CUDA})")
+
+
+SCENARIO = {"devices": [{"name": "Fake H100", "primary_active": True, "default_pool": {"reserved_bytes": GiB, "used_bytes": 0}}]}
+
+
+# A cell that "allocates" 2 GiB into the device's default pool (reserved, so no longer free),
+# through the fake's control API: the kernel loaded the same libcuda.so.1 as libgpucleanup.
+_FREE = 80 * GiB - 512 * (1 << 20) - 2 * GiB
+ALLOCATE = (
+    "import ctypes, os\n"
+    "ctypes.CDLL(os.environ['GPUCLEANUP_LIBCUDA']).fake_cuda_update("
+    f"b'{{\"devices\": [{{\"free_bytes\": {_FREE}, \"default_pool\": {{\"reserved_bytes\": {2 * GiB}}}}}]}}')"
+)
+
+
+def test_summary_line_arrives_on_the_cells_stdout(tmp_path):
+    with kernel(tmp_path, GPUCLEANUP_FAKE_CUDA_SCENARIO=json.dumps(SCENARIO)) as kc:
+        # the cell that loads the extension is cleaned too: the pool held 1 GiB before
+        loaded = execute(kc, "%load_ext gpucleanup")
+        assert loaded["reply"]["status"] == "ok"
+        assert _timeless(loaded["stdout"]) == "gpucleanup · GPU0 Fake H100 · freed 1.0 GiB (driver 1.0) · device 0.5/80.0 GiB · <t>\n"
+        quiet = execute(kc, "y = 2")
+        assert quiet["stdout"] == ""  # nothing changed: nothing said (show = "auto")
+        cell = execute(kc, ALLOCATE)
+        assert cell["reply"]["status"] == "ok"
+        assert _timeless(cell["stdout"]) == "gpucleanup · GPU0 Fake H100 · freed 2.0 GiB (driver 2.0) · device 0.5/80.0 GiB · <t>\n"
+        assert cell["stderr"] == ""
+        again = execute(kc, "%load_ext gpucleanup")
+        assert "already loaded" in again["stdout"]
+        table = execute(kc, "%gpumem")
+        assert table["stdout"] == "" and len(table["display"]) == 1
+        data = table["display"][0]
+        assert data["text/plain"].splitlines()[0] == "GPU0 Fake H100 — 0.5/80.0 GiB used"
+        assert "<table" in data["text/html"]
+        n = cell["reply"]["execution_count"]
+        check = execute(
+            kc,
+            "from gpucleanup.extension import get_extension\n"
+            f"print([r['devices'][0]['freed_bytes'] for r in get_extension(get_ipython()).history.last() if r['cell'] == {n}])",
+        )
+        assert check["stdout"] == "[{'driver': 2147483648}]\n"
+
+
+def test_error_in_the_cell_stays_the_users(tmp_path):
+    with kernel(tmp_path, GPUCLEANUP_FAKE_CUDA_SCENARIO=json.dumps(SCENARIO)) as kc:
+        execute(kc, "%load_ext gpucleanup")
+        cell = execute(kc, ALLOCATE + "\n1 / 0")
+        assert cell["reply"]["status"] == "error" and cell["error"]["ename"] == "ZeroDivisionError"
+        assert _timeless(cell["stdout"]) == "gpucleanup · GPU0 Fake H100 · freed 2.0 GiB (driver 2.0) · device 0.5/80.0 GiB · <t>\n"
+        after = execute(kc, "import sys; print(type(sys.last_value).__name__)")
+        assert after["stdout"] == "ZeroDivisionError\n"
+        result = execute(kc, "6 * 7")
+        assert result["display"][0]["text/plain"] == "42"
+        assert execute(kc, "print(_, Out[max(Out)])")["stdout"] == "42 42\n"
+
+
+def test_reload_and_unload_in_a_kernel(tmp_path):
+    with kernel(tmp_path, GPUCLEANUP_FAKE_CUDA_SCENARIO=json.dumps(SCENARIO)) as kc:
+        execute(kc, "%load_ext gpucleanup")
+        execute(kc, "%reload_ext gpucleanup")
+        execute(kc, "%reload_ext gpucleanup")
+        count = execute(kc, "print(sum(type(getattr(f, '__self__', None)).__name__ == 'GPUCleanup' for f in get_ipython().events.callbacks['post_run_cell']))")
+        assert count["stdout"] == "1\n"
+        execute(kc, "%unload_ext gpucleanup")
+        count = execute(kc, "print(sum(type(getattr(f, '__self__', None)).__name__ == 'GPUCleanup' for f in get_ipython().events.callbacks['post_run_cell']))")
+        assert count["stdout"] == "0\n"
+
+
+def test_autoload_from_the_kernel_config(tmp_path):
+    profile = tmp_path / "ipython" / "profile_default"
+    profile.mkdir(parents=True)
+    (profile / "ipython_kernel_config.py").write_text(
+        'c.InteractiveShellApp.extensions = ["gpucleanup"]\nc.GPUCleanup.show = "always"\n'
+    )
+    with kernel(tmp_path, GPUCLEANUP_FAKE_CUDA_SCENARIO=json.dumps(SCENARIO)) as kc:
+        first = execute(kc, "x = 1")
+        assert _timeless(first["stdout"]) == "gpucleanup · GPU0 Fake H100 · freed 1.0 GiB (driver 1.0) · device 0.5/80.0 GiB · <t>\n"
+        cell = execute(kc, "x = 2")  # show = "always" from the config file
+        assert _timeless(cell["stdout"]) == "gpucleanup · GPU0 Fake H100 · freed 0 B · device 0.5/80.0 GiB · <t>\n"
+
+
+def test_no_driver_says_one_line_at_load_and_nothing_after_cells(tmp_path):
+    with kernel(tmp_path, GPUCLEANUP_LIBCUDA="/nonexistent") as kc:
+        loaded = execute(kc, "%load_ext gpucleanup")
+        assert loaded["stdout"] == "gpucleanup · no CUDA driver found (/nonexistent): nothing to clean, no cleanup after cells\n"
+        for code in ("x = 1", "y = x + 1", "print('hi')"):
+            cell = execute(kc, code)
+            assert cell["stdout"] in ("", "hi\n") and cell["stderr"] == ""
+        hooks = execute(kc, "print(len(get_ipython().events.callbacks['post_run_cell']))")
+        table = execute(kc, "%gpumem")
+        assert table["display"][0]["text/plain"] == "gpucleanup · no CUDA driver: nothing to clean"
+        # only IPython's/ipykernel's own post_run_cell callbacks remain, none of ours
+        ours = execute(kc, "print(any(type(getattr(f, '__self__', None)).__name__ == 'GPUCleanup' for f in get_ipython().events.callbacks['post_run_cell']))")
+        assert ours["stdout"] == "False\n" and hooks["stdout"].strip().isdigit()
+
+
+def _torch_python():
+    """An interpreter that can import torch and ipykernel: this one, or $GPUCLEANUP_TEST_TORCH_PYTHON."""
+    if importlib.util.find_spec("torch") is not None:
+        return sys.executable, ""
+    other = os.environ.get("GPUCLEANUP_TEST_TORCH_PYTHON")
+    if other and Path(other).exists():
+        # ipykernel and friends come from this interpreter's site-packages
+        return other, sysconfig.get_paths()["purelib"]
+    return None, ""
+
+
+@pytest.mark.parametrize("scenario", [{"initialized": False}, SCENARIO], ids=["cuda-not-initialised", "device-in-use"])
+def test_torch_imported_in_the_kernel_stays_uninitialised(tmp_path, scenario):
+    python, extra_path = _torch_python()
+    if python is None:
+        pytest.skip("torch is not importable (set GPUCLEANUP_TEST_TORCH_PYTHON to an interpreter that has it)")
+    with kernel(tmp_path, python=python, PYTHONPATH=extra_path, GPUCLEANUP_FAKE_CUDA_SCENARIO=json.dumps(scenario)) as kc:
+        execute(kc, "%load_ext gpucleanup")
+        cell = execute(kc, "import torch\nt = torch.zeros(4, 4) @ torch.ones(4, 4)\nprint(float(t.sum()))")
+        assert cell["reply"]["status"] == "ok", cell
+        assert cell["stdout"] == "0.0\n"
+        for magic in ("%gpumem", "%gpumem --vars", "%gpumem --drain", "%gpumem --json"):
+            assert execute(kc, magic)["reply"]["status"] == "ok"
+        state = execute(kc, "print(torch.cuda.is_initialized())")
+        assert state["stdout"] == "False\n"
