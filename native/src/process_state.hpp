@@ -46,7 +46,7 @@ class PerProcess {
   struct Node {
     explicit Node(std::uint64_t g) : generation(g) {}
     std::uint64_t generation;
-    T value;
+    T value{};
   };
   std::atomic<Node*> node_{nullptr};
 };
