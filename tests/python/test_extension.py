@@ -867,6 +867,14 @@ def real(monkeypatch):
     return native
 
 
+def _fake_name():
+    """The device name as the native library reports it: it keeps the first name it read for the
+    process's life (a real GPU does not change its name), so an earlier test's scenario may have set it."""
+    from gpucleanup import _native, report
+
+    return report.short_device_name(_native.snapshot()["devices"][0]["name"])
+
+
 def _settled(fake_cuda):
     fake_cuda.release_sync()
     from gpucleanup import _native
@@ -881,7 +889,7 @@ def test_fake_driver_summary_line(shell, real, fake_cuda, capsys):
     fake_cuda.reset({"devices": [{"name": "Fake H100", "primary_active": True, "default_pool": {"reserved_bytes": GiB, "used_bytes": 0}}]})
     shell.run_line_magic("load_ext", "gpucleanup")
     _, out = _run(shell, "x = 1", capsys)
-    assert _lines(out.out) == ["gpucleanup · GPU0 Fake H100 · freed 1.0 GiB (driver 1.0) · device 0.5/80.0 GiB · <t>"]
+    assert _lines(out.out) == [f"gpucleanup · GPU0 {_fake_name()} · freed 1.0 GiB (driver 1.0) · device 0.5/80.0 GiB · <t>"]
     assert fake_cuda.counter("cuInit") == 0 and fake_cuda.counter("contexts_created") == 0
     assert fake_cuda.counter("calls.cuMemPoolTrimTo") >= 1
     _, out = _run(shell, "x = 2", capsys)
@@ -916,9 +924,9 @@ def test_fake_driver_hanging_device_returns_at_the_limit(shell, real, fake_cuda,
         start = time.monotonic()
         _, out = _run(shell, "x = 1", capsys)
         assert time.monotonic() - start < 5
-        assert _lines(out.out) == ["gpucleanup · GPU0 Fake H100 · busy after 300 ms: skipped freeing, queued work keeps running · device 0.5/80.0 GiB · <t>"]
+        assert _lines(out.out) == [f"gpucleanup · GPU0 {_fake_name()} · busy after 300 ms: skipped freeing, queued work keeps running · device 0.5/80.0 GiB · <t>"]
         _, out = _run(shell, "x = 2", capsys)
-        assert re.fullmatch(r"gpucleanup · GPU0 Fake H100 · still busy with queued work \(\d+ ms\): skipped, nothing freed · device 0.5/80.0 GiB · <t>", _lines(out.out)[0])
+        assert re.fullmatch(rf"gpucleanup · GPU0 {re.escape(_fake_name())} · still busy with queued work \(\d+ ms\): skipped, nothing freed · device 0.5/80.0 GiB · <t>", _lines(out.out)[0])
     finally:
         _settled(fake_cuda)
 
@@ -930,7 +938,7 @@ def test_fake_driver_progress_line_after_two_seconds(shell, real, fake_cuda, cap
     try:
         _, out = _run(shell, "x = 1", capsys)
         assert out.out.startswith("gpucleanup · waiting for GPU0 to finish queued work … 2 s\n")
-        assert _lines(out.out)[-1] == "gpucleanup · GPU0 Fake H100 · busy after 2.5 s: skipped freeing, queued work keeps running · device 0.5/80.0 GiB · <t>"
+        assert _lines(out.out)[-1] == f"gpucleanup · GPU0 {_fake_name()} · busy after 2.5 s: skipped freeing, queued work keeps running · device 0.5/80.0 GiB · <t>"
     finally:
         _settled(fake_cuda)
 
@@ -951,7 +959,7 @@ def test_fake_driver_ctrl_c_during_the_settle_stops_it(shell, real, fake_cuda, c
         timer.join()
         assert time.monotonic() - start < 10
         out = capsys.readouterr().out
-        assert "gpucleanup · GPU0 Fake H100 · interrupted (Ctrl-C): cleanup stopped, nothing more freed" in out
+        assert f"gpucleanup · GPU0 {_fake_name()} · interrupted (Ctrl-C): cleanup stopped, nothing more freed" in out
         assert ext.history.last()[-1]["interrupted"] is True
     finally:
         _settled(fake_cuda)

@@ -234,5 +234,7 @@ def test_gpumem_with_the_fake_driver(shell, fake_cuda, monkeypatch):  # noqa: F8
     assert dev["pools"] == [{"which": "default", "reserved_bytes": GiB, "used_bytes": 256 * MiB}]
     assert dev["outside_bytes"] == 512 * MiB  # the fake's context
     _, cap = _display(shell, "")
-    assert cap.outputs[0].data["text/plain"].splitlines()[0] == "GPU0 Fake H100 — 1.5/80.0 GiB used"
+    from test_extension import _fake_name
+
+    assert cap.outputs[0].data["text/plain"].splitlines()[0] == f"GPU0 {_fake_name()} — 1.5/80.0 GiB used"
     assert fake_cuda.counter("contexts_created") == 0
