@@ -66,17 +66,22 @@ def discovery_path(pid: Optional[int] = None, directory: Optional[Path] = None) 
     return (directory or runtime_dir()) / f"{PREFIX}{pid if pid is not None else os.getpid()}{SUFFIX}"
 
 
-def process_start_ticks(pid: int) -> Optional[int]:
-    """The process's start time in clock ticks since boot (``/proc/<pid>/stat`` field 22), or None."""
+def _stat_fields(pid: int) -> Optional[list]:
+    """Fields 3 onwards of ``/proc/<pid>/stat`` (state first), or None."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read().decode("ascii", "replace")
     except OSError:
         return None
     # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
-    fields = stat[stat.rfind(")") + 2 :].split()
+    return stat[stat.rfind(")") + 2 :].split()
+
+
+def process_start_ticks(pid: int) -> Optional[int]:
+    """The process's start time in clock ticks since boot (``/proc/<pid>/stat`` field 22), or None."""
+    fields = _stat_fields(pid)
     try:
-        return int(fields[19])
+        return int(fields[19]) if fields else None
     except (IndexError, ValueError):
         return None
 
@@ -210,6 +215,9 @@ def is_alive(info: dict) -> bool:
         return False
     except PermissionError:
         pass  # someone else's process holds the pid now; the start time decides
+    fields = _stat_fields(pid)
+    if fields and fields[0] in ("Z", "X"):
+        return False  # a killed kernel its parent has not reaped yet
     recorded = info.get("proc_start_ticks")
     if recorded is None:
         return True

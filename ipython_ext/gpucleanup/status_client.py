@@ -80,13 +80,17 @@ def decode(frames: Sequence[bytes], key: Optional[bytes], request_id: Optional[s
     if len(frames) != 3 or frames[0] != b"":
         raise StatusBadReply(f"reply has {len(frames)} frames, expected [b'', signature, body]")
     signature, data = frames[1], frames[2]
-    if key:
-        if not hmac.compare_digest(signature, sign(key, data).encode()):
-            raise StatusBadReply("reply signature does not match the key file: the key file belongs to another kernel")
     try:
         reply = json.loads(data)
     except ValueError as exc:
         raise StatusBadReply(f"reply is not JSON ({exc})") from None
+    if key and not hmac.compare_digest(signature, sign(key, data).encode()):
+        # A server that refused our signature signs its refusal with its own key, which we
+        # lack; believing a refusal grants nothing, so say what it says.
+        error = reply.get("error") if isinstance(reply, dict) else None
+        if isinstance(error, dict) and error.get("id") == "gpucleanup.server.403":
+            raise StatusRejected(error.get("message") or "bad signature", error.get("id"))
+        raise StatusBadReply("reply signature does not match the key file: the key file belongs to another kernel")
     if not isinstance(reply, dict) or reply.get("protocol") != PROTOCOL:
         raise StatusBadReply(f"reply speaks protocol {reply.get('protocol') if isinstance(reply, dict) else '?'}, expected {PROTOCOL}")
     if request_id is not None and reply.get("id") not in (request_id, None):

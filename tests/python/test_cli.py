@@ -1,0 +1,476 @@
+"""The ``gpucleanup`` command, run as a subprocess.
+
+First against a status endpoint in this process (a fake kernel description),
+then against real kernels started through jupyter_client with
+``%load_ext gpucleanup``: busy in Python, busy in a C call that holds the GIL,
+killed, unloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+import types
+import uuid
+from pathlib import Path
+
+import pytest
+
+from gpucleanup import discovery, status_client
+from gpucleanup.status_endpoint import StatusEndpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+BUILD = Path(os.environ.get("GPUCLEANUP_BUILD_DIR", ROOT / "build")).resolve()
+
+
+@pytest.fixture
+def runtime(tmp_path, monkeypatch):
+    directory = tmp_path / "runtime"
+    directory.mkdir(mode=0o700)
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(directory))
+    monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
+    return directory
+
+
+def cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "ipython_ext"), env.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-m", "gpucleanup.cli", *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
+
+
+@pytest.fixture
+def kernel(runtime, fake_cuda):
+    """This process, described as a kernel with a notebook and a last cell."""
+    ep = StatusEndpoint()
+    ep.start(types.SimpleNamespace(user_ns={"__session__": "/home/me/fit.ipynb"}))
+    assert ep.error is None, ep.error
+    ep.set_state({"state": "running", "cell": 12, "since_ns": time.time_ns() - 5_000_000_000})
+    ep.publish(
+        {
+            "cell": 11,
+            "devices": [
+                {
+                    "index": 0,
+                    "freed_bytes": {"cupy": 6 << 30},
+                    "live_bytes": {"cupy": 1 << 30},
+                    "cached_bytes": {"torch": 300 << 20},
+                }
+            ],
+            "pinned": {"freed_bytes": 0},
+        }
+    )
+    yield ep
+    ep.close()
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def write_discovery(runtime: Path, pid: int, **fields) -> Path:
+    info = {
+        "discovery": 1, "pid": pid, "proc_start_ticks": None, "kernel_id": f"k{pid}", "connection_file": None,
+        "notebook": None, "endpoint": f"ipc://{runtime}/gpucleanup/{pid}.sock",
+        "pub_endpoint": f"ipc://{runtime}/gpucleanup/{pid}.sock.pub", "transport": "ipc", "key_file": None,
+        "signature_scheme": "hmac-sha256", "protocol": 1, "started_ns": 1, "version": "0.1.0",
+    }
+    info.update(fields)
+    path = runtime / f"gpucleanup-{pid}.json"
+    discovery.write(path, info)
+    return path
+
+
+# ---------------------------------------------------------------- against this process
+
+
+def test_status_json_reports_the_kernel(kernel):
+    result = cli("status", str(os.getpid()), "--json")
+    assert result.returncode == 0, result.stderr
+    reply = json.loads(result.stdout)
+    assert reply["protocol"] == 1
+    assert reply["kind"] == "status"
+    assert reply["kernel"]["pid"] == os.getpid()
+    assert reply["kernel"]["notebook"] == "/home/me/fit.ipynb"
+    assert reply["state"]["state"] == "running"
+    assert reply["state"]["cell"] == 12
+    assert reply["state"]["age_s"] >= 5
+    assert reply["last_record"]["devices"][0]["freed_bytes"] == {"cupy": 6 << 30}
+    assert reply["snapshot"]["kind"] == "snapshot"
+    assert reply["server"]["request_signed"] is True
+
+
+def test_status_text_and_notebook_lookup(kernel):
+    result = cli("status", "fit.ipynb")
+    assert result.returncode == 0, result.stderr
+    assert f"kernel     {os.getpid()}" in result.stdout
+    assert "state      running cell 12 for 5." in result.stdout
+    assert "cupy 1.0 GiB live/0 B cached, torch 0 B live/300 MiB cached" in result.stdout
+    assert "last cell  cell 11 freed 6.0 GiB" in result.stdout
+
+
+def test_ps_lists_the_kernel(kernel):
+    result = cli("ps")
+    assert result.returncode == 0, result.stderr
+    header, row = result.stdout.splitlines()
+    assert header.split() == ["PID", "KERNEL", "STATE", "GPU", "MEMORY", "LAST", "CELL"]
+    assert row.startswith(f"{os.getpid()}  /home/me/fit.ipynb  running cell 12 for 5.")
+    assert "GPU0 live 1.0 GiB cached 300 MiB" in row
+    assert row.endswith("cell 11 freed 6.0 GiB")
+
+
+def test_ps_json_carries_exact_bytes(kernel):
+    result = cli("ps", "--json")
+    assert result.returncode == 0, result.stderr
+    (entry,) = json.loads(result.stdout)
+    assert entry["pid"] == os.getpid()
+    assert entry["status"]["last_record"]["devices"][0]["live_bytes"] == {"cupy": 1 << 30}
+
+
+def test_dead_kernels_files_are_cleaned_and_not_listed(kernel, runtime):
+    gone = dead_pid()
+    gone_file = write_discovery(runtime, gone)
+    # A live pid whose process started at another time: the pid was reused.
+    reused_file = write_discovery(runtime, os.getppid(), proc_start_ticks=1, kernel_id="reused")
+    result = cli("ps")
+    assert result.returncode == 0, result.stderr
+    assert str(gone) not in result.stdout
+    assert "reused" not in result.stdout
+    assert str(os.getpid()) in result.stdout
+    assert not gone_file.exists()
+    assert not reused_file.exists()
+    assert kernel.discovery_path.exists()
+
+
+def test_dead_kernel_by_pid_is_a_clear_error(kernel, runtime):
+    gone = dead_pid()
+    write_discovery(runtime, gone)
+    result = cli("status", str(gone))
+    assert result.returncode == 1
+    assert result.stderr == (
+        f"gpucleanup: kernel {gone} is dead: its process is gone (its discovery file was removed)\n"
+    )
+
+
+def test_bad_key_exits_nonzero_with_a_clear_message(kernel):
+    key_file = Path(kernel.info["key_file"])
+    key_file.write_text("0" * 64)
+    result = cli("status", str(os.getpid()))
+    assert result.returncode == 4
+    assert result.stderr.startswith(
+        f"gpucleanup: kernel {os.getpid()} refused the request: its key file {key_file} does not hold the kernel's key"
+    )
+    assert "[gpucleanup.server.403] bad signature" in result.stderr
+
+
+def test_unreadable_key_file_says_whose_it_is(kernel):
+    if os.geteuid() == 0:
+        pytest.skip("root reads any file")
+    os.chmod(kernel.info["key_file"], 0)
+    result = cli("status", str(os.getpid()))
+    assert result.returncode == 4
+    assert "cannot read its key file" in result.stderr
+
+
+def test_no_kernels(runtime):
+    result = cli("ps")
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert result.stderr == (
+        f"gpucleanup: no kernel with gpucleanup is running (no discovery files in {runtime}): "
+        "run %load_ext gpucleanup in a kernel first\n"
+    )
+    assert cli("status", "123").returncode == 1
+    assert cli("watch").returncode == 1
+
+
+def test_unknown_and_ambiguous_kernels(kernel, runtime):
+    result = cli("status", "nope")
+    assert result.returncode == 1
+    assert result.stderr == "gpucleanup: no kernel 'nope': gpucleanup ps lists the kernels (pid, kernel id or notebook)\n"
+    # Two live processes whose kernel ids share a prefix.
+    write_discovery(runtime, os.getppid(), kernel_id="abc-1", proc_start_ticks=discovery.process_start_ticks(os.getppid()))
+    kernel.info["kernel_id"] = "abc-2"
+    discovery.write(kernel.discovery_path, kernel.info)
+    result = cli("status", "abc")
+    assert result.returncode == 1
+    assert "'abc' matches 2 kernels" in result.stderr
+    result = cli("status", "abc-2", "--json")
+    assert result.returncode == 0, result.stderr
+
+
+def test_a_stuck_kernel_does_not_stall_ps(kernel, runtime):
+    import zmq
+
+    stuck = zmq.Context.instance().socket(zmq.ROUTER)  # accepts, never answers
+    stuck.setsockopt(zmq.LINGER, 0)
+    port = stuck.bind_to_random_port("tcp://127.0.0.1")
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        write_discovery(runtime, sleeper.pid, endpoint=f"tcp://127.0.0.1:{port}", transport="tcp",
+                        proc_start_ticks=discovery.process_start_ticks(sleeper.pid))
+        start = time.monotonic()
+        result = cli("ps", "--timeout", "0.5")
+        elapsed = time.monotonic() - start
+        assert result.returncode == 0, result.stderr
+        rows = {line.split()[0]: line for line in result.stdout.splitlines()[1:]}
+        assert "no answer" in rows[str(sleeper.pid)]
+        assert "running cell 12" in rows[str(os.getpid())]
+        print(f"\nps with one stuck kernel (--timeout 0.5): {elapsed:.2f} s including interpreter start")
+        result = cli("status", str(sleeper.pid), "--timeout", "0.3")
+        assert result.returncode == 3
+        assert result.stderr == (
+            f"gpucleanup: kernel {sleeper.pid} did not answer within 0.3 s: the process may be stopped or "
+            "overloaded (--timeout waits longer)\n"
+        )
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        stuck.close()
+
+
+def test_drain_refused_while_running_then_runs_when_idle(kernel):
+    result = cli("drain", str(os.getpid()))
+    assert result.returncode == 4
+    assert result.stderr == (
+        f"gpucleanup: kernel {os.getpid()}: [gpucleanup.server.411] drain refused: the kernel is running; "
+        "a drain runs only between cells (state idle)\n"
+    )
+    kernel.set_state({"state": "idle"})
+    result = cli("drain", str(os.getpid()), "--json", "--drain-timeout", "1")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["result"]["kind"] == "drain"
+
+
+def test_watch_prints_records_until_interrupted(kernel, runtime):
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "ipython_ext"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpucleanup.cli", "watch", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    try:
+        import selectors
+
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        line = ""
+        deadline = time.monotonic() + 20
+        cell = 100
+        while not line and time.monotonic() < deadline:
+            cell += 1
+            kernel.publish({"cell": cell, "devices": []})
+            if sel.select(timeout=0.1):
+                line = proc.stdout.readline()
+        assert line, "watch printed nothing"
+        message = json.loads(line)
+        assert message["kind"] == "record"
+        assert message["kernel"]["pid"] == os.getpid()
+        assert message["record"]["cell"] > 100
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=10)
+    assert proc.returncode == 0
+    assert "watching 1 kernel(s); Ctrl-C stops" in proc.stderr.read()
+
+
+# ---------------------------------------------------------------- real kernels
+
+
+HOLD_GIL_C = """
+#include <time.h>
+/* Loaded with ctypes.PyDLL, so the interpreter lock stays held during the call. */
+void hold_gil_ms(long ms) {
+  struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+  nanosleep(&ts, 0);
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def hold_gil_library(tmp_path_factory):
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the GIL-holding call")
+    directory = tmp_path_factory.mktemp("holdgil")
+    (directory / "hold.c").write_text(HOLD_GIL_C)
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(directory / "libhold.so"), str(directory / "hold.c")], check=True)
+    return directory / "libhold.so"
+
+
+class Kernel:
+    """A real ipykernel with gpucleanup loaded, through jupyter_client."""
+
+    def __init__(self, runtime: Path):
+        from jupyter_client.manager import KernelManager
+
+        self.id = str(uuid.uuid4())
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(ROOT / "ipython_ext")
+        env["GPUCLEANUP_LIBRARY"] = str(BUILD / "native" / "libgpucleanup.so")
+        env["GPUCLEANUP_LIBCUDA"] = str(BUILD / "tests" / "fake_cuda" / "libcuda.so.1")
+        env["JUPYTER_RUNTIME_DIR"] = str(runtime)
+        self.km = KernelManager(kernel_name="python3", connection_file=str(runtime / f"kernel-{self.id}.json"))
+        self.km.start_kernel(env=env)
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=60)
+        self.pid = self.km.provisioner.pid
+
+    def execute(self, code: str, timeout: float = 60) -> str:
+        """Runs a cell and returns its stream output (errors included), like ipykernel's assemble_output."""
+        msg_id = self.kc.execute(code)
+        return self.collect(msg_id, timeout)
+
+    def collect(self, msg_id: str, timeout: float = 60) -> str:
+        out = []
+        while True:
+            msg = self.kc.get_iopub_msg(timeout=timeout)
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind = msg["msg_type"]
+            if kind == "stream":
+                out.append(msg["content"]["text"])
+            elif kind == "error":
+                out.append(f"{msg['content']['ename']}: {msg['content']['evalue']}\n")
+            elif kind == "status" and msg["content"]["execution_state"] == "idle":
+                return "".join(out)
+
+    def target(self) -> status_client.Target:
+        info = json.loads((Path(os.environ["JUPYTER_RUNTIME_DIR"]) / f"gpucleanup-{self.pid}.json").read_text())
+        return status_client.Target(info["endpoint"], Path(info["key_file"]).read_bytes())
+
+    def stop(self) -> None:
+        try:
+            self.kc.stop_channels()
+        finally:
+            if self.km.is_alive():
+                self.km.shutdown_kernel(now=True)
+
+
+@pytest.fixture
+def kernels(runtime):
+    started = []
+
+    def start() -> Kernel:
+        k = Kernel(runtime)
+        started.append(k)
+        out = k.execute("%load_ext gpucleanup")
+        assert "Error" not in out, out
+        assert (runtime / f"gpucleanup-{k.pid}.json").exists(), out
+        return k
+
+    yield start
+    for k in started:
+        k.stop()
+
+
+def wait_for_state(target: status_client.Target, state: str, limit: float = 20) -> dict:
+    deadline = time.monotonic() + limit
+    while True:
+        reply = status_client.request(target, "status", timeout=2)
+        if reply["state"]["state"] == state or time.monotonic() > deadline:
+            return reply
+        time.sleep(0.01)
+
+
+def latencies(target: status_client.Target, count: int, state: str) -> list:
+    times = []
+    for _ in range(count):
+        start = time.perf_counter()
+        reply = status_client.request(target, "status", timeout=2)
+        times.append(time.perf_counter() - start)
+        assert reply["state"]["state"] == state
+    return times
+
+
+def report(label: str, times: list) -> None:
+    print(f"\nstatus latency, {label}: median {statistics.median(times) * 1e3:.2f} ms, "
+          f"max {max(times) * 1e3:.2f} ms over {len(times)} requests")
+
+
+def test_ps_lists_live_kernels_and_not_a_killed_one(kernels, runtime):
+    first, second, third = kernels(), kernels(), kernels()
+    os.kill(third.pid, signal.SIGKILL)  # no atexit: the discovery file stays
+    deadline = time.monotonic() + 10
+    while discovery.is_alive({"pid": third.pid}) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not discovery.is_alive({"pid": third.pid}), "a killed, unreaped kernel (zombie) counts as dead"
+    assert (runtime / f"gpucleanup-{third.pid}.json").exists()
+
+    result = cli("ps")
+    assert result.returncode == 0, result.stderr
+    pids = [line.split()[0] for line in result.stdout.splitlines()[1:]]
+    assert sorted(pids) == sorted([str(first.pid), str(second.pid)])
+    assert first.id in result.stdout and second.id in result.stdout
+    assert not (runtime / f"gpucleanup-{third.pid}.json").exists()
+
+    result = cli("status", first.id[:13], "--json")
+    assert result.returncode == 0, result.stderr
+    reply = json.loads(result.stdout)
+    assert reply["kernel"]["kernel_id"] == first.id
+    assert reply["kernel"]["pid"] == first.pid
+    assert reply["state"]["state"] == "idle"
+
+
+def test_status_answers_while_a_cell_is_busy(kernels, hold_gil_library):
+    k = kernels()
+    target = k.target()
+    k.execute("x = 1")
+    wait_for_state(target, "idle")
+    report("real kernel, idle", latencies(target, 100, "idle"))
+
+    # Pure Python: the interpreter lock changes hands every 5 ms.
+    msg_id = k.kc.execute("while True:\n    pass")
+    assert wait_for_state(target, "running")["state"]["state"] == "running"
+    report("real kernel, cell in a pure-Python busy loop", latencies(target, 100, "running"))
+    result = cli("status", str(k.pid), "--json", "--timeout", "2")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["state"]["state"] == "running"
+    k.km.interrupt_kernel()
+    assert "KeyboardInterrupt" in k.collect(msg_id)
+
+    # A C call that keeps the interpreter lock for its whole length.
+    code = textwrap.dedent(
+        f"""
+        import ctypes
+        ctypes.PyDLL({str(hold_gil_library)!r}).hold_gil_ms(ctypes.c_long(60000))
+        """
+    )
+    msg_id = k.kc.execute(code)
+    reply = wait_for_state(target, "running")
+    assert reply["state"]["state"] == "running"
+    report("real kernel, cell in a C call holding the GIL", latencies(target, 100, "running"))
+    result = cli("status", str(k.pid), "--timeout", "2")
+    assert result.returncode == 0, result.stderr
+    assert "state      running cell" in result.stdout
+    k.km.interrupt_kernel()  # nanosleep returns on SIGINT; Python then raises KeyboardInterrupt
+    assert "KeyboardInterrupt" in k.collect(msg_id)
+
+
+def test_unload_removes_the_discovery_file(kernels, runtime):
+    k = kernels()
+    path = runtime / f"gpucleanup-{k.pid}.json"
+    info = json.loads(path.read_text())
+    k.execute("%unload_ext gpucleanup")
+    assert not path.exists()
+    assert not Path(info["key_file"]).exists()
+    result = cli("ps")
+    assert result.returncode == 1
+    assert "no kernel with gpucleanup is running" in result.stderr
+
+
+def test_kernel_exit_removes_the_discovery_file(kernels, runtime):
+    k = kernels()
+    path = runtime / f"gpucleanup-{k.pid}.json"
+    k.km.shutdown_kernel(now=False)
+    assert not path.exists()
