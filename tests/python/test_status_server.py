@@ -107,8 +107,9 @@ def test_tcp_requests_must_be_signed(fake_cuda, protocol):
             status_client.request(status_client.Target(bound["endpoint"], None), "status")
         assert excinfo.value.error_id == "gpucleanup.server.401"
         assert str(excinfo.value).startswith("[gpucleanup.server.401] request is not signed")
-        with pytest.raises(status_client.StatusBadReply, match="reply signature does not match"):
+        with pytest.raises(status_client.StatusRejected) as excinfo:
             status_client.request(status_client.Target(bound["endpoint"], b"wrong"), "status")
+        assert excinfo.value.error_id == "gpucleanup.server.403"
         assert status_client.request(status_client.Target(bound["endpoint"], b"secret"), "ping")["kind"] == "ping"
     finally:
         _native.server_stop()
@@ -120,6 +121,13 @@ def test_tcp_without_key_does_not_start(fake_cuda):
     assert str(excinfo.value) == (
         "[gpucleanup.server.503] tcp endpoint tcp://127.0.0.1:0 needs a key: every request over tcp is signed"
     )
+
+
+def test_reply_with_a_signature_that_does_not_match_is_not_believed():
+    body = json.dumps({"protocol": 1, "ok": True, "kind": "status", "id": None, "time_ns": 1}).encode()
+    with pytest.raises(status_client.StatusBadReply, match="reply signature does not match the key file"):
+        status_client.decode([b"", b"00" * 32, body], b"key")
+    assert status_client.decode([b"", status_client.sign(b"key", body).encode(), body], b"key")["kind"] == "status"
 
 
 def test_error_replies_match_the_schema_and_serving_goes_on(endpoint, protocol):
