@@ -709,9 +709,12 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                             else:
                                 pending = True
 
-                # 4. the driver's pools, after the frameworks gave memory back to them
+                # 4. the driver's pools, after the frameworks gave memory back to them. The
+                # settle above trimmed them once; trim again only if something was given back
+                # since (a framework freed, or gc collected objects whose frees may go to a pool).
                 ctrl_c.check()
-                if self.driver_pools and settled:
+                given_back = any(n for i in settled for name, n in freed[i].items() if name != "driver")
+                if self.driver_pools and settled and (given_back or gc_info.get("collected")):
                     released(self._drain(0.0, notes, progress=False))
         except KeyboardInterrupt:
             interrupted = True

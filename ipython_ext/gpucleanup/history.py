@@ -16,13 +16,19 @@ status endpoint and, later, plots. Its shape::
           "index": 0, "name": "NVIDIA H100 80GB HBM3", "state": "drained" | "busy" | "unusable"
                                                       | "error" | "interrupted",
           "settle": {"status": "done", "waited_s": 0.0, "busy_for_s": None},
-          "total_bytes": ..., "used_before_bytes": ..., "used_after_bytes": ...,
+          "total_bytes": ...,
+          "used_at_start_bytes": ...,     # device used when the cell started (None: CUDA was not in use)
+          "used_before_bytes": ...,       # ... when it ended, before the cleanup
+          "used_after_bytes": ...,        # ... after the cleanup
           "freed_bytes": {"cupy": ..., "driver": ...},
           "live_bytes": {"cupy": ...}, "cached_bytes": {"jax": ...},
-          "message": None,
+          "message": None,                # the driver's one line for a busy/unusable device
+          "quiet": False,                 # unusable and already said: no line any more
       }],
-      "pinned": {"freed_bytes": {"cupy": ...}, "background": [{"cell": 11, "freed_bytes": {...},
-                 "elapsed_s": ...}], "pending": False},
+      "pinned": {"freed_bytes": {"cupy": ...},          # released by this cell's cleanup
+                 "background": [{"cell": 11, "freed_bytes": {...}, "elapsed_s": ...}],  # finished since
+                 "pending": False,                       # a release still runs in the background
+                 "pools": {"cupy": {"live_bytes": ..., "cached_bytes": ...}}},
       "gc": {"policy": "auto", "ran": None | "young" | "full", "elapsed_s": ..., "collected": ...},
       "notes": ["..."],               # every note of this cell
       "shown_notes": ["..."],         # the ones printed (first of their kind)

@@ -485,8 +485,11 @@ def test_driver_pools_off_skips_the_trim_after_the_frameworks_stand_in(shell, st
     _run(shell, "x = 1", capsys)
     assert stand_in.native.calls["drain"] == 1
     _ext(shell).driver_pools = True
+    stand_in.cupy.cached[0] = GiB
     _run(shell, "x = 1", capsys)
-    assert stand_in.native.calls["drain"] == 3
+    assert stand_in.native.calls["drain"] == 3  # settle, then the trim after cupy gave 1 GiB back
+    _run(shell, "x = 1", capsys)
+    assert stand_in.native.calls["drain"] == 4  # nothing given back since the settle: no second trim
 
 
 def test_pinned_off_does_not_touch_pinned_pools_stand_in(shell, stand_in, capsys):
