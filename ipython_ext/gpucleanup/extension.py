@@ -880,7 +880,15 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         Rich frontends get HTML tables, terminals aligned text. ``--json`` returns the
         same data with exact bytes (assign it: ``d = %gpumem --json``).
 
-        Configure the automatic cleanup with ``%config GPUCleanup``.
+        After every cell, while the kernel uses CUDA, gpucleanup waits (at most
+        ``settle_timeout`` s) for queued GPU work, collects garbage when it can release
+        GPU memory, empties the frameworks' caches (pinned host pools in the
+        background), trims the driver's pools and prints one line per device, e.g.
+        ``gpucleanup · GPU0 H100 · freed 6.0 GiB (cupy 5.5, torch 0.5) · device 2.7/79.6 GiB · 12 ms``.
+
+        Configure it with ``%config GPUCleanup`` (enabled, frameworks, pinned,
+        driver_pools, gc, settle_timeout, show, history_size, status_server) or
+        ``c.GPUCleanup.<trait>`` in ipython_config.py / ipython_kernel_config.py.
         """
         args = parse_gpumem(self.gpumem, line)
         from IPython.display import display

@@ -98,6 +98,18 @@ def _kind_of_type(tp: type) -> Optional[str]:
         return _kind_cache[tp]
     except (KeyError, TypeError):
         pass
+    try:
+        kind = _classify(tp)
+    except Exception:  # a user type with an odd metaclass is simply not a GPU array
+        kind = None
+    try:
+        _kind_cache[tp] = kind
+    except TypeError:
+        pass
+    return kind
+
+
+def _classify(tp: type) -> Optional[str]:
     kind = None
     module = getattr(tp, "__module__", "") or ""
     name = getattr(tp, "__name__", "")
@@ -126,10 +138,6 @@ def _kind_of_type(tp: type) -> Optional[str]:
                 kind = "torch.Tensor"
         except TypeError:
             pass
-    try:
-        _kind_cache[tp] = kind
-    except TypeError:
-        pass
     return kind
 
 
