@@ -199,3 +199,21 @@ TEST(Snapshot, NonStickyErrorIsReportedByNameAndTriedAgainNextTime) {
   EXPECT_EQ(second["devices"][0]["state"], "in_use");
   EXPECT_TRUE(second["devices"][0]["free_bytes"].is_number());
 }
+
+TEST(Snapshot, WorksThroughEveryResolver) {
+  for (const char* path : {FAKE_CUDA_PATH, FAKE_CUDA_V1_PATH, FAKE_CUDA_PLAIN_PATH}) {
+    FakeCuda fake(path);
+    fake.reset({{"driver_version", 12040},
+                {"devices", {{{"primary_active", true}, {"default_pool", {{"reserved_bytes", 1 * GiB}}}}}}});
+    const Driver driver(path);
+    DeviceRegistry registry;
+    const json report = take_snapshot(driver, registry, SnapshotKind::snapshot);
+    const json& device = report["devices"][0];
+    EXPECT_EQ(device["state"], "in_use") << path;
+    EXPECT_EQ(device["free_bytes"], 80 * GiB - 512 * MiB - 1 * GiB) << path;
+    ASSERT_EQ(device["pools"].size(), 1u) << path;
+    EXPECT_EQ(device["pools"][0]["reserved_bytes"], 1 * GiB) << path;
+    EXPECT_TRUE(report["driver"]["missing_optional"].empty()) << path;
+    EXPECT_EQ(fake.counter("contexts_created"), 0) << path;
+  }
+}

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "accounting.hpp"
+#include "process_state.hpp"
 #include "test_support.hpp"
 
 using gpucleanup::DeviceRegistry;
@@ -305,4 +306,28 @@ TEST_F(DrainTest, SettlesAndTrimsThroughANonPrimaryCurrentContext) {
   EXPECT_EQ(fake.counter("contexts_created"), 0);
   EXPECT_EQ(fake.counter("calls.cuDevicePrimaryCtxRetain"), 0);
   EXPECT_EQ(fake.counter("pushed"), 0);
+}
+
+TEST(DrainDeathTest, WatchdogMakesNoDriverCallOnceTheProcessIsExiting) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        FakeCuda fake;
+        fake.reset({{"devices", {{{"primary_active", true}, {"sync_seconds", -1}}}}});
+        const Driver driver(FAKE_CUDA_PATH);
+        DeviceRegistry registry;
+        const auto device = gpucleanup::probe(driver).devices.at(0);
+        const json report = gpucleanup::drain(driver, registry, with_timeout(0.05));
+        if (report["devices"][0]["settle"]["status"] != "timeout") std::exit(1);
+        const auto wait = registry.at(device).wait;
+        if (!wait || !eventually([&] { return fake.counter("syncs_in_flight") == 1; })) std::exit(2);
+        const long long pops = fake.counter("calls.cuCtxPopCurrent");
+        gpucleanup::mark_process_exiting();
+        fake.release_sync();
+        if (!eventually([&] { return wait->finished.load(); })) std::exit(3);
+        // The watchdog's context stays pushed and retained: no call at exit.
+        const bool quiet = fake.counter("calls.cuCtxPopCurrent") == pops && fake.counter("retained") == 1;
+        std::exit(quiet ? 0 : 4);
+      },
+      ::testing::ExitedWithCode(0), "");
 }
