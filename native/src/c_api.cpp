@@ -132,8 +132,10 @@ nlohmann::json server_snapshot() {
   return take_snapshot(Driver::process(), state.registry, SnapshotKind::snapshot);
 }
 
+// Errors leave through gpucleanup::Error, which the server turns into replies.
 nlohmann::json server_drain(double timeout_s) {
-  require_running();
+  GPUCLEANUP_EXPECTS(!process_is_exiting(), "gpucleanup.api.102",
+                     "the process is exiting: gpucleanup makes no more driver calls");
   GPUCLEANUP_EXPECTS(std::isfinite(timeout_s) && timeout_s >= 0, "gpucleanup.api.103",
                      "timeout_s must be a finite number of seconds >= 0");
   ApiState& state = api_state().get();
