@@ -12,6 +12,7 @@ import ctypes
 import json
 import math
 import os
+import signal
 import threading
 from importlib import resources
 from typing import Any, Callable, Optional
@@ -172,19 +173,38 @@ def drain(timeout: float = 30.0, progress: Optional[Callable[[dict], bool]] = No
         raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout!r}")
     interrupted: list = []
 
+    # Python runs a SIGINT handler at the first bytecode it executes, which in a
+    # ctypes callback is before any try: block could catch the KeyboardInterrupt
+    # (ctypes would print it and return 0). So while the native call waits, Ctrl-C
+    # only sets a flag that the callback turns into "stop waiting". A caller that
+    # installed its own handler (the extension does) keeps it.
+    swap = (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+
+    def _on_sigint(_signum: int, _frame: Any) -> None:
+        interrupted.append(True)
+
     def _on_progress(payload: bytes, _user: Any) -> int:
         try:
+            if interrupted:
+                return 1
             if progress is None:
                 return 0
             return 1 if progress(json.loads(payload.decode("utf-8"))) else 0
-        except KeyboardInterrupt as exc:
-            interrupted.append(exc)
+        except KeyboardInterrupt:
+            interrupted.append(True)
             return 1
         except Exception:  # a faulty callback must not abort the drain
             return 0
 
     callback = PROGRESS_FN(_on_progress)
-    result = _call_json(library().gpucleanup_drain, float(timeout), callback, None)
+    if swap:
+        signal.signal(signal.SIGINT, _on_sigint)
+    try:
+        result = _call_json(library().gpucleanup_drain, float(timeout), callback, None)
+    finally:
+        if swap:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
     if interrupted:
         result["keyboard_interrupt"] = True
     return result
