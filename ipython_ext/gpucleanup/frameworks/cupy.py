@@ -1,0 +1,246 @@
+"""CuPy: the device memory pool of each device, the pinned host pool, the FFT plan cache.
+
+CuPy's pool calls act on the calling thread's current device, so the adapter makes
+each given device current in turn. It does not use ``with cupy.cuda.Device(i)``:
+on leaving, that calls ``cudaSetDevice(previous)``, which would create a context on
+the previous device when the thread had none current (the runtime then reports
+device 0). Instead it records the current context, switches only to given
+devices, and puts the same context back with ``cuCtxSetCurrent`` (NULL included).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import gc
+import sys
+from typing import Any, Iterator, Optional
+
+from . import Adapter, Figures, _bytes_text, _figures, _fault, _module
+
+
+def _pool_figures(pool: Any) -> tuple[int, int]:
+    """(live, cached) bytes of one pool on the current device."""
+    used = int(pool.used_bytes())
+    if _is_async(pool):
+        # MemoryAsyncPool: used = USED_MEM_CURRENT, total = RESERVED_MEM_CURRENT
+        return used, max(int(pool.total_bytes()) - used, 0)
+    return used, int(pool.free_bytes())
+
+
+def _is_async(pool: Any) -> bool:
+    cuda = getattr(_module("cupy"), "cuda", None)
+    cls = getattr(cuda, "MemoryAsyncPool", None)
+    return isinstance(cls, type) and isinstance(pool, cls)
+
+
+def _pinned_pool_bytes(pool: Any) -> Optional[tuple[int, int]]:
+    """(live, cached) bytes of a PinnedMemoryPool, or None where CuPy does not tell.
+
+    CuPy 14 exposes only ``n_free_blocks``. Its pool keeps the free blocks in a
+    dict {rounded size: [block, ...]} and the blocks handed out in a set (a dict
+    {ptr: block} in older CuPy): attributes the Cython class hides but the garbage
+    collector sees. They are read through ``gc.get_referents`` and only when they
+    have exactly one of these shapes; anything else gives None.
+    """
+    if all(callable(getattr(pool, m, None)) for m in ("used_bytes", "free_bytes")):
+        return int(pool.used_bytes()), int(pool.free_bytes())
+    refs = gc.get_referents(pool)
+    dicts = [r for r in refs if isinstance(r, dict)]
+    sets = [r for r in refs if isinstance(r, (set, frozenset))]
+    if len(dicts) == 1 and len(sets) == 1:
+        free_map, in_use = dicts[0], sets[0]
+    elif len(dicts) == 2 and not sets:
+        free_maps = [d for d in dicts if isinstance(d, collections.defaultdict)]
+        if len(free_maps) != 1:
+            return None
+        free_map = free_maps[0]
+        in_use = next(d for d in dicts if d is not free_map)
+    else:
+        return None
+    for _ in range(3):  # another thread may change the pool while it is read
+        try:
+            if not all(isinstance(v, list) for v in list(free_map.values())):
+                return None
+            cached = sum(int(size) * len(blocks) for size, blocks in list(free_map.items()))
+            blocks_in_use = list(in_use.values()) if isinstance(in_use, dict) else list(in_use)
+            if not all(hasattr(b, "size") for b in blocks_in_use):
+                return None
+            live = sum(int(b.size) for b in blocks_in_use)
+            return live, cached
+        except RuntimeError:
+            continue
+    return None
+
+
+class CupyAdapter(Adapter):
+    name = "cupy"
+    can_release = True
+
+    def _in_use(self) -> bool:
+        # CuPy has no "initialised" flag that can be read without a CUDA call;
+        # the extension calls adapters only once the driver is initialised and
+        # the pool calls below create no context.
+        cupy = _module("cupy")
+        return cupy is not None and hasattr(cupy, "get_default_memory_pool") and hasattr(cupy, "cuda")
+
+    # -- pools -------------------------------------------------------------
+
+    def _pools(self, cupy: Any, notes: list[str]) -> list[Any]:
+        default = cupy.get_default_memory_pool()
+        pools = [default]
+        get_allocator = getattr(cupy.cuda, "get_allocator", None)
+        if get_allocator is None:
+            return pools
+        allocator = get_allocator()
+        owner = getattr(allocator, "__self__", None)
+        if owner is default:
+            return pools
+        if owner is not None and all(hasattr(owner, m) for m in ("free_all_blocks", "used_bytes", "free_bytes")):
+            pools.insert(0, owner)
+            notes.append(self._note("stats", (
+                f"cupy allocates from a {type(owner).__name__} set with cupy.cuda.set_allocator: "
+                "gpucleanup drains it and the default pool"), 201))
+        else:
+            what = getattr(allocator, "__qualname__", None) or getattr(allocator, "__name__", None) or repr(allocator)
+            notes.append(self._note("stats", (
+                f"cupy allocates with {what}, not a memory pool: "
+                "gpucleanup drains only cupy's default pool"), 202))
+        return pools
+
+    @contextlib.contextmanager
+    def _on_devices(self, cupy: Any, devices: list[int]) -> Iterator[Any]:
+        runtime = cupy.cuda.runtime
+        driver = getattr(cupy.cuda, "driver", None)
+        previous = runtime.getDevice()
+        saved_ctx = driver.ctxGetCurrent() if hasattr(driver, "ctxGetCurrent") else None
+        try:
+            yield runtime.setDevice
+        finally:
+            if previous in devices:
+                runtime.setDevice(previous)
+            if saved_ctx is not None and hasattr(driver, "ctxSetCurrent"):
+                driver.ctxSetCurrent(saved_ctx)
+
+    def _fft_cache(self) -> Any:
+        cache_mod = _module("cupy.fft._cache")
+        get = getattr(cache_mod, "get_plan_cache", None)
+        return get() if get is not None else None
+
+    # -- verbs ---------------------------------------------------------------
+
+    def _stats(self, devices: list[int], result: dict) -> None:
+        cupy = _module("cupy")
+        notes = result["notes"]
+        pools = self._pools(cupy, notes)
+        with self._on_devices(cupy, devices) as select:
+            for i in devices:
+                try:
+                    select(i)
+                    live = cached = 0
+                    for pool in pools:
+                        pool_live, pool_cached = _pool_figures(pool)
+                        live += pool_live
+                        cached += pool_cached
+                    result["devices"][i] = _figures(live, cached)
+                    cache = self._fft_cache()
+                    if cache is not None and cache.get_curr_size() > 0:
+                        notes.append(self._note("stats", (
+                            f"GPU{i}: cupy's FFT plan cache holds {cache.get_curr_size()} plans with "
+                            f"{cache.get_curr_memsize()} bytes of work area (counted as live)"), 203))
+                except Exception as exc:
+                    notes.append(self._note("stats", f"could not read cupy's pool on GPU{i}: {_fault(exc)}"))
+
+    def _drain(self, devices: list[int], result: dict) -> None:
+        cupy = _module("cupy")
+        notes = result["notes"]
+        pools = self._pools(cupy, [])
+        with _UnraisableCapture() as captured, self._on_devices(cupy, devices) as select:
+            for i in devices:
+                try:
+                    select(i)
+                    before = sum(_held(p) for p in pools)
+                    cache = self._fft_cache()
+                    if cache is not None and cache.get_curr_size() > 0:
+                        # Cheap (cufftDestroy per plan); gives the plans' work areas
+                        # back to the pool. The next FFT of each shape plans again.
+                        plans, work = cache.get_curr_size(), cache.get_curr_memsize()
+                        cache.clear()
+                        notes.append(self._note("drain", (
+                            f"GPU{i}: cleared cupy's FFT plan cache ({plans} plans, {work} bytes of work area)"), 204))
+                    for pool in pools:
+                        pool.free_all_blocks()
+                    after = sum(_held(p) for p in pools)
+                    result["freed_bytes"][i] = max(before - after, 0)
+                except Exception as exc:
+                    notes.append(self._note("drain", f"could not free cupy's pool on GPU{i}: {_fault(exc)}"))
+        if captured.errors:
+            first = captured.errors[0]
+            notes.append(self._note("drain", (
+                f"cupy could not free {len(captured.errors)} blocks ({first}): "
+                "the GPU is probably unusable after an earlier error; restart the kernel"), 205))
+
+    def _pinned_stats(self, notes: list[str]) -> Optional[Figures]:
+        cupy = _module("cupy")
+        pool = cupy.get_default_pinned_memory_pool()
+        figures = _pinned_pool_bytes(pool)
+        if figures is None:
+            notes.append(self._note("pinned", (
+                f"cupy's pinned pool holds {pool.n_free_blocks()} free blocks; "
+                "this CuPy does not tell their size"), 206))
+            return None
+        return _figures(*figures)
+
+    def _drain_pinned(self, result: dict) -> None:
+        cupy = _module("cupy")
+        pool = cupy.get_default_pinned_memory_pool()
+        before = _pinned_pool_bytes(pool)
+        blocks = pool.n_free_blocks()
+        with _UnraisableCapture() as captured:
+            pool.free_all_blocks()
+        after = _pinned_pool_bytes(pool)
+        if before is not None and after is not None:
+            result["freed_bytes"] = max(before[1] - after[1], 0)
+            self._remember_pinned(_figures(*after))
+        elif blocks:
+            result["notes"].append(self._note("pinned", (
+                f"released {blocks} pinned blocks; this CuPy does not tell their size"), 206))
+        if captured.errors:
+            result["notes"].append(self._note("pinned", (
+                f"cupy could not free {len(captured.errors)} pinned blocks ({captured.errors[0]})"), 207))
+
+    def _describe(self, devices: dict[int, Figures], pinned: Optional[Figures]) -> str:
+        live, cached = self._held(devices)
+        text = f"cupy holds {_bytes_text(live)} live and {_bytes_text(cached)} cached in its device pools"
+        if pinned is not None:
+            text += f" and {_bytes_text(pinned['cached_bytes'])} cached in its pinned pool"
+        return text + "; gpucleanup frees the cached part after every cell"
+
+
+def _held(pool: Any) -> int:
+    if _is_async(pool):
+        return int(pool.total_bytes())
+    return int(pool.used_bytes()) + int(pool.free_bytes())
+
+
+class _UnraisableCapture:
+    """Collects the "Exception ignored in ...Memory.__dealloc__" errors that CuPy's frees
+    raise after a sticky CUDA error (FACTS §7.7), so a drain says one line instead of
+    printing a traceback per block. Other unraisable errors go to the previous hook."""
+
+    def __enter__(self) -> "_UnraisableCapture":
+        self.errors: list[str] = []
+        self._previous = sys.unraisablehook
+
+        def hook(unraisable: Any) -> None:
+            where = repr(getattr(unraisable, "object", "")) + type(unraisable.exc_value).__module__
+            if "cupy" in where or "cuda" in type(unraisable.exc_value).__name__.lower():
+                self.errors.append(_fault(unraisable.exc_value))
+            else:
+                self._previous(unraisable)
+
+        sys.unraisablehook = hook
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        sys.unraisablehook = self._previous

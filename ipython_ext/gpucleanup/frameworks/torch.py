@@ -1,0 +1,138 @@
+"""PyTorch: the caching allocator of each device and the pinned host cache.
+
+Nothing here runs unless ``torch.cuda.is_initialized()``: ``import torch`` and the
+memory statistics never initialise CUDA, while ``mem_get_info``, ``ipc_collect`` and
+``empty_cache`` with no current device can (pytorch#25752). ``empty_cache`` runs
+inside ``with torch.cuda.device(i)`` for each given device; on leaving, torch makes
+the previous device current again only if its primary context exists.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from . import Adapter, Figures, _bytes_text, _figures, _fault, _module
+
+
+def _host_figures(torch: Any) -> Optional[tuple[int, int]]:
+    """(live, cached) bytes of the pinned host cache, or None if this torch does not tell.
+
+    torch >= 2.11: ``allocated_bytes`` = blocks owned by the cache (in use and
+    cached), ``active_bytes`` = blocks handed out. torch 2.5-2.10: ``reserved_bytes``
+    = owned, ``allocated_bytes`` = handed out.
+    """
+    memory = getattr(getattr(torch, "cuda", None), "memory", None)
+    fn = getattr(memory, "host_memory_stats", None)
+    if fn is None:
+        return None
+    stats = fn()
+    if "active_bytes.current" in stats and "allocated_bytes.current" in stats:
+        owned, live = int(stats["allocated_bytes.current"]), int(stats["active_bytes.current"])
+    elif "reserved_bytes.current" in stats and "allocated_bytes.current" in stats:
+        owned, live = int(stats["reserved_bytes.current"]), int(stats["allocated_bytes.current"])
+    else:
+        return None
+    # active_bytes lags behind a release of cached blocks; never report more live than owned
+    live = min(live, owned)
+    return live, owned - live
+
+
+def _host_empty_cache(torch: Any) -> Optional[Any]:
+    accelerator_memory = getattr(getattr(torch, "accelerator", None), "memory", None)
+    fn = getattr(accelerator_memory, "empty_host_cache", None)
+    if fn is None:
+        fn = getattr(getattr(torch, "_C", None), "_host_emptyCache", None)
+    return fn
+
+
+class TorchAdapter(Adapter):
+    name = "torch"
+    can_release = True
+
+    def _torch(self) -> Any:
+        return _module("torch")
+
+    def _in_use(self) -> bool:
+        torch = self._torch()
+        cuda = getattr(torch, "cuda", None)
+        return cuda is not None and bool(cuda.is_initialized())
+
+    def _stats(self, devices: list[int], result: dict) -> None:
+        cuda = self._torch().cuda
+        for i in devices:
+            try:
+                allocated = int(cuda.memory_allocated(i))
+                reserved = int(cuda.memory_reserved(i))
+                result["devices"][i] = _figures(allocated, max(reserved - allocated, 0))
+            except Exception as exc:
+                result["notes"].append(self._note("stats", f"could not read torch's cache on GPU{i}: {_fault(exc)}"))
+        backend = getattr(cuda, "get_allocator_backend", None)
+        if backend is not None and backend() == "cudaMallocAsync":
+            result["notes"].append(self._note("stats", (
+                "torch allocates with cudaMallocAsync: its cache is the driver's default pool, "
+                "which empty_cache trims"), 203))
+
+    def _drain(self, devices: list[int], result: dict) -> None:
+        torch = self._torch()
+        cuda = torch.cuda
+        before = {i: self._reserved(cuda, i) for i in devices}
+        drained: list[int] = []
+        for i in devices:
+            try:
+                with cuda.device(i):
+                    capturing = getattr(cuda, "is_current_stream_capturing", None)
+                    if capturing is not None and capturing():
+                        # empty_cache during graph capture trips an internal assert
+                        result["notes"].append(self._note("drain", (
+                            f"GPU{i}: a CUDA graph is being captured; torch's cache left as is"), 204))
+                        continue
+                    cuda.empty_cache()
+                    drained.append(i)
+            except Exception as exc:
+                result["notes"].append(self._note("drain", f"could not empty torch's cache on GPU{i}: {_fault(exc)}"))
+        if drained and cuda.is_initialized():
+            try:
+                with cuda.device(drained[0]):
+                    cuda.ipc_collect()
+            except Exception as exc:
+                result["notes"].append(self._note("drain", f"torch.cuda.ipc_collect failed: {_fault(exc)}", 205))
+        for i in devices:
+            after = self._reserved(cuda, i)
+            if before[i] is not None and after is not None:
+                result["freed_bytes"][i] = max(before[i] - after, 0)
+
+    @staticmethod
+    def _reserved(cuda: Any, i: int) -> Optional[int]:
+        try:
+            return int(cuda.memory_reserved(i))
+        except Exception:
+            return None
+
+    def _pinned_stats(self, notes: list[str]) -> Optional[Figures]:
+        figures = _host_figures(self._torch())
+        if figures is None:
+            notes.append(self._note("pinned", "this torch does not report its pinned host cache", 206))
+            return None
+        return _figures(*figures)
+
+    def _drain_pinned(self, result: dict) -> None:
+        torch = self._torch()
+        empty = _host_empty_cache(torch)
+        if empty is None:
+            result["notes"].append(self._note("pinned", "this torch cannot empty its pinned host cache", 207))
+            return
+        before = _host_figures(torch)
+        empty()
+        after = _host_figures(torch)
+        if before is not None and after is not None:
+            owned_before = before[0] + before[1]
+            owned_after = after[0] + after[1]
+            result["freed_bytes"] = max(owned_before - owned_after, 0)
+            self._remember_pinned(_figures(*after))
+
+    def _describe(self, devices: dict[int, Figures], pinned: Optional[Figures]) -> str:
+        live, cached = self._held(devices)
+        text = f"torch holds {_bytes_text(live)} in tensors and {_bytes_text(cached)} cached on the GPU"
+        if pinned is not None:
+            text += f", {_bytes_text(pinned['cached_bytes'])} cached in pinned host memory"
+        return text + "; gpucleanup empties the caches after every cell, live tensors stay"
