@@ -238,6 +238,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         self._endpoint_factory = status_endpoint
         self.history = History(self.history_size)
         self._endpoint = None
+        self._draining_cell: Optional[int] = None
         self._hooks_registered = False
         self._magics_registered = False
         self._loaded = False
@@ -496,6 +497,11 @@ class GPUCleanup(Magics, GPUCleanupOptions):
     def _progress(self, payload: dict) -> bool:
         if self._ctrl_c.pressed:
             return True  # stop waiting
+        # The status endpoint (gpucleanup ps) shows which GPU the cell waits for,
+        # since when: the wait began waited_s ago.
+        waited_ns = int(float(payload.get("waited_s", 0.0)) * 1e9)
+        self._status("set_state", {"state": "waiting", "device": int(payload.get("device", 0)),
+                                   "cell": self._draining_cell, "since_ns": time.time_ns() - waited_ns})
         if self.show == "never":
             return False
         line = report.progress_line(int(payload.get("device", 0)), float(payload.get("waited_s", 0.0)))
@@ -583,6 +589,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         all_devices = [int(d["index"]) for d in in_use]
         quiet = set(i for i in all_devices if i in self._unusable)
         devices = [i for i in all_devices if i not in self._unusable]
+        self._draining_cell = cell
         self._status("set_state", {"state": "draining", "cell": cell, "since_ns": time.time_ns()})
 
         freed: Dict[int, Dict[str, int]] = {i: {} for i in all_devices}

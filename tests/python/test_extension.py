@@ -946,6 +946,26 @@ def test_fake_driver_progress_line_after_two_seconds(shell, real, fake_cuda, cap
         _settled(fake_cuda)
 
 
+def test_fake_driver_status_endpoint_says_which_gpu_the_cell_waits_for(shell, real, fake_cuda, monkeypatch, capsys):
+    endpoint = StandInEndpoint()
+    monkeypatch.setitem(extension.DEFAULTS, "status_endpoint", lambda: endpoint)
+    fake_cuda.reset({"devices": [{"name": "Fake H100", "primary_active": True, "sync_seconds": -1}]})
+    shell.run_line_magic("load_ext", "gpucleanup")
+    shell.run_line_magic("config", "GPUCleanup.settle_timeout = 2.5")
+    try:
+        result, _ = _run(shell, "x = 1", capsys)
+        states = [e[1] for e in endpoint.events if e[0] == "set_state"]
+        waiting = [s for s in states if s["state"] == "waiting"]
+        assert [s["state"] for s in states] == ["running", "draining"] + ["waiting"] * len(waiting) + ["idle"]
+        assert len(waiting) >= 1
+        assert all(s["device"] == 0 and s["cell"] == result.execution_count for s in waiting)
+        # since_ns is when the wait began, not when the progress report came
+        draining = next(s for s in states if s["state"] == "draining")
+        assert abs(waiting[0]["since_ns"] - draining["since_ns"]) < 1_000_000_000
+    finally:
+        _settled(fake_cuda)
+
+
 def test_fake_driver_ctrl_c_during_the_settle_stops_it(shell, real, fake_cuda, capsys):
     import _thread
 
