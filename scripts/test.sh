@@ -15,4 +15,6 @@ ctest --test-dir "$build" --output-on-failure -j"$(nproc)"
 
 # The installed package (with its own libgpucleanup.so) is what is tested; the
 # build tree provides only the fake driver.
-GPUCLEANUP_BUILD_DIR="$build" .venv/bin/python -m pytest tests/python tests/gpu -q -p no:cacheprovider "$@"
+# Two runs: each suite has a conftest of its own that its modules import.
+GPUCLEANUP_BUILD_DIR="$build" .venv/bin/python -m pytest tests/python -q -p no:cacheprovider "$@"
+.venv/bin/python -m pytest tests/gpu -q -p no:cacheprovider -rs "$@"
