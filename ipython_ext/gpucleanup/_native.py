@@ -90,6 +90,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gpucleanup_snapshot.restype = ctypes.c_int
     lib.gpucleanup_drain.argtypes = [ctypes.c_double, PROGRESS_FN, ctypes.c_void_p, c_char_pp]
     lib.gpucleanup_drain.restype = ctypes.c_int
+    lib.gpucleanup_settle.argtypes = [ctypes.c_double, PROGRESS_FN, ctypes.c_void_p, c_char_pp]
+    lib.gpucleanup_settle.restype = ctypes.c_int
     lib.gpucleanup_shutdown.argtypes = []
     lib.gpucleanup_shutdown.restype = None
     lib.gpucleanup_server_start.argtypes = [ctypes.c_char_p, c_char_pp]
@@ -158,8 +160,10 @@ def snapshot() -> dict:
     return _call_json(library().gpucleanup_snapshot)
 
 
-def drain(timeout: float = 30.0, progress: Optional[Callable[[dict], bool]] = None) -> dict:
+def drain(timeout: float = 30.0, progress: Optional[Callable[[dict], bool]] = None, trim: bool = True) -> dict:
     """Settle (bounded by ``timeout`` seconds) and trim the driver pools of every device in use.
+
+    ``trim=False`` settles only (``gpucleanup_settle``): the pools are reported, not trimmed.
 
     ``progress``, if given, is called with ``{"device", "waited_s", "limit_s"}`` about once
     a second once a wait passes 2 s; returning True abandons the remaining waits. A
@@ -201,7 +205,8 @@ def drain(timeout: float = 30.0, progress: Optional[Callable[[dict], bool]] = No
     if swap:
         signal.signal(signal.SIGINT, _on_sigint)
     try:
-        result = _call_json(library().gpucleanup_drain, float(timeout), callback, None)
+        lib = library()
+        result = _call_json(lib.gpucleanup_drain if trim else lib.gpucleanup_settle, float(timeout), callback, None)
     finally:
         if swap:
             signal.signal(signal.SIGINT, signal.default_int_handler)

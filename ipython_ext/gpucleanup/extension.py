@@ -512,8 +512,10 @@ class GPUCleanup(Magics, GPUCleanupOptions):
 
     def _drain(self, timeout: float, notes: List[tuple], progress: bool) -> Optional[dict]:
         self._progress_shown = False
+        # driver_pools off: settle only, the driver's pools are left as they are
+        extra = {} if self.driver_pools else {"trim": False}
         try:
-            return self.native.drain(timeout=timeout, progress=self._progress if progress else None)
+            return self.native.drain(timeout=timeout, progress=self._progress if progress else None, **extra)
         except Exception as exc:
             notes.append((f"drain:{type(exc).__name__}", f"native drain failed: {exc}"))
             return None
@@ -619,7 +621,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             captured.extend(job.unraisable)
         try:
             with self._ctrl_c.armed() as ctrl_c, self._unraisables.capture() as captured_now:
-                # 1. settle (the native drain also trims the driver pools once)
+                # 1. settle (with driver_pools on, the native drain also trims the driver pools once)
                 first = self._drain(self.settle_timeout, notes, progress=True)
                 if first is not None:
                     interrupted = bool(first.get("keyboard_interrupt")) or ctrl_c.pressed

@@ -201,8 +201,10 @@ gpucleanup_status gpucleanup_snapshot(char** json_out) {
   });
 }
 
-gpucleanup_status gpucleanup_drain(double timeout_s, gpucleanup_progress_fn progress, void* user,
-                                   char** json_out) {
+namespace {
+
+gpucleanup_status drain_call(double timeout_s, gpucleanup_progress_fn progress, void* user, char** json_out,
+                             bool trim) {
   return guarded([&] {
     require_out(json_out);
     if (!std::isfinite(timeout_s) || timeout_s < 0) {
@@ -216,6 +218,7 @@ gpucleanup_status gpucleanup_drain(double timeout_s, gpucleanup_progress_fn prog
     std::lock_guard lock(state.cleanup);
     DrainOptions options;
     options.timeout_s = timeout_s;
+    options.trim = trim;
     if (progress != nullptr) {
       options.progress = [progress, user](const nlohmann::json& report) {
         const std::string text = report.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
@@ -224,6 +227,18 @@ gpucleanup_status gpucleanup_drain(double timeout_s, gpucleanup_progress_fn prog
     }
     hand_out(drain(usable_driver(), state.registry, options), json_out);
   });
+}
+
+}  // namespace
+
+gpucleanup_status gpucleanup_drain(double timeout_s, gpucleanup_progress_fn progress, void* user,
+                                   char** json_out) {
+  return drain_call(timeout_s, progress, user, json_out, true);
+}
+
+gpucleanup_status gpucleanup_settle(double timeout_s, gpucleanup_progress_fn progress, void* user,
+                                    char** json_out) {
+  return drain_call(timeout_s, progress, user, json_out, false);
 }
 
 void gpucleanup_shutdown(void) {

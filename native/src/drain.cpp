@@ -143,7 +143,7 @@ void measure_before(Work& work, const Driver& driver, bool& still_in_use) {
   }
 }
 
-void trim(Work& work, const Driver& driver) {
+void trim(Work& work, const Driver& driver, bool requested) {
   ScopedContext scope(driver, work.use);
   if (scope.failure()) return mark_failed(work, driver, *scope.failure());
   if (!scope.entered()) return;
@@ -152,7 +152,7 @@ void trim(Work& work, const Driver& driver) {
   for (std::size_t i = 0; i < work.pools.size(); ++i) {
     const PoolRef& pool = work.pools[i];
     bool trimmed = false;
-    if (api.cuMemPoolTrimTo != nullptr) {
+    if (requested && api.cuMemPoolTrimTo != nullptr) {
       const CUresult result = api.cuMemPoolTrimTo(pool.handle, 0);
       trimmed = result == CUDA_SUCCESS;
       if (!trimmed) mark_failed(work, driver, CallFailure{"cuMemPoolTrimTo", result});
@@ -169,7 +169,7 @@ void trim(Work& work, const Driver& driver) {
     });
   }
   work.entry["released_bytes"] = released;
-  if (api.cuMemPoolTrimTo == nullptr && !work.pools.empty() && work.entry["message"].is_null()) {
+  if (requested && api.cuMemPoolTrimTo == nullptr && !work.pools.empty() && work.entry["message"].is_null()) {
     work.entry["message"] = "the CUDA driver has no cuMemPoolTrimTo: GPU" + std::to_string(work.use.index) +
                             "'s memory pools were not trimmed (update the NVIDIA driver to free them)";
   }
@@ -244,6 +244,7 @@ nlohmann::json drain(const Driver& driver, DeviceRegistry& registry, const Drain
   nlohmann::json report = report_header("drain");
   report["driver"] = describe_driver(driver, found);
   report["timeout_s"] = options.timeout_s;
+  report["trim"] = options.trim;
   report["interrupted"] = false;
   report["devices"] = nlohmann::json::array();
   if (found.state != DriverState::ready) {
@@ -304,7 +305,7 @@ nlohmann::json drain(const Driver& driver, DeviceRegistry& registry, const Drain
   }
 
   for (Work& work : works) {
-    if (work.trim) trim(work, driver);
+    if (work.trim) trim(work, driver, options.trim);
     work.entry["settle"] = {
         {"status", to_string(work.settle)},
         {"waited_s", work.waited_s},

@@ -22,6 +22,9 @@ namespace gpucleanup {
 
 struct DrainOptions {
   double timeout_s = 30.0;  // finite, >= 0 (checked by the caller); 0 skips the settle
+  // false: settle only; the pools are reported as they are, never trimmed
+  // (the extension's driver_pools = False).
+  bool trim = true;
   // Called on the calling thread with {"device", "waited_s", "limit_s"} once a
   // wait passes progress_after, then every progress_every; returning true
   // abandons the waits.

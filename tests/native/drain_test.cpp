@@ -81,6 +81,30 @@ TEST_F(DrainTest, TrimReleasesReservedBytesAndFreeRisesByThatAmount) {
   EXPECT_EQ(fake.counter("pushed"), 0);
 }
 
+TEST_F(DrainTest, SettleOnlyWaitsAndReportsThePoolsWithoutTrimming) {
+  fake.reset({{"devices",
+               {{{"primary_active", true},
+                 {"free_bytes", 10 * GiB},
+                 {"default_pool", {{"reserved_bytes", 2 * GiB}, {"used_bytes", 512 * MiB}}}}}}});
+  const Driver driver(FAKE_CUDA_PATH);
+  DrainOptions options = with_timeout(5);
+  options.trim = false;
+  const json report = gpucleanup::drain(driver, registry, options);
+  EXPECT_EQ(report["trim"], false);
+  const json& device = report["devices"][0];
+  EXPECT_EQ(device["state"], "drained");
+  EXPECT_EQ(device["settle"]["status"], "done");
+  ASSERT_EQ(device["pools"].size(), 1u);
+  EXPECT_EQ(device["pools"][0]["reserved_before_bytes"], 2 * GiB);
+  EXPECT_EQ(device["pools"][0]["reserved_after_bytes"], 2 * GiB);
+  EXPECT_EQ(device["pools"][0]["trimmed"], false);
+  EXPECT_EQ(device["released_bytes"], 0);
+  EXPECT_EQ(device["free_after_bytes"], 10 * GiB);
+  EXPECT_TRUE(device["message"].is_null());
+  EXPECT_EQ(fake.counter("calls.cuCtxSynchronize"), 1);
+  EXPECT_EQ(fake.counter("calls.cuMemPoolTrimTo"), 0);
+}
+
 TEST_F(DrainTest, TrimsTheDefaultAndTheCurrentPool) {
   fake.reset({{"devices",
                {{{"primary_active", true},

@@ -54,6 +54,7 @@ class StandInNative:
         self.state = state
         self.devices = devices if devices is not None else [StandInDevice(0, pool_reserved=GiB)]
         self.calls = collections.Counter()
+        self.trims = []
         self.progress = []  # payloads sent to the progress callback by drains with a timeout > 0
         self.interrupt_at_progress = False  # Ctrl-C arrives while the callback runs (as _native sees it)
         self.busy = set()
@@ -93,8 +94,9 @@ class StandInNative:
                 )
         return out
 
-    def drain(self, timeout=30.0, progress=None):
+    def drain(self, timeout=30.0, progress=None, trim=True):
         self._maybe_fail("drain")
+        self.trims.append(trim)
         keyboard = False
         interrupted = False
         if timeout > 0 and progress is not None:
@@ -479,15 +481,18 @@ def test_framework_that_cannot_release_is_reported_not_drained_stand_in(shell, s
     assert "held 4.0 GiB cached (jax 4.0)" in out.out
 
 
-def test_driver_pools_off_skips_the_trim_after_the_frameworks_stand_in(shell, stand_in, capsys):
+def test_driver_pools_off_settles_without_any_trim_stand_in(shell, stand_in, capsys):
     shell.run_line_magic("load_ext", "gpucleanup")
     _ext(shell).driver_pools = False
+    del stand_in.native.trims[:]
     _run(shell, "x = 1", capsys)
     assert stand_in.native.calls["drain"] == 1
+    assert stand_in.native.trims == [False]
     _ext(shell).driver_pools = True
     stand_in.cupy.cached[0] = GiB
     _run(shell, "x = 1", capsys)
     assert stand_in.native.calls["drain"] == 3  # settle, then the trim after cupy gave 1 GiB back
+    assert stand_in.native.trims[-2:] == [True, True]
     _run(shell, "x = 1", capsys)
     assert stand_in.native.calls["drain"] == 4  # nothing given back since the settle: no second trim
 

@@ -111,6 +111,16 @@ GPUCLEANUP_API gpucleanup_status gpucleanup_drain(double timeout_s,
                                                   void* user,
                                                   char** json_out);
 
+/* The settle of gpucleanup_drain alone: waits (bounded, same rules and
+ * progress) for queued work on every device in use and reports the pools as
+ * they are, without trimming them ("trim": false in the result, every pool
+ * "trimmed": false). For callers that leave the driver's pools alone.
+ * JSON shape: share/schema/drain.schema.json. */
+GPUCLEANUP_API gpucleanup_status gpucleanup_settle(double timeout_s,
+                                                   gpucleanup_progress_fn progress,
+                                                   void* user,
+                                                   char** json_out);
+
 /* Marks the process as exiting: stops the status server and makes every later
  * call a no-op returning GPUCLEANUP_ERR_EXITING. Idempotent. Also runs
  * automatically from the library's destructor. */
