@@ -1,0 +1,133 @@
+"""Real-GPU tests: skipped unless a real CUDA driver sees at least one device.
+
+The check runs in a subprocess (cuInit there, never in the test process: a parent's
+cuInit breaks CUDA in forked children). Every scenario also runs in its own fresh
+subprocess (``run_script``), so frameworks never meet unless a test wants them to,
+and "nothing initialised CUDA before" holds where a test relies on it.
+
+Each test prints its figures in lines starting with ``FIGURE `` (run pytest with -s).
+
+Environment: GPUCLEANUP_LIBRARY selects libgpucleanup.so; otherwise the package's own,
+else the one of an installed gpucleanup wheel on sys.path, else build/native/.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "ipython_ext"
+MiB = 1 << 20
+GiB = 1 << 30
+TOLERANCE = 64 * MiB
+
+_CHECK = r"""
+import ctypes, sys
+try:
+    cuda = ctypes.CDLL("libcuda.so.1")
+except OSError as exc:
+    print("no libcuda.so.1:", exc); sys.exit(0)
+if cuda.cuInit(0) != 0:
+    print("cuInit failed"); sys.exit(0)
+n = ctypes.c_int(0)
+print("devices", n.value if cuda.cuDeviceGetCount(ctypes.byref(n)) != 0 else n.value)
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_count() -> tuple[int, str]:
+    try:
+        out = subprocess.run([sys.executable, "-c", _CHECK], capture_output=True, text=True, timeout=120,
+                             env=_clean_env()).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return 0, f"GPU check failed: {exc}"
+    if out.startswith("devices "):
+        return int(out.split()[1]), out
+    return 0, out or "no output from the GPU check"
+
+
+def library_path() -> str | None:
+    if os.environ.get("GPUCLEANUP_LIBRARY"):
+        return os.environ["GPUCLEANUP_LIBRARY"]
+    own = PACKAGE / "gpucleanup" / "libgpucleanup.so"
+    if own.exists():
+        return str(own)
+    for entry in sys.path:
+        candidate = pathlib.Path(entry or ".") / "gpucleanup" / "libgpucleanup.so"
+        if candidate.exists():
+            return str(candidate)
+    built = ROOT / "build" / "native" / "libgpucleanup.so"
+    return str(built) if built.exists() else None
+
+
+def _clean_env() -> dict:
+    env = dict(os.environ)
+    env.pop("GPUCLEANUP_LIBCUDA", None)  # tests/python points it at the fake driver
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def subprocess_env(**extra: str) -> dict:
+    env = _clean_env()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE), env.get("PYTHONPATH", "")) if p)
+    lib = library_path()
+    if lib:
+        env["GPUCLEANUP_LIBRARY"] = lib
+    env.update(extra)
+    return env
+
+
+def pytest_collection_modifyitems(config, items):
+    here = pathlib.Path(__file__).resolve().parent
+    mine = [item for item in items if here in pathlib.Path(str(item.fspath)).resolve().parents]
+    if not mine:
+        return
+    count, why = gpu_count()
+    if count < 1:
+        skip = pytest.mark.skip(reason=f"no CUDA GPU here ({why})")
+    elif library_path() is None:
+        skip = pytest.mark.skip(reason="libgpucleanup.so not found: build it or set GPUCLEANUP_LIBRARY")
+    else:
+        return
+    for item in mine:
+        item.add_marker(skip)
+
+
+def run_script(*parts: str, timeout: float = 300, **env: str) -> dict:
+    """Runs the code ``parts`` (each dedented) in a fresh Python; it reports with
+    ``result(**values)`` (JSON on the last line).
+
+    Lines it prints that start with ``FIGURE `` are printed here too.
+    """
+    prelude = textwrap.dedent('''
+        import json as _json, sys as _sys
+        def result(**values):
+            print("RESULT " + _json.dumps(values))
+        def figure(text):
+            print("FIGURE " + text, flush=True)
+    ''')
+    proc = subprocess.run([sys.executable, "-c", prelude + "".join(textwrap.dedent(p) for p in parts)], capture_output=True,
+                          text=True, timeout=timeout, env=subprocess_env(**env), cwd=str(ROOT))
+    for line in proc.stdout.splitlines():
+        if line.startswith("FIGURE "):
+            print(line)
+    results = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not results:
+        raise AssertionError(f"script failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return json.loads(results[-1][len("RESULT "):])
+
+
+def require(module: str) -> None:
+    """Skip when the GPU machine lacks a framework (checked in a subprocess: importing jax or
+    torch here would drag them into every other test's process)."""
+    proc = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, env=subprocess_env())
+    if proc.returncode != 0:
+        pytest.skip(f"{module} is not installed here")

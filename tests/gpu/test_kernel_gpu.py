@@ -1,0 +1,173 @@
+"""The demo notebooks (share/examples) through a real kernel, cell by cell.
+
+The cells hold no cleanup code; the first one runs ``%load_ext gpucleanup``. After each
+cell the test asks the kernel (a silent request: no cell hooks run) what the pools still
+hold, and checks:
+- the cell's stdout has the summary line, starting with "gpucleanup ·", when the cell used the GPU;
+- CuPy's device pool, PyTorch's cache and Numba's queue hold nothing freeable (no free
+  block at all where nothing is live; only remnants of blocks split by live arrays otherwise);
+- the pinned pools are released (on a background thread: polled, at most 60 s);
+- device free memory is back within 64 MiB of where it was before the cell, less what
+  the cell left live (skipped for the cell that first makes a context or starts torch:
+  contexts and library handles live outside every pool).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import MiB, ROOT, TOLERANCE, require, subprocess_env
+
+EXAMPLES = ROOT / "share" / "examples"
+TIMEOUT = 180
+
+PROBE = r'''
+def __gpucleanup_probe():
+    import json, sys, gpucleanup
+    snap = gpucleanup.snapshot()
+    out = {"state": snap["driver"]["state"], "free": {}, "live": 0, "cached": {}, "pinned_cached": {}}
+    if out["state"] != "ready":
+        return json.dumps(out)   # nothing initialised CUDA: reading any pool would
+    out["free"] = {str(d["index"]): d["free_bytes"] for d in snap["devices"] if d["in_use"]}
+    cp = sys.modules.get("cupy")
+    if cp is not None:
+        pool = cp.get_default_memory_pool()
+        out["live"] += pool.used_bytes()
+        out["cupy_live"] = pool.used_bytes()
+        out["cached"]["cupy"] = pool.free_bytes()
+        out["cupy_free_blocks"] = pool.n_free_blocks()
+        out["pinned_cached"]["cupy_blocks"] = cp.get_default_pinned_memory_pool().n_free_blocks()
+    torch = sys.modules.get("torch")
+    out["torch_initialised"] = bool(torch is not None and torch.cuda.is_initialized())
+    if out["torch_initialised"]:
+        out["live"] += torch.cuda.memory_allocated(0)
+        out["cached"]["torch"] = torch.cuda.memory_reserved(0) - torch.cuda.memory_allocated(0)
+        hs = torch.cuda.memory.host_memory_stats()
+        out["pinned_cached"]["torch_owned"] = hs.get("allocated_bytes.current", 0)
+    devices = sys.modules.get("numba.cuda.cudadrv.devices")
+    if devices is not None:
+        info = type(devices._runtime.gpus).__dict__.get("lst")
+        if info is not None and info.fget.cache_info().currsize:
+            pending = 0
+            for g in devices._runtime.gpus.lst:
+                if g.primary_context is not None:
+                    pending += g.primary_context.memory_manager.deallocations._size
+            out["cached"]["numba"] = pending
+    return json.dumps(out)
+'''
+
+
+def _notebooks():
+    return sorted(p.name for p in EXAMPLES.glob("*.ipynb"))
+
+
+class Kernel:
+    def __init__(self, tmp_path: Path):
+        from jupyter_client.manager import KernelManager
+        import sys
+
+        self.km = KernelManager()
+        self.km.kernel_spec
+        self.km.kernel_spec.argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+        self.km.start_kernel(env=subprocess_env(JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
+                                                IPYTHONDIR=str(tmp_path / "ipython")),
+                             cwd=str(tmp_path))
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=TIMEOUT)
+
+    def close(self):
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=True)
+
+    def execute(self, code: str, silent: bool = False, user_expressions=None) -> dict:
+        msg_id = self.kc.execute(code, silent=silent, store_history=not silent,
+                                 user_expressions=user_expressions or {})
+        out = {"stdout": "", "stderr": "", "error": None}
+        while True:
+            msg = self.kc.get_iopub_msg(timeout=TIMEOUT)
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                out[content["name"]] += content["text"]
+            elif kind == "error":
+                out["error"] = "\n".join(content["traceback"])
+            elif kind == "status" and content["execution_state"] == "idle":
+                break
+        while True:
+            reply = self.kc.get_shell_msg(timeout=TIMEOUT)
+            if reply["parent_header"].get("msg_id") == msg_id:
+                break
+        out["reply"] = reply["content"]
+        return out
+
+    def probe(self) -> dict:
+        reply = self.execute("", silent=True, user_expressions={"p": "__gpucleanup_probe()"})["reply"]
+        value = reply["user_expressions"]["p"]
+        assert value["status"] == "ok", value
+        return json.loads(ast.literal_eval(value["data"]["text/plain"]))
+
+
+@pytest.mark.parametrize("name", _notebooks())
+def test_notebook_cells_leave_no_freeable_gpu_memory(name, tmp_path):
+    import nbformat
+
+    nb = nbformat.read(EXAMPLES / name, as_version=4)
+    sources = " ".join(c.source for c in nb.cells if c.cell_type == "code")
+    for module, word in (("cupy", "cupy"), ("torch", "torch"), ("numba.cuda", "numba")):
+        if word in sources:
+            require(module)
+    kernel = Kernel(tmp_path)
+    try:
+        kernel.execute(PROBE, silent=True)
+        previous = kernel.probe()
+        for number, cell in enumerate(c for c in nb.cells if c.cell_type == "code"):
+            t0 = time.perf_counter()
+            out = kernel.execute(cell.source)
+            elapsed = (time.perf_counter() - t0) * 1e3
+            assert out["error"] is None, f"cell {number} failed:\n{out['error']}"
+            summary = [line for line in out["stdout"].splitlines() if line.startswith("gpucleanup ·")]
+            now = kernel.probe()
+            # the pinned pools are released on a background thread: poll
+            deadline = time.monotonic() + 60
+            while any(now["pinned_cached"].values()) and time.monotonic() < deadline:
+                time.sleep(0.05)
+                now = kernel.probe()
+            print(f"FIGURE {name} cell {number}: {elapsed:.0f} ms; {summary[0] if summary else '(no summary)'}")
+            print(f"FIGURE {name} cell {number}: pools after {now['cached']}, pinned {now['pinned_cached']}, "
+                  f"live {now['live']} B, free {now['free']}")
+            if cell.metadata.get("gpucleanup", {}).get("expect_summary", True):
+                assert summary and summary[0].startswith("gpucleanup · GPU0"), out["stdout"]
+            assert now["state"] in ("ready", "not_initialized")
+            # Blocks split by a live array or tensor cannot be released (CuPy: "a split block
+            # is not released until all its parts are merged"; the same holds in torch's cache):
+            # with nothing live there must be no free block at all.
+            assert now["cached"].get("numba", 0) == 0, now["cached"]
+            if now.get("cupy_live", 0) == 0:
+                assert now["cached"].get("cupy", 0) == 0 and now.get("cupy_free_blocks", 0) == 0, now
+            else:
+                assert now["cached"].get("cupy", 0) <= TOLERANCE, now
+            assert now["cached"].get("torch", 0) <= 20 * MiB, now["cached"]
+            assert not any(now["pinned_cached"].values()), now["pinned_cached"]
+            fresh = (set(now["free"]) != set(previous["free"])
+                     or now.get("torch_initialised") != previous.get("torch_initialised"))
+            if not fresh:
+                for dev, free in now["free"].items():
+                    expected = previous["free"][dev] - (now["live"] - previous["live"])
+                    print(f"FIGURE {name} cell {number}: GPU{dev} free {free} B, expected {expected} B, "
+                          f"off by {free - expected} B")
+                    assert abs(free - expected) <= TOLERANCE, (dev, free, expected)
+            previous = now
+        status = kernel.execute("%gpumem --json")
+        assert status["error"] is None
+        data = json.loads(status["stdout"])
+        assert data["kind"] == "gpumem"
+        print(f"FIGURE {name} %gpumem --json frameworks: {json.dumps(data.get('frameworks'))}")
+    finally:
+        kernel.close()
