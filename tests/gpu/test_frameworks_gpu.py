@@ -149,7 +149,7 @@ def test_jax_adapter_reports_what_jax_holds_and_releases_nothing():
                f"{stats['devices'][0]['cached_bytes']} B held beyond live in the BFC pool")
         result(not_yet=not_yet, stats=stats, raw=raw, drained=drained, can_release=jx.can_release,
                describe=jx.describe())
-    ''', XLA_PYTHON_CLIENT_ALLOCATOR="", XLA_PYTHON_CLIENT_MEM_FRACTION="0.2")
+    ''', XLA_PYTHON_CLIENT_ALLOCATOR="default", XLA_PYTHON_CLIENT_MEM_FRACTION="0.2")
     assert r["not_yet"] is False
     dev = r["stats"]["devices"]["0"]
     assert dev["live_bytes"] == r["raw"]["bytes_in_use"] and dev["live_bytes"] >= 64 * MiB
