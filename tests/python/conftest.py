@@ -22,17 +22,21 @@ BUILD = pathlib.Path(os.environ.get("GPUCLEANUP_BUILD_DIR", ROOT / "build")).res
 FAKE_CUDA = BUILD / "tests" / "fake_cuda" / "libcuda.so.1"
 SCHEMA_DIR = ROOT / "share" / "schema"
 
-# Before anything loads libgpucleanup: point it at the fake driver, and at the
-# build tree's library when the package in use carries none (PYTHONPATH=ipython_ext).
+# Before anything loads libgpucleanup: point it at the fake driver, and name the
+# library explicitly (the installed package's own, else the build tree's when the
+# package comes from PYTHONPATH=ipython_ext), so that subprocesses and kernels the
+# tests start load the same one whichever gpucleanup they import.
 os.environ.setdefault("GPUCLEANUP_LIBCUDA", str(FAKE_CUDA))
 if "GPUCLEANUP_LIBRARY" not in os.environ:
     import importlib.util
 
     spec = importlib.util.find_spec("gpucleanup")
+    packaged = None
     if spec is not None and spec.submodule_search_locations:
         packaged = pathlib.Path(list(spec.submodule_search_locations)[0]) / "libgpucleanup.so"
-        if not packaged.exists():
-            os.environ["GPUCLEANUP_LIBRARY"] = str(BUILD / "native" / "libgpucleanup.so")
+    os.environ["GPUCLEANUP_LIBRARY"] = str(
+        packaged if packaged is not None and packaged.exists() else BUILD / "native" / "libgpucleanup.so"
+    )
 
 
 class FakeCuda:
