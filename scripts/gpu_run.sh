@@ -3,8 +3,8 @@
 # carried in .whl/ (gpucleanup's manylinux wheel plus IPython, ipykernel,
 # jupyter_client and their dependencies, made by scripts/build_wheels.sh),
 # then the real-GPU tests, the benchmarks and the demo, in one go.
-# Results land in $OUT (or ./gpu-out): machine.log, gpu-tests.log, bench.json, bench.log, demo.log.
-# Usage: scripts/gpu_run.sh [all|tests|bench|demo]
+# Results land in $OUT (or ./gpu-out): machine.log, gpu-tests.log, facts.log, bench.json, bench.log, demo.log.
+# Usage: scripts/gpu_run.sh [STAGE ...]   stages: tests facts bench demo (default: all of them)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-$PWD/gpu-out}
@@ -23,13 +23,16 @@ export PATH=/tmp/site/bin:$PATH
   python3 -c "import gpucleanup, json; print(json.dumps(gpucleanup.snapshot()['driver']))"
 } 2>&1 | tee "$out/machine.log"
 
-stage=${1:-all}
-if [ "$stage" = all ] || [ "$stage" = tests ]; then
+stages=" ${*:-tests facts bench demo} "
+if [[ $stages == *" tests "* ]]; then
   python3 -m pytest tests/gpu -v -s -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.log"
 fi
-if [ "$stage" = all ] || [ "$stage" = bench ]; then
+if [[ $stages == *" facts "* ]]; then
+  python3 scripts/gpu_facts.py 2>&1 | tee "$out/facts.log"
+fi
+if [[ $stages == *" bench "* ]]; then
   python3 tests/bench/bench_after_cell.py --json "$out/bench.json" 2>&1 | tee "$out/bench.log"
 fi
-if [ "$stage" = all ] || [ "$stage" = demo ]; then
+if [[ $stages == *" demo "* ]]; then
   python3 scripts/demo.py 2>&1 | tee "$out/demo.log"
 fi
