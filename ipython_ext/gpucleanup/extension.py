@@ -603,6 +603,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         gc_info = {"policy": self.gc, "ran": None, "elapsed_s": 0.0, "collected": 0}
         pinned_now: Dict[str, int] = {}
         pending = False
+        pinned_candidates: list = []
         adapters: list = []
         stats_after: Dict[str, dict] = {}
         stats_settled: Dict[str, dict] = {}
@@ -696,7 +697,10 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                     if job is not None and not job.done.is_set():
                         pending = True
                     else:
-                        candidates = [
+                        # started once this cell's driver calls are done (below): a
+                        # pinned free (cudaFreeHost) makes the driver calls made meanwhile
+                        # wait for it, 145 ms for 1 GiB on an H100
+                        pinned_candidates = [
                             a
                             for a in adapters
                             if getattr(a, "can_release", True)
@@ -705,18 +709,6 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                             # unknown pinned stats: try; known empty pools: no thread for nothing
                             and (stats_settled[a.name]["pinned"] is None or stats_settled[a.name]["pinned"]["cached_bytes"] > 0)
                         ]
-                        if candidates:
-                            new = _PinnedJob(self, candidates, cell)
-                            self._pinned_job = new
-                            new.thread.start()
-                            if new.done.wait(_PINNED_REPORT_WAIT_S):
-                                new.reported = True
-                                self._pinned_job = None
-                                pinned_now = dict(new.freed)
-                                notes.extend(new.notes)
-                                captured.extend(new.unraisable)
-                            else:
-                                pending = True
 
                 # 4. the driver's pools, after the frameworks gave memory back to them. The
                 # settle above trimmed them once; trim again only if something was given back
@@ -741,6 +733,18 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         snap_devices = {int(d["index"]): d for d in (snapshot or {}).get("devices") or [] if _index(d.get("index")) is not None}
         if adapters and not interrupted:
             stats_after = self._stats(adapters, [i for i in devices if dev_state.get(i) != "unusable"], notes)
+        if pinned_candidates and not interrupted:
+            new = _PinnedJob(self, pinned_candidates, cell)
+            self._pinned_job = new
+            new.thread.start()
+            if new.done.wait(_PINNED_REPORT_WAIT_S):
+                new.reported = True
+                self._pinned_job = None
+                pinned_now = dict(new.freed)
+                notes.extend(new.notes)
+                captured.extend(new.unraisable)
+            else:
+                pending = True
         unraisable_line = summarize_unraisables(captured)
         if unraisable_line:
             first_type = captured[0]["type"]

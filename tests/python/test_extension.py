@@ -497,6 +497,26 @@ def test_driver_pools_off_settles_without_any_trim_stand_in(shell, stand_in, cap
     assert stand_in.native.calls["drain"] == 4  # nothing given back since the settle: no second trim
 
 
+def test_pinned_release_starts_after_the_cells_last_driver_call_stand_in(shell, stand_in, capsys, monkeypatch):
+    # A pinned free makes driver calls made meanwhile wait for it: none of this cell's
+    # own calls may overlap the background release.
+    shell.run_line_magic("load_ext", "gpucleanup")
+    seen = []
+    for name in ("drain", "snapshot", "probe"):
+        original = getattr(stand_in.native, name)
+
+        def spy(*args, _original=original, _name=name, **kwargs):
+            seen.append((_name, stand_in.cupy.calls["drain_pinned"]))
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(stand_in.native, name, spy)
+    _run(shell, "x = 1", capsys)
+    _wait_pinned(shell)
+    assert stand_in.cupy.calls["drain_pinned"] == 1
+    assert {name for name, _ in seen} >= {"drain", "snapshot"}
+    assert [name for name, started in seen if started] == []
+
+
 def test_pinned_off_does_not_touch_pinned_pools_stand_in(shell, stand_in, capsys):
     shell.run_line_magic("load_ext", "gpucleanup")
     _ext(shell).pinned = False

@@ -158,6 +158,14 @@ def test_cupy_adapter_with_stand_in_module_clears_the_fft_plan_cache_of_given_de
     assert cupy.plan_caches[1].get_curr_size() == 1, "device 1 was not given"
 
 
+def test_cupy_adapter_with_stand_in_module_keeps_fft_plans_that_hold_no_work_area(monkeypatch):
+    world = World(n_devices=1, active=(0,))
+    cupy = install_cupy(monkeypatch, world, used={0: 0}, free={0: 0}, plan_caches={0: PlanCache(2, 0)})
+    result = adapter("cupy").drain([0])
+    assert result["notes"] == []
+    assert cupy.plan_caches[0].get_curr_size() == 2, "plans without a work area free nothing: kept"
+
+
 def test_cupy_adapter_with_stand_in_module_reports_and_releases_the_pinned_pool_exactly(monkeypatch):
     world = World(n_devices=1)
     cupy = install_cupy(monkeypatch, world, pinned_free=(16 * MiB, 16 * MiB, 4 * MiB), pinned_in_use=(8 * MiB,))
