@@ -752,7 +752,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
 
         pre_devices = {int(d["index"]): d for d in ((pre or {}).get("snapshot") or {}).get("devices") or [] if _index(d.get("index")) is not None}
         record_devices = []
-        touched = pre is None and not forced
+        touched = False  # without a snapshot from before the cell (paused, or loaded in it): only what was freed counts
         for i in all_devices:
             snap = snap_devices.get(i, {})
             total = snap.get("total_bytes")

@@ -189,6 +189,17 @@ def test_gpumem_off_and_on_pause_the_automatic_cleanup_stand_in(shell, stand_in,
     assert stand_in.native.calls["drain"] == 2
 
 
+def test_gpumem_on_cell_prints_no_line_when_nothing_was_freed(shell, fake_cuda, capsys):
+    # The cell that runs %gpumem --on had no snapshot from before it (paused then):
+    # with nothing freed and nothing wrong, the default "auto" mode stays quiet.
+    fake_cuda.reset({"devices": [{"uuid": "GPU-0f0f0000-0000-0000-0000-0000000000aa", "primary_active": True}]})
+    shell.run_line_magic("load_ext", "gpucleanup")
+    shell.run_cell("%gpumem --off", store_history=True)
+    capsys.readouterr()
+    shell.run_cell("%gpumem --on", store_history=True)
+    assert capsys.readouterr().out == "gpucleanup · automatic cleanup resumed\n"
+
+
 @pytest.mark.parametrize(
     "line, message",
     [
