@@ -39,7 +39,12 @@ FAKE_SCENARIO = {
     ]
 }
 
-GPU_NOTEBOOKS = {"cupy": "cupy_images.ipynb", "torch": "torch_training.ipynb"}
+# notebook -> the frameworks it needs
+GPU_NOTEBOOKS = {
+    "cupy_images.ipynb": ("cupy",),
+    "torch_training.ipynb": ("torch",),
+    "mixed_frameworks.ipynb": ("cupy", "torch", "numba"),
+}
 
 
 def gpu_present() -> bool:
@@ -87,8 +92,8 @@ def main() -> int:
     env: dict = {}
     notebooks = list(args.notebooks)
     if not notebooks and gpu_present():
-        notebooks = [ROOT / "share" / "examples" / nb for mod, nb in GPU_NOTEBOOKS.items()
-                     if importlib.util.find_spec(mod) is not None and (ROOT / "share" / "examples" / nb).exists()]
+        notebooks = [ROOT / "share" / "examples" / nb for nb, needs in GPU_NOTEBOOKS.items()
+                     if all(importlib.util.find_spec(mod) is not None for mod in needs)]
     if not notebooks:
         print("No GPU here: running the tour against the fake CUDA driver of the test suite "
               f"({args.fake_driver}), with one scripted device. On a GPU machine the same command "

@@ -141,6 +141,8 @@ for _ in range(20):
     b = b @ b
     b /= cp.linalg.norm(b)
 '''),
+        code("%gpumem", summary=False),
+        code("%gpumem --vars", summary=False),
         code("del b"),
     ],
 )
