@@ -336,6 +336,14 @@ def test_torch_adapter_with_stand_in_module_releases_a_pinned_cache_whose_live_p
     assert torch.host_owned == 2 * MiB
 
 
+def test_torch_adapter_with_stand_in_module_reports_an_empty_pinned_cache_without_a_note(monkeypatch):
+    world = World(n_devices=1)
+    install_torch(monkeypatch, world, host_active=0, host_owned=0, host_keys="2.11")
+    stats = adapter("torch").stats([0])
+    assert stats["pinned"] == {"live_bytes": 0, "cached_bytes": 0}
+    assert stats["notes"] == []
+
+
 def test_torch_adapter_with_stand_in_module_says_when_it_cannot_read_or_empty_the_pinned_cache(monkeypatch):
     world = World(n_devices=1)
     install_torch(monkeypatch, world, host_keys="none", host_empty=None)

@@ -125,6 +125,8 @@ class TorchAdapter(Adapter):
         if figures is not None:
             return _figures(*figures)
         owned = _host_owned(stats)
+        if owned == 0:
+            return _figures(0, 0)  # an empty cache: nothing live, nothing cached, nothing to say
         if owned is None:
             notes.append(self._note("pinned", "this torch does not report its pinned host cache", 206))
         else:
