@@ -92,9 +92,8 @@ def fake_cuda():
 
 
 @pytest.fixture(scope="session")
-def schemas():
-    """The JSON schemas of share/schema, with a validator per file name."""
-    import jsonschema
+def schema_registry():
+    """(registry, documents) of share/schema: every schema by its $id and by its file name."""
     from referencing import Registry, Resource
 
     registry = Registry()
@@ -104,4 +103,13 @@ def schemas():
         docs[path.name] = doc
         resource = Resource.from_contents(doc)
         registry = registry.with_resource(doc["$id"], resource).with_resource(path.name, resource)
+    return registry, docs
+
+
+@pytest.fixture(scope="session")
+def schemas(schema_registry):
+    """The JSON schemas of share/schema, with a validator per file name."""
+    import jsonschema
+
+    registry, docs = schema_registry
     return {name: jsonschema.Draft202012Validator(doc, registry=registry) for name, doc in docs.items()}

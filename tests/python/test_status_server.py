@@ -21,22 +21,14 @@ from gpucleanup import _native, discovery, status_client
 from gpucleanup.status_endpoint import StatusEndpoint
 
 ROOT = Path(__file__).resolve().parents[2]
-SCHEMA_DIR = ROOT / "share" / "schema"
 
 
 @pytest.fixture(scope="module")
-def protocol():
+def protocol(schema_registry):
     """Validators for the $defs of share/schema/protocol.schema.json (with the snapshot and drain schemas)."""
     import jsonschema
-    from referencing import Registry, Resource
 
-    registry = Registry()
-    docs = {}
-    for path in SCHEMA_DIR.glob("*.schema.json"):
-        doc = json.loads(path.read_text())
-        docs[path.name] = doc
-        resource = Resource.from_contents(doc)
-        registry = registry.with_resource(doc["$id"], resource).with_resource(path.name, resource)
+    registry, docs = schema_registry
     base = docs["protocol.schema.json"]["$id"]
 
     def validate(definition: str, value) -> None:
