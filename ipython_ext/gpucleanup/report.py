@@ -160,6 +160,10 @@ def _pinned_segment(pinned: dict) -> Optional[str]:
     return SEP.join(segs) if segs else None
 
 
+# A settle shorter than this is not worth a word in the summary line.
+QUEUED_WORK_NOTICE_S = 0.1
+
+
 def _device_line(dev: dict, record: dict, pinned: Optional[str]) -> str:
     segs = [PREFIX, _device_label(dev)]
     state = dev.get("state")
@@ -179,6 +183,10 @@ def _device_line(dev: dict, record: dict, pinned: Optional[str]) -> str:
             segs.append(f"freed {format_bytes(total)} ({_parts(freed, total)})")
         else:
             segs.append("freed 0 B")
+        # work the cell left queued, waited for before freeing: said when it is worth noticing
+        waited = settle.get("waited_s") or 0.0
+        if settle.get("status") == "done" and waited >= QUEUED_WORK_NOTICE_S:
+            segs.append(f"waited {format_duration(waited)} for queued work")
     if pinned:
         segs.append(pinned)
     live = dev.get("live_bytes") or {}

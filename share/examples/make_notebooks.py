@@ -6,7 +6,8 @@ run in seconds on one H100. tests/gpu/test_kernel_gpu.py runs their cells in a r
 and checks, after each cell, that the pools hold nothing freeable; a cell's metadata
 ``gpucleanup.expect_summary`` says whether its summary line must appear: ``"same-or-next"``
 for a cell that only frees pinned host memory, whose release (on a background thread) may be
-reported by the next cell's line ("freed in background").
+reported by the next cell's line ("freed in background"); ``gpucleanup.expect_text``, text the
+line must contain (a cell that leaves work queued: "waited ... for queued work").
 """
 
 from __future__ import annotations
@@ -19,8 +20,12 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 HERE = pathlib.Path(__file__).resolve().parent
 
 
-def code(source: str, summary: bool | str = True) -> nbformat.NotebookNode:
-    return new_code_cell(source.strip("\n"), metadata={"gpucleanup": {"expect_summary": summary}})
+def code(source: str, summary: bool | str = True, says: str | None = None) -> nbformat.NotebookNode:
+    """A cell; ``says``: text its summary line must contain (checked by tests/gpu/test_kernel_gpu.py)."""
+    meta = {"expect_summary": summary}
+    if says:
+        meta["expect_text"] = says
+    return new_code_cell(source.strip("\n"), metadata={"gpucleanup": meta})
 
 
 def notebook(title: str, text: str, cells: list) -> nbformat.NotebookNode:
@@ -65,7 +70,7 @@ a = cp.random.random((8192, 8192), dtype=cp.float32)
 for _ in range(20):
     a = a @ a
     a /= cp.linalg.norm(a)
-'''),
+''', says="for queued work"),
         code("del a"),
     ],
 )
@@ -102,7 +107,7 @@ a = torch.randn(8192, 8192, device="cuda")
 for _ in range(20):
     a = a @ a
     a = a / a.norm()
-'''),
+''', says="for queued work"),
         code("del a"),
     ],
 )

@@ -154,6 +154,9 @@ def test_notebook_cells_leave_no_freeable_gpu_memory(name, tmp_path):
                 background_report_due = True   # a pinned-only cell: its release may be reported next
             elif expect:
                 assert summary and summary[0].startswith("gpucleanup · GPU0"), out["stdout"]
+            says = cell.metadata.get("gpucleanup", {}).get("expect_text")
+            if says:
+                assert summary and says in summary[0], (says, summary)
             assert now["state"] in ("ready", "not_initialized")
             # Blocks split by a live array or tensor cannot be released (CuPy: "a split block
             # is not released until all its parts are merged"; the same holds in torch's cache):

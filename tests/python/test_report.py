@@ -104,6 +104,13 @@ def test_summary_line_says_what_stays_cached_when_a_framework_cannot_release():
     ]
 
 
+def test_summary_line_says_the_cell_left_work_queued_when_the_settle_waited():
+    rec = _record(device={"settle": {"status": "done", "waited_s": 0.42}}, pinned={}, elapsed_s=0.428)
+    assert report.summary_lines(rec) == [
+        "gpucleanup · GPU0 H100 · freed 6.0 GiB (cupy 5.5, torch 0.5) · waited 420 ms for queued work · kept 2.1 GiB live (cupy) · device 2.7/79.6 GiB · 428 ms"
+    ]
+
+
 def test_summary_busy_device_says_what_was_skipped():
     rec = _record(device={"state": "busy", "settle": {"status": "timeout", "waited_s": 30.0, "busy_for_s": 30.0}, "freed_bytes": {}, "live_bytes": {}}, pinned={})
     assert report.summary_lines(rec) == [
