@@ -338,6 +338,18 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             self._endpoint = endpoint
         except Exception as exc:
             self._warn_once_now("status:start", f"status endpoint did not start ({type(exc).__name__}: {exc})")
+            return
+        # Loaded by %load_ext, the cell that loads it is running (its end sets "idle");
+        # loaded from the config at start-up, no cell runs: say "idle" now rather than
+        # leaving the endpoint without a state (and refusing drains) until a first cell.
+        # IPython keeps displayhook.exec_result set only while a cell executes.
+        now = time.time_ns()
+        running = getattr(getattr(self.shell, "displayhook", None), "exec_result", None)
+        if running is not None:
+            cell = getattr(running, "execution_count", None)
+            self._status("set_state", {"state": "running", "cell": cell, "since_ns": now})
+        else:
+            self._status("set_state", {"state": "idle", "since_ns": now})
 
     def _close_status_endpoint(self) -> None:
         endpoint, self._endpoint = self._endpoint, None

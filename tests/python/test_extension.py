@@ -820,6 +820,20 @@ def test_status_endpoint_sees_running_draining_idle_and_each_record_stand_in(she
     assert stand_in.endpoint.events[-1] == ("close",)
 
 
+def test_status_endpoint_state_at_load_is_idle_outside_a_cell_and_running_inside_one_stand_in(shell, stand_in, capsys):
+    # as from c.InteractiveShellApp.extensions at start-up: no cell runs
+    shell.extension_manager.load_extension("gpucleanup")
+    assert stand_in.endpoint.events[0] == ("start", shell)
+    assert stand_in.endpoint.events[1][0] == "set_state" and stand_in.endpoint.events[1][1]["state"] == "idle"
+    shell.extension_manager.unload_extension("gpucleanup")
+    del stand_in.endpoint.events[:]
+    # %load_ext in a cell: that cell is running until its end says idle
+    result, _ = _run(shell, "%load_ext gpucleanup", capsys)
+    states = [e[1] for e in stand_in.endpoint.events if e[0] == "set_state"]
+    assert states[0]["state"] == "running" and states[0]["cell"] == result.execution_count
+    assert states[-1]["state"] == "idle"
+
+
 def test_status_endpoint_is_closed_at_exit_and_no_driver_call_after_stand_in(shell, stand_in, capsys):
     shell.run_line_magic("load_ext", "gpucleanup")
     ext = _ext(shell)
@@ -977,6 +991,7 @@ def test_fake_driver_status_endpoint_says_which_gpu_the_cell_waits_for(shell, re
     fake_cuda.reset({"devices": [{"name": "Fake H100", "primary_active": True, "sync_seconds": -1}]})
     shell.run_line_magic("load_ext", "gpucleanup")
     shell.run_line_magic("config", "GPUCleanup.settle_timeout = 2.5")
+    del endpoint.events[:]
     try:
         result, _ = _run(shell, "x = 1", capsys)
         states = [e[1] for e in endpoint.events if e[0] == "set_state"]
