@@ -175,6 +175,12 @@ class _CtrlC:
             raise KeyboardInterrupt
 
 
+def adapter_note(name: str, text: str) -> str:
+    """An adapter's note as users read it: named after its adapter once
+    ("[gpucleanup.cupy.204] ..." already is; other text gets "cupy: ")."""
+    return text if text.startswith(f"[gpucleanup.{name}.") else f"{name}: {text}"
+
+
 class _PinnedJob:
     """One background release of pinned host pools; adapters are done one after another."""
 
@@ -208,7 +214,7 @@ class _PinnedJob:
                         if freed:
                             self.freed[adapter.name] = self.freed.get(adapter.name, 0) + freed
                         for text in result.get("notes") or []:
-                            self.notes.append((f"note:{adapter.name}:{text}", f"{adapter.name}: {text}"))
+                            self.notes.append((f"note:{adapter.name}:{text}", adapter_note(adapter.name, text)))
             self.unraisable = captured
         except BaseException as exc:  # a background thread must never die loudly
             self.notes.append(("pinned:internal", f"pinned release failed: {type(exc).__name__}: {exc}"))
@@ -701,7 +707,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                             if idx in freed and n:
                                 freed[idx][adapter.name] = freed[idx].get(adapter.name, 0) + int(n)
                         for text in res.get("notes") or []:
-                            notes.append((f"note:{adapter.name}:{text}", f"{adapter.name}: {text}"))
+                            notes.append((f"note:{adapter.name}:{text}", adapter_note(adapter.name, text)))
 
                 # pinned host pools: off the cell's critical path
                 if self.pinned and adapters and len(settled) == len(devices):

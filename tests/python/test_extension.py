@@ -1046,3 +1046,10 @@ def test_fake_driver_sticky_error_said_once_in_a_fresh_process(fake_cuda, tmp_pa
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout == "gpucleanup · GPU0 is unusable after CUDA_ERROR_ILLEGAL_ADDRESS: restart the kernel\ndone\n"
+
+
+def test_adapter_notes_are_named_after_their_adapter_once():
+    assert extension.adapter_note("cupy", "[gpucleanup.cupy.204] GPU0: cleared cupy's FFT plan cache") == \
+        "[gpucleanup.cupy.204] GPU0: cleared cupy's FFT plan cache"
+    assert extension.adapter_note("cupy", "pool busy") == "cupy: pool busy"
+    assert extension.adapter_note("torch", "[gpucleanup.cupy.204] x") == "torch: [gpucleanup.cupy.204] x"
