@@ -29,6 +29,9 @@ def main() -> int:
     parser.add_argument("scenario", choices=sorted(SCENARIOS))
     parser.add_argument("--cells", type=int, default=20)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--filter", default=r"gpucleanup|cupy|torch|zmq|ctypes",
+                        help="regular expression on the profile's file/function names ('.' for everything)")
+    parser.add_argument("--bare", action="store_true", help="do not load gpucleanup (the baseline)")
     args = parser.parse_args()
 
     from IPython.core.interactiveshell import InteractiveShell
@@ -44,11 +47,39 @@ def main() -> int:
             raise SystemExit(f"cell failed: {result.error_before_exec or result.error_in_exec!r}\n{sink.getvalue()}")
 
     run(spec["setup"])
-    run("%load_ext gpucleanup")
+    hook_times: dict = {"pre_run_cell": [], "post_run_cell": []}
+    if not args.bare:
+        run("%load_ext gpucleanup")
+        _time_hooks(shell, hook_times)
+    cell_times = []
+    for _ in range(3):
+        run(spec["cell"])
+    for times in hook_times.values():
+        times.clear()
+    for _ in range(args.cells):  # timed without the profiler
+        t0 = time.perf_counter()
+        run(spec["cell"])
+        cell_times.append((time.perf_counter() - t0) * 1e3)
+    print(f"run_cell: median {statistics.median(cell_times):.3f} ms over {len(cell_times)} cells")
+    for name, times in hook_times.items():
+        if times:
+            print(f"{name}: median {statistics.median(times):.3f} ms, max {max(times):.3f} ms over {len(times)} cells")
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(args.cells):
+        run(spec["cell"])
+    profile.disable()
+    print("last summary line:", next((l for l in reversed(sink.getvalue().splitlines()) if l.startswith("gpucleanup")), None))
+    stats = pstats.Stats(profile, stream=sys.stdout)
+    stats.sort_stats("cumulative").print_stats(args.filter, args.top)
+    return 0
+
+
+def _time_hooks(shell, hook_times: dict) -> None:
+    """Wraps the extension's registered hooks to time them."""
     from gpucleanup import extension
 
     ext = extension.get_extension(shell)
-    hook_times = {"pre_run_cell": [], "post_run_cell": []}
     for name in hook_times:
         original = getattr(ext, name)
 
@@ -62,22 +93,6 @@ def main() -> int:
         # the registered callbacks are bound methods of ext: swap them in the event registry
         callbacks = shell.events.callbacks[name]
         callbacks[callbacks.index(original)] = timed
-
-    for _ in range(3):
-        run(spec["cell"])
-    for times in hook_times.values():
-        times.clear()
-    profile = cProfile.Profile()
-    profile.enable()
-    for _ in range(args.cells):
-        run(spec["cell"])
-    profile.disable()
-    for name, times in hook_times.items():
-        print(f"{name}: median {statistics.median(times):.3f} ms, max {max(times):.3f} ms over {len(times)} cells")
-    print("last summary line:", next((l for l in reversed(sink.getvalue().splitlines()) if l.startswith("gpucleanup")), None))
-    stats = pstats.Stats(profile, stream=sys.stdout)
-    stats.sort_stats("cumulative").print_stats(r"gpucleanup|cupy|torch|zmq|ctypes", args.top)
-    return 0
 
 
 if __name__ == "__main__":
