@@ -12,21 +12,11 @@ using gpucleanup::DeviceRegistry;
 using gpucleanup::Driver;
 using gpucleanup::SnapshotKind;
 using gpucleanup::take_snapshot;
+using gpucleanup::testing::eight_devices_three_in_use;
 using gpucleanup::testing::FakeCuda;
+using gpucleanup::testing::GiB;
+using gpucleanup::testing::MiB;
 using nlohmann::json;
-
-namespace {
-
-constexpr std::uint64_t GiB = 1ull << 30;
-constexpr std::uint64_t MiB = 1ull << 20;
-
-json eight_devices_three_in_use() {
-  json devices = json::array();
-  for (int i = 0; i < 8; ++i) devices.push_back({{"primary_active", i == 1 || i == 4 || i == 6}});
-  return {{"devices", devices}};
-}
-
-}  // namespace
 
 TEST(Snapshot, EightDevicesThreeInUseGetMemoryAndNoContextIsCreated) {
   FakeCuda fake;

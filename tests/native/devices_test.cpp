@@ -11,18 +11,9 @@ using gpucleanup::ContextKind;
 using gpucleanup::Driver;
 using gpucleanup::DriverState;
 using gpucleanup::ScopedContext;
+using gpucleanup::testing::eight_devices_three_in_use;
 using gpucleanup::testing::FakeCuda;
 using nlohmann::json;
-
-namespace {
-
-json eight_devices_three_in_use() {
-  json devices = json::array();
-  for (int i = 0; i < 8; ++i) devices.push_back({{"primary_active", i == 1 || i == 4 || i == 6}});
-  return {{"devices", devices}};
-}
-
-}  // namespace
 
 TEST(Probe, NeverCallsCuInitInAnUninitialisedProcess) {
   FakeCuda fake;

@@ -16,13 +16,12 @@ using gpucleanup::DeviceRegistry;
 using gpucleanup::DrainOptions;
 using gpucleanup::Driver;
 using gpucleanup::testing::FakeCuda;
+using gpucleanup::testing::GiB;
+using gpucleanup::testing::MiB;
 using nlohmann::json;
 using namespace std::chrono_literals;
 
 namespace {
-
-constexpr std::uint64_t GiB = 1ull << 30;
-constexpr std::uint64_t MiB = 1ull << 20;
 
 // Polls (never a blind sleep) until `done` holds or 10 s pass.
 bool eventually(const std::function<bool()>& done) {

@@ -17,6 +17,12 @@ Fn resolve(void* handle, const char* name) {
 
 }  // namespace
 
+nlohmann::json eight_devices_three_in_use() {
+  nlohmann::json devices = nlohmann::json::array();
+  for (int i = 0; i < 8; ++i) devices.push_back({{"primary_active", i == 1 || i == 4 || i == 6}});
+  return {{"devices", devices}};
+}
+
 FakeCuda::FakeCuda(const char* path) : path_(path) {
   setenv("GPUCLEANUP_LIBCUDA", path, 1);
   handle_ = dlopen(path, RTLD_NOW | RTLD_LOCAL);

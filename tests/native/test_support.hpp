@@ -3,11 +3,18 @@
 // library talks to.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 #include <nlohmann/json.hpp>
 
 namespace gpucleanup::testing {
+
+constexpr std::uint64_t GiB = 1ull << 30;
+constexpr std::uint64_t MiB = 1ull << 20;
+
+// Scenario: 8 devices, the primary contexts of GPU1, GPU4 and GPU6 active.
+nlohmann::json eight_devices_three_in_use();
 
 class FakeCuda {
  public:
