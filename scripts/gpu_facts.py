@@ -1,4 +1,4 @@
-"""Re-checks, on a real GPU, the driver facts gpucleanup is built on (shared FACTS.md §7)
+"""Re-checks, on a real GPU, the driver facts gpucleanup is built on (share/FACTS.md §7)
 and what the native library does there. Each check runs in a fresh subprocess so
 CUDA state never carries over. Prints one "FACT <name>: <json>" line per check;
 native/README.md keeps the figures.
@@ -44,7 +44,7 @@ emit("fresh_process", {"cuDeviceGetCount_before": rc, "driver_state": snap["driv
      "devices_listed": len(snap["devices"]), "drain_devices": len(drain["devices"]),
      "cuDeviceGetCount_after_gpucleanup": rc2})
 """,
-    # Rule 2: driver initialised by someone else, no context anywhere: gpucleanup creates none.
+    # Never create a context (native/README.md rules): driver initialised elsewhere, no context: gpucleanup creates none.
     "initialised_no_context": """
 import gpucleanup
 assert cu.cuInit(0) == 0

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One run on the GPU test machine (see shared/gpu/README.md): install the wheels
+# One run on a GPU test machine (offline, hence the carried wheels): install the wheels
 # carried in .whl/ (gpucleanup's manylinux wheel plus IPython, ipykernel,
 # jupyter_client and their dependencies, made by scripts/build_wheels.sh),
 # then the real-GPU tests, the benchmarks and the demo, in one go.

@@ -1,6 +1,6 @@
 // The fake driver's entry points: the prototypes of cuda.h over the scripted
 // state of scenario.hpp, with the behaviour measured on real drivers
-// (FACTS.md §1 and §7).
+// (share/FACTS.md §1 and §7).
 //
 // Every entry point begins with a Call: it takes the state's lock, counts the
 // call, and answers for the driver as a whole (an injected error, then "not
@@ -196,7 +196,7 @@ FAKE_CUDA_EXPORT CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext* pctx, CUde
   if (auto refused = call.refuse(device)) return refused;
   if (pctx == nullptr) return CUDA_ERROR_INVALID_VALUE;
   if (device == nullptr) return CUDA_ERROR_INVALID_DEVICE;
-  // Retaining an inactive primary context creates it: what rule 2 forbids.
+  // Retaining an inactive primary context creates it: what "never create a context" forbids.
   if (!device->primary_active()) ++s.counters["contexts_created"];
   ++device->retained;
   ++s.counters["retained"];
@@ -283,7 +283,7 @@ FAKE_CUDA_EXPORT CUresult CUDAAPI cuMemGetInfo_v2(size_t* free, size_t* total) {
   Context* context = call.usable_current();
   Device* device = call.device_of(context);
   if (auto refused = call.refuse(device)) return refused;
-  if (context == nullptr) return CUDA_ERROR_INVALID_CONTEXT;  // 201, FACTS.md §7.4
+  if (context == nullptr) return CUDA_ERROR_INVALID_CONTEXT;  // 201, share/FACTS.md §7.4
   if (device->sticky_error != CUDA_SUCCESS) return device->sticky_error;
   if (free == nullptr || total == nullptr) return CUDA_ERROR_INVALID_VALUE;
   *free = device->free;

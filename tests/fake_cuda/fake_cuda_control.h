@@ -45,7 +45,7 @@
  *       "sticky_error": 0,              // e.g. 700: cuMemGetInfo and
  *                                       // cuCtxSynchronize return it in any
  *                                       // context of this device (as measured
- *                                       // on a real GPU, FACTS.md 7.7);
+ *                                       // on a real GPU, share/FACTS.md §7.7);
  *                                       // GetState/Retain/Push/Pop/Release
  *                                       // and the pool calls still succeed
  *       "errors": {"cuCtxSynchronize": 999}  // per device injection

@@ -21,8 +21,8 @@ using nlohmann::json;
 constexpr std::uint64_t kMiB = 1ull << 20;
 constexpr std::uint64_t kGiB = 1ull << 30;
 constexpr std::uint64_t kDefaultTotal = 80 * kGiB;
-// What a context costs on the device (523 MiB measured on an H200, DESIGN.md
-// rule 2): the default free bytes of a device that has one.
+// What a context costs on the device (523 MiB measured on an H200,
+// share/FACTS.md §8): the default free bytes of a device that has one.
 constexpr std::uint64_t kContextFootprint = 512 * kMiB;
 
 // A scenario is parsed completely into a patch before anything is applied, so

@@ -1,5 +1,5 @@
 // The fake CUDA driver itself, through the C functions it exports: every
-// other test trusts it to behave like the real driver (FACTS.md §1, §7).
+// other test trusts it to behave like the real driver (share/FACTS.md §1, §7).
 #include <dlfcn.h>
 
 #include <chrono>

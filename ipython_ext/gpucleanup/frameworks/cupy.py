@@ -227,7 +227,7 @@ def _held(pool: Any) -> int:
 
 class _UnraisableCapture:
     """Collects the "Exception ignored in ...Memory.__dealloc__" errors that CuPy's frees
-    raise after a sticky CUDA error (FACTS §7.7), so a drain says one line instead of
+    raise after a sticky CUDA error (share/FACTS.md §7.7), so a drain says one line instead of
     printing a traceback per block. Other unraisable errors go to the previous hook."""
 
     def __enter__(self) -> "_UnraisableCapture":
