@@ -9,15 +9,23 @@ Kernels are found through their discovery files in Jupyter's runtime directory;
 files left by dead kernels are removed on the way. Each kernel gets at most
 ``--timeout`` seconds (default 1), and all are asked at once.
 
-Exit status: 0 done; 1 no kernel, unknown or ambiguous kernel; 2 usage;
-3 a kernel did not answer; 4 a kernel refused the request (bad key, drain
-refused) or answered something unreadable.
+Exit status:
+  0    done (ps --json with no kernel prints [])
+  1    no kernel with gpucleanup; KERNEL unknown, ambiguous or dead
+  2    usage: unknown command or option, option value out of range
+  3    a kernel did not answer within --timeout
+  4    a kernel refused the request (bad key, drain refused) or answered
+       something unreadable
+  5    drain: the kernel answered, but a device was not drained (busy,
+       unusable, failed) or its CUDA driver is unusable
+  130  interrupted (Ctrl-C), except watch, which exits 0
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -32,6 +40,13 @@ EXIT_NOT_FOUND = 1
 EXIT_USAGE = 2
 EXIT_NO_ANSWER = 3
 EXIT_REFUSED = 4
+EXIT_NOT_DRAINED = 5
+
+# The status server refuses a drain timeout outside 0..max_drain_timeout_s
+# (share/protocol.md, default 60): checked here so that it is a usage error.
+MAX_DRAIN_TIMEOUT = 60.0
+# zmq's poll takes an int of milliseconds (about 24.8 days); a day is plenty.
+MAX_TIMEOUT = 86400.0
 
 
 class CliError(Exception):
@@ -206,6 +221,10 @@ def _kernel_name(kernel: discovery.Kernel) -> str:
 def cmd_ps(args) -> int:
     kernels, _dead = _scan(args)
     if not kernels:
+        # For a script no kernel is an answer, not a failure: an empty list.
+        if args.json:
+            print("[]")
+            return EXIT_OK
         raise CliError(_no_kernels_message(args), EXIT_NOT_FOUND)
     targets, results = [], [None] * len(kernels)
     asked = []
@@ -300,19 +319,77 @@ def cmd_drain(args) -> int:
     kernel = _resolve(args, args.kernel)
     # The reply comes after the drain: wait for it as long as the drain may take.
     reply = _ask(args, kernel, "drain", args.timeout + args.drain_timeout, timeout_s=args.drain_timeout)
+    result = reply.get("result") or {}
+    devices = [dev for dev in result.get("devices") or [] if isinstance(dev, dict)]
+    problems = [f"kernel {kernel.pid} {text}" for text in _drain_problems(result, devices, args.drain_timeout)]
     if args.json:
         print(json.dumps(reply, indent=1))
-        return EXIT_OK
-    result = reply.get("result") or {}
-    devices = result.get("devices") or []
-    if not devices:
-        print(f"kernel {kernel.pid}: drained; no GPU in use")
-    for dev in devices:
-        line = f"kernel {kernel.pid} GPU{dev.get('index')}: {dev.get('state')}, released {format_bytes(dev.get('released_bytes') or 0)}"
-        if dev.get("message"):
-            line += f" ({dev['message']})"
-        print(line)
+    else:
+        driver = result.get("driver") or {}
+        if not devices and driver.get("state") not in _BROKEN_DRIVER:
+            print(f"kernel {kernel.pid}: drained; no GPU in use")
+        for dev in devices:
+            if dev.get("state") != "drained":
+                continue  # said on stderr below, with what to do
+            line = f"kernel {kernel.pid} GPU{dev.get('index')}: drained, released {format_bytes(dev.get('released_bytes') or 0)}"
+            if dev.get("message"):
+                line += f" ({dev['message']})"
+            print(line)
+    if problems:
+        # stdout is flushed first so that a terminal shows the report before the failures.
+        sys.stdout.flush()
+        for text in problems:
+            print(f"gpucleanup: {text}", file=sys.stderr)
+        return EXIT_NOT_DRAINED
     return EXIT_OK
+
+
+# Without devices a drain did nothing: fine when no GPU was ever used
+# (not_initialized, no_driver), a failure when the driver cannot be used.
+_BROKEN_DRIVER = ("unusable", "exiting")
+
+
+def _drain_problems(result: dict, devices: List[dict], drain_timeout: float) -> List[str]:
+    """One line per device the drain did not drain: which, why, and what to do."""
+    problems = []
+    driver = result.get("driver") or {}
+    if not devices and driver.get("state") in _BROKEN_DRIVER:
+        problems.append(f"nothing drained, the CUDA driver is {driver['state']}: {driver.get('message') or 'no reason given'}")
+    for dev in devices:
+        state = dev.get("state")
+        if state == "drained":
+            continue
+        gpu = f"GPU{dev.get('index')}"
+        settle = dev.get("settle") or {}
+        status = settle.get("status")
+        busy_for = settle.get("busy_for_s")
+        if state == "busy" and status == "still_busy":
+            since = f" queued {format_duration(busy_for)} ago" if isinstance(busy_for, (int, float)) else ""
+            problems.append(
+                f"{gpu} busy: its work{since} is still running (an earlier drain is still waiting for it), so its "
+                "memory pools were not trimmed; try again when that work has finished"
+            )
+        elif state == "busy" and status == "interrupted":
+            problems.append(
+                f"{gpu} busy: the wait for its queued work was interrupted, so its memory pools were not trimmed; "
+                "try again"
+            )
+        elif state == "busy":
+            hint = (
+                f"try again later, or with a longer --drain-timeout (at most {MAX_DRAIN_TIMEOUT:g})"
+                if drain_timeout < MAX_DRAIN_TIMEOUT else "try again when that work has finished"
+            )
+            problems.append(
+                f"{gpu} busy: the work the kernel queued on it did not finish within {drain_timeout:g} s, so its "
+                f"memory pools were not trimmed; {hint}"
+            )
+        elif state == "unusable":
+            # The library's message names the device, the error and what to do (restart the kernel).
+            problems.append(f"{gpu} unusable: {dev.get('message') or 'restart the kernel'}")
+        else:
+            # A failed call that leaves the device usable: the next drain may well succeed.
+            problems.append(f"{gpu} {state or 'not drained'}: {dev.get('message') or 'no reason given'}; try again")
+    return problems
 
 
 def _record_line(target: status_client.Target, message: dict) -> str:
@@ -371,16 +448,55 @@ def cmd_watch(args) -> int:
 # ------------------------------------------------------------------ entry point
 
 
+def _seconds(low: float, high: float, low_ok: bool):
+    """An argparse type: a finite number of seconds in the range, else a usage error that names the range."""
+    allowed = f"from {low:g} to {high:g}" if low_ok else f"greater than {low:g} and at most {high:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        # float() takes "nan" and "inf", which no comparison below would catch.
+        if not math.isfinite(value) or value > high or value < low or (value == low and not low_ok):
+            raise argparse.ArgumentTypeError(f"must be a number of seconds {allowed}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _version() -> str:
+    # The running package's own version first: with the source tree on
+    # PYTHONPATH the installed distribution's metadata may describe another copy.
+    try:
+        from . import __version__ as version
+    except ImportError:
+        version = None
+    if version:
+        return version
+    from importlib import metadata
+
+    try:
+        return metadata.version("gpucleanup")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--timeout", type=float, default=status_client.DEFAULT_TIMEOUT, metavar="SECONDS",
-                        help="how long to wait for each kernel (default: %(default)s)")
+    common.add_argument("--timeout", type=_seconds(0, MAX_TIMEOUT, low_ok=False), default=status_client.DEFAULT_TIMEOUT,
+                        metavar="SECONDS",
+                        help=f"how long to wait for each kernel (default: %(default)s, at most {MAX_TIMEOUT:g})")
     common.add_argument("--runtime-dir", default=None, help=argparse.SUPPRESS)
 
     parser = argparse.ArgumentParser(
         prog="gpucleanup",
         description="GPU memory of every Jupyter kernel with gpucleanup loaded, asked from outside the kernels.",
+        # The module docstring's table, so that --help and the docs cannot disagree.
+        epilog=__doc__[__doc__.index("Exit status:"):].rstrip(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"gpucleanup {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     ps = sub.add_parser("ps", parents=[common], help="one line per kernel")
@@ -396,8 +512,10 @@ def _parser() -> argparse.ArgumentParser:
     watch.set_defaults(run=cmd_watch)
     drain = sub.add_parser("drain", parents=[common], help="settle and trim the driver pools now (between cells only)")
     drain.add_argument("kernel", metavar="KERNEL", help="pid, kernel id (or a unique prefix) or notebook")
-    drain.add_argument("--drain-timeout", type=float, default=10.0, metavar="SECONDS",
-                       help="longest wait for queued GPU work (default: %(default)s, at most 60)")
+    drain.add_argument("--drain-timeout", type=_seconds(0, MAX_DRAIN_TIMEOUT, low_ok=True), default=10.0,
+                       metavar="SECONDS",
+                       help=f"longest wait for queued GPU work (default: %(default)s, 0 trims without waiting, "
+                            f"at most {MAX_DRAIN_TIMEOUT:g})")
     drain.add_argument("--json", action="store_true", help="the drain reply as JSON (exact bytes)")
     drain.set_defaults(run=cmd_drain)
     return parser
@@ -405,9 +523,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    if args.timeout <= 0:
-        print("gpucleanup: --timeout must be a positive number of seconds", file=sys.stderr)
-        return EXIT_USAGE
     try:
         return args.run(args)
     except CliError as exc:

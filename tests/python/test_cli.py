@@ -23,7 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from gpucleanup import discovery, status_client
+import gpucleanup
+from gpucleanup import _native, discovery, status_client
+from gpucleanup import cli as gpucleanup_cli
 from gpucleanup.status_endpoint import StatusEndpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -250,6 +252,173 @@ def test_drain_refused_while_running_then_runs_when_idle(kernel):
     result = cli("drain", str(os.getpid()), "--json", "--drain-timeout", "1")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["result"]["kind"] == "drain"
+
+
+def settle_after(fake_cuda) -> None:
+    """Lets every hanging synchronize finish, so the next test's reset finds no watchdog mid-call."""
+    fake_cuda.release_sync()
+    deadline = time.monotonic() + 10
+    while fake_cuda.counter("syncs_in_flight") != 0 or fake_cuda.counter("retained") != 0:
+        assert time.monotonic() < deadline, "a drain's watchdog never finished"
+        time.sleep(0.01)
+
+
+def test_drain_of_a_busy_device_exits_5_and_says_which_device_and_why(kernel, fake_cuda):
+    fake_cuda.reset({"devices": [
+        {"uuid": "GPU-c11d0000-0000-0000-0000-000000000001", "primary_active": True, "sync_seconds": -1},
+        {"uuid": "GPU-c11d0000-0000-0000-0000-000000000002", "primary_active": True,
+         "default_pool": {"reserved_bytes": 1 << 30, "used_bytes": 0}},
+    ]})
+    kernel.set_state({"state": "idle"})
+    pid = os.getpid()
+    try:
+        result = cli("drain", str(pid), "--drain-timeout", "0.2")
+        assert result.returncode == 5
+        assert result.stdout == f"kernel {pid} GPU1: drained, released 1.0 GiB\n"
+        assert result.stderr == (
+            f"gpucleanup: kernel {pid} GPU0 busy: the work the kernel queued on it did not finish within 0.2 s, "
+            "so its memory pools were not trimmed; try again later, or with a longer --drain-timeout (at most 60)\n"
+        )
+
+        # The first drain's wait goes on: the next one does not wait again, and says so.
+        result = cli("drain", str(pid), "--json", "--drain-timeout", "60")
+        assert result.returncode == 5
+        reply = json.loads(result.stdout)
+        assert [(d["index"], d["state"], d["settle"]["status"]) for d in reply["result"]["devices"]] == [
+            (0, "busy", "still_busy"), (1, "drained", "done")]
+        busy_for = gpucleanup_cli.format_duration(reply["result"]["devices"][0]["settle"]["busy_for_s"])
+        assert result.stderr == (
+            f"gpucleanup: kernel {pid} GPU0 busy: its work queued {busy_for} ago is still running (an earlier drain "
+            "is still waiting for it), so its memory pools were not trimmed; try again when that work has finished\n"
+        )
+    finally:
+        settle_after(fake_cuda)
+
+
+def test_drain_of_an_unusable_device_exits_5_with_the_librarys_advice(kernel, fake_cuda):
+    # Its own uuid: the library remembers a sticky error per device for the process's life.
+    fake_cuda.reset({"devices": [{"uuid": "GPU-c11d0000-0000-0000-0000-0000000000a7", "primary_active": True,
+                                  "sticky_error": 700}]})
+    kernel.set_state({"state": "idle"})
+    pid = os.getpid()
+    result = cli("drain", str(pid), "--drain-timeout", "1")
+    assert result.returncode == 5
+    assert result.stdout == ""
+    assert result.stderr == (
+        f"gpucleanup: kernel {pid} GPU0 unusable: GPU0 is unusable after CUDA_ERROR_ILLEGAL_ADDRESS: "
+        "restart the kernel\n"
+    )
+
+
+def test_drain_of_a_failing_device_exits_5_and_says_to_try_again(kernel, fake_cuda):
+    fake_cuda.reset({"devices": [{"uuid": "GPU-c11d0000-0000-0000-0000-0000000000e1", "primary_active": True,
+                                  "errors": {"cuMemGetInfo": 999}}]})
+    kernel.set_state({"state": "idle"})
+    pid = os.getpid()
+    result = cli("drain", str(pid), "--json", "--drain-timeout", "1")
+    assert result.returncode == 5
+    (device,) = json.loads(result.stdout)["result"]["devices"]
+    assert device["state"] == "error"
+    assert device["message"].endswith("on GPU0: gpucleanup left the device alone this time")
+    assert result.stderr == f"gpucleanup: kernel {pid} GPU0 error: {device['message']}; try again\n"
+
+
+def test_drain_with_an_unusable_driver_exits_5(kernel, fake_cuda):
+    fake_cuda.reset({"errors": {"cuDeviceGetCount": 999}, "devices": [{"primary_active": True}]})
+    kernel.set_state({"state": "idle"})
+    message = _native.probe()["driver"]["message"]
+    assert message.startswith("[gpucleanup.driver.104] ")
+    result = cli("drain", str(os.getpid()), "--drain-timeout", "1")
+    assert result.returncode == 5
+    assert result.stdout == ""
+    assert result.stderr == f"gpucleanup: kernel {os.getpid()} nothing drained, the CUDA driver is unusable: {message}\n"
+
+
+def test_drain_without_a_gpu_in_use_exits_0(kernel):
+    kernel.set_state({"state": "idle"})
+    result = cli("drain", str(os.getpid()), "--drain-timeout", "0")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"kernel {os.getpid()}: drained; no GPU in use\n"
+    assert result.stderr == ""
+
+
+def test_ps_json_without_kernels_is_an_empty_list(runtime):
+    result = cli("ps", "--json")
+    assert result.returncode == 0
+    assert result.stdout == "[]\n"
+    assert result.stderr == ""
+
+
+def test_version(runtime):
+    result = cli("--version")
+    assert result.returncode == 0
+    assert result.stdout == f"gpucleanup {gpucleanup.__version__}\n"
+    assert result.stderr == ""
+
+
+def test_help_lists_the_exit_codes(runtime):
+    result = cli("--help")
+    assert result.returncode == 0
+    assert result.stdout.endswith(
+        "Exit status:\n"
+        "  0    done (ps --json with no kernel prints [])\n"
+        "  1    no kernel with gpucleanup; KERNEL unknown, ambiguous or dead\n"
+        "  2    usage: unknown command or option, option value out of range\n"
+        "  3    a kernel did not answer within --timeout\n"
+        "  4    a kernel refused the request (bad key, drain refused) or answered\n"
+        "       something unreadable\n"
+        "  5    drain: the kernel answered, but a device was not drained (busy,\n"
+        "       unusable, failed) or its CUDA driver is unusable\n"
+        "  130  interrupted (Ctrl-C), except watch, which exits 0\n"
+    )
+    assert result.stderr == ""
+
+
+def test_drain_timeout_out_of_range_is_a_usage_error(runtime):
+    # Before the fix these reached the kernel: "did not answer within 0 s", "request is malformed" (exit 4).
+    for value in ("-1", "100"):
+        result = cli("drain", "123", "--drain-timeout", value)
+        assert result.returncode == 2
+        assert result.stdout == ""
+        assert result.stderr.startswith("usage: gpucleanup drain ")
+        assert result.stderr.splitlines()[-1] == (
+            f"gpucleanup drain: error: argument --drain-timeout: must be a number of seconds from 0 to 60, got '{value}'"
+        )
+
+
+TIMEOUT_RANGE = "greater than 0 and at most 86400"
+
+
+@pytest.mark.parametrize(
+    "argv, option, allowed",
+    [
+        *[(["drain", "123", "--drain-timeout", v], "--drain-timeout", "from 0 to 60")
+          for v in ("-1", "60.5", "100", "nan", "inf", "ten", "")],
+        *[([command, *kernel, "--timeout", v], "--timeout", TIMEOUT_RANGE)
+          for command, kernel in (("ps", []), ("status", ["123"]), ("watch", []), ("drain", ["123"]))
+          for v in ("0", "-0.5", "86401", "nan", "inf", "1e400", "ten")],
+    ],
+)
+def test_bad_option_values_are_usage_errors(argv, option, allowed, runtime, capsys):
+    with pytest.raises(SystemExit) as raised:
+        gpucleanup_cli.main(argv)
+    assert raised.value.code == 2
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert out.err.startswith(f"usage: gpucleanup {argv[0]} ")
+    assert out.err.splitlines()[-1] == (
+        f"gpucleanup {argv[0]}: error: argument {option}: must be a number of seconds {allowed}, got {argv[-1]!r}"
+    )
+
+
+def test_option_values_at_the_limits_are_accepted():
+    parse = gpucleanup_cli._parser().parse_args
+    assert parse(["drain", "k", "--drain-timeout", "0"]).drain_timeout == 0
+    assert parse(["drain", "k", "--drain-timeout", "60"]).drain_timeout == 60
+    assert parse(["drain", "k"]).drain_timeout == 10
+    assert parse(["ps", "--timeout", "86400"]).timeout == 86400
+    assert parse(["ps", "--timeout", "0.001"]).timeout == 0.001
+    assert parse(["ps"]).timeout == status_client.DEFAULT_TIMEOUT
 
 
 def test_watch_prints_records_until_interrupted(kernel, runtime):
