@@ -41,7 +41,8 @@ def _execute(kc, code: str, timeout: float = 120) -> str:
             error = f"{content['ename']}: {content['evalue']}"
         elif kind == "status" and content["execution_state"] == "idle":
             break
-    kc.get_shell_msg(timeout=timeout)
+    while kc.get_shell_msg(timeout=timeout)["parent_header"].get("msg_id") != msg_id:
+        pass  # a reply to an earlier request (wait_for_ready's kernel_info) still queued
     assert error is None, error
     return "".join(out)
 

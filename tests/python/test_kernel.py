@@ -81,10 +81,20 @@ def execute(kc, code: str) -> dict:
             out["error"] = content
         elif kind == "status" and content["execution_state"] == "idle":
             break
-    reply = kc.get_shell_msg(timeout=TIMEOUT)
-    assert reply["parent_header"]["msg_id"] == msg_id
-    out["reply"] = reply["content"]
+    out["reply"] = shell_reply(kc, msg_id)
     return out
+
+
+def shell_reply(kc, msg_id: str) -> dict:
+    """The shell reply to ``msg_id``; replies to earlier requests still queued are dropped.
+
+    ``wait_for_ready`` may send several kernel_info requests and return after the
+    first reply: the others arrive later on the same channel, before ours.
+    """
+    while True:
+        reply = kc.get_shell_msg(timeout=TIMEOUT)
+        if reply["parent_header"].get("msg_id") == msg_id:
+            return reply["content"]
 
 
 def _timeless(text: str) -> str:
