@@ -6,19 +6,38 @@ Set them in ``ipython_config.py`` / ``ipython_kernel_config.py``::
     c.GPUCleanup.frameworks = {"jax": False}
 
 or at run time with ``%config GPUCleanup.settle_timeout = 5``. The traits live on
-a ``HasTraits`` mixin so that the one object the extension registers is still
-named ``GPUCleanup`` (the config section and the ``%config`` name); values are
+a ``Configurable`` mixin so that the one object the extension registers is still
+named ``GPUCleanup`` (the config section and the ``%config`` name), and so that
+its config handling below comes before ``Configurable``'s in the MRO; values are
 checked by traitlets, and a refused value raises ``TraitError`` naming the trait.
+
+Config is read in two ways, and a bad value is handled differently in each:
+
+- ``%config GPUCleanup.gc = "sometimes"`` (``update_config``): every value of the
+  statement is checked before any is set; a refused one raises one ``TraitError``
+  paragraph that says which values are allowed, nothing changes, and the value is
+  taken out of the statement so that the shell does not keep it in its own config
+  (where a later ``%reload_ext gpucleanup`` would meet it again);
+- a config file, or the shell's config at load time: each bad value is ignored (the
+  default stays), and ``ignored_config`` says which, for the extension to print.
 """
 
 from __future__ import annotations
 
-from traitlets import Bool, Dict, Enum, Float, HasTraits, Int, TraitError, validate
+import copy
+from typing import Any, List, Tuple
 
-__all__ = ["GPUCleanupOptions", "GC_POLICIES", "SHOW_POLICIES", "known_frameworks"]
+from traitlets import Bool, Dict, Enum, Float, Int, TraitError, validate
+from traitlets.config import Configurable
+
+__all__ = ["GPUCleanupOptions", "GC_POLICIES", "SHOW_POLICIES", "known_frameworks", "allowed_values"]
 
 GC_POLICIES = ("auto", "always", "never")
 SHOW_POLICIES = ("auto", "always", "never")
+# A record is a few KiB: 100,000 of them is already hundreds of MiB of host memory.
+MAX_HISTORY_SIZE = 100_000
+# A settle longer than a day is a hang by another name.
+MAX_SETTLE_TIMEOUT_S = 86_400.0
 
 
 def known_frameworks() -> list[str] | None:
@@ -38,7 +57,7 @@ def known_frameworks() -> list[str] | None:
         return None
 
 
-class GPUCleanupOptions(HasTraits):
+class GPUCleanupOptions(Configurable):
     """Traits of the GPUCleanup extension object (see the module docstring)."""
 
     enabled = Bool(
@@ -51,7 +70,7 @@ class GPUCleanupOptions(HasTraits):
         default_value={},
         help=(
             "Framework adapters to switch on or off by name, e.g. {'jax': False}. "
-            "Adapters not named here are on. Known names: cupy, torch, numba, jax, rmm, ..."
+            "Adapters not named here are on. Known names: cupy, jax, numba, rmm, tensorflow, torch."
         ),
     ).tag(config=True)
 
@@ -84,6 +103,7 @@ class GPUCleanupOptions(HasTraits):
     settle_timeout = Float(
         30.0,
         min=0.0,
+        max=MAX_SETTLE_TIMEOUT_S,
         help=(
             "Seconds to wait at most for queued GPU work before freeing (0: do not wait). A device "
             "still busy at the limit is skipped and the cell returns."
@@ -102,6 +122,7 @@ class GPUCleanupOptions(HasTraits):
     history_size = Int(
         100,
         min=1,
+        max=MAX_HISTORY_SIZE,
         help="How many cell records to keep for %gpumem --history and the status endpoint.",
     ).tag(config=True)
 
@@ -133,5 +154,121 @@ class GPUCleanupOptions(HasTraits):
                 )
         return value
 
+    # ------------------------------------------------------------ config
+
+    def _own_sections(self, cfg: Any) -> List[str]:
+        names = self.section_names()
+        return [name for name in names if dict.__contains__(cfg, name)]
+
+    def refused_values(self, values: dict) -> List[Tuple[str, Any, str]]:
+        """``(trait, value, allowed)`` for each value of ``values`` this object would refuse.
+
+        Checks with the traits' own validation (type, range, and the cross-validators
+        above) on a copy of each value; sets nothing.
+        """
+        refused = []
+        traits = self.traits(config=True)
+        for name, value in values.items():
+            trait = traits.get(name)
+            if trait is None:
+                continue  # unknown names: traitlets warns about them itself
+            try:
+                trait._validate(self, copy.deepcopy(value))
+            except TraitError:
+                refused.append((name, value, allowed_values(name, trait)))
+        return refused
+
+    def _split_config(self, cfg: Any) -> Tuple[Any, List[Tuple[str, Any, str]]]:
+        """(cfg without the values this object refuses, the refused ones)."""
+        refused: List[Tuple[str, Any, str]] = []
+        sections = self._own_sections(cfg)
+        for section in sections:
+            refused.extend(self.refused_values(dict(cfg[section])))
+        if not refused:
+            return cfg, []
+        clean = copy.deepcopy(cfg)
+        for section in sections:
+            for name, _, _ in refused:
+                dict.pop(clean[section], name, None)
+        return clean, refused
+
+    def _load_config(self, cfg, section_names=None, traits=None):
+        # At construction (config file, or values the shell kept): bad values are
+        # ignored and reported, never raised, so gpucleanup still loads.
+        clean, refused = self._split_config(cfg)
+        if refused:
+            seen = getattr(self, "_ignored", None)
+            if seen is None:
+                seen = self._ignored = []
+            for entry in refused:
+                line = ignored_sentence(type(self).__name__, *entry)
+                if line not in seen:
+                    seen.append(line)
+        super()._load_config(clean, section_names=section_names, traits=traits)
+
+    def update_config(self, config):
+        """``%config``: all values checked before any is set; a refused one changes nothing."""
+        refused = []
+        for section in self._own_sections(config):
+            bad = self.refused_values(dict(config[section]))
+            for name, _, _ in bad:
+                # %config passes the same statement to every configurable, the shell
+                # after us (they go in name order): without the value it cannot keep it
+                dict.pop(config[section], name, None)
+            refused.extend(bad)
+        if refused:
+            raise TraitError(" ".join(refused_sentence(type(self).__name__, *entry) for entry in refused))
+        super().update_config(config)
+
+    @property
+    def ignored_config(self) -> List[str]:
+        """One sentence per config value ignored at construction (bad values in a config file)."""
+        return list(getattr(self, "_ignored", None) or [])
+
     def framework_enabled(self, name: str) -> bool:
         return bool(self.frameworks.get(name, True))
+
+
+def allowed_values(name: str, trait: Any) -> str:
+    """What a trait accepts, as a user would write it."""
+    if isinstance(trait, Enum):
+        return "one of " + ", ".join(repr(v) for v in trait.values)
+    if isinstance(trait, Bool):
+        return "True or False"
+    if isinstance(trait, (Int, Float)):
+        kind = "a whole number" if isinstance(trait, Int) else "a finite number"
+        low, high = getattr(trait, "min", None), getattr(trait, "max", None)
+        if low is not None and high is not None:
+            return f"{kind} from {_number(low)} to {_number(high)}"
+        if low is not None:
+            return f"{kind} >= {_number(low)}"
+        return kind
+    if name == "frameworks":
+        known = known_frameworks()
+        names = ", ".join(known) if known else "cupy, torch, ..."
+        return f"a dict of framework names to True/False, e.g. {{'jax': False}} (names: {names})"
+    return trait.info()
+
+
+def _number(value: float) -> str:
+    return f"{value:,.0f}" if float(value).is_integer() else f"{value:g}"
+
+
+def refused_sentence(cls: str, name: str, value: Any, allowed: str) -> str:
+    return (
+        f"{cls}.{name} = {_short_repr(value)} refused: {name} must be {allowed}. "
+        f"Nothing changed; %config {cls} lists every option."
+    )
+
+
+def ignored_sentence(cls: str, name: str, value: Any, allowed: str) -> str:
+    return (
+        f"ignored {cls}.{name} = {_short_repr(value)} from the configuration: {name} must be {allowed}; "
+        "using the default"
+    )
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+

@@ -48,6 +48,32 @@ _PINNED_REPORT_WAIT_S = 0.005  # a pinned release this quick is reported by its 
 _ADAPTER_LOCK_WAIT_S = 0.05  # how long a cell waits for a background pinned release of the same adapter
 
 
+def _counts_before_pre_run_cell() -> bool:
+    """Does this IPython count a cell before ``pre_run_cell`` (so the running cell is count - 1)?
+
+    IPython 9.8 moved ``execution_count += 1`` from the end of ``run_cell_async`` to
+    before the ``pre_run_cell`` event; 8.x and 9.0-9.7 count after the cell
+    (IPython/core/interactiveshell.py, ``run_cell_async``, in each release).
+    """
+    try:
+        import IPython
+
+        return tuple(IPython.version_info[:2]) >= (9, 8)
+    except Exception:
+        return True
+
+
+def running_cell_number(shell: Any, info: Any = None) -> Optional[int]:
+    """The number of the cell about to run, as ``pre_run_cell`` sees it, on every IPython."""
+    count = getattr(shell, "execution_count", None)
+    if not isinstance(count, int):
+        return None
+    stores = info is None or getattr(info, "store_history", True)
+    if stores and _counts_before_pre_run_cell():
+        count -= 1
+    return count
+
+
 def _index(key: Any) -> Optional[int]:
     try:
         return int(key)
@@ -258,6 +284,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         self._locks_lock = threading.Lock()
         self._pinned_job: Optional[_PinnedJob] = None
         self._progress_shown = False
+        self._progress_opened = False  # a progress line was printed during this cell's cleanup
+        self._forced_in_cell: Optional[dict] = None  # what %gpumem --drain did in the running cell
         self._ctrl_c = _CtrlC()
 
     # ------------------------------------------------------------ lifecycle
@@ -267,12 +295,19 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         self.shell.register_magics(self)
         self._magics_registered = True
         self._loaded = True
+        for sentence in self.ignored_config:
+            print(f"{report.PREFIX}{report.SEP}{sentence}")
         try:
             probe = self.native.probe()
         except Exception as exc:
+            if str(exc).startswith("[gpucleanup.driver."):
+                # the library loaded; the driver it found cannot be used (its message says why and what to do)
+                self._last_driver_state = "unusable"
+                print(f"{report.PREFIX}{report.SEP}{exc}: no cleanup after cells")
+                return
             print(
-                f"{report.PREFIX}{report.SEP}the native library could not be loaded ({type(exc).__name__}: {exc}): "
-                "nothing is cleaned after cells"
+                f"{report.PREFIX}{report.SEP}gpucleanup's native library could not be loaded ({type(exc).__name__}: {exc}): "
+                "nothing is cleaned after cells; reinstall gpucleanup"
             )
             return
         driver = probe.get("driver") or {}
@@ -283,7 +318,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             print(f"{report.PREFIX}{report.SEP}no CUDA driver found ({where}): nothing to clean, no cleanup after cells")
             return
         if state == "unusable":
-            print(f"{report.PREFIX}{report.SEP}the CUDA driver is unusable ({driver.get('message')}): no cleanup after cells")
+            where = driver.get("path") or "libcuda.so.1"
+            print(f"{report.PREFIX}{report.SEP}the CUDA driver {where} is unusable ({driver.get('message')}): no cleanup after cells")
             return
         if state == "ready" and not probe.get("devices"):
             print(f"{report.PREFIX}{report.SEP}no GPU on this machine: nothing to clean, no cleanup after cells")
@@ -339,7 +375,10 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         if factory is None:
             return
         try:
-            endpoint = factory()
+            try:
+                endpoint = factory(history_limit=self.history_size)
+            except TypeError:
+                endpoint = factory()  # a factory that takes no options
             endpoint.start(self.shell)
             self._endpoint = endpoint
         except Exception as exc:
@@ -376,6 +415,11 @@ class GPUCleanup(Magics, GPUCleanupOptions):
     def _resize_history(self, change) -> None:
         if hasattr(self, "history"):
             self.history.resize(change["new"])
+        # The native server's history bound is fixed when it starts: restart it so that
+        # the status endpoint keeps as many records as %gpumem --history.
+        if getattr(self, "_endpoint", None) is not None:
+            self._close_status_endpoint()
+            self._start_status_endpoint()
 
     # ------------------------------------------------------------ notes
 
@@ -468,9 +512,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             if info is not None and getattr(info, "silent", False):
                 return
             now = time.time_ns()
-            count = getattr(self.shell, "execution_count", None)
-            if count is not None and (info is None or getattr(info, "store_history", True)):
-                count -= 1  # IPython already counted this cell
+            self._forced_in_cell = None
+            count = running_cell_number(self.shell, info)
             self._status("set_state", {"state": "running", "cell": count, "since_ns": now})
             if self._last_driver_state != "ready":
                 return  # nothing used CUDA after the last cell: the post-cell probe decides
@@ -492,7 +535,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                 return
             if not self.enabled or self._exiting:
                 return
-            record = self.cleanup(result)
+            record = self.cleanup(result, after_forced=self._forced_in_cell)
             if record is not None and record.get("shown"):
                 for line in record.pop("_lines", []):
                     print(line)
@@ -506,6 +549,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                 self._warn_once_now(f"internal:{type(exc).__name__}", f"cleanup failed ({type(exc).__name__}: {exc}); the cell is not affected")
         finally:
             self._pre = None
+            self._forced_in_cell = None
             with contextlib.suppress(Exception):
                 if self._endpoint is not None:
                     self._status("set_state", {"state": "idle", "since_ns": time.time_ns()})
@@ -526,6 +570,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         sys.stdout.write(("\r" if self._progress_shown else "") + line)
         sys.stdout.flush()
         self._progress_shown = True
+        self._progress_opened = True
         return False
 
     def _drain(self, timeout: float, notes: List[tuple], progress: bool) -> Optional[dict]:
@@ -584,12 +629,15 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             return [job]
         return []
 
-    def cleanup(self, result: Any = None, forced: bool = False) -> Optional[dict]:
+    def cleanup(self, result: Any = None, forced: bool = False, after_forced: Optional[dict] = None) -> Optional[dict]:
         """Run the after-cell cleanup now; returns the cell's record (None when CUDA is not in use).
 
-        ``forced`` (``%gpumem --drain``) always builds the summary lines.
+        ``forced`` (``%gpumem --drain``) always builds the summary lines. ``after_forced``
+        is the record of a ``%gpumem --drain`` run earlier in the same cell: this
+        cleanup then says and records only what it adds to it (one line per cell).
         """
         start = time.perf_counter()
+        self._progress_opened = False
         cell = getattr(result, "execution_count", None) if result is not None else None
         pre, self._pre = self._pre, None
         probe = self.native.probe()
@@ -641,7 +689,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         try:
             with self._ctrl_c.armed() as ctrl_c, self._unraisables.capture() as captured_now:
                 # 1. settle (with driver_pools on, the native drain also trims the driver pools once)
-                first = self._drain(self.settle_timeout, notes, progress=True)
+                first = self._drain(self._settle_limit(after_forced), notes, progress=True)
                 if first is not None:
                     interrupted = bool(first.get("keyboard_interrupt")) or ctrl_c.pressed
                     for dev in first.get("devices") or []:
@@ -826,12 +874,21 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         trouble = bool(record["shown_notes"]) or interrupted or any(
             d["state"] not in ("drained",) and not d["quiet"] for d in record_devices
         )
-        if forced or self.show == "always":
+        if after_forced is not None:
+            # %gpumem --drain already said this cell's line: say only what is new
+            before_states = {d.get("index"): d.get("state") for d in after_forced.get("devices") or []}
+            new_trouble = bool(record["shown_notes"]) or interrupted or any(
+                d["state"] != before_states.get(d["index"]) and d["state"] != "drained" and not d["quiet"] for d in record_devices
+            )
+            shown = self.show != "never" and bool(anything_freed or new_trouble)
+        elif forced or self.show == "always":
             shown = True
         elif self.show == "never":
             shown = False
         else:
             shown = bool(touched or anything_freed or trouble)
+        # a progress line was printed: the summary closes it, whatever the policy
+        shown = shown or self._progress_opened
         # a sticky error is said once even when summaries are off
         first_sticky = [d for d in record_devices if d["state"] == "unusable" and not d["quiet"]]
         lines = report.summary_lines(record) if (shown or first_sticky) else []
@@ -839,9 +896,20 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             lines = [report.SEP.join([report.PREFIX, d["message"] or report.unusable_sentence(d)]) for d in first_sticky]
         record["shown"] = bool(lines)
         record["_lines"] = lines
-        self.history.append({k: v for k, v in record.items() if k != "_lines"})
-        self._status("publish", {k: v for k, v in record.items() if k != "_lines"})
+        if after_forced is None or lines:
+            # one record per cell: after a %gpumem --drain, only when this pass added to it
+            self.history.append({k: v for k, v in record.items() if k != "_lines"})
+            self._status("publish", {k: v for k, v in record.items() if k != "_lines"})
         return record
+
+    def _settle_limit(self, after_forced: Optional[dict]) -> float:
+        """How long this cleanup waits for queued work: no second wait for a device that
+        a ``%gpumem --drain`` earlier in the cell already waited for in vain."""
+        if after_forced is not None and any(
+            (d.get("state") not in ("drained", "unusable")) for d in after_forced.get("devices") or []
+        ):
+            return 0.0
+        return float(self.settle_timeout)
 
     # ------------------------------------------------------------ %gpumem
 
@@ -924,10 +992,15 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         args = parse_gpumem(self.gpumem, line)
         from IPython.display import display
 
-        if args.off:
+        if (args.off or args.on) and not self._hooks_registered:
+            # no driver, no GPU or no native library at load: there is no cleanup to pause or resume
+            self.enabled = not args.off
+            print(f"{report.PREFIX}{report.SEP}no cleanup runs after cells in this kernel ({self._why_no_hooks()}): nothing to "
+                  + ("pause" if args.off else "resume"))
+        elif args.off:
             self.enabled = False
             print(f"{report.PREFIX}{report.SEP}automatic cleanup paused (%gpumem --on resumes it)")
-        if args.on:
+        elif args.on:
             self.enabled = True
             print(f"{report.PREFIX}{report.SEP}automatic cleanup resumed")
         if args.drain:
@@ -935,6 +1008,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             record = self.cleanup(None, forced=True)
             for text in (record or {}).pop("_lines", []):
                 print(text)
+            if record is not None:
+                self._forced_in_cell = record
         wants_table = not (args.off or args.on or args.drain) or args.json
         if args.json:
             data = self.status() if (args.history is None and args.vars is None) or wants_table else {}
@@ -953,6 +1028,16 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         if wants_table and not shown:
             display(report.memory_report(self.status()))
         return None
+
+    def _why_no_hooks(self) -> str:
+        state = self._last_driver_state
+        if state == "no_driver":
+            return "no CUDA driver"
+        if state == "unusable":
+            return "the CUDA driver is unusable"
+        if state == "ready":
+            return "no GPU on this machine"
+        return "the native library could not be loaded"
 
     def _vars(self) -> List[dict]:
         out_cache = getattr(getattr(self.shell, "history_manager", None), "output_hist", None)

@@ -68,6 +68,8 @@ def parse_gpumem(method: Callable, line: str):
         args = parse_argstring(method, line)
     except UsageError as exc:
         raise UsageError(_fix_hint(str(exc), line)) from None
+    except ValueError as exc:  # shlex: "No closing quotation", "No escaped character"
+        raise UsageError(f"%gpumem: cannot read the options ({exc}): check the quotes. Usage: {USAGE}") from None
     if args.off and args.on:
         raise UsageError(f"%gpumem: --off and --on contradict each other: pass one of them. Usage: {USAGE}")
     for flag in ("history", "vars"):
@@ -198,6 +200,11 @@ _SKIP_TYPES = (
 )
 
 
+def _skipped(obj: Any) -> bool:
+    # type(), not isinstance(): isinstance also asks obj.__class__, which user code can make raise
+    return issubclass(type(obj), _SKIP_TYPES)
+
+
 def _is_history_name(name: str) -> bool:
     if name in _IPYTHON_NAMES:
         return True
@@ -207,18 +214,19 @@ def _is_history_name(name: str) -> bool:
 
 
 def _children(obj: Any, path: str) -> Iterable[tuple]:
-    if isinstance(obj, dict):
+    tp = type(obj)
+    if issubclass(tp, dict):
         for key, value in list(obj.items())[:1000]:
             yield f"{path}[{key!r}]", value
-    elif isinstance(obj, (list, tuple)):
+    elif issubclass(tp, (list, tuple)):
         for i, value in enumerate(obj[:1000]):
             yield f"{path}[{i}]", value
-    elif isinstance(obj, (set, frozenset)):
+    elif issubclass(tp, (set, frozenset)):
         for value in list(obj)[:1000]:
             yield f"{path}{{…}}", value
     else:
         attrs = getattr(obj, "__dict__", None)
-        if not isinstance(attrs, dict):
+        if type(attrs) is not dict:
             return
         for key, value in list(attrs.items())[:1000]:
             if key in ("_parameters", "_buffers", "_modules") and isinstance(value, dict):
@@ -255,7 +263,7 @@ def find_gpu_objects(user_ns: dict, out_cache: Optional[dict] = None, max_depth:
                 continue
             seen.add(oid)
             visits += 1
-            if isinstance(obj, _SKIP_TYPES):
+            if _skipped(obj):
                 continue
             info = gpu_object_info(obj)
             if info is not None:
@@ -264,7 +272,7 @@ def find_gpu_objects(user_ns: dict, out_cache: Optional[dict] = None, max_depth:
                 continue
             try:
                 nxt.extend(_children(obj, path))
-            except Exception:
+            except Exception:  # an object whose attributes or items raise is not walked into
                 continue
         frontier = nxt
         if not frontier:
@@ -281,7 +289,7 @@ def bound_gpu_objects(user_ns: dict) -> Dict[int, int]:
     """
     out: Dict[int, int] = {}
     for name, value in list(user_ns.items()):
-        if isinstance(value, _SKIP_TYPES):
+        if _skipped(value):
             continue
         if _kind_of_type(type(value)) is None:
             continue

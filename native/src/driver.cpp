@@ -76,7 +76,9 @@ std::shared_ptr<const detail::LoadedDriver> load(const std::string& path) {
 
 // The name is stringized unexpanded: cuda.h #defines several base names to
 // their _v2 symbols, and cuGetProcAddress wants the base name.
+  std::size_t required = 0;
 #define GPUCLEANUP_REQUIRED(name, version, symbol)                                              \
+  ++required;                                                                                   \
   d->api.name = reinterpret_cast<PFN_##name##_v##version>(find(*d, #name, version, #symbol)); \
   if (d->api.name == nullptr) d->missing_required.push_back(#name);
 #define GPUCLEANUP_OPTIONAL(name, version, symbol)                                              \
@@ -86,7 +88,13 @@ std::shared_ptr<const detail::LoadedDriver> load(const std::string& path) {
 #undef GPUCLEANUP_REQUIRED
 #undef GPUCLEANUP_OPTIONAL
 
-  if (!d->missing_required.empty()) {
+  if (d->missing_required.size() == required && d->resolver == Resolver::dlsym) {
+    // Nothing of the driver API at all: the path names some other library
+    // (GPUCLEANUP_LIBCUDA=libc.so.6); telling the user to update the driver would mislead.
+    d->message = "[gpucleanup.driver.107] " + path +
+                 " is not a CUDA driver: it exports none of the driver's entry points (cuDeviceGetCount, "
+                 "cuMemGetInfo, ...): point GPUCLEANUP_LIBCUDA at the NVIDIA driver's libcuda.so.1, or unset it";
+  } else if (!d->missing_required.empty()) {
     std::string names;
     for (const auto& name : d->missing_required) names += (names.empty() ? "" : ", ") + name;
     d->message = "[gpucleanup.driver.102] the CUDA driver " + path + " lacks " + names +

@@ -135,3 +135,15 @@ TEST(Driver, ProcessInstanceFollowsGpucleanupLibcuda) {
   EXPECT_EQ(Driver::process().path(), FAKE_CUDA_PATH);
   EXPECT_EQ(&Driver::process(), &Driver::process());
 }
+
+TEST(Driver, ALibraryWithoutTheDriverApiIsNotCalledAnOldDriver) {
+  // GPUCLEANUP_LIBCUDA=libc.so.6: it loads, but nothing of the driver API is in it
+  const Driver driver("libc.so.6");
+  EXPECT_TRUE(driver.loaded());
+  EXPECT_FALSE(driver.usable());
+  EXPECT_EQ(driver.resolver(), Resolver::dlsym);
+  EXPECT_EQ(driver.message(),
+            "[gpucleanup.driver.107] libc.so.6 is not a CUDA driver: it exports none of the driver's entry points "
+            "(cuDeviceGetCount, cuMemGetInfo, ...): point GPUCLEANUP_LIBCUDA at the NVIDIA driver's libcuda.so.1, "
+            "or unset it");
+}

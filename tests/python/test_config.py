@@ -32,7 +32,9 @@ def test_defaults_free_everything_after_every_cell():
         ("gc", "sometimes", ["'gc' trait", "'auto', 'always', 'never'"]),
         ("show", "maybe", ["'show' trait"]),
         ("settle_timeout", -1.0, ["'settle_timeout' trait", "0.0"]),
-        ("settle_timeout", float("inf"), ["'settle_timeout' trait", "finite"]),
+        ("settle_timeout", float("inf"), ["'settle_timeout' trait", "86400"]),
+        ("settle_timeout", float("nan"), ["'settle_timeout' trait", "finite"]),
+        ("history_size", 10**20, ["'history_size' trait", "100000"]),
         ("settle_timeout", "soon", ["'settle_timeout' trait"]),
         ("history_size", 0, ["'history_size' trait"]),
         ("enabled", "yes", ["'enabled' trait"]),
@@ -94,9 +96,59 @@ def test_percent_config_sets_and_refuses(shell, stand_in, caplog):  # noqa: F811
     shell.run_line_magic("config", "GPUCleanup.settle_timeout = 2.5")
     assert ext.settle_timeout == 2.5
     shell.run_line_magic("config", "GPUCleanup.gc = 'sometimes'")
-    # %config logs the refusal (IPython's own way), naming the trait
-    assert "The 'gc' trait of a GPUCleanup instance expected any of ['auto', 'always', 'never'], not the str 'sometimes'." in caplog.text
-    assert ext.gc == "auto"
+    # %config logs the refusal (IPython's own way): one paragraph, the allowed values
+    assert caplog.messages == [
+        "GPUCleanup.gc = 'sometimes' refused: gc must be one of 'auto', 'always', 'never'. "
+        "Nothing changed; %config GPUCleanup lists every option."
+    ]
+    assert (ext.gc, ext.settle_timeout) == ("auto", 2.5)
+
+
+@pytest.mark.parametrize(
+    "statement, allowed",
+    [
+        ("GPUCleanup.gc = 'sometimes'", "gc must be one of 'auto', 'always', 'never'"),
+        ("GPUCleanup.history_size = 10**20", "history_size must be a whole number from 1 to 100,000"),
+        ("GPUCleanup.settle_timeout = -1", "settle_timeout must be a finite number from 0 to 86,400"),
+        ("GPUCleanup.show = 3", "show must be one of 'auto', 'always', 'never'"),
+        ("GPUCleanup.pinned = 'yes'", "pinned must be True or False"),
+    ],
+)
+def test_refused_value_leaves_the_extension_working_and_reloadable(shell, stand_in, caplog, capsys, statement, allowed):  # noqa: F811
+    shell.run_line_magic("load_ext", "gpucleanup")
+    before = extension.get_extension(shell)
+    values = {name: getattr(before, name) for name in before.trait_names(config=True)}
+    capsys.readouterr()
+    shell.run_line_magic("config", statement)
+    assert len(caplog.messages) == 1 and allowed in caplog.messages[0] and "Nothing changed" in caplog.messages[0]
+    assert {name: getattr(before, name) for name in values} == values
+    assert before.history.size == 100
+    # the shell did not keep the refused value: a reload meets nothing to ignore
+    assert statement.split("=")[0].strip().split(".")[1] not in shell.config.GPUCleanup
+    shell.run_line_magic("reload_ext", "gpucleanup")
+    after = extension.get_extension(shell)
+    assert after is not before and {name: getattr(after, name) for name in values} == values
+    assert "ignored" not in capsys.readouterr().out
+    shell.run_line_magic("gpumem", "")  # the magic is still there and answers
+
+
+def test_bad_value_in_the_config_file_loads_with_defaults_and_says_which(shell, stand_in, capsys):  # noqa: F811
+    cfg = Config()
+    cfg.GPUCleanup.gc = "sometimes"
+    cfg.GPUCleanup.history_size = 10**20
+    cfg.GPUCleanup.show = "never"  # a good value beside the bad ones is used
+    shell.config.merge(cfg)
+    shell.run_line_magic("load_ext", "gpucleanup")
+    ext = extension.get_extension(shell)
+    assert (ext.gc, ext.history_size, ext.show) == ("auto", 100, "never")
+    assert sorted(capsys.readouterr().out.splitlines()) == [
+        "gpucleanup · ignored GPUCleanup.gc = 'sometimes' from the configuration: "
+        "gc must be one of 'auto', 'always', 'never'; using the default",
+        "gpucleanup · ignored GPUCleanup.history_size = 100000000000000000000 from the configuration: "
+        "history_size must be a whole number from 1 to 100,000; using the default",
+    ]
+    shell.run_line_magic("config", "GPUCleanup.gc = 'never'")  # %config still works
+    assert ext.gc == "never"
 
 
 def test_history_size_change_resizes_the_history(shell, stand_in):  # noqa: F811
