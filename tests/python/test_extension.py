@@ -1082,3 +1082,89 @@ def test_a_library_that_is_not_a_cuda_driver_is_named_not_the_native_library(tmp
         "or unset it: no cleanup after cells",
         "gpucleanup · no cleanup runs after cells in this kernel (the CUDA driver is unusable): nothing to pause",
     ]
+
+
+# ------------------------------------------------------------------ a newcomer's first hour
+
+
+def test_progress_line_is_closed_even_when_nothing_was_freed_stand_in(shell, stand_in, capsys):
+    # show = "auto" would stay quiet after a cell that freed nothing: not after a progress line
+    stand_in.native.device(0).pool_reserved = 0
+    stand_in.cupy.cached[0] = 0
+    stand_in.cupy.pinned_cached = 0
+    shell.run_line_magic("load_ext", "gpucleanup")
+    _run(shell, "x = 1", capsys)
+    stand_in.native.progress = [{"device": 0, "waited_s": 2.0, "limit_s": 30}, {"device": 0, "waited_s": 5.0, "limit_s": 30}]
+    _, out = _run(shell, "x = 2", capsys)
+    lines = out.out.split("\n")
+    assert lines[0].endswith("gpucleanup · waiting for GPU0 to finish queued work … 5 s")
+    assert _lines(lines[1]) == ["gpucleanup · GPU0 H100 · freed 0 B · kept 2.0 GiB live (cupy) · device 6.0/80.0 GiB · <t>"]
+    assert lines[2:] == [""]
+
+
+def test_running_cell_number_follows_the_ipython_version(monkeypatch):
+    import IPython
+
+    shell = types.SimpleNamespace(execution_count=8)
+    stored = types.SimpleNamespace(store_history=True)
+    unstored = types.SimpleNamespace(store_history=False)
+    monkeypatch.setattr(IPython, "version_info", (8, 12, 3, ""))
+    assert extension.running_cell_number(shell, stored) == 8  # counted after the cell
+    monkeypatch.setattr(IPython, "version_info", (9, 7, 0, ""))
+    assert extension.running_cell_number(shell, stored) == 8
+    monkeypatch.setattr(IPython, "version_info", (9, 8, 0, ""))
+    assert extension.running_cell_number(shell, stored) == 7  # counted before pre_run_cell
+    assert extension.running_cell_number(shell, unstored) == 8  # a cell kept out of the history is not counted
+    assert extension.running_cell_number(types.SimpleNamespace(execution_count=None), stored) is None
+
+
+def test_status_endpoint_keeps_as_many_records_as_the_history_stand_in(shell, stand_in, monkeypatch):
+    made = []
+
+    def factory(**options):
+        made.append(options)
+        return StandInEndpoint()
+
+    monkeypatch.setitem(extension.DEFAULTS, "status_endpoint", factory)
+    shell.run_line_magic("load_ext", "gpucleanup")
+    assert made == [{"history_limit": 100}]
+    first = _ext(shell)._endpoint
+    shell.run_line_magic("config", "GPUCleanup.history_size = 7")
+    assert made == [{"history_limit": 100}, {"history_limit": 7}]
+    assert first.events[-1] == ("close",) and _ext(shell)._endpoint is not first
+
+
+def test_gpumem_drain_in_a_cell_says_one_line_and_keeps_one_record_stand_in(shell, stand_in, capsys):
+    shell.run_line_magic("load_ext", "gpucleanup")
+    shell.run_line_magic("config", "GPUCleanup.show = 'always'")
+    _run(shell, "x = 1", capsys)
+    before = len(_ext(shell).history.last())
+    _, out = _run(shell, "%gpumem --drain", capsys)
+    assert len(_lines(out.out)) == 1
+    assert len(_ext(shell).history.last()) == before + 1
+
+
+def test_gpumem_drain_of_a_busy_device_says_it_once_and_waits_once_stand_in(shell, stand_in, capsys):
+    stand_in.native.busy.add(0)
+    shell.run_line_magic("load_ext", "gpucleanup")
+    _run(shell, "x = 1", capsys)
+    before = len(_ext(shell).history.last())
+    stand_in.native.trims.clear()
+    _, out = _run(shell, "%gpumem --drain", capsys)
+    assert _lines(out.out) == ["gpucleanup · GPU0 H100 · busy after 30 s: skipped freeing, queued work keeps running · device 7.0/80.0 GiB · <t>"]
+    assert len(_ext(shell).history.last()) == before + 1
+    # the after-cell pass did not wait a second time for the device the magic waited for
+    assert len(stand_in.native.trims) == 2
+
+
+def test_gpumem_drain_then_more_work_in_the_same_cell_is_still_cleaned_stand_in(shell, stand_in, capsys):
+    shell.run_line_magic("load_ext", "gpucleanup")
+    _run(shell, "x = 1", capsys)
+    cell = "%gpumem --drain\nget_ipython().user_ns['_stand_in'].device(0).pool_reserved = 1 << 30"
+    shell.user_ns["_stand_in"] = stand_in.native
+    try:
+        _, out = _run(shell, cell, capsys)
+    finally:
+        shell.user_ns.pop("_stand_in", None)
+    lines = _lines(out.out)
+    assert len(lines) == 2 and "freed 1.0 GiB (driver 1.0)" in lines[1]

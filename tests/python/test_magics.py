@@ -249,3 +249,44 @@ def test_gpumem_with_the_fake_driver(shell, fake_cuda, monkeypatch):  # noqa: F8
 
     assert cap.outputs[0].data["text/plain"].splitlines()[0] == f"GPU0 {_fake_name()} — 1.5/80.0 GiB used"
     assert fake_cuda.counter("contexts_created") == 0
+
+
+def test_unbalanced_quote_is_a_usage_error_stand_in(shell, stand_in):  # noqa: F811
+    shell.run_line_magic("load_ext", "gpucleanup")
+    with pytest.raises(UsageError) as err:
+        shell.run_line_magic("gpumem", '"unterminated')
+    assert str(err.value) == (
+        "%gpumem: cannot read the options (No closing quotation): check the quotes. "
+        "Usage: %gpumem [--json] [--drain] [--history [N]] [--vars [N]] [--off | --on]"
+    )
+
+
+class _Hostile:
+    """A user object whose __class__ raises: isinstance() on it raises too."""
+
+    @property
+    def __class__(self):
+        raise RuntimeError("do not ask me my class")
+
+
+def test_an_object_whose_class_raises_does_not_break_vars_or_the_cell_stand_in(shell, stand_in, capsys):  # noqa: F811
+    shell.user_ns["hostile"] = _Hostile()
+    shell.user_ns["hostiles"] = [_Hostile(), {"k": _Hostile()}]
+    try:
+        shell.run_line_magic("load_ext", "gpucleanup")
+        shell.run_cell("x = 1", store_history=True)
+        assert "failed" not in capsys.readouterr().out  # no "snapshot before the cell failed"
+        found = shell.run_line_magic("gpumem", "--vars --json")
+        assert found["vars"] == []
+        assert magics.bound_gpu_objects(shell.user_ns) == {}
+    finally:
+        shell.user_ns.pop("hostile", None)
+        shell.user_ns.pop("hostiles", None)
+
+
+def test_off_without_a_driver_says_there_is_nothing_to_pause_stand_in(shell, stand_in, capsys):  # noqa: F811
+    stand_in.native.state = "no_driver"
+    shell.run_line_magic("load_ext", "gpucleanup")
+    capsys.readouterr()
+    shell.run_line_magic("gpumem", "--off")
+    assert capsys.readouterr().out == "gpucleanup · no cleanup runs after cells in this kernel (no CUDA driver): nothing to pause\n"
