@@ -42,6 +42,7 @@ ERR_DRIVER = 2
 ERR_INTERNAL = 3
 ERR_EXITING = 4
 ERR_SERVER = 5
+ERR_BUSY = 6  # a drain from outside (gpucleanup drain) held the library; nothing was done
 
 _STATUS_NAMES = {
     ERR_INVALID_ARGUMENT: "invalid argument",
@@ -49,6 +50,7 @@ _STATUS_NAMES = {
     ERR_INTERNAL: "internal",
     ERR_EXITING: "exiting",
     ERR_SERVER: "server",
+    ERR_BUSY: "busy",
 }
 
 PROGRESS_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)

@@ -74,6 +74,11 @@ def running_cell_number(shell: Any, info: Any = None) -> Optional[int]:
     return count
 
 
+def outside_drain_gave_no_way(exc: BaseException) -> bool:
+    """Did a native call refuse to wait behind a drain started with ``gpucleanup drain``?"""
+    return getattr(exc, "status", None) == 6 or str(exc).startswith("[gpucleanup.api.111]")
+
+
 def _index(key: Any) -> Optional[int]:
     try:
         return int(key)
@@ -525,6 +530,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             self._pre = pre
         except (Exception, KeyboardInterrupt) as exc:
             self._pre = None
+            if outside_drain_gave_no_way(exc):
+                return  # the cell runs at once; its line then has no "before" to compare with
             with contextlib.suppress(Exception):
                 self._warn_once_now(f"pre:{type(exc).__name__}", f"snapshot before the cell failed ({type(exc).__name__}: {exc})")
 
@@ -545,6 +552,10 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             with contextlib.suppress(Exception):
                 print(f"{report.PREFIX}{report.SEP}interrupted (Ctrl-C): cleanup stopped")
         except Exception as exc:
+            if outside_drain_gave_no_way(exc):
+                with contextlib.suppress(Exception):
+                    print(f"{report.PREFIX}{report.SEP}{exc}")
+                return
             with contextlib.suppress(Exception):
                 self._warn_once_now(f"internal:{type(exc).__name__}", f"cleanup failed ({type(exc).__name__}: {exc}); the cell is not affected")
         finally:

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <atomic>
 #include <mutex>
 #include <new>
 #include <string>
@@ -30,6 +31,11 @@ struct ApiState {
   // Serialises probe, snapshot and drain; timed so the status server's thread
   // can give up instead of waiting out a long drain.
   std::timed_mutex cleanup;
+  // A drain asked for through the status server holds `cleanup` while it waits
+  // for queued work (up to its timeout, 60 s at most). The kernel's own calls
+  // must never wait on it: they ask it to stop, and it does within one poll.
+  std::atomic<bool> outside_drain{false};
+  std::atomic<bool> stop_outside_drain{false};
   DeviceRegistry registry;
   std::mutex server_mutex;
   std::unique_ptr<StatusServer> server;
@@ -123,6 +129,29 @@ void hand_out(const nlohmann::json& value, char** json_out) {
   *json_out = copy;
 }
 
+// How long the kernel's own calls wait for a drain from outside to give way:
+// asked to stop, it leaves its wait within one poll (25 ms) and then trims only
+// what had settled.
+constexpr auto kOutsideDrainPatience = std::chrono::milliseconds(500);
+constexpr auto kOutsideDrainPoll = std::chrono::milliseconds(25);
+
+// The lock for a call made by the kernel itself (its hooks, %gpumem): never
+// queued behind a drain from outside for longer than kOutsideDrainPatience.
+std::unique_lock<std::timed_mutex> kernel_lock(ApiState& state) {
+  std::unique_lock lock(state.cleanup, std::defer_lock);
+  const auto deadline = std::chrono::steady_clock::now() + kOutsideDrainPatience;
+  while (!lock.try_lock_for(std::chrono::milliseconds(2))) {
+    if (!state.outside_drain.load()) continue;  // a status snapshot: microseconds
+    state.stop_outside_drain.store(true);
+    if (std::chrono::steady_clock::now() >= deadline) {
+      fail(GPUCLEANUP_ERR_BUSY,
+           "[gpucleanup.api.111] a drain asked for with gpucleanup drain is still finishing: this call was "
+           "skipped so that the kernel does not wait for it; the next one runs as usual");
+    }
+  }
+  return lock;
+}
+
 // Hooks for the status server's thread. The server bounds how long it waits
 // for a snapshot (and answers with its last one, marked stale), so waiting here
 // behind a drain is fine; a drain request does not queue behind another.
@@ -141,14 +170,28 @@ nlohmann::json server_drain(double timeout_s) {
   ApiState& state = api_state().get();
   std::unique_lock lock(state.cleanup, std::chrono::seconds(1));
   GPUCLEANUP_EXPECTS(lock.owns_lock(), "gpucleanup.api.110", "a drain is already running: try again when it ends");
+  state.stop_outside_drain.store(false);
+  state.outside_drain.store(true);
+  struct Done {
+    ApiState& state;
+    ~Done() { state.outside_drain.store(false); }
+  } done{state};
   DrainOptions options;
   options.timeout_s = timeout_s;
+  // Polled, not reported: the kernel (a cell starting, %unload_ext, exit) can
+  // end the wait at once through stop_outside_drain.
+  options.progress_after = kOutsideDrainPoll;
+  options.progress_every = kOutsideDrainPoll;
+  options.progress = [&state](const nlohmann::json&) {
+    return state.stop_outside_drain.load() || process_is_exiting();
+  };
   return drain(Driver::process(), state.registry, options);
 }
 
 void stop_server() noexcept {
   try {
     ApiState& state = api_state().get();
+    state.stop_outside_drain.store(true);  // stop() joins the worker that may be running one
     std::unique_ptr<StatusServer> server;
     {
       std::lock_guard lock(state.server_mutex);
@@ -186,7 +229,7 @@ gpucleanup_status gpucleanup_probe(char** json_out) {
     require_out(json_out);
     require_running();
     ApiState& state = api_state().get();
-    std::lock_guard lock(state.cleanup);
+    auto lock = kernel_lock(state);
     hand_out(take_snapshot(usable_driver(), state.registry, SnapshotKind::probe), json_out);
   });
 }
@@ -196,7 +239,7 @@ gpucleanup_status gpucleanup_snapshot(char** json_out) {
     require_out(json_out);
     require_running();
     ApiState& state = api_state().get();
-    std::lock_guard lock(state.cleanup);
+    auto lock = kernel_lock(state);
     hand_out(take_snapshot(usable_driver(), state.registry, SnapshotKind::snapshot), json_out);
   });
 }
@@ -215,7 +258,7 @@ gpucleanup_status drain_call(double timeout_s, gpucleanup_progress_fn progress, 
     }
     require_running();
     ApiState& state = api_state().get();
-    std::lock_guard lock(state.cleanup);
+    auto lock = kernel_lock(state);
     DrainOptions options;
     options.timeout_s = timeout_s;
     options.trim = trim;

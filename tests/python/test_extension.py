@@ -1168,3 +1168,20 @@ def test_gpumem_drain_then_more_work_in_the_same_cell_is_still_cleaned_stand_in(
         shell.user_ns.pop("_stand_in", None)
     lines = _lines(out.out)
     assert len(lines) == 2 and "freed 1.0 GiB (driver 1.0)" in lines[1]
+
+
+def test_a_drain_from_outside_never_makes_the_cell_wait_stand_in(shell, stand_in, capsys):
+    from gpucleanup._native import NativeError
+
+    shell.run_line_magic("load_ext", "gpucleanup")
+    _run(shell, "x = 1", capsys)
+    busy = NativeError(6, "[gpucleanup.api.111] a drain asked for with gpucleanup drain is still finishing: this call "
+                          "was skipped so that the kernel does not wait for it; the next one runs as usual")
+    stand_in.native.fail["snapshot"] = busy
+    stand_in.native.fail["probe"] = busy
+    result, out = _run(shell, "x = 2", capsys)
+    assert result.success
+    assert out.out == f"gpucleanup · {busy}\n"  # no "snapshot before the cell failed", no "cleanup failed"
+    del stand_in.native.fail["snapshot"], stand_in.native.fail["probe"]
+    _, out = _run(shell, "x = 3", capsys)
+    assert out.out == ""  # the next cell runs as usual

@@ -343,3 +343,72 @@ def test_status_latency_idle_in_process(endpoint):
         times.append(time.perf_counter() - start)
     print(f"\nstatus latency in-process (ipc, signed, idle): median {statistics.median(times) * 1e3:.2f} ms, "
           f"max {max(times) * 1e3:.2f} ms over {len(times)}")
+
+
+def _wait_for(condition, what: str, limit: float = 30.0):
+    deadline = time.monotonic() + limit
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.005)
+
+
+def test_a_drain_from_outside_gives_way_to_the_kernels_own_calls(endpoint, fake_cuda):
+    import threading
+
+    # queued work that never finishes: the outside drain would wait its whole 60 s
+    fake_cuda.reset({"devices": [{"primary_active": True, "sync_seconds": -1, "uuid": "GPU-0000000b-0000-0000-0000-000000000016"}]})
+    endpoint.set_state({"state": "idle"})
+    replies = []
+    asker = threading.Thread(
+        target=lambda: replies.append(status_client.request(target(endpoint), "drain", timeout=90, timeout_s=60))
+    )
+    asker.start()
+    try:
+        # the outside drain holds the library once its watchdog has called the synchronize
+        _wait_for(lambda: fake_cuda.counter("calls.cuCtxSynchronize") >= 1, "the drain to wait on the device")
+        # a cell starts: its snapshot does not queue behind the drain (the fake never finishes:
+        # returning at all is the point), and the drain is told to stop waiting
+        snapshot = _native.snapshot()
+        assert snapshot["kind"] == "snapshot"
+        asker.join(60)
+        assert not asker.is_alive()
+        (reply,) = replies
+        device = reply["result"]["devices"][0]
+        assert device["state"] == "busy" and device["settle"]["status"] == "interrupted"
+    finally:
+        fake_cuda.release_sync()
+        asker.join(60)
+        _wait_for(lambda: _native.drain(timeout=5)["devices"][0]["state"] == "drained", "the device to settle")
+
+
+def test_closing_the_endpoint_ends_a_drain_from_outside_at_once(runtime, shell, fake_cuda):
+    import threading
+
+    fake_cuda.reset({"devices": [{"primary_active": True, "sync_seconds": -1, "uuid": "GPU-0000000c-0000-0000-0000-000000000016"}]})
+    ep = StatusEndpoint()
+    ep.start(shell)
+    assert ep.error is None, ep.error
+    ep.set_state({"state": "idle"})
+    outcome = []
+
+    def ask():
+        try:
+            outcome.append(status_client.request(target(ep), "drain", timeout=3, timeout_s=60))
+        except Exception as exc:  # the server went away before it could answer
+            outcome.append(exc)
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    try:
+        _wait_for(lambda: fake_cuda.counter("calls.cuCtxSynchronize") >= 1, "the drain to wait on the device")
+        ep.close()  # %unload_ext and exit: the fake never finishes, so returning at all is the point
+        assert not ep.running
+        asker.join(60)
+        assert len(outcome) == 1
+    finally:
+        fake_cuda.release_sync()
+        asker.join(60)
+        _wait_for(lambda: _native.drain(timeout=5)["devices"][0]["state"] == "drained", "the device to settle")

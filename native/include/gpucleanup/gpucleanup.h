@@ -57,7 +57,11 @@ typedef enum gpucleanup_status {
   /* The process is exiting: nothing was done. */
   GPUCLEANUP_ERR_EXITING = 4,
   /* The status server could not be started or is not running. */
-  GPUCLEANUP_ERR_SERVER = 5
+  GPUCLEANUP_ERR_SERVER = 5,
+  /* A drain requested through the status server (gpucleanup drain) held the
+   * library and did not give way within half a second: nothing was done. The
+   * kernel's own calls never wait longer; that drain is asked to stop. */
+  GPUCLEANUP_ERR_BUSY = 6
 } gpucleanup_status;
 
 /* Library version, e.g. "0.1.0". Static storage; never free it. */
