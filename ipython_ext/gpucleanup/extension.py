@@ -212,6 +212,34 @@ def adapter_note(name: str, text: str) -> str:
     return text if text.startswith(f"[gpucleanup.{name}.") else f"{name}: {text}"
 
 
+class _InterruptTheCell:
+    """An IPython AST transformer that hands a Ctrl-C caught in ``pre_run_cell`` to the cell.
+
+    IPython runs ``pre_run_cell`` callbacks inside ``events.trigger``, which catches a
+    KeyboardInterrupt, prints it and runs the cell anyway: a Ctrl-C that lands while the
+    hook runs would be lost. The cell's AST is transformed after ``pre_run_cell``
+    (``run_cell_async``: trigger, then ``transform_ast``, then run), so the interrupt is
+    put back as the cell's first statement: the cell stops at once, with
+    KeyboardInterrupt as its error, as if Ctrl-C had come a moment later.
+    """
+
+    def __init__(self):
+        self.pending = False
+
+    def visit(self, node):
+        if not self.pending:
+            return node
+        self.pending = False
+        import ast
+
+        stop = ast.parse("raise KeyboardInterrupt").body[0]
+        body = getattr(node, "body", None)
+        if isinstance(body, list):
+            node.body = [ast.copy_location(stop, body[0]) if body else stop] + body
+            ast.fix_missing_locations(node)
+        return node
+
+
 class _PinnedJob:
     """One background release of pinned host pools; adapters are done one after another."""
 
@@ -292,6 +320,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         self._progress_opened = False  # a progress line was printed during this cell's cleanup
         self._forced_in_cell: Optional[dict] = None  # what %gpumem --drain did in the running cell
         self._ctrl_c = _CtrlC()
+        self._interrupt_the_cell = _InterruptTheCell()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -331,6 +360,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             return
         self.shell.events.register("pre_run_cell", self.pre_run_cell)
         self.shell.events.register("post_run_cell", self.post_run_cell)
+        self.shell.ast_transformers.append(self._interrupt_the_cell)
         self._hooks_registered = True
         self._start_status_endpoint()
         atexit.register(self._at_exit)
@@ -341,6 +371,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             for event, fn in (("pre_run_cell", self.pre_run_cell), ("post_run_cell", self.post_run_cell)):
                 with contextlib.suppress(ValueError):
                     self.shell.events.unregister(event, fn)
+            with contextlib.suppress(ValueError):
+                self.shell.ast_transformers.remove(self._interrupt_the_cell)
             self._hooks_registered = False
         if self._magics_registered:
             manager = self.shell.magics_manager
@@ -530,6 +562,9 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             self._pre = pre
         except (Exception, KeyboardInterrupt) as exc:
             self._pre = None
+            if isinstance(exc, KeyboardInterrupt):
+                self._interrupt_the_cell.pending = True  # Ctrl-C is the user's: it stops the cell
+                return
             if outside_drain_gave_no_way(exc):
                 return  # the cell runs at once; its line then has no "before" to compare with
             with contextlib.suppress(Exception):

@@ -1185,3 +1185,27 @@ def test_a_drain_from_outside_never_makes_the_cell_wait_stand_in(shell, stand_in
     del stand_in.native.fail["snapshot"], stand_in.native.fail["probe"]
     _, out = _run(shell, "x = 3", capsys)
     assert out.out == ""  # the next cell runs as usual
+
+
+def test_ctrl_c_during_the_pre_cell_snapshot_stops_the_cell_stand_in(shell, stand_in, capsys):
+    shell.run_line_magic("load_ext", "gpucleanup")
+    _run(shell, "x = 1", capsys)
+    stand_in.native.fail["snapshot"] = KeyboardInterrupt()
+    result, out = _run(shell, "x = 2", capsys)
+    # the interrupt reached the cell: it stopped before its first statement, as after any Ctrl-C
+    assert isinstance(result.error_in_exec, KeyboardInterrupt)
+    assert shell.user_ns["x"] == 1
+    assert "snapshot before the cell failed" not in out.out
+    del stand_in.native.fail["snapshot"]
+    result, _ = _run(shell, "x = 3", capsys)
+    assert result.success and shell.user_ns["x"] == 3
+
+
+def test_unload_removes_the_ast_transformer_stand_in(shell, stand_in):
+    before = list(shell.ast_transformers)
+    shell.run_line_magic("load_ext", "gpucleanup")
+    assert len(shell.ast_transformers) == len(before) + 1
+    shell.run_line_magic("reload_ext", "gpucleanup")
+    assert len(shell.ast_transformers) == len(before) + 1
+    shell.run_line_magic("unload_ext", "gpucleanup")
+    assert shell.ast_transformers == before
