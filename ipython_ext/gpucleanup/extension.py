@@ -360,7 +360,6 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             return
         self.shell.events.register("pre_run_cell", self.pre_run_cell)
         self.shell.events.register("post_run_cell", self.post_run_cell)
-        self.shell.ast_transformers.append(self._interrupt_the_cell)
         self._hooks_registered = True
         self._start_status_endpoint()
         atexit.register(self._at_exit)
@@ -563,7 +562,11 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         except (Exception, KeyboardInterrupt) as exc:
             self._pre = None
             if isinstance(exc, KeyboardInterrupt):
-                self._interrupt_the_cell.pending = True  # Ctrl-C is the user's: it stops the cell
+                # Ctrl-C is the user's: it stops the cell. The transformer is there only
+                # for this cell (IPython makes cyclic garbage per cell while one is set).
+                self._interrupt_the_cell.pending = True
+                if self._interrupt_the_cell not in self.shell.ast_transformers:
+                    self.shell.ast_transformers.append(self._interrupt_the_cell)
                 return
             if outside_drain_gave_no_way(exc):
                 return  # the cell runs at once; its line then has no "before" to compare with
@@ -596,6 +599,10 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         finally:
             self._pre = None
             self._forced_in_cell = None
+            self._interrupt_the_cell.pending = False
+            with contextlib.suppress(Exception):
+                if self._interrupt_the_cell in self.shell.ast_transformers:
+                    self.shell.ast_transformers.remove(self._interrupt_the_cell)
             with contextlib.suppress(Exception):
                 if self._endpoint is not None:
                     self._status("set_state", {"state": "idle", "since_ns": time.time_ns()})

@@ -1201,11 +1201,14 @@ def test_ctrl_c_during_the_pre_cell_snapshot_stops_the_cell_stand_in(shell, stan
     assert result.success and shell.user_ns["x"] == 3
 
 
-def test_unload_removes_the_ast_transformer_stand_in(shell, stand_in):
+def test_the_interrupt_transformer_is_set_only_for_an_interrupted_cell_stand_in(shell, stand_in, capsys):
     before = list(shell.ast_transformers)
     shell.run_line_magic("load_ext", "gpucleanup")
-    assert len(shell.ast_transformers) == len(before) + 1
-    shell.run_line_magic("reload_ext", "gpucleanup")
-    assert len(shell.ast_transformers) == len(before) + 1
+    _run(shell, "x = 1", capsys)
+    assert shell.ast_transformers == before
+    stand_in.native.fail["snapshot"] = KeyboardInterrupt()
+    _run(shell, "x = 2", capsys)
+    assert shell.ast_transformers == before  # gone again after that cell
+    del stand_in.native.fail["snapshot"]
     shell.run_line_magic("unload_ext", "gpucleanup")
     assert shell.ast_transformers == before
