@@ -188,3 +188,35 @@ def test_notebook_cells_leave_no_freeable_gpu_memory(name, tmp_path):
         print(f"FIGURE {name} %gpumem --json frameworks: {json.dumps(data.get('frameworks'))}")
     finally:
         kernel.close()
+
+
+HOST_STATS = ("import json as _j, torch as _t\n"
+              "print('HOST ' + _j.dumps({k: v for k, v in _t.cuda.memory.host_memory_stats().items() if 'bytes' in k or k.startswith(('allocations', 'num_'))}))")
+
+
+def test_torch_cells_that_pin_nothing_say_nothing_about_pinned_memory(tmp_path):
+    """Every figure in the line is true: no 'pinned N B' after cells that pinned nothing."""
+    require("torch")
+    kernel = Kernel(tmp_path)
+    try:
+        cells = [
+            "%load_ext gpucleanup",
+            "import torch\nmodel = torch.nn.Linear(1024, 1024).cuda()\nopt = torch.optim.SGD(model.parameters(), lr=0.1)",
+            "x = torch.randn(256, 1024, device='cuda')\nloss = model(x).square().mean()\nloss.backward(); opt.step(); opt.zero_grad()\nprint(float(loss))",
+            "big = torch.randn(8192, 8192, device='cuda'); s = float((big @ big).sum()); del big",
+            "%gpumem --drain",
+        ]
+        lines = []
+        for cell in cells:
+            out = kernel.execute(cell)
+            assert out["error"] is None, out["error"]
+            summary = [line for line in out["stdout"].splitlines() if line.startswith("gpucleanup ·")]
+            stats = kernel.execute(HOST_STATS)
+            host = [line for line in stats["stdout"].splitlines() if line.startswith("HOST ")]
+            print(f"FIGURE pinned-nothing {cell.splitlines()[0][:40]!r}: {summary}; torch host stats after: {host}")
+            print(f"FIGURE pinned-nothing stats cell said: {[l for l in stats['stdout'].splitlines() if l.startswith('gpucleanup')]}")
+            lines += summary + [l for l in stats["stdout"].splitlines() if l.startswith("gpucleanup ·")]
+        assert lines, "no summary line at all"
+        assert not [line for line in lines if " pinned " in f" {line} "], lines
+    finally:
+        kernel.close()

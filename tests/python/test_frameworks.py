@@ -520,3 +520,14 @@ def test_adapters_with_stand_in_modules_of_two_frameworks_each_free_their_own_po
     assert freed == {"cupy": {0: 100}, "torch": {0: 200}}
     assert cupy.pool.free == {0: 0, 1: 50} and torch.reserved == {0: 2}
     assert world.current == 1 and world.violations == []
+
+
+def test_torch_adapter_with_stand_in_module_leaves_a_pinned_cache_under_a_mebibyte_alone(monkeypatch):
+    # torch pins a few bytes for each .item(): releasing them said "pinned 5 B" after cells that pinned nothing
+    world = World(n_devices=1, active=(0,))
+    torch = install_torch(monkeypatch, world, host_active=0, host_owned=5)
+    assert adapter("torch").drain_pinned() == {"freed_bytes": 0, "notes": []}
+    assert torch.host_owned == 5
+    assert not [c for c in world.calls if c[0] == "host_empty_cache"]
+    torch.host_owned = 1 << 20  # from a mebibyte on, it is released as before
+    assert adapter("torch").drain_pinned() == {"freed_bytes": 1 << 20, "notes": []}
