@@ -31,6 +31,7 @@ __all__ = [
     "server_stop",
     "server_set_state",
     "server_publish",
+    "server_connections",
 ]
 
 ABI_VERSION = 1
@@ -104,6 +105,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gpucleanup_server_set_state.restype = ctypes.c_int
     lib.gpucleanup_server_publish.argtypes = [ctypes.c_char_p]
     lib.gpucleanup_server_publish.restype = ctypes.c_int
+    lib.gpucleanup_server_connections.argtypes = [c_char_pp]
+    lib.gpucleanup_server_connections.restype = ctypes.c_int
 
 
 def library() -> ctypes.CDLL:
@@ -236,6 +239,11 @@ def _call_status(fn: Callable[..., int], *args: Any) -> None:
 
 def server_stop() -> None:
     _call_status(library().gpucleanup_server_stop)
+
+
+def server_connections() -> dict:
+    """The status server's connection counters (peers, refused, dropped when idle)."""
+    return _call_json(library().gpucleanup_server_connections)
 
 
 def server_set_state(state: dict) -> None:

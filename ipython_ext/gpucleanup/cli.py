@@ -6,7 +6,9 @@
     gpucleanup drain KERNEL           settle and trim the driver pools now (only between cells)
 
 Kernels are found through their discovery files in Jupyter's runtime directory;
-files left by dead kernels are removed on the way. Each kernel gets at most
+files provably left by exited kernels are removed on the way, kernels of another
+PID namespace are shown as "elsewhere" and left alone, and a discovery file that
+cannot be used is skipped with one line on stderr. Each kernel gets at most
 ``--timeout`` seconds (default 1), and all are asked at once.
 
 Exit status:
@@ -30,7 +32,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 from . import discovery, status_client
 from .report import format_bytes, format_duration
@@ -58,9 +60,21 @@ class CliError(Exception):
 # ------------------------------------------------------------------ kernels
 
 
-def _scan(args) -> Tuple[List[discovery.Kernel], List]:
+def _scan(args) -> discovery.ScanResult:
+    """The discovery files; each bad one said once on stderr (``gpucleanup: skipped PATH: WHY``)."""
     directory = Path(args.runtime_dir) if args.runtime_dir else None
-    return discovery.scan(directory, clean=True)
+    found = discovery.scan(directory, clean=True)
+    said = args.__dict__.setdefault("_skipped_said", set())
+    for path, why in found.skipped:
+        if (path, why) not in said:
+            said.add((path, why))
+            print(f"gpucleanup: skipped {path}: {_safe(why)}", file=sys.stderr, flush=True)
+    return found
+
+
+def _safe(text) -> str:
+    """``text`` with control characters escaped: a discovery file must not drive the terminal."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
 
 
 def _no_kernels_message(args) -> str:
@@ -72,7 +86,8 @@ def _no_kernels_message(args) -> str:
 
 
 def _resolve(args, query: str) -> discovery.Kernel:
-    kernels, dead = _scan(args)
+    found = _scan(args)
+    kernels, dead = found.live, found.stale
     exact = [k for k in kernels if query in (str(k.pid), k.kernel_id, k.notebook)]
     if not exact:
         exact = [k for k in kernels if k.notebook and os.path.basename(k.notebook) == query]
@@ -85,14 +100,32 @@ def _resolve(args, query: str) -> discovery.Kernel:
         raise CliError(f"{query!r} matches {len(exact)} kernels: {names}; give more of the kernel id or the pid", EXIT_NOT_FOUND)
     if any(p.name == f"{discovery.PREFIX}{query}{discovery.SUFFIX}" for p in dead):
         raise CliError(f"kernel {query} is dead: its process is gone (its discovery file was removed)", EXIT_NOT_FOUND)
+    elsewhere = [k for k in found.elsewhere if query in (str(k.pid), k.kernel_id, k.notebook)]
+    if elsewhere:
+        k = elsewhere[0]
+        raise CliError(
+            f"kernel {k.pid} is elsewhere ({k.elsewhere}): its pid means nothing here; "
+            "run gpucleanup where the kernel runs (the same container)",
+            EXIT_NOT_FOUND,
+        )
     if not kernels:
         raise CliError(_no_kernels_message(args), EXIT_NOT_FOUND)
     raise CliError(f"no kernel {query!r}: gpucleanup ps lists the kernels (pid, kernel id or notebook)", EXIT_NOT_FOUND)
 
 
-def _target(kernel: discovery.Kernel, endpoint: Optional[str] = None) -> status_client.Target:
+def _target(kernel: discovery.Kernel, endpoint: Optional[str] = None, unsafe_key: bool = False) -> status_client.Target:
+    """The kernel's endpoint and key; with ``unsafe_key``, a key file that is not a regular file of at most
+    64 KiB raises :class:`discovery.UnsafeFile` (for ``ps`` to skip the kernel) instead of CliError."""
     try:
         key = kernel.read_key()
+    except discovery.UnsafeFile as exc:
+        if unsafe_key:
+            raise
+        raise CliError(
+            f"kernel {kernel.pid}: its {_bad_key_file(kernel, exc)}: gpucleanup writes a regular file there; "
+            "restart the kernel",
+            EXIT_REFUSED,
+        ) from None
     except OSError as exc:
         raise CliError(
             f"kernel {kernel.pid}: cannot read its key file {kernel.key_file} ({exc.strerror}): "
@@ -119,6 +152,10 @@ def _failure(kernel: discovery.Kernel, error: status_client.StatusError, timeout
             EXIT_REFUSED,
         )
     return CliError(f"{who}: {error}", EXIT_REFUSED)
+
+
+def _bad_key_file(kernel: discovery.Kernel, error: discovery.UnsafeFile) -> str:
+    return f"key file {kernel.key_file} is {error.strerror}"
 
 
 # ------------------------------------------------------------------ reading replies
@@ -211,40 +248,54 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def _kernel_name(kernel: discovery.Kernel) -> str:
     if kernel.notebook and kernel.kernel_id:
-        return f"{kernel.kernel_id[:8]} ({kernel.notebook})"
-    return kernel.notebook or kernel.kernel_id or "-"
+        return _safe(f"{kernel.kernel_id[:8]} ({kernel.notebook})")
+    return _safe(kernel.notebook or kernel.kernel_id or "-")
 
 
 # ------------------------------------------------------------------ commands
 
 
 def cmd_ps(args) -> int:
-    kernels, _dead = _scan(args)
-    if not kernels:
+    found = _scan(args)
+    kernels, elsewhere = [], found.elsewhere
+    targets, results = [], []
+    for kernel in found.live:
+        try:
+            target = _target(kernel, unsafe_key=True)
+        except discovery.UnsafeFile as exc:
+            # A FIFO, a device, a link or a huge file as the key: skipped like a bad discovery file.
+            print(f"gpucleanup: skipped {kernel.path}: {_safe(_bad_key_file(kernel, exc))}", file=sys.stderr, flush=True)
+            continue
+        except CliError as exc:
+            kernels.append(kernel)
+            results.append(exc)
+            continue
+        kernels.append(kernel)
+        results.append(None)
+        targets.append(target)
+    if not kernels and not elsewhere:
         # For a script no kernel is an answer, not a failure: an empty list.
         if args.json:
             print("[]")
             return EXIT_OK
         raise CliError(_no_kernels_message(args), EXIT_NOT_FOUND)
-    targets, results = [], [None] * len(kernels)
-    asked = []
-    for i, kernel in enumerate(kernels):
-        try:
-            targets.append(_target(kernel))
-            asked.append(i)
-        except CliError as exc:
-            results[i] = exc
+    asked = [i for i, result in enumerate(results) if result is None]
     for i, result in zip(asked, status_client.request_many(targets, "status", args.timeout)):
         results[i] = _failure(kernels[i], result, args.timeout) if isinstance(result, status_client.StatusError) else result
     if args.json:
         out = []
         for kernel, result in zip(kernels, results):
-            entry = {"pid": kernel.pid, "kernel_id": kernel.kernel_id, "notebook": kernel.notebook, "discovery_file": str(kernel.path)}
+            entry = {"pid": kernel.pid, "kernel_id": kernel.kernel_id, "notebook": kernel.notebook,
+                     "discovery_file": str(kernel.path), "elsewhere": False}
             if isinstance(result, CliError):
                 entry["error"] = str(result)
             else:
                 entry["status"] = result
             out.append(entry)
+        for kernel in elsewhere:
+            # Not asked: its pid, endpoint and key are another namespace's. Its file is left alone.
+            out.append({"pid": kernel.pid, "kernel_id": kernel.kernel_id, "notebook": kernel.notebook,
+                        "discovery_file": str(kernel.path), "elsewhere": True, "elsewhere_reason": kernel.elsewhere})
         print(json.dumps(out, indent=1))
         return EXIT_OK
     rows = []
@@ -253,6 +304,8 @@ def cmd_ps(args) -> int:
             rows.append([str(kernel.pid), _kernel_name(kernel), _short_error(result), "", ""])
         else:
             rows.append([str(kernel.pid), _kernel_name(kernel), state_text(result.get("state")), memory_text(result), last_cell_text(result)])
+    for kernel in elsewhere:
+        rows.append([str(kernel.pid), _kernel_name(kernel), f"elsewhere ({_safe(kernel.elsewhere)})", "", ""])
     print(_table(["PID", "KERNEL", "STATE", "GPU MEMORY", "LAST CELL"], rows))
     return EXIT_OK
 
@@ -280,10 +333,10 @@ def cmd_status(args) -> int:
         return EXIT_OK
     kinfo = reply.get("kernel") or {}
     lines = [
-        f"kernel     {kernel.pid}  {kernel.kernel_id or '-'}",
-        f"notebook   {kinfo.get('notebook') or kernel.notebook or '-'}",
+        f"kernel     {kernel.pid}  {_safe(kernel.kernel_id or '-')}",
+        f"notebook   {_safe(kinfo.get('notebook') or kernel.notebook or '-')}",
         f"state      {state_text(reply.get('state'))}",
-        f"endpoint   {kernel.endpoint}",
+        f"endpoint   {_safe(kernel.endpoint)}",
     ]
     snapshot = reply.get("snapshot") or {}
     driver = snapshot.get("driver") or {}
@@ -395,7 +448,7 @@ def _drain_problems(result: dict, devices: List[dict], drain_timeout: float) -> 
 def _record_line(target: status_client.Target, message: dict) -> str:
     record = message.get("record") or {}
     kernel = message.get("kernel") or {}
-    who = f"{kernel.get('pid', '?')} {target.label}"
+    who = _safe(f"{kernel.get('pid', '?')} {target.label}")
     stamp = time.strftime("%H:%M:%S", time.localtime((message.get("time_ns") or time.time_ns()) / 1e9))
     parts = [stamp, who, last_cell_text({"last_record": record})]
     memory = memory_text({"last_record": record})
@@ -415,7 +468,7 @@ def cmd_watch(args) -> int:
         while True:
             now = time.monotonic()
             if now >= next_scan:
-                kernels = [only] if only else _scan(args)[0]
+                kernels = [only] if only else _scan(args).live
                 if only and not only.alive():
                     raise CliError(f"kernel {only.pid} has exited", EXIT_NOT_FOUND)
                 names = {str(k.pid): k for k in kernels}

@@ -131,6 +131,17 @@ class GPUCleanupOptions(Configurable):
         help="Start the status endpoint (gpucleanup on the command line reads it) when the extension loads.",
     ).tag(config=True)
 
+    status_max_peers = Int(
+        64,
+        min=1,
+        max=1024,
+        help=(
+            "Most connections the status endpoint keeps open at once, per socket (requests, records); "
+            "never more than an eighth of the process's open-file limit. Connections beyond are closed "
+            "at once, so a flood cannot take the kernel's file descriptors."
+        ),
+    ).tag(config=True)
+
     @validate("settle_timeout")
     def _check_settle_timeout(self, proposal):
         value = proposal["value"]

@@ -1,36 +1,96 @@
 """Discovery files: how the ``gpucleanup`` command finds every kernel on the machine.
 
 Each kernel with the extension loaded writes one JSON file,
-``<jupyter runtime dir>/gpucleanup-<pid>.json`` (mode 0600, written through
-``jupyter_core.paths.secure_write``), and removes it when the extension is
-unloaded or the process exits. A kernel that was killed leaves its file
-behind; such a file is recognised because its pid is gone, or because the
-pid now belongs to another process (the process start time recorded in the
-file differs from ``/proc/<pid>/stat``), and the command line removes it.
+``<jupyter runtime dir>/gpucleanup-<pid>.json`` (mode 0600), and removes it
+when the extension is unloaded or the process exits. Its key and ipc sockets
+are named from the same pid: ``<runtime dir>/gpucleanup/<pid>.key``,
+``<pid>.sock`` and ``<pid>.sock.pub``.
+
+The files are read as untrusted input (another container sharing the home
+directory, an older or newer gpucleanup, a hostile neighbour): only regular
+files of at most 64 KiB are opened (``O_NOFOLLOW | O_NONBLOCK``, then
+``fstat``), every field is checked for type and range, and a bad file is
+reported and skipped without affecting the others.
+
+Which kernel a file belongs to is decided by :func:`classify`:
+
+``stale``
+    provably the file of a process that has exited: written during another
+    boot (``boot_id`` differs from ``/proc/sys/kernel/random/boot_id``), or in
+    this PID namespace by a pid that is gone, a zombie, or now a process with
+    another start time (``/proc/<pid>/stat`` field 22 ≠ ``proc_start_ticks``).
+    The command line removes such a file, and the key and socket files that
+    the naming scheme derives from the pid in its *name*; never a path read
+    from a file's contents.
+``elsewhere``
+    written in another PID namespace of this boot (``pid_ns`` differs from
+    ``readlink /proc/self/ns/pid``): its pid means nothing here, so the file
+    is listed as such and never touched. So is a file whose process exists
+    but cannot be inspected (``/proc/<pid>/stat`` unreadable).
+``live``
+    the same process still runs here.
 
 The file's fields (all written by :func:`describe`):
 
-``discovery`` (1), ``pid``, ``proc_start_ticks``, ``kernel_id``,
-``connection_file``, ``notebook``, ``endpoint``, ``pub_endpoint``,
-``transport`` ("ipc" or "tcp"), ``key_file``, ``signature_scheme``
-("hmac-sha256"), ``protocol`` (1), ``started_ns``, ``version``.
+``discovery`` (1), ``pid``, ``proc_start_ticks``, ``pid_ns``, ``boot_id``,
+``kernel_id``, ``connection_file``, ``notebook``, ``endpoint``,
+``pub_endpoint``, ``transport`` ("ipc" or "tcp"), ``key_file``,
+``signature_scheme`` ("hmac-sha256"), ``protocol`` (1), ``started_ns``,
+``version``.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import secrets
+import stat
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, List, Optional, Tuple
+from typing import Iterable, List, NamedTuple, Optional, Tuple
 
 DISCOVERY_VERSION = 1
 PREFIX = "gpucleanup-"
 SUFFIX = ".json"
-_NAME = re.compile(r"^gpucleanup-(\d+)\.json$")
+KEY_DIR = "gpucleanup"
+# ASCII digits only (\d takes any Unicode digit), no leading zero, whole name.
+_NAME = re.compile(r"gpucleanup-([1-9][0-9]{0,19})\.json", re.ASCII)
 _KERNEL_FILE = re.compile(r"^kernel-(.+)\.json$")
+
+# PID_MAX_LIMIT on 64-bit Linux: pid_max can never be raised above it.
+PID_LIMIT = 1 << 22
+# Largest discovery or key file that is read at all.
+MAX_FILE_BYTES = 64 * 1024
+
+LIVE = "live"
+STALE = "stale"
+ELSEWHERE = "elsewhere"
+
+_PID_NS = re.compile(r"pid:\[[0-9]{1,20}\]", re.ASCII)
+_BOOT_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", re.ASCII)
+_TCP = re.compile(r"tcp://(127\.0\.0\.1|\[::1\]):([0-9]{1,5})", re.ASCII)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+class BadDiscoveryFile(ValueError):
+    """A discovery file that is not one gpucleanup wrote: the message says why, in a few words."""
+
+
+class UnsafeFile(OSError):
+    """A path that is not a regular file of bounded size (a FIFO, a device, a link, too large)."""
+
+    def __init__(self, why: str):
+        super().__init__(errno.EINVAL, why)
+
+
+class InsecureRuntimeDir(PermissionError):
+    """A runtime directory every user may write to: gpucleanup puts nothing there."""
+
+
+# ------------------------------------------------------------------ places
 
 
 def runtime_dir() -> Path:
@@ -47,18 +107,66 @@ def runtime_dir() -> Path:
     return Path(jupyter_runtime_dir())
 
 
-def ensure_private_dir(path: Path) -> Path:
-    """Creates ``path`` (and parents) so that only the user can enter it (0700).
+def check_runtime_dir(path: Path) -> None:
+    """Raises :class:`InsecureRuntimeDir` if every user may write to ``path``.
 
-    An existing directory of ours is narrowed to 0700; one owned by someone
-    else raises PermissionError.
+    The sticky bit is not enough: it stops others from removing or renaming
+    our files, but not from creating the names we are about to use (a FIFO,
+    a symbolic link, a ``gpucleanup`` directory of theirs), nor from planting
+    discovery files that ``gpucleanup ps`` would read. Jupyter creates its
+    runtime directory 0700 for the same reason.
     """
+    _refuse_open_dir(path, os.stat(path))  # the runtime dir itself may be a link the user made
+
+
+def _refuse_open_dir(path: Path, info: os.stat_result) -> None:
+    if info.st_mode & stat.S_IWOTH:
+        raise InsecureRuntimeDir(
+            f"runtime directory {path} is writable by every user (mode {stat.S_IMODE(info.st_mode):o}): "
+            "gpucleanup writes no discovery file, key or socket there; set JUPYTER_RUNTIME_DIR to a private "
+            "directory (yours, mode 0700)"
+        )
+
+
+def prepare_runtime_dir(path: Path) -> Path:
+    """Creates the runtime directory (0700) if needed; refuses one that every user may write to."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    info = path.stat()
+    check_runtime_dir(path)
+    return path
+
+
+def ensure_private_dir(path: Path) -> Path:
+    """Creates ``path`` so that only the user can enter it (0700).
+
+    An existing directory of ours is narrowed to 0700, through a descriptor
+    opened with ``O_NOFOLLOW`` (never through a symbolic link); a symbolic
+    link, a non-directory, or a directory owned by someone else raises
+    PermissionError and is left as it is.
+    """
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode):
+        raise PermissionError(
+            f"{path} is a symbolic link: gpucleanup keeps its keys and sockets only in a directory of its own; "
+            "remove the link"
+        )
+    if not stat.S_ISDIR(info.st_mode):
+        raise PermissionError(f"{path} is not a directory: remove it, gpucleanup keeps its keys and sockets there")
     if info.st_uid != os.geteuid():
         raise PermissionError(f"{path} belongs to uid {info.st_uid}, not to you: use a directory of your own")
-    if info.st_mode & 0o077:
-        os.chmod(path, 0o700)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        now = os.fstat(fd)
+        if (now.st_dev, now.st_ino) != (info.st_dev, info.st_ino):
+            raise PermissionError(f"{path} was replaced while gpucleanup checked it")
+        if stat.S_IMODE(now.st_mode) & 0o077:
+            os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
     return path
 
 
@@ -66,15 +174,23 @@ def discovery_path(pid: Optional[int] = None, directory: Optional[Path] = None) 
     return (directory or runtime_dir()) / f"{PREFIX}{pid if pid is not None else os.getpid()}{SUFFIX}"
 
 
+def scheme_files(pid: int) -> Tuple[Tuple[str, int], ...]:
+    """The names in ``<runtime>/gpucleanup/`` that the kernel with ``pid`` makes, with their file type."""
+    return ((f"{pid}.key", stat.S_IFREG), (f"{pid}.sock", stat.S_IFSOCK), (f"{pid}.sock.pub", stat.S_IFSOCK))
+
+
+# ------------------------------------------------------------------ this process
+
+
 def _stat_fields(pid: int) -> Optional[list]:
     """Fields 3 onwards of ``/proc/<pid>/stat`` (state first), or None."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().decode("ascii", "replace")
-    except OSError:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            stat_line = f.read(4096).decode("ascii", "replace")
+    except (OSError, ValueError, OverflowError):
         return None
     # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
-    return stat[stat.rfind(")") + 2 :].split()
+    return stat_line[stat_line.rfind(")") + 2 :].split()
 
 
 def process_start_ticks(pid: int) -> Optional[int]:
@@ -84,6 +200,25 @@ def process_start_ticks(pid: int) -> Optional[int]:
         return int(fields[19]) if fields else None
     except (IndexError, ValueError):
         return None
+
+
+def pid_namespace() -> Optional[str]:
+    """This process's PID namespace, ``pid:[<inode>]`` (``readlink /proc/self/ns/pid``), or None."""
+    try:
+        value = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+    return value if _PID_NS.fullmatch(value) else None
+
+
+def boot_id() -> Optional[str]:
+    """The running Linux kernel's boot id (``/proc/sys/kernel/random/boot_id``), the same in every container."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            value = f.read(64).decode("ascii", "replace").strip()
+    except OSError:
+        return None
+    return value if _BOOT_ID.fullmatch(value) else None
 
 
 def kernel_id_from_connection_file(path: Optional[str]) -> Optional[str]:
@@ -122,6 +257,8 @@ def describe(
         "discovery": DISCOVERY_VERSION,
         "pid": pid,
         "proc_start_ticks": process_start_ticks(pid),
+        "pid_ns": pid_namespace(),
+        "boot_id": boot_id(),
         "kernel_id": kernel_id_from_connection_file(connection_file),
         "connection_file": connection_file,
         "notebook": notebook,
@@ -136,14 +273,61 @@ def describe(
     }
 
 
-def write(path: Path, info: dict) -> None:
-    """Writes ``info`` to ``path`` with mode 0600, atomically (readers never see half a file)."""
-    from jupyter_core.paths import secure_write
+# ------------------------------------------------------------------ writing
 
-    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    with secure_write(str(tmp)) as f:
-        json.dump(info, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+
+def _temp_name(name: str) -> str:
+    # Unpredictable, so that nobody can plant something there first; O_EXCL refuses it anyway.
+    return f"{name}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
+
+
+def write_private(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """Writes ``data`` to ``path`` atomically with ``mode``, never through a link, never leaving a temp file.
+
+    The bytes go to a new temporary name in the same directory, created with
+    ``O_CREAT | O_EXCL | O_NOFOLLOW`` (so nothing planted there is opened),
+    which then replaces ``path`` (``rename`` replaces a link, it never
+    follows it). On any failure (a full disk included) the temporary file is
+    removed and the error raised; ``path`` keeps its old content. A directory
+    every user may write to is refused (:func:`check_runtime_dir`).
+    """
+    path = Path(path)
+    directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        _refuse_open_dir(path.parent, os.fstat(directory))
+        tmp = _temp_name(path.name)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=directory)
+        try:
+            try:
+                os.fchmod(fd, mode)  # the umask may have narrowed it; never wider than asked
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+            finally:
+                os.close(fd)
+            os.replace(tmp, path.name, src_dir_fd=directory, dst_dir_fd=directory)
+        except BaseException:
+            try:
+                os.unlink(tmp, dir_fd=directory)
+            except OSError:
+                pass
+            raise
+    finally:
+        os.close(directory)
+
+
+def write(path: Path, info: dict) -> None:
+    """Writes the discovery record ``info`` to ``path`` (mode 0600, atomically: readers never see half a file).
+
+    The writer's PID namespace and boot id are recorded when ``info`` does
+    not carry them, so that a reader elsewhere can tell the file is not its own.
+    """
+    record = dict(info)
+    if "pid_ns" not in record:
+        record["pid_ns"] = pid_namespace()
+    if "boot_id" not in record:
+        record["boot_id"] = boot_id()
+    write_private(Path(path), (json.dumps(record, indent=1, sort_keys=True) + "\n").encode("utf-8"))
 
 
 def remove(path: Path) -> bool:
@@ -154,12 +338,242 @@ def remove(path: Path) -> bool:
         return False
 
 
+# ------------------------------------------------------------------ reading
+
+
+_FILE_TYPES = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISLNK, "a symbolic link"),
+)
+
+
+def _kind(mode: int) -> str:
+    for test, words in _FILE_TYPES:
+        if test(mode):
+            return words
+    return "not a regular file"
+
+
+def _check_regular(info: os.stat_result, owners: Optional[Iterable[int]]) -> None:
+    if stat.S_ISLNK(info.st_mode):
+        raise UnsafeFile("a symbolic link")
+    if not stat.S_ISREG(info.st_mode):
+        raise UnsafeFile(f"not a regular file ({_kind(info.st_mode)})")
+    if info.st_size > MAX_FILE_BYTES:
+        raise UnsafeFile(f"larger than {MAX_FILE_BYTES} bytes ({info.st_size})")
+    if owners is not None and info.st_uid not in owners:
+        raise UnsafeFile(f"owned by uid {info.st_uid}, not by you")
+
+
+def read_bounded(path, dir_fd: Optional[int] = None, owners: Optional[Iterable[int]] = None) -> Tuple[bytes, os.stat_result]:
+    """The bytes of a regular file of at most 64 KiB, and its ``fstat``; :class:`UnsafeFile` otherwise.
+
+    Nothing but a regular file is opened: ``lstat`` first, then ``open`` with
+    ``O_NOFOLLOW | O_NONBLOCK`` (a FIFO swapped in meanwhile cannot block) and
+    ``fstat`` on the descriptor. ``owners``: the uids the file may belong to.
+    """
+    owners = tuple(owners) if owners is not None else None
+    _check_regular(os.lstat(path, dir_fd=dir_fd), owners)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafeFile("a symbolic link") from None
+        raise
+    try:
+        info = os.fstat(fd)
+        _check_regular(info, owners)
+        chunks, size = [], 0
+        while size <= MAX_FILE_BYTES:
+            chunk = os.read(fd, MAX_FILE_BYTES + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > MAX_FILE_BYTES:
+            raise UnsafeFile(f"larger than {MAX_FILE_BYTES} bytes")
+        return b"".join(chunks), info
+    finally:
+        os.close(fd)
+
+
+def _show(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _type_name(value) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _string(info: dict, key: str, required: bool = False) -> Optional[str]:
+    value = info.get(key)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str):
+        raise BadDiscoveryFile(f"{key} must be a string{'' if required else ' or null'}, got {_type_name(value)} {_show(value)}")
+    if len(value) > 4096 or "\x00" in value:
+        raise BadDiscoveryFile(f"{key} is not a plausible value: {_show(value)}")
+    return value
+
+
+def _integer(info: dict, key: str, low: int, high: int, nullable: bool) -> Optional[int]:
+    value = info.get(key)
+    if value is None and nullable:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise BadDiscoveryFile(f"{key} must be an integer{' or null' if nullable else ''}, got {_type_name(value)} {_show(value)}")
+    if not low <= value <= high:
+        raise BadDiscoveryFile(f"{key} {value} is out of range ({low} to {high})")
+    return value
+
+
+def _endpoint(info: dict, key: str) -> str:
+    value = _string(info, key, required=True)
+    if value.startswith("ipc://"):
+        where = value[len("ipc://") :]
+        if where.startswith("/") and not _CONTROL.search(where):
+            return value
+    else:
+        match = _TCP.fullmatch(value)
+        if match and 1 <= int(match.group(2)) <= 65535:
+            return value
+    raise BadDiscoveryFile(
+        f"{key} {_show(value)} is not ipc://<absolute path>, tcp://127.0.0.1:<port> or tcp://[::1]:<port>"
+    )
+
+
+def validate(info, name_pid: Optional[int] = None) -> dict:
+    """``info`` if it is a discovery record gpucleanup could have written; :class:`BadDiscoveryFile` otherwise.
+
+    Types and ranges of every field this package reads are checked; fields
+    it does not know are ignored (a newer writer may add some).
+    """
+    if not isinstance(info, dict):
+        raise BadDiscoveryFile(f"not a JSON object but {_type_name(info)}")
+    if info.get("discovery") != DISCOVERY_VERSION or isinstance(info.get("discovery"), bool):
+        raise BadDiscoveryFile(f"discovery version {_show(info.get('discovery'))} is not {DISCOVERY_VERSION}")
+    pid = _integer(info, "pid", 1, PID_LIMIT - 1, nullable=False)
+    if name_pid is not None and pid != name_pid:
+        raise BadDiscoveryFile(f"pid {pid} does not match the file name's pid {name_pid}")
+    _integer(info, "proc_start_ticks", 0, (1 << 63) - 1, nullable=True)
+    _integer(info, "started_ns", 0, (1 << 63) - 1, nullable=True)
+    _integer(info, "protocol", 1, 1, nullable=True)
+    pid_ns = _string(info, "pid_ns")
+    if pid_ns is not None and not _PID_NS.fullmatch(pid_ns):
+        raise BadDiscoveryFile(f"pid_ns {_show(pid_ns)} is not pid:[<inode>]")
+    boot = _string(info, "boot_id")
+    if boot is not None and not _BOOT_ID.fullmatch(boot):
+        raise BadDiscoveryFile(f"boot_id {_show(boot)} is not a boot id")
+    for key in ("kernel_id", "connection_file", "notebook", "version"):
+        _string(info, key)
+    transport = _string(info, "transport", required=True)
+    if transport not in ("ipc", "tcp"):
+        raise BadDiscoveryFile(f"transport {_show(transport)} is not 'ipc' or 'tcp'")
+    _endpoint(info, "endpoint")
+    _endpoint(info, "pub_endpoint")
+    key_file = _string(info, "key_file")
+    if key_file is not None and not key_file.startswith("/"):
+        raise BadDiscoveryFile(f"key_file {_show(key_file)} is not an absolute path")
+    scheme = info.get("signature_scheme")
+    if scheme is not None and scheme != "hmac-sha256":
+        raise BadDiscoveryFile(f"signature_scheme {_show(scheme)} is not 'hmac-sha256'")
+    return info
+
+
+def read(path: Path) -> Optional[dict]:
+    """The validated record in ``path``, or None if it is not a discovery file gpucleanup could have written."""
+    path = Path(path)
+    match = _NAME.fullmatch(path.name)
+    try:
+        data, _info = read_bounded(path)
+        return validate(json.loads(data.decode("utf-8")), int(match.group(1)) if match else None)
+    except (OSError, ValueError):
+        return None
+
+
+# ------------------------------------------------------------------ liveness
+
+
+def _pid_state(pid: int, recorded_ticks: Optional[int]) -> Tuple[str, str]:
+    """Whether ``pid`` in this PID namespace is (still) the process that recorded ``recorded_ticks``."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return STALE, "its process is gone"
+    except PermissionError:
+        pass  # someone else's process holds the pid now; the start time decides
+    except (OSError, OverflowError, ValueError) as exc:
+        return ELSEWHERE, f"process {pid} cannot be checked here ({exc})"
+    fields = _stat_fields(pid)
+    if not fields:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return STALE, "its process is gone"
+        except OSError:
+            pass
+        return ELSEWHERE, f"process {pid} cannot be inspected here (/proc/{pid}/stat unreadable)"
+    if fields[0] in ("Z", "X"):
+        return STALE, "its process has exited (a zombie)"
+    if recorded_ticks is None:
+        return LIVE, "running (no start time recorded)"
+    try:
+        now = int(fields[19])
+    except (IndexError, ValueError):
+        return ELSEWHERE, f"process {pid} cannot be inspected here (/proc/{pid}/stat unreadable)"
+    if now != recorded_ticks:
+        return STALE, f"pid {pid} now belongs to another process (started at tick {now}, not {recorded_ticks})"
+    return LIVE, "running"
+
+
+def classify(info: dict, own_pid_ns: Optional[str] = None, own_boot_id: Optional[str] = None) -> Tuple[str, str]:
+    """``(LIVE | STALE | ELSEWHERE, why)`` for a validated record.
+
+    The boot id and PID namespace recorded at write time are compared with
+    this process's where both are known: another boot id proves the writer
+    gone (the boot id is the running Linux kernel's, shared by every
+    container and namespace on the host); another PID namespace makes the
+    pid meaningless here, so nothing is proven. Otherwise the pid must be
+    alive, not a zombie, and started at the recorded clock tick.
+    """
+    own_boot_id = own_boot_id if own_boot_id is not None else boot_id()
+    theirs = info.get("boot_id")
+    if isinstance(theirs, str) and own_boot_id and theirs != own_boot_id:
+        return STALE, f"written during another boot (boot id {theirs})"
+    own_pid_ns = own_pid_ns if own_pid_ns is not None else pid_namespace()
+    theirs = info.get("pid_ns")
+    if isinstance(theirs, str) and own_pid_ns and theirs != own_pid_ns:
+        return ELSEWHERE, f"another PID namespace, {theirs}"
+    pid = info.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < PID_LIMIT:
+        return STALE, "no valid pid"
+    ticks = info.get("proc_start_ticks")
+    return _pid_state(pid, ticks if isinstance(ticks, int) and not isinstance(ticks, bool) else None)
+
+
+def is_alive(info: dict) -> bool:
+    """Whether the process that wrote ``info`` still runs here (same pid, same start time, this namespace)."""
+    try:
+        return classify(info)[0] == LIVE
+    except Exception:
+        return False
+
+
+# ------------------------------------------------------------------ scanning
+
+
 @dataclass
 class Kernel:
-    """One discovery file and what it says."""
+    """One discovery file and what it says (validated); ``elsewhere`` says why it is not reachable from here."""
 
     path: Path
     info: dict
+    elsewhere: Optional[str] = None
 
     @property
     def pid(self) -> int:
@@ -183,7 +597,8 @@ class Kernel:
 
     @property
     def key_file(self) -> Optional[str]:
-        return self.info.get("key_file")
+        value = self.info.get("key_file")
+        return value if isinstance(value, str) else None
 
     @property
     def label(self) -> str:
@@ -191,103 +606,155 @@ class Kernel:
         return self.notebook or self.kernel_id or str(self.pid)
 
     def alive(self) -> bool:
-        return is_alive(self.info)
+        return self.elsewhere is None and is_alive(self.info)
 
     def read_key(self) -> Optional[bytes]:
-        """The HMAC key as bytes, None without a key file; OSError if unreadable."""
+        """The HMAC key as bytes, None without a key file; OSError if unreadable, :class:`UnsafeFile` if not a
+        regular file of at most 64 KiB owned by you (or by the runtime directory's owner)."""
         if not self.key_file:
             return None
-        with open(self.key_file, "rb") as f:
-            return f.read().strip()
+        owners = {os.geteuid()}
+        try:
+            owners.add(os.stat(self.path.parent).st_uid)
+        except OSError:
+            pass
+        data, _info = read_bounded(self.key_file, owners=owners)
+        return data.strip()
 
 
-def is_alive(info: dict) -> bool:
-    """Whether the process that wrote ``info`` still runs (same pid, same start time)."""
-    try:
-        pid = int(info["pid"])
-    except (KeyError, TypeError, ValueError):
-        return False
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # someone else's process holds the pid now; the start time decides
-    fields = _stat_fields(pid)
-    if fields and fields[0] in ("Z", "X"):
-        return False  # a killed kernel its parent has not reaped yet
-    recorded = info.get("proc_start_ticks")
-    if recorded is None:
-        return True
-    return process_start_ticks(pid) == recorded
+class Skipped(NamedTuple):
+    path: Path
+    why: str
 
 
-def read(path: Path) -> Optional[dict]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            info = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return info if isinstance(info, dict) else None
+class ScanResult(NamedTuple):
+    """What :func:`scan` found; ``scan()[0]`` is the live kernels, as it always was."""
+
+    live: List[Kernel]
+    stale: List[Path]
+    elsewhere: List[Kernel]
+    skipped: List[Skipped]
 
 
-def _files(directory: Path) -> Iterable[Path]:
-    try:
-        entries = list(directory.iterdir())
-    except OSError:
-        return []
-    return sorted((p for p in entries if _NAME.match(p.name)), key=lambda p: int(_NAME.match(p.name).group(1)))
+@dataclass
+class _Candidate:
+    path: Path
+    name: str
+    pid: int
+    stat: Optional[os.stat_result] = None
+    info: Optional[dict] = None
+    extra: list = field(default_factory=list)
 
 
-def scan(directory: Optional[Path] = None, clean: bool = True) -> Tuple[List[Kernel], List[Path]]:
-    """Kernels whose discovery files name a live process, and the files of dead ones.
+def _listing(fd: int) -> List[Tuple[int, str]]:
+    names = []
+    with os.scandir(fd) as entries:
+        for entry in entries:
+            match = _NAME.fullmatch(entry.name)
+            if match:
+                names.append((int(match.group(1)), entry.name))
+    return sorted(names)
 
-    With ``clean``, the files of dead processes are removed (they are still
-    returned in the second list, so a caller can say so).
+
+def scan(directory: Optional[Path] = None, clean: bool = True) -> ScanResult:
+    """Every discovery file in ``directory``: live kernels, stale files, kernels elsewhere, skipped files.
+
+    With ``clean``, the stale files (provably those of exited processes) are
+    removed, with the key and socket files the naming scheme derives from
+    the pid in the file's name (:func:`scheme_files`); they are still
+    returned, so a caller can say so. Nothing else is ever removed.
     """
-    directory = directory or runtime_dir()
-    live: List[Kernel] = []
-    dead: List[Path] = []
-    leftovers: List[dict] = []
-    for path in _files(directory):
-        info = read(path)
-        if info is None:
-            # Half-written files never exist (os.replace); unreadable JSON is junk
-            # only once its pid is gone.
-            match = _NAME.match(path.name)
-            if match and is_alive({"pid": int(match.group(1))}):
+    directory = Path(directory) if directory is not None else runtime_dir()
+    result = ScanResult([], [], [], [])
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return result
+    try:
+        try:
+            owners = {os.geteuid(), os.fstat(fd).st_uid}
+            names = _listing(fd)
+        except OSError:
+            return result
+        own_ns, own_boot = pid_namespace(), boot_id()
+        stale: List[Tuple[int, str, os.stat_result]] = []
+        for name_pid, name in names:
+            path = directory / name
+            if not 0 < name_pid < PID_LIMIT:
+                result.skipped.append(Skipped(path, f"pid {name_pid} in the file name is out of range (1 to {PID_LIMIT - 1})"))
                 continue
-            dead.append(path)
-        elif is_alive(info):
-            live.append(Kernel(path, info))
-        else:
-            dead.append(path)
-            leftovers.append(info)
-    if clean:
-        for path in dead:
             try:
-                remove(path)
+                data, info_stat = read_bounded(name, dir_fd=fd, owners=owners)
+            except FileNotFoundError:
+                continue  # removed meanwhile: its kernel exited
+            except UnsafeFile as exc:
+                result.skipped.append(Skipped(path, exc.strerror))
+                continue
+            except OSError as exc:
+                result.skipped.append(Skipped(path, f"cannot be read ({exc.strerror or exc})"))
+                continue
+            try:
+                try:
+                    text = data.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise BadDiscoveryFile("not UTF-8") from None
+                try:
+                    record = json.loads(text)
+                except ValueError as exc:
+                    raise BadDiscoveryFile(f"not JSON ({exc})") from None
+                info = validate(record, name_pid)
+            except (BadDiscoveryFile, RecursionError) as exc:
+                result.skipped.append(Skipped(path, str(exc) or type(exc).__name__))
+                continue
+            state, why = classify(info, own_ns or "", own_boot or "")
+            if state == LIVE:
+                result.live.append(Kernel(path, info))
+            elif state == ELSEWHERE:
+                result.elsewhere.append(Kernel(path, info, elsewhere=why))
+            else:
+                result.stale.append(path)
+                stale.append((name_pid, name, info_stat))
+        if clean:
+            for name_pid, name, info_stat in stale:
+                _remove_stale(fd, directory, name_pid, name, info_stat, owners)
+    finally:
+        os.close(fd)
+    return result
+
+
+def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _remove_stale(fd: int, directory: Path, pid: int, name: str, read_stat: os.stat_result, owners) -> None:
+    """Removes the stale discovery file ``name`` and the key and sockets named from ``pid``.
+
+    The discovery file goes only if it is still the file that was judged
+    (a kernel that took the pid meanwhile writes a new file). A key or socket
+    goes only if it is the right type and not newer than that discovery file
+    (a kernel starting with the same pid writes its key before its discovery file).
+    """
+    try:
+        now = os.lstat(name, dir_fd=fd)
+        if not _same_file(now, read_stat):
+            return
+        os.unlink(name, dir_fd=fd)
+    except OSError:
+        return
+    try:
+        key_dir = os.open(KEY_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+    except OSError:
+        return  # none, or a link: nothing of ours to remove there
+    try:
+        if os.fstat(key_dir).st_uid not in owners:
+            return
+        for leftover, kind in scheme_files(pid):
+            try:
+                info = os.lstat(leftover, dir_fd=key_dir)
+                if stat.S_IFMT(info.st_mode) != kind or info.st_mtime_ns > read_stat.st_mtime_ns:
+                    continue
+                os.unlink(leftover, dir_fd=key_dir)
             except OSError:
                 pass
-        for info in leftovers:
-            _remove_leftovers(info)
-    return live, dead
-
-
-_LEFTOVER = re.compile(r"^\d+\.(key|sock|sock\.pub)$")
-
-
-def _remove_leftovers(info: dict) -> None:
-    # A killed kernel leaves its key file and ipc sockets too. Only names this
-    # package makes are removed, so a stray file can never point elsewhere.
-    paths = [info.get("key_file") or ""]
-    paths += [v[len("ipc://") :] for v in (info.get("endpoint") or "", info.get("pub_endpoint") or "") if v.startswith("ipc://")]
-    for value in paths:
-        path = Path(value)
-        if value and _LEFTOVER.match(path.name) and path.parent.name.startswith("gpucleanup"):
-            try:
-                path.unlink()
-            except OSError:
-                pass
+    finally:
+        os.close(key_dir)

@@ -412,7 +412,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             return
         try:
             try:
-                endpoint = factory(history_limit=self.history_size)
+                endpoint = factory(history_limit=self.history_size, max_peers=self.status_max_peers)
             except TypeError:
                 endpoint = factory()  # a factory that takes no options
             endpoint.start(self.shell)
@@ -447,12 +447,12 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         except Exception as exc:
             self._warn_once_now(f"status:{method}", f"status endpoint failed ({type(exc).__name__}: {exc})")
 
-    @observe("history_size")
+    @observe("history_size", "status_max_peers")
     def _resize_history(self, change) -> None:
-        if hasattr(self, "history"):
+        if change["name"] == "history_size" and hasattr(self, "history"):
             self.history.resize(change["new"])
-        # The native server's history bound is fixed when it starts: restart it so that
-        # the status endpoint keeps as many records as %gpumem --history.
+        # The native server's history bound and peer cap are fixed when it starts: restart
+        # it so that the status endpoint keeps as many records as %gpumem --history.
         if getattr(self, "_endpoint", None) is not None:
             self._close_status_endpoint()
             self._start_status_endpoint()

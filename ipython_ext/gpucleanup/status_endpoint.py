@@ -13,7 +13,7 @@ and the endpoint stays off, because cleanup never depends on it.
 
 Layout (all private to the user)::
 
-    <runtime dir>/gpucleanup-<pid>.json   discovery file, 0600 (jupyter_core secure_write)
+    <runtime dir>/gpucleanup-<pid>.json   discovery file, 0600 (discovery.write: O_EXCL temp, rename)
     <runtime dir>/gpucleanup/             0700
         <pid>.key                         HMAC-SHA256 key, 0600
         <pid>.sock, <pid>.sock.pub        ipc sockets (default transport)
@@ -58,10 +58,15 @@ class StatusEndpoint:
         transport: Optional[str] = None,
         history_limit: int = 50,
         runtime_dir: Optional[os.PathLike] = None,
+        max_peers: int = 64,
+        peer_idle_timeout_s: float = 10.0,
         native: Any = None,
     ):
         self.transport = (transport or os.environ.get("GPUCLEANUP_STATUS_TRANSPORT") or "ipc").lower()
         self.history_limit = history_limit
+        self.max_peers = max_peers
+        self.peer_idle_timeout_s = peer_idle_timeout_s
+        self._refusals_logged = False
         self._runtime_dir = Path(runtime_dir) if runtime_dir is not None else None
         self._native = native
         self._shell = None
@@ -105,6 +110,7 @@ class StatusEndpoint:
                 self._lib().server_set_state(state)
             except TypeError:
                 self._lib().server_set_state(_jsonable(state))
+            self._log_refusals()
         except Exception as exc:
             self._note(exc)
 
@@ -143,6 +149,26 @@ class StatusEndpoint:
             self._native = _native
         return self._native
 
+    def _log_refusals(self) -> None:
+        # Once per endpoint: connections refused beyond max_peers (a flood of the port).
+        if self._refusals_logged:
+            return
+        read = getattr(self._lib(), "server_connections", None)
+        if read is None:
+            return
+        connections = read()
+        refused = connections.get("refused_connections") if isinstance(connections, dict) else None
+        if isinstance(refused, int) and refused > 0:
+            self._refusals_logged = True
+            log.warning(
+                "gpucleanup status endpoint refused %d connection(s) beyond its limit of %s per socket on %s: "
+                "another process on this machine may be flooding it; the kernel is not affected "
+                "(share/protocol.md, Limits)",
+                refused,
+                connections.get("max_peers"),
+                (self.info or {}).get("endpoint"),
+            )
+
     def _note(self, exc: BaseException) -> None:
         self.error = f"{type(exc).__name__}: {exc}"
         log.debug("gpucleanup status endpoint: %s", self.error)
@@ -153,15 +179,12 @@ class StatusEndpoint:
         self._shell = shell
         self._pid = pid = os.getpid()
         runtime = self._runtime_dir or discovery.runtime_dir()
-        runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
+        discovery.prepare_runtime_dir(runtime)  # refuses a directory every user may write to
         private = discovery.ensure_private_dir(runtime / "gpucleanup")
-
-        from jupyter_core.paths import secure_write
 
         key = secrets.token_hex(32)
         self._key_file = private / f"{pid}.key"
-        with secure_write(str(self._key_file)) as f:
-            f.write(key)
+        discovery.write_private(self._key_file, key.encode("ascii"))
 
         if self.transport == "tcp":
             endpoint = "tcp://127.0.0.1:0"
@@ -186,7 +209,14 @@ class StatusEndpoint:
             "executable": sys.executable,
         }
         bound = self._lib().server_start(
-            {"endpoint": endpoint, "key": key, "kernel": kernel, "history_limit": int(self.history_limit)}
+            {
+                "endpoint": endpoint,
+                "key": key,
+                "kernel": kernel,
+                "history_limit": int(self.history_limit),
+                "max_peers": int(self.max_peers),
+                "peer_idle_timeout_s": float(self.peer_idle_timeout_s),
+            }
         )
         self._running = True
         try:

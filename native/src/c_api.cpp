@@ -322,6 +322,19 @@ gpucleanup_status gpucleanup_server_stop(void) {
   return guarded([] { stop_server(); });
 }
 
+gpucleanup_status gpucleanup_server_connections(char** json_out) {
+  return guarded([&] {
+    require_out(json_out);
+    ApiState& state = api_state().get();
+    std::lock_guard lock(state.server_mutex);
+    if (!state.server) {
+      fail(GPUCLEANUP_ERR_SERVER,
+           "[gpucleanup.api.107] the status server is not running: call gpucleanup_server_start first");
+    }
+    hand_out(state.server->connections(), json_out);
+  });
+}
+
 gpucleanup_status gpucleanup_server_set_state(const char* state_json) {
   return guarded([&] {
     nlohmann::json value = parse_object(state_json, "state_json");

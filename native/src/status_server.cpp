@@ -1,9 +1,16 @@
 #include "status_server.hpp"
 
+#include <arpa/inet.h>
+#include <dirent.h>
+#include <netinet/in.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -11,6 +18,8 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <iterator>
 #include <mutex>
@@ -18,6 +27,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -134,6 +144,271 @@ void restrict_ipc_socket(const std::string& bound) {
   if (scheme_of(bound) == "ipc") chmod(bound.substr(6).c_str(), 0600);
 }
 
+steady::duration to_duration(double seconds) {
+  return std::chrono::duration_cast<steady::duration>(std::chrono::duration<double>(std::min(seconds, 1e6)));
+}
+
+int milliseconds_option(double value_s) {
+  return static_cast<int>(std::min(value_s * 1000.0, 3600.0 * 1000.0));
+}
+
+// Peers per socket: config.max_peers, and never more than an eighth of the
+// descriptors the process may open, so that the two sockets together hold at
+// most a quarter of them (read at every accept: the process may change it).
+std::size_t peer_cap(std::size_t max_peers) {
+  std::size_t cap = max_peers;
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NOFILE, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY) {
+    cap = std::min<std::size_t>(cap, static_cast<std::size_t>(limit.rlim_cur / 8));
+  }
+  return std::max<std::size_t>(cap, 1);
+}
+
+// The connections accepted by one listening socket (tcp or ipc), followed
+// through a libzmq socket monitor: ZMQ_EVENT_ACCEPTED carries the new
+// connection's descriptor, ZMQ_EVENT_DISCONNECTED its end. libzmq keeps a
+// connected peer that sends nothing for ever and has no call to drop one peer
+// of a bound socket; shutdown(2) on the descriptor makes libzmq's engine read
+// end-of-file and close the connection its usual way (and report it
+// disconnected). A descriptor is only ever shut down after checking that it is
+// still the socket seen at accept (same inode) and a connection accepted on
+// this listener (same local address), so a number the process reused
+// meanwhile is never touched.
+class PeerGuard {
+ public:
+  // Events waiting beyond this are dropped by libzmq (a memory bound under a
+  // flood); rescan() finds what a lost event would have said.
+  static constexpr int kMonitorQueue = 4096;
+  static constexpr std::size_t kRescanAfterEvents = 1000;
+
+  struct Limits {
+    std::size_t cap = 1;
+    steady::duration grace{};
+    steady::duration idle_timeout{};  // zero: never
+    int busy_fd = -1;                 // a peer waiting for an answer (drain)
+  };
+
+  explicit PeerGuard(bool requests) : requests_(requests) {}
+
+  // Before bind, so that no connection is missed.
+  void attach(zmq::context_t& context, zmq::socket_t& socket, const std::string& name) {
+    if (zmq_socket_monitor(socket.handle(), name.c_str(), ZMQ_EVENT_ACCEPTED | ZMQ_EVENT_DISCONNECTED) != 0) {
+      throw zmq::error_t();
+    }
+    monitor_ = zmq::socket_t(context, zmq::socket_type::pair);
+    monitor_.set(zmq::sockopt::linger, 0);
+    monitor_.set(zmq::sockopt::rcvhwm, kMonitorQueue);
+    monitor_.connect(name);
+  }
+
+  // After bind: the listener's address, as accepted connections report it locally.
+  void listen(const std::string& bound) {
+    const std::string scheme = scheme_of(bound);
+    if (scheme == "ipc") {
+      path_ = bound.substr(6);
+      family_ = AF_UNIX;
+    } else if (scheme == "tcp") {
+      std::string host = tcp_host(bound);
+      port_ = static_cast<std::uint16_t>(std::strtoul(bound.substr(bound.rfind(':') + 1).c_str(), nullptr, 10));
+      if (!host.empty() && host.front() == '[') {
+        family_ = AF_INET6;
+        host = host.substr(1, host.size() - 2);
+        if (inet_pton(AF_INET6, host.c_str(), &addr6_) != 1) family_ = AF_UNSPEC;
+      } else {
+        family_ = AF_INET;
+        if (inet_pton(AF_INET, host.c_str(), &addr4_) != 1) family_ = AF_UNSPEC;
+      }
+    }
+  }
+
+  bool active() const { return monitor_.handle() != nullptr && family_ != AF_UNSPEC; }
+  void* monitor_handle() { return monitor_.handle(); }
+  bool tracking() const { return !peers_.empty() || events_since_scan_ >= kRescanAfterEvents; }
+  std::size_t live() const { return live_.load(); }
+
+  // Reads the monitor's events; returns how many connections were refused.
+  std::uint64_t read_events(steady::time_point now, const Limits& limits) {
+    std::uint64_t refused = 0;
+    for (int i = 0; i < kMonitorQueue; ++i) {
+      std::vector<zmq::message_t> frames;
+      if (!zmq::recv_multipart(monitor_, std::back_inserter(frames), zmq::recv_flags::dontwait)) break;
+      ++events_since_scan_;
+      if (frames.empty() || frames[0].size() < 6) continue;
+      std::uint16_t event = 0;
+      std::int32_t fd = -1;
+      std::memcpy(&event, frames[0].data(), sizeof event);
+      std::memcpy(&fd, static_cast<const char*>(frames[0].data()) + 2, sizeof fd);
+      if (event == ZMQ_EVENT_ACCEPTED) {
+        refused += admit(fd, now, limits);
+      } else if (event == ZMQ_EVENT_DISCONNECTED) {
+        forget(fd);
+      }
+    }
+    return refused;
+  }
+
+  // An authenticated request came from this descriptor.
+  void touch(int fd, steady::time_point now) {
+    const auto it = peers_.find(fd);
+    if (it != peers_.end() && !it->second.closing) it->second.active = now;
+  }
+
+  // Drops request peers idle past the timeout, forgets connections whose end
+  // was not reported, and after a burst of events (some may have been lost)
+  // looks for connections it has not seen. Returns how many were dropped idle.
+  std::uint64_t tick(steady::time_point now, const Limits& limits, std::uint64_t& refused) {
+    std::uint64_t dropped = 0;
+    for (auto it = peers_.begin(); it != peers_.end();) {
+      Peer& peer = it->second;
+      if (!same_socket(it->first, peer.inode)) {
+        if (!peer.closing) --live_;
+        it = peers_.erase(it);
+        continue;
+      }
+      if (!peer.closing && requests_ && limits.idle_timeout > steady::duration::zero() && it->first != limits.busy_fd &&
+          now - peer.active >= limits.idle_timeout) {
+        close_peer(it->first, peer);
+        ++dropped;
+      } else if (peer.closing && now - peer.closing_since >= std::chrono::seconds(1)) {
+        (void)shutdown(it->first, SHUT_RDWR);  // still open: say it again
+        peer.closing_since = now;
+      }
+      ++it;
+    }
+    if (events_since_scan_ >= kRescanAfterEvents) refused += rescan(now, limits);
+    return dropped;
+  }
+
+  void close() noexcept {
+    monitor_.close();
+    peers_.clear();
+    live_ = 0;
+    events_since_scan_ = 0;
+    family_ = AF_UNSPEC;
+  }
+
+ private:
+  struct Peer {
+    ino_t inode = 0;
+    steady::time_point active{};  // accepted, or the last authenticated request
+    bool closing = false;         // shut down here; libzmq closes it
+    steady::time_point closing_since{};
+  };
+
+  static bool same_socket(int fd, ino_t inode) {
+    struct stat info {};
+    return fstat(fd, &info) == 0 && S_ISSOCK(info.st_mode) && info.st_ino == inode;
+  }
+
+  // A connected socket accepted on this listener: its inode, else 0.
+  ino_t accepted_here(int fd) const {
+    struct stat info {};
+    if (fd < 0 || fstat(fd, &info) != 0 || !S_ISSOCK(info.st_mode)) return 0;
+    int listening = 0;
+    socklen_t size = sizeof listening;
+    if (getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &size) != 0 || listening != 0) return 0;
+    sockaddr_storage local{};
+    socklen_t length = sizeof local;
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) != 0 || local.ss_family != family_) return 0;
+    bool same = false;
+    if (family_ == AF_INET) {
+      const auto& in = reinterpret_cast<const sockaddr_in&>(local);
+      same = ntohs(in.sin_port) == port_ && std::memcmp(&in.sin_addr, &addr4_, sizeof addr4_) == 0;
+    } else if (family_ == AF_INET6) {
+      const auto& in6 = reinterpret_cast<const sockaddr_in6&>(local);
+      same = ntohs(in6.sin6_port) == port_ && std::memcmp(&in6.sin6_addr, &addr6_, sizeof addr6_) == 0;
+    } else if (family_ == AF_UNIX) {
+      const auto& un = reinterpret_cast<const sockaddr_un&>(local);
+      const std::size_t offset = offsetof(sockaddr_un, sun_path);
+      const std::size_t size_of_path = length > offset ? length - offset : 0;
+      same = std::string(un.sun_path, strnlen(un.sun_path, size_of_path)) == path_;
+    }
+    return same ? info.st_ino : 0;
+  }
+
+  void close_peer(int fd, Peer& peer) {
+    (void)shutdown(fd, SHUT_RDWR);
+    if (!peer.closing) --live_;
+    peer.closing = true;
+    peer.closing_since = std::chrono::steady_clock::now();
+  }
+
+  // A new connection: kept while under the cap; at the cap a request socket
+  // drops its peer idle longest (idle for the grace at least) to make room,
+  // and otherwise the newcomer is refused. Returns 1 if one was refused.
+  std::uint64_t admit(int fd, steady::time_point now, const Limits& limits) {
+    const ino_t inode = accepted_here(fd);
+    if (inode == 0) return 0;  // already gone; its end is reported next
+    if (const auto it = peers_.find(fd); it != peers_.end()) {
+      if (it->second.inode == inode) return 0;  // seen by rescan()
+      forget(fd);                               // its end was lost
+    }
+    Peer peer{inode, now, false, {}};
+    std::uint64_t refused = 0;
+    if (live_ >= limits.cap) {
+      refused = 1;
+      auto victim = peers_.end();
+      if (requests_) {
+        for (auto it = peers_.begin(); it != peers_.end(); ++it) {
+          if (it->second.closing || it->first == limits.busy_fd || now - it->second.active < limits.grace) continue;
+          if (victim == peers_.end() || it->second.active < victim->second.active) victim = it;
+        }
+      }
+      if (victim != peers_.end()) {
+        if (same_socket(victim->first, victim->second.inode)) {
+          close_peer(victim->first, victim->second);
+        } else {
+          forget(victim->first);  // gone unannounced: its slot is free
+        }
+      } else {
+        (void)shutdown(fd, SHUT_RDWR);
+        peer.closing = true;
+        peer.closing_since = now;
+      }
+    }
+    if (!peer.closing) ++live_;
+    peers_[fd] = peer;
+    return refused;
+  }
+
+  void forget(int fd) {
+    const auto it = peers_.find(fd);
+    if (it == peers_.end()) return;
+    if (!it->second.closing) --live_;
+    peers_.erase(it);
+  }
+
+  // The connections of this listener that no event announced.
+  std::uint64_t rescan(steady::time_point now, const Limits& limits) {
+    events_since_scan_ = 0;
+    std::uint64_t refused = 0;
+    DIR* dir = opendir("/proc/self/fd");
+    if (dir == nullptr) return 0;
+    std::vector<int> fds;
+    while (const dirent* entry = readdir(dir)) {
+      char* end = nullptr;
+      const long fd = std::strtol(entry->d_name, &end, 10);
+      if (end != entry->d_name && *end == '\0' && fd != dirfd(dir)) fds.push_back(static_cast<int>(fd));
+    }
+    closedir(dir);
+    for (const int fd : fds) {
+      if (peers_.count(fd) == 0) refused += admit(fd, now, limits);
+    }
+    return refused;
+  }
+
+  bool requests_;
+  zmq::socket_t monitor_;
+  int family_ = AF_UNSPEC;
+  std::uint16_t port_ = 0;
+  in_addr addr4_{};
+  in6_addr addr6_{};
+  std::string path_;
+  std::unordered_map<int, Peer> peers_;
+  std::atomic<std::size_t> live_{0};
+  std::size_t events_since_scan_ = 0;
+};
+
 }  // namespace
 
 ServerConfig server_config_from_json(const json& config) {
@@ -165,6 +440,12 @@ ServerConfig server_config_from_json(const json& config) {
   field("snapshot_timeout_s", out.snapshot_timeout_s, is_seconds, "a number of seconds >= 0");
   field("drain_timeout_s", out.drain_timeout_s, is_seconds, "a number of seconds >= 0");
   field("max_drain_timeout_s", out.max_drain_timeout_s, is_seconds, "a number of seconds >= 0");
+  field("max_peers", out.max_peers, [](const json& v) { return v.is_number_integer() && v.get<std::int64_t>() >= 1; },
+        "an integer >= 1");
+  field("peer_idle_timeout_s", out.peer_idle_timeout_s, is_seconds, "a number of seconds >= 0");
+  field("peer_grace_s", out.peer_grace_s, is_seconds, "a number of seconds >= 0");
+  field("handshake_timeout_s", out.handshake_timeout_s, is_seconds, "a number of seconds >= 0");
+  field("heartbeat_interval_s", out.heartbeat_interval_s, is_seconds, "a number of seconds >= 0");
   if (const auto it = config.find("kernel"); it != config.end() && !it->is_null()) out.kernel = *it;
   if (out.endpoint.empty()) {
     GPUCLEANUP_FAIL("gpucleanup.server.506", "server config needs \"endpoint\": ipc:///dir/socket or tcp://127.0.0.1:0");
@@ -177,6 +458,7 @@ struct StatusServer::Impl {
     std::vector<std::string> envelope;
     json id;
     double timeout_s = 0;
+    int fd = -1;  // kept connected until answered
   };
 
   Impl(ServerConfig c, ServerHooks h)
@@ -200,6 +482,12 @@ struct StatusServer::Impl {
   zmq::socket_t router;
   zmq::socket_t pub;
   zmq::socket_t wake_rx;
+  // The ZAP handler (RFC 27) of the server's own context: every ZMTP handshake
+  // waits for its answer, which the server thread gives only after it has read
+  // the monitors. A connection refused at accept is shut down before its
+  // handshake can finish, so its client keeps the request and sends it again
+  // on the next connection instead of losing it.
+  zmq::socket_t zap;
   std::mutex wake_mutex;
   zmq::socket_t wake_tx;
   bool wake_open = false;
@@ -239,6 +527,89 @@ struct StatusServer::Impl {
   std::int64_t started_ns = 0;
   std::uint64_t requests = 0;
   std::uint64_t errors = 0;
+  int request_fd = -1;             // the descriptor the request in hand came from
+  bool request_authenticated = false;
+  PeerGuard router_peers{true};
+  PeerGuard pub_peers{false};
+  steady::time_point next_tick{};
+
+  // Read from any thread (connections()).
+  std::atomic<std::uint64_t> refused_connections{0};
+  std::atomic<std::uint64_t> dropped_idle{0};
+
+  json connections_view() const {
+    return json{{"max_peers", peer_cap(config.max_peers)},
+                {"peers", router_peers.live()},
+                {"pub_peers", pub_peers.live()},
+                {"refused_connections", refused_connections.load()},
+                {"dropped_idle", dropped_idle.load()},
+                {"peer_idle_timeout_s", config.peer_idle_timeout_s}};
+  }
+
+  PeerGuard::Limits peer_limits() const {
+    PeerGuard::Limits limits;
+    limits.cap = peer_cap(config.max_peers);
+    limits.grace = to_duration(config.peer_grace_s);
+    limits.idle_timeout = to_duration(config.peer_idle_timeout_s);
+    limits.busy_fd = pending_drain ? pending_drain->fd : -1;
+    return limits;
+  }
+
+  // The monitors' news, then (every 250 ms while there are peers) the idle.
+  void guard_connections() {
+    const auto now = steady::now();
+    const PeerGuard::Limits limits = peer_limits();
+    std::uint64_t refused = 0;
+    std::uint64_t dropped = 0;
+    for (PeerGuard* guard : {&router_peers, &pub_peers}) {
+      if (guard->active()) refused += guard->read_events(now, limits);
+    }
+    if (now >= next_tick) {
+      next_tick = now + std::chrono::milliseconds(250);
+      for (PeerGuard* guard : {&router_peers, &pub_peers}) {
+        if (guard->active()) dropped += guard->tick(now, limits, refused);
+      }
+    }
+    if (refused != 0) refused_connections += refused;
+    if (dropped != 0) dropped_idle += dropped;
+  }
+
+  std::vector<std::vector<zmq::message_t>> read_zap_requests() {
+    std::vector<std::vector<zmq::message_t>> requests;
+    if (zap.handle() == nullptr) return requests;
+    // Bounded like the monitor: what is left waits for the next round.
+    for (int i = 0; i < PeerGuard::kMonitorQueue; ++i) {
+      std::vector<zmq::message_t> frames;
+      if (!zmq::recv_multipart(zap, std::back_inserter(frames), zmq::recv_flags::dontwait)) break;
+      requests.push_back(std::move(frames));
+    }
+    return requests;
+  }
+
+  // [routing id, "", "1.0", request id, domain, address, identity, mechanism,
+  // credentials...] -> [routing id, "", "1.0", request id, "200", "OK", user
+  // id, metadata]. Every handshake is let through: the connections refused
+  // were shut down before this answer, and their handshake fails on that.
+  void answer_zap_requests(std::vector<std::vector<zmq::message_t>>& requests) {
+    for (auto& frames : requests) {
+      if (frames.size() < 4 || frames[1].size() != 0) continue;
+      std::array<zmq::const_buffer, 8> reply{zmq::const_buffer(frames[0].data(), frames[0].size()),
+                                             zmq::const_buffer("", 0),
+                                             zmq::buffer(std::string_view("1.0")),
+                                             zmq::const_buffer(frames[3].data(), frames[3].size()),
+                                             zmq::buffer(std::string_view("200")),
+                                             zmq::buffer(std::string_view("OK")),
+                                             zmq::const_buffer("", 0),
+                                             zmq::const_buffer("", 0)};
+      (void)zmq::send_multipart(zap, reply, zmq::send_flags::dontwait);
+    }
+  }
+
+  std::chrono::milliseconds poll_timeout() const {
+    if (!router_peers.tracking() && !pub_peers.tracking()) return std::chrono::milliseconds(-1);
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(next_tick - steady::now());
+    return std::clamp(left + std::chrono::milliseconds(1), std::chrono::milliseconds(1), std::chrono::milliseconds(250));
+  }
 
   void wake() noexcept {
     std::lock_guard<std::mutex> lock(wake_mutex);
@@ -347,6 +718,7 @@ struct StatusServer::Impl {
                          {"drain_running", draining},
                          {"request_signed", is_signed}};
     }
+    reply["connections"] = connections_view();
     add_snapshot(reply);
     return reply;
   }
@@ -396,7 +768,7 @@ struct StatusServer::Impl {
     if (drain_running) reject("412", "drain refused: another drain is still running; ask again when it has answered");
     drain_running = true;
     drain_job = timeout_s;
-    pending_drain = PendingDrain{envelope, id, timeout_s};
+    pending_drain = PendingDrain{envelope, id, timeout_s, request_fd};
     job_cv.notify_all();
   }
 
@@ -412,6 +784,7 @@ struct StatusServer::Impl {
     if (!pending_drain) return;
     const PendingDrain pending = std::move(*pending_drain);
     pending_drain.reset();
+    router_peers.touch(pending.fd, steady::now());
     if (result->contains("error")) {
       send_error(pending.envelope, pending.id,
                  Rejection{"gpucleanup.server.417", "drain failed: " + (*result)["error"].get<std::string>()});
@@ -476,6 +849,8 @@ struct StatusServer::Impl {
         reject("401", "request is not signed: this endpoint needs every request signed with HMAC-SHA256 under the "
                       "key from the kernel's key file");
       }
+      // Keeps the peer's connection from being dropped as idle.
+      request_authenticated = true;
 
       json request;
       try {
@@ -546,16 +921,25 @@ struct StatusServer::Impl {
   }
 
   void serve() {
-    zmq::pollitem_t items[] = {{router.handle(), 0, ZMQ_POLLIN, 0}, {wake_rx.handle(), 0, ZMQ_POLLIN, 0}};
+    std::vector<zmq::pollitem_t> items{{router.handle(), 0, ZMQ_POLLIN, 0}, {wake_rx.handle(), 0, ZMQ_POLLIN, 0}};
+    for (PeerGuard* guard : {&router_peers, &pub_peers}) {
+      if (guard->active()) items.push_back({guard->monitor_handle(), 0, ZMQ_POLLIN, 0});
+    }
+    if (zap.handle() != nullptr) items.push_back({zap.handle(), 0, ZMQ_POLLIN, 0});
     while (!stopping.load()) {
       try {
-        zmq::poll(items, 2, std::chrono::milliseconds(-1));
+        zmq::poll(items.data(), items.size(), poll_timeout());
         if (items[1].revents & ZMQ_POLLIN) {
           zmq::message_t ignored;
           while (wake_rx.recv(ignored, zmq::recv_flags::dontwait)) {
           }
         }
         if (stopping.load()) break;
+        // The handshakes waiting, then the connections they belong to.
+        std::vector<std::vector<zmq::message_t>> handshakes = read_zap_requests();
+        // Before the requests, so that a request's connection is known.
+        guard_connections();
+        answer_zap_requests(handshakes);
         flush_outbox();
         finish_drain();
         if (items[0].revents & ZMQ_POLLIN) {
@@ -563,7 +947,12 @@ struct StatusServer::Impl {
           for (int i = 0; i < 256; ++i) {
             std::vector<zmq::message_t> frames;
             if (!zmq::recv_multipart(router, std::back_inserter(frames), zmq::recv_flags::dontwait)) break;
+            // ZMQ_SRCFD: the connection the message came in on (libzmq 4.3 still sets it).
+            request_fd = frames.empty() ? -1 : zmq_msg_get(frames.back().handle(), ZMQ_SRCFD);
+            request_authenticated = false;
             handle(frames);
+            if (request_authenticated && request_fd >= 0) router_peers.touch(request_fd, steady::now());
+            request_fd = -1;
           }
         }
       } catch (const zmq::error_t& error) {
@@ -647,8 +1036,14 @@ struct StatusServer::Impl {
       wake_open = false;
       wake_tx.close();
     }
+    for (zmq::socket_t* socket : {&router, &pub}) {
+      if (socket->handle() != nullptr) (void)zmq_socket_monitor(socket->handle(), nullptr, 0);
+    }
+    router_peers.close();
+    pub_peers.close();
     router.close();
     pub.close();
+    zap.close();
     wake_rx.close();
     own_context.reset();
     context = nullptr;
@@ -676,9 +1071,32 @@ nlohmann::json StatusServer::start() {
     }
     const auto frame_limit = static_cast<std::int64_t>(std::min<std::size_t>(
         std::max<std::size_t>(std::size_t{1} << 20, 16 * s.config.max_request_bytes), std::size_t{1} << 30));
-    auto bind = [&](zmq::socket_t& socket, const std::string& where) {
+    // A shared context may have its own ZAP handler: then handshakes go
+    // without this one (refusals still hold, only a lost request is possible).
+    bool zap_bound = false;
+    if (s.config.context == nullptr) {
+      s.zap = zmq::socket_t(*s.context, zmq::socket_type::router);
+      s.zap.set(zmq::sockopt::linger, 0);
+      s.zap.bind("inproc://zeromq.zap.01");
+      zap_bound = true;
+    }
+    static std::atomic<std::uint64_t> generation{0};
+    const std::string tag = std::to_string(reinterpret_cast<std::uintptr_t>(&s)) + "-" + std::to_string(++generation);
+    auto bind = [&](zmq::socket_t& socket, PeerGuard& peers, const std::string& where, const char* name) {
       socket.set(zmq::sockopt::linger, 0);
       if (scheme_of(where) == "tcp" && tcp_host(where).front() == '[') socket.set(zmq::sockopt::ipv6, 1);
+      // A peer gets this long to finish the ZMTP handshake (raw connections
+      // that never speak are closed), and must answer heartbeats to stay.
+      socket.set(zmq::sockopt::handshake_ivl, milliseconds_option(s.config.handshake_timeout_s));
+      if (s.config.heartbeat_interval_s > 0) {
+        socket.set(zmq::sockopt::heartbeat_ivl, std::max(1, milliseconds_option(s.config.heartbeat_interval_s)));
+        socket.set(zmq::sockopt::heartbeat_timeout, std::max(3, milliseconds_option(3 * s.config.heartbeat_interval_s)));
+      }
+      const std::string scheme = scheme_of(where);
+      if (scheme == "tcp" || scheme == "ipc") {
+        peers.attach(*s.context, socket, "inproc://gpucleanup-status-monitor-" + tag + "-" + name);
+        if (zap_bound) socket.set(zmq::sockopt::zap_domain, "gpucleanup-status");
+      }
       try {
         socket.bind(where);
       } catch (const zmq::error_t& error) {
@@ -687,16 +1105,18 @@ nlohmann::json StatusServer::start() {
       }
       std::string bound = socket.get(zmq::sockopt::last_endpoint);
       restrict_ipc_socket(bound);
+      peers.listen(bound);
       return bound;
     };
     s.router = zmq::socket_t(*s.context, zmq::socket_type::router);
     // Beyond this a peer is disconnected without a reply: a memory bound, far
     // above max_request_bytes, which gets its own error reply.
     s.router.set(zmq::sockopt::maxmsgsize, frame_limit);
-    s.endpoint = bind(s.router, s.config.endpoint);
+    s.endpoint = bind(s.router, s.router_peers, s.config.endpoint, "router");
     s.pub = zmq::socket_t(*s.context, zmq::socket_type::pub);
-    s.pub_endpoint = bind(s.pub, s.config.pub_endpoint.empty() ? derive_pub_endpoint(s.config.endpoint)
-                                                                : s.config.pub_endpoint);
+    s.pub_endpoint = bind(s.pub, s.pub_peers,
+                          s.config.pub_endpoint.empty() ? derive_pub_endpoint(s.config.endpoint) : s.config.pub_endpoint,
+                          "pub");
     const std::string wake = "inproc://gpucleanup-status-wake-" + std::to_string(reinterpret_cast<std::uintptr_t>(&s));
     s.wake_rx = zmq::socket_t(*s.context, zmq::socket_type::pair);
     s.wake_rx.set(zmq::sockopt::linger, 0);
@@ -719,6 +1139,9 @@ nlohmann::json StatusServer::start() {
   s.worker_stop = false;
   s.started_ns = now_ns();
   s.requests = s.errors = 0;
+  s.refused_connections = 0;
+  s.dropped_idle = 0;
+  s.next_tick = steady::now();
   s.replay = detail::ReplayGuard(static_cast<std::int64_t>(s.config.replay_window_s * 1e9), s.config.replay_capacity);
   s.owner_pid = getpid();
   s.worker = std::thread([&s] { s.work(); });
@@ -789,6 +1212,12 @@ void StatusServer::publish(nlohmann::json record) {
     while (s.history.size() > s.config.history_limit) s.history.pop_front();
   }
   s.wake();
+}
+
+nlohmann::json StatusServer::connections() const {
+  if (!impl_) return json{{"max_peers", 0}, {"peers", 0}, {"pub_peers", 0}, {"refused_connections", 0},
+                          {"dropped_idle", 0}, {"peer_idle_timeout_s", 0}};
+  return impl_->connections_view();
 }
 
 bool StatusServer::running() const noexcept {

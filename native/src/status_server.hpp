@@ -42,6 +42,23 @@ struct ServerConfig {
   // Bounds and default of a drain request's "timeout_s".
   double drain_timeout_s = 10.0;
   double max_drain_timeout_s = 60.0;
+  // Connection limits (tcp:// and ipc://; inproc:// holds no descriptors).
+  // Each of the two sockets (requests, records) keeps at most this many peers
+  // connected, and never more than 1/8 of RLIMIT_NOFILE's soft limit, so that
+  // both together stay under a quarter of the process's descriptors. At the
+  // cap, a new request peer takes the slot of the peer idle longest if that
+  // one has been idle for peer_grace_s; otherwise, and always on the records
+  // socket, the new peer is refused (its connection closed at once).
+  std::size_t max_peers = 64;
+  // A request peer without an authenticated request for this long is dropped
+  // (0: never). Watchers on the records socket stay while they answer heartbeats.
+  double peer_idle_timeout_s = 10.0;
+  double peer_grace_s = 1.0;
+  // The ZMTP handshake must finish within this (0: no limit).
+  double handshake_timeout_s = 2.0;
+  // ZMTP heartbeats: a PING this often; a peer silent for 3 intervals is
+  // dropped (0: no heartbeats).
+  double heartbeat_interval_s = 2.0;
   // A libzmq context to share (inproc:// clients need the server's context);
   // nullptr: the server owns one.
   zmq::context_t* context = nullptr;
@@ -49,7 +66,9 @@ struct ServerConfig {
 
 // The config of gpucleanup_server_start's JSON: endpoint, key, kernel,
 // history_limit, and optionally pub_endpoint, require_signature,
-// max_request_bytes, replay_window_s, snapshot_timeout_s, drain_timeout_s.
+// max_request_bytes, replay_window_s, snapshot_timeout_s, drain_timeout_s,
+// max_peers, peer_idle_timeout_s, peer_grace_s, handshake_timeout_s,
+// heartbeat_interval_s.
 // Throws gpucleanup::Error (gpucleanup.server.506) on a wrong type.
 ServerConfig server_config_from_json(const nlohmann::json& config);
 
@@ -79,6 +98,11 @@ class StatusServer {
   void publish(nlohmann::json record);
 
   bool running() const noexcept;
+
+  // The connection counters, as the status reply's "connections" carries them:
+  // {"max_peers", "peers", "pub_peers", "refused_connections", "dropped_idle",
+  // "peer_idle_timeout_s"}. Safe from any thread.
+  nlohmann::json connections() const;
 
  private:
   struct Impl;

@@ -1,11 +1,19 @@
 // The status server against plain lambda hooks: no driver anywhere.
 #include "status_server.hpp"
 
+#include <arpa/inet.h>
 #include <dirent.h>
+#include <netinet/in.h>
 #include <stdlib.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 
 #include <atomic>
 #include <chrono>
@@ -640,6 +648,341 @@ TEST(StatusServer, StartStopManyTimesLeaksNoThreadOrDescriptor) {
   for (int i = 0; i < 50; ++i) cycle(i);
   EXPECT_EQ(count_entries("/proc/self/task"), threads);
   EXPECT_EQ(count_entries("/proc/self/fd"), descriptors);
+}
+
+// ---- Connection limits: a hostile neighbour's connections stay bounded ----
+
+// Plain stream connections that never speak ZMTP, as a flood opens them.
+class RawPeers {
+ public:
+  RawPeers() = default;
+  RawPeers(const RawPeers&) = delete;
+  RawPeers& operator=(const RawPeers&) = delete;
+  ~RawPeers() {
+    for (const int fd : fds_) ::close(fd);
+  }
+
+  // n connections to a "tcp://127.0.0.1:PORT" or "ipc:///path" endpoint.
+  void open(const std::string& endpoint, int n) {
+    for (int i = 0; i < n; ++i) {
+      int fd = -1;
+      if (endpoint.rfind("tcp://", 0) == 0) {
+        sockaddr_in address{};
+        address.sin_family = AF_INET;
+        address.sin_port = htons(static_cast<std::uint16_t>(std::stoi(endpoint.substr(endpoint.rfind(':') + 1))));
+        address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        ASSERT_GE(fd, 0);
+        ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof address), 0) << std::strerror(errno);
+      } else {
+        sockaddr_un address{};
+        address.sun_family = AF_UNIX;
+        const std::string path = endpoint.substr(6);
+        std::strncpy(address.sun_path, path.c_str(), sizeof address.sun_path - 1);
+        fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        ASSERT_GE(fd, 0);
+        ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof address), 0) << std::strerror(errno);
+      }
+      fds_.push_back(fd);
+    }
+  }
+
+  // How many the server has closed: their end reads end-of-file (after the
+  // greeting libzmq sends first).
+  std::size_t closed_by_server() {
+    std::size_t closed = 0;
+    for (const int fd : fds_) {
+      char buffer[256];
+      while (true) {
+        const ssize_t n = ::recv(fd, buffer, sizeof buffer, MSG_DONTWAIT);
+        if (n > 0) continue;
+        if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) ++closed;
+        break;
+      }
+    }
+    return closed;
+  }
+
+  std::size_t size() const { return fds_.size(); }
+
+ private:
+  std::vector<int> fds_;
+};
+
+// Descriptors of this process that are connections accepted on `endpoint`'s
+// tcp port (the server's side of them; clients here have other local ports).
+std::size_t accepted_descriptors(const std::string& endpoint) {
+  const int port = std::stoi(endpoint.substr(endpoint.rfind(':') + 1));
+  std::size_t n = 0;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+    const int fd = std::atoi(entry.path().filename().c_str());
+    sockaddr_in local{};
+    socklen_t length = sizeof local;
+    int listening = 0;
+    socklen_t size = sizeof listening;
+    if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) != 0 || local.sin_family != AF_INET) continue;
+    if (::getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &size) != 0 || listening) continue;
+    if (ntohs(local.sin_port) == port) ++n;
+  }
+  return n;
+}
+
+ServerConfig limited_tcp_config(std::size_t max_peers) {
+  ServerConfig config;
+  config.endpoint = "tcp://127.0.0.1:*";
+  config.key = kKey;
+  config.max_peers = max_peers;
+  // Tests that want these set them; by default nothing ends a connection on its own.
+  config.handshake_timeout_s = 600;
+  config.peer_idle_timeout_s = 0;
+  config.peer_grace_s = 600;
+  return config;
+}
+
+std::uint64_t connection_count(const StatusServer& server, const char* name) {
+  return server.connections()[name].get<std::uint64_t>();
+}
+
+TEST(StatusServerLimits, OverCapPeersAreRefusedAndCounted) {
+  Hooks hooks;
+  StatusServer server(limited_tcp_config(4), hooks.make());
+  const json bound = server.start();
+  const std::string endpoint = bound["endpoint"];
+  const std::string pub_endpoint = bound["pub_endpoint"];
+
+  RawPeers requests;
+  requests.open(endpoint, 12);
+  RawPeers watchers;
+  watchers.open(pub_endpoint, 7);
+  // The first four of each are kept; every one beyond is closed at once.
+  ASSERT_TRUE(eventually([&] { return requests.closed_by_server() == 8 && watchers.closed_by_server() == 3; }))
+      << requests.closed_by_server() << " " << watchers.closed_by_server();
+  ASSERT_TRUE(eventually([&] { return accepted_descriptors(endpoint) == 4 && accepted_descriptors(pub_endpoint) == 4; }));
+  const json connections = server.connections();
+  EXPECT_EQ(connections["max_peers"], 4);
+  EXPECT_EQ(connections["peers"], 4);
+  EXPECT_EQ(connections["pub_peers"], 4);
+  EXPECT_EQ(connections["refused_connections"], 11);
+  EXPECT_EQ(connections["dropped_idle"], 0);
+  EXPECT_EQ(requests.closed_by_server(), 8u);  // the kept ones are still open
+  EXPECT_EQ(watchers.closed_by_server(), 3u);
+  server.stop();
+}
+
+TEST(StatusServerLimits, RefusedCountIsInTheStatusReplyAndSlotsFreeUp) {
+  Hooks hooks;
+  StatusServer server(limited_tcp_config(3), hooks.make());
+  const std::string endpoint = server.start()["endpoint"];
+  {
+    RawPeers flood;
+    flood.open(endpoint, 3);
+    ASSERT_TRUE(eventually([&] { return connection_count(server, "peers") == 3; }));
+    RawPeers more;
+    more.open(endpoint, 5);
+    ASSERT_TRUE(eventually([&] { return more.closed_by_server() == 5; }));
+    EXPECT_EQ(flood.closed_by_server(), 0u);
+    EXPECT_EQ(connection_count(server, "refused_connections"), 5u);
+  }
+  // The flood went away: its slots are free again, and the reply says what was refused.
+  ASSERT_TRUE(eventually([&] { return connection_count(server, "peers") == 0; }));
+  zmq::context_t context;
+  Client client(context, endpoint, kKey);
+  const json reply = client.ask(request("status"));
+  ASSERT_TRUE(reply.is_object());
+  EXPECT_EQ(reply["ok"], true) << reply.dump();
+  EXPECT_EQ(reply["connections"]["refused_connections"], 5);
+  EXPECT_EQ(reply["connections"]["max_peers"], 3);
+  EXPECT_EQ(reply["connections"]["peers"], 1);
+  EXPECT_EQ(reply["connections"]["pub_peers"], 0);
+  server.stop();
+}
+
+TEST(StatusServerLimits, IdlePeerIsDroppedAndAnActiveOneServed) {
+  ServerConfig config = limited_tcp_config(8);
+  config.peer_idle_timeout_s = 0.2;
+  Hooks hooks;
+  StatusServer server(config, hooks.make());
+  const std::string endpoint = server.start()["endpoint"];
+
+  RawPeers silent;
+  silent.open(endpoint, 2);  // never says anything, not even the ZMTP greeting
+  zmq::context_t context;
+  zmq::socket_t quiet(context, zmq::socket_type::dealer);  // completes the handshake, then says nothing
+  quiet.set(zmq::sockopt::linger, 0);
+  quiet.connect(endpoint);
+  ASSERT_TRUE(eventually([&] { return silent.closed_by_server() == 2; }));
+  ASSERT_TRUE(eventually([&] { return connection_count(server, "dropped_idle") >= 3; }));
+  EXPECT_EQ(connection_count(server, "refused_connections"), 0u);
+
+  // A client that asks is served; dropped ones reconnect and are served too.
+  Client client(context, endpoint, kKey);
+  const json reply = client.ask(request("status"));
+  ASSERT_TRUE(reply.is_object());
+  EXPECT_EQ(reply["ok"], true) << reply.dump();
+  EXPECT_GE(reply["connections"]["dropped_idle"].get<int>(), 3);
+  EXPECT_EQ(reply["connections"]["peer_idle_timeout_s"], 0.2);
+  server.stop();
+}
+
+TEST(StatusServerLimits, HandshakeMustFinishInTime) {
+  ServerConfig config = limited_tcp_config(8);
+  config.handshake_timeout_s = 0.1;
+  StatusServer server(config, {});
+  const json bound = server.start();
+  RawPeers silent;
+  silent.open(bound["endpoint"], 2);
+  silent.open(bound["pub_endpoint"], 2);
+  ASSERT_TRUE(eventually([&] { return silent.closed_by_server() == 4; }));
+  ASSERT_TRUE(eventually([&] { return connection_count(server, "peers") == 0 && connection_count(server, "pub_peers") == 0; }));
+  EXPECT_EQ(connection_count(server, "refused_connections"), 0u);
+  server.stop();
+}
+
+// A peer that finishes the ZMTP 3.1 handshake by hand (NULL mechanism, as a
+// DEALER) and then never answers a heartbeat.
+int zmtp_peer_that_ignores_heartbeats(const std::string& endpoint) {
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<std::uint16_t>(std::stoi(endpoint.substr(endpoint.rfind(':') + 1))));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0 || ::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0) return -1;
+  const timeval patience{30, 0};  // reads end with an error rather than hang the test
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &patience, sizeof patience);
+  std::string greeting(64, '\0');
+  greeting[0] = '\xff';
+  greeting[9] = '\x7f';
+  greeting[10] = 3;  // version 3.1
+  greeting[11] = 1;
+  greeting.replace(12, 4, "NULL");
+  const std::string ready_body = std::string("\x05READY\x0bSocket-Type", 18) + std::string("\0\0\0\x06", 4) + "DEALER";
+  const std::string ready = std::string("\x04", 1) + static_cast<char>(ready_body.size()) + ready_body;
+  const std::string hello = greeting + ready;
+  if (::send(fd, hello.data(), hello.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(hello.size())) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+TEST(StatusServerLimits, WatchersStayWhileTheyAnswerHeartbeatsAndDeadPeersGo) {
+  ServerConfig config = limited_tcp_config(8);
+  config.heartbeat_interval_s = 0.1;  // a peer silent for 0.3 s is dropped
+  Hooks hooks;
+  StatusServer server(config, hooks.make());
+  const json bound = server.start();
+  zmq::context_t context;
+  zmq::socket_t watcher(context, zmq::socket_type::sub);
+  watcher.set(zmq::sockopt::linger, 0);
+  watcher.set(zmq::sockopt::subscribe, "record");
+  watcher.connect(std::string(bound["pub_endpoint"]));
+  ASSERT_TRUE(eventually([&] { return connection_count(server, "pub_peers") == 1; }));
+
+  const int dead = zmtp_peer_that_ignores_heartbeats(bound["endpoint"]);
+  ASSERT_GE(dead, 0);
+  // The server finishes the handshake (its READY comes), sends PINGs, and
+  // closes the connection when no PONG comes (idle drops are off here) ...
+  std::string received;
+  char buffer[256];
+  ssize_t n = 0;
+  while ((n = ::recv(dead, buffer, sizeof buffer, 0)) > 0) received.append(buffer, static_cast<std::size_t>(n));
+  ::close(dead);
+  EXPECT_EQ(n, 0) << "the server closed it";
+  EXPECT_NE(received.find("\x05READY"), std::string::npos) << "the handshake finished";
+  EXPECT_NE(received.find("\x04PING"), std::string::npos) << "the server sent heartbeats";
+  ASSERT_TRUE(eventually([&] { return connection_count(server, "peers") == 0; }));
+  EXPECT_EQ(connection_count(server, "dropped_idle"), 0u);
+  EXPECT_EQ(connection_count(server, "refused_connections"), 0u);
+  // ... while the watcher, whose libzmq answers every PING, is still there and gets records.
+  EXPECT_EQ(connection_count(server, "pub_peers"), 1u);
+  zmq::pollitem_t item{watcher.handle(), 0, ZMQ_POLLIN, 0};
+  int cell = 0;
+  ASSERT_TRUE(eventually([&] {
+    server.publish({{"cell", ++cell}});  // until the subscription has arrived
+    return zmq::poll(&item, 1, 10ms) == 1;
+  }));
+  server.stop();
+}
+
+TEST(StatusServerLimits, LegitimateRequestsAreAnsweredDuringAFlood) {
+  ServerConfig config = limited_tcp_config(8);
+  config.peer_grace_s = 0.3;  // at the cap, a peer idle this long gives its slot to a newcomer
+  Hooks hooks;
+  StatusServer server(config, hooks.make());
+  const json bound = server.start();
+  const std::string endpoint = bound["endpoint"];
+
+  // Held open for the whole test: raw connections, and zmq peers that finish
+  // the handshake and then say nothing (libzmq reconnects them when dropped).
+  RawPeers flood;
+  flood.open(endpoint, 40);
+  flood.open(bound["pub_endpoint"], 40);
+  zmq::context_t flood_context;
+  std::vector<zmq::socket_t> quiet;
+  for (int i = 0; i < 16; ++i) {
+    quiet.emplace_back(flood_context, zmq::socket_type::dealer);
+    quiet.back().set(zmq::sockopt::linger, 0);
+    quiet.back().connect(endpoint);
+  }
+  ASSERT_TRUE(eventually([&] { return connection_count(server, "refused_connections") >= 64; }));
+
+  zmq::context_t context;
+  for (int i = 0; i < 3; ++i) {
+    Client client(context, endpoint, kKey);
+    const json reply = client.ask(request("status"), true);
+    ASSERT_TRUE(reply.is_object()) << "no answer during the flood";
+    EXPECT_EQ(reply["ok"], true) << reply.dump();
+    EXPECT_LE(reply["connections"]["peers"].get<int>(), 8);
+    EXPECT_LE(reply["connections"]["pub_peers"].get<int>(), 8);
+    EXPECT_GE(reply["connections"]["refused_connections"].get<int>(), 64);
+  }
+  // The server's side holds at most the cap, plus connections it is closing.
+  ASSERT_TRUE(eventually([&] { return accepted_descriptors(endpoint) <= 8 + 4; }));
+  EXPECT_LE(accepted_descriptors(bound["pub_endpoint"]), 8u);
+  server.stop();
+}
+
+TEST(StatusServerLimits, CapIsBoundedByTheDescriptorLimit) {
+  rlimit saved{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
+  rlimit lowered = saved;
+  lowered.rlim_cur = std::min<rlim_t>(saved.rlim_cur, 256);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &lowered), 0);
+  StatusServer server(limited_tcp_config(64), {});
+  const std::string endpoint = server.start()["endpoint"];
+  const json connections = server.connections();
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+  // Both sockets together hold at most a quarter of the descriptors.
+  EXPECT_EQ(connections["max_peers"], lowered.rlim_cur / 8);
+  server.stop();
+}
+
+TEST(StatusServerLimits, IpcPeersAreCappedToo) {
+  TempDir dir;
+  ServerConfig config = limited_tcp_config(2);
+  config.endpoint = "ipc://" + dir.path() + "/s";
+  Hooks hooks;
+  StatusServer server(config, hooks.make());
+  const std::string endpoint = server.start()["endpoint"];
+  RawPeers flood;
+  flood.open(endpoint, 6);
+  ASSERT_TRUE(eventually([&] { return flood.closed_by_server() == 4; }));
+  EXPECT_EQ(connection_count(server, "peers"), 2u);
+  EXPECT_EQ(connection_count(server, "refused_connections"), 4u);
+  server.stop();
+}
+
+TEST(StatusServerLimits, ConfigFromJson) {
+  const ServerConfig config = server_config_from_json(
+      {{"endpoint", "tcp://127.0.0.1:0"}, {"max_peers", 5}, {"peer_idle_timeout_s", 2.5}, {"handshake_timeout_s", 1}});
+  EXPECT_EQ(config.max_peers, 5u);
+  EXPECT_EQ(config.peer_idle_timeout_s, 2.5);
+  EXPECT_EQ(config.handshake_timeout_s, 1.0);
+  EXPECT_EQ(server_config_from_json({{"endpoint", "ipc:///x"}}).max_peers, 64u);
+  for (const json& bad : {json{{"endpoint", "ipc:///x"}, {"max_peers", 0}}, json{{"endpoint", "ipc:///x"}, {"max_peers", "8"}},
+                          json{{"endpoint", "ipc:///x"}, {"peer_idle_timeout_s", -1}}}) {
+    EXPECT_THROW(server_config_from_json(bad), Error) << bad.dump();
+  }
 }
 
 TEST(ReplayGuard, ForgetsAfterTheWindowAndStaysBounded) {

@@ -1127,10 +1127,10 @@ def test_status_endpoint_keeps_as_many_records_as_the_history_stand_in(shell, st
 
     monkeypatch.setitem(extension.DEFAULTS, "status_endpoint", factory)
     shell.run_line_magic("load_ext", "gpucleanup")
-    assert made == [{"history_limit": 100}]
+    assert made == [{"history_limit": 100, "max_peers": 64}]
     first = _ext(shell)._endpoint
     shell.run_line_magic("config", "GPUCleanup.history_size = 7")
-    assert made == [{"history_limit": 100}, {"history_limit": 7}]
+    assert made == [{"history_limit": 100, "max_peers": 64}, {"history_limit": 7, "max_peers": 64}]
     assert first.events[-1] == ("close",) and _ext(shell)._endpoint is not first
 
 

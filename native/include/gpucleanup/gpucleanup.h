@@ -140,7 +140,9 @@ GPUCLEANUP_API void gpucleanup_shutdown(void);
  *   {"endpoint": "ipc:///path/sock" | "tcp://127.0.0.1:0",
  *    "key": "<hex key>" (required for tcp, optional for ipc),
  *    "kernel": {...}  (opaque kernel description echoed in replies),
- *    "history_limit": 50}
+ *    "history_limit": 50,
+ *    "max_peers": 64, "peer_idle_timeout_s": 10, "peer_grace_s": 1,
+ *    "handshake_timeout_s": 2, "heartbeat_interval_s": 2}  (limits: share/protocol.md)
  * On success *json_out is {"endpoint": "<bound endpoint>",
  * "pub_endpoint": "<bound publish endpoint>"}. Starting a running server
  * returns GPUCLEANUP_ERR_SERVER. */
@@ -153,6 +155,10 @@ GPUCLEANUP_API gpucleanup_status gpucleanup_server_stop(void);
 /* Sets the kernel's state as the server reports it, a JSON object such as
  * {"state": "running", "cell": 12, "since_ns": ...}. */
 GPUCLEANUP_API gpucleanup_status gpucleanup_server_set_state(const char* state_json);
+
+/* The server's connection counters: {"max_peers", "peers", "pub_peers",
+ * "refused_connections", "dropped_idle", "peer_idle_timeout_s"}. */
+GPUCLEANUP_API gpucleanup_status gpucleanup_server_connections(char** json_out);
 
 /* Hands one finished cell's record (a JSON object) to the server: kept in its
  * history and published to subscribers. */

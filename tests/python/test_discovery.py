@@ -1,0 +1,619 @@
+"""Discovery files on a shared machine: liveness that cannot be fooled, files read as untrusted input, safe writes.
+
+A. ``gpucleanup ps`` removes only files it can prove stale, and only the paths
+   the naming scheme derives from the pid in the file's name; a kernel in
+   another PID namespace is shown as "elsewhere" and left alone.
+B. A malformed discovery or key file is skipped with one line on stderr; the
+   other kernels are listed as before, and nothing hangs.
+C. Writes never follow a link, never leave a temporary file, never go into a
+   directory every user may write to, and never chmod through a link.
+
+The ``gpucleanup`` command runs as a subprocess; its timeout is only a guard
+against a hang (nothing here asserts on elapsed time).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import socket
+import stat
+import subprocess
+import sys
+import types
+import uuid
+from pathlib import Path
+
+import pytest
+
+from gpucleanup import discovery
+from gpucleanup.status_endpoint import StatusEndpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+GUARD = 120  # seconds: far more than any run needs; only there to turn a hang into a failure
+
+
+@pytest.fixture
+def runtime(tmp_path, monkeypatch):
+    directory = tmp_path / "runtime"
+    directory.mkdir(mode=0o700)
+    os.chmod(directory, 0o700)
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(directory))
+    monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
+    return directory
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "ipython_ext"), env.get("PYTHONPATH")]))
+    return env
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gpucleanup.cli", *args], capture_output=True, text=True,
+                          env=_env(), timeout=GUARD)
+
+
+@pytest.fixture
+def kernel(runtime, fake_cuda):
+    """This process, described as a kernel with a notebook and a running cell."""
+    ep = StatusEndpoint()
+    ep.start(types.SimpleNamespace(user_ns={"__session__": "/home/me/fit.ipynb"}))
+    assert ep.error is None, ep.error
+    ep.set_state({"state": "running", "cell": 12})
+    yield ep
+    ep.close()
+
+
+@pytest.fixture
+def sleepers():
+    """Live processes of this namespace, for discovery files that name a live pid."""
+    started = []
+
+    def start() -> int:
+        proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+        started.append(proc)
+        return proc.pid
+
+    yield start
+    for proc in started:
+        proc.stdin.close()
+        proc.wait(timeout=GUARD)
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def record(runtime: Path, name_pid: int, **fields) -> dict:
+    """A discovery record as this process's gpucleanup would write it for ``name_pid``; ``fields`` replace any."""
+    private = runtime / "gpucleanup"
+    pid = name_pid
+    info = {
+        "discovery": 1, "pid": pid, "proc_start_ticks": discovery.process_start_ticks(pid),
+        "pid_ns": discovery.pid_namespace(), "boot_id": discovery.boot_id(), "kernel_id": f"k{pid}",
+        "connection_file": None, "notebook": None, "endpoint": f"ipc://{private}/{pid}.sock",
+        "pub_endpoint": f"ipc://{private}/{pid}.sock.pub", "transport": "ipc", "key_file": str(private / f"{pid}.key"),
+        "signature_scheme": "hmac-sha256", "protocol": 1, "started_ns": 1, "version": "0.1.0",
+    }
+    info.update(fields)
+    return info
+
+
+def plant(runtime: Path, pid: int, content) -> Path:
+    """Writes ``content`` (a dict as JSON, or bytes as they are) as ``gpucleanup-<pid>.json``, mode 0600."""
+    path = runtime / f"gpucleanup-{pid}.json"
+    path.write_bytes(content if isinstance(content, bytes) else json.dumps(content).encode())
+    os.chmod(path, 0o600)
+    return path
+
+
+def scheme_leftovers(runtime: Path, pid: int) -> list:
+    """The key and the two ipc sockets a kernel with ``pid`` leaves, named as the status endpoint names them."""
+    private = discovery.ensure_private_dir(runtime / "gpucleanup")
+    key = private / f"{pid}.key"
+    key.write_text("0" * 64)
+    paths = [key]
+    for name in (f"{pid}.sock", f"{pid}.sock.pub"):
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(str(private / name))  # the socket file stays after close, as after a SIGKILL
+        sock.close()
+        paths.append(private / name)
+    return paths
+
+
+def rows(stdout: str) -> dict:
+    return {line.split()[0]: line for line in stdout.splitlines()[1:]}
+
+
+UNSHARE_WAYS = (
+    ["unshare", "--pid", "--fork", "--mount-proc"],  # root, as in CI
+    ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc"],  # unprivileged user namespaces
+)
+
+
+def unshare() -> list:
+    """The first command prefix that runs a program in a new PID namespace here; skips the test without one."""
+    reasons = []
+    for way in UNSHARE_WAYS:
+        try:
+            probe = subprocess.run([*way, "true"], capture_output=True, text=True, timeout=GUARD)
+        except FileNotFoundError:
+            pytest.skip("unshare (util-linux) is not installed")
+        if probe.returncode == 0:
+            return way
+        reasons.append(f"{' '.join(way)}: {probe.stderr.strip()}")
+    pytest.skip("this machine allows no new PID namespace: " + "; ".join(reasons))
+
+
+# ---------------------------------------------------------------- A. liveness
+
+
+def test_classify_same_namespace(runtime):
+    parent = os.getppid()
+    assert discovery.classify(record(runtime, parent)) == (discovery.LIVE, "running")
+    gone = dead_pid()
+    assert discovery.classify(record(runtime, gone, proc_start_ticks=5)) == (discovery.STALE, "its process is gone")
+    ticks = discovery.process_start_ticks(parent)
+    assert discovery.classify(record(runtime, parent, proc_start_ticks=ticks + 1)) == (
+        discovery.STALE, f"pid {parent} now belongs to another process (started at tick {ticks}, not {ticks + 1})")
+    # Written before pid_ns and boot_id were recorded: judged by pid and start time alone.
+    legacy = record(runtime, gone)
+    del legacy["pid_ns"], legacy["boot_id"]
+    assert discovery.classify(legacy)[0] == discovery.STALE
+
+
+def test_classify_another_namespace_is_elsewhere_even_for_a_pid_alive_here(runtime):
+    for pid in (os.getpid(), dead_pid()):
+        info = record(runtime, pid, pid_ns="pid:[1]")
+        assert discovery.classify(info) == (discovery.ELSEWHERE, "another PID namespace, pid:[1]")
+        assert not discovery.is_alive(info)
+
+
+def test_classify_another_boot_is_stale_even_for_a_pid_alive_here(runtime):
+    other = str(uuid.uuid4())
+    for ns in (discovery.pid_namespace(), "pid:[1]"):
+        info = record(runtime, os.getpid(), boot_id=other, pid_ns=ns)
+        assert discovery.classify(info) == (discovery.STALE, f"written during another boot (boot id {other})")
+
+
+def test_is_alive_never_raises_on_a_huge_pid():
+    assert discovery.is_alive({"pid": 2**31}) is False
+    assert discovery.is_alive({"pid": 2**64}) is False
+    assert discovery.is_alive({"pid": "1"}) is False
+
+
+def test_stale_file_naming_a_live_kernels_paths_takes_nothing_of_the_live_kernel(kernel, runtime):
+    gone = dead_pid()
+    own = scheme_leftovers(runtime, gone)  # what the stale kernel itself left: created before its discovery file
+    stranger = runtime / "gpucleanup" / f"{gone}.key.bak"
+    stranger.write_text("not a name the scheme makes")
+    outside = runtime / "notes.txt"
+    outside.write_text("mine")
+    stale = plant(runtime, gone, record(
+        runtime, gone, proc_start_ticks=1, key_file=kernel.info["key_file"], endpoint=kernel.info["endpoint"],
+        pub_endpoint=kernel.info["pub_endpoint"], connection_file=str(outside), notebook=str(outside)))
+
+    result = cli("ps")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    assert list(rows(result.stdout)) == [str(os.getpid())]
+    assert "running cell 12" in rows(result.stdout)[str(os.getpid())]
+    assert not stale.exists()
+    assert [p.exists() for p in own] == [False, False, False]
+    # Paths named inside the stale file are never touched: the live kernel keeps its key and sockets.
+    assert Path(kernel.info["key_file"]).is_file()
+    assert stat.S_ISSOCK(os.lstat(kernel.info["endpoint"][len("ipc://"):]).st_mode)
+    assert stat.S_ISSOCK(os.lstat(kernel.info["pub_endpoint"][len("ipc://"):]).st_mode)
+    assert stranger.exists() and outside.exists()
+    assert kernel.discovery_path.exists()
+    assert cli("status", str(os.getpid())).returncode == 0
+
+
+def test_another_boots_file_is_removed_with_its_scheme_files(runtime):
+    parent = os.getppid()  # alive here, with the recorded start time: only the boot id tells
+    leftovers = scheme_leftovers(runtime, parent)
+    path = plant(runtime, parent, record(runtime, parent, boot_id=str(uuid.uuid4())))
+    result = cli("ps", "--json")
+    assert (result.returncode, result.stdout, result.stderr) == (0, "[]\n", "")
+    assert not path.exists()
+    assert [p.exists() for p in leftovers] == [False, False, False]
+
+
+def test_a_key_newer_than_the_stale_file_is_kept(runtime):
+    # A kernel that took the pid writes its key before its discovery file: a newer key is not the stale one's.
+    gone = dead_pid()
+    key, sock, pub = scheme_leftovers(runtime, gone)
+    path = plant(runtime, gone, record(runtime, gone, proc_start_ticks=1))
+    later = path.stat().st_mtime_ns + 10_000_000_000
+    os.utime(key, ns=(later, later))
+    assert cli("ps").returncode == 1  # no kernel
+    assert not path.exists()
+    assert key.exists()
+    assert not sock.exists() and not pub.exists()
+
+
+def test_a_linked_key_directory_is_not_cleaned_through(runtime, tmp_path):
+    gone = dead_pid()
+    other = tmp_path / "other"
+    other.mkdir(mode=0o755)
+    os.chmod(other, 0o755)
+    (other / f"{gone}.key").write_text("someone else's")
+    os.symlink(other, runtime / "gpucleanup")
+    path = plant(runtime, gone, record(runtime, gone, proc_start_ticks=1))
+    assert cli("ps").returncode == 1
+    assert not path.exists()
+    assert (other / f"{gone}.key").read_text() == "someone else's"
+    assert stat.S_IMODE(other.stat().st_mode) == 0o755
+
+
+def test_recorded_other_namespace_is_shown_elsewhere_and_kept(kernel, runtime):
+    gone = dead_pid()  # gone here; in its own namespace it may well run
+    leftovers = scheme_leftovers(runtime, gone)
+    path = plant(runtime, gone, record(runtime, gone, pid_ns="pid:[1]", notebook="/srv/other.ipynb", kernel_id="abcdef123456"))
+
+    result = cli("ps")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    table = rows(result.stdout)
+    assert "running cell 12" in table[str(os.getpid())]
+    assert " ".join(table[str(gone)].split()[1:]) == "abcdef12 (/srv/other.ipynb) elsewhere (another PID namespace, pid:[1])"
+
+    result = cli("ps", "--json")
+    assert result.returncode == 0, result.stderr
+    entries = {e["pid"]: e for e in json.loads(result.stdout)}
+    assert entries[os.getpid()]["elsewhere"] is False
+    assert entries[gone] == {
+        "pid": gone, "kernel_id": "abcdef123456", "notebook": "/srv/other.ipynb", "discovery_file": str(path),
+        "elsewhere": True, "elsewhere_reason": "another PID namespace, pid:[1]",
+    }
+
+    result = cli("status", str(gone))
+    assert result.returncode == 1
+    assert result.stderr == (
+        f"gpucleanup: kernel {gone} is elsewhere (another PID namespace, pid:[1]): its pid means nothing here; "
+        "run gpucleanup where the kernel runs (the same container)\n"
+    )
+    assert path.exists()
+    assert all(p.exists() for p in leftovers)
+
+
+INNER_KERNEL = r"""
+import os, socket, sys
+from pathlib import Path
+from gpucleanup import discovery
+
+runtime = Path(os.environ["JUPYTER_RUNTIME_DIR"])
+pid = os.getpid()
+private = discovery.ensure_private_dir(runtime / "gpucleanup")
+discovery.write_private(private / f"{pid}.key", b"k" * 64)
+socks = []
+for name in (f"{pid}.sock", f"{pid}.sock.pub"):
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(private / name))
+    socks.append(s)
+info = discovery.describe(endpoint=f"ipc://{private}/{pid}.sock", pub_endpoint=f"ipc://{private}/{pid}.sock.pub",
+                          key_file=str(private / f"{pid}.key"), transport="ipc", notebook="/ns/inner.ipynb")
+discovery.write(discovery.discovery_path(pid, runtime), info)
+print(pid, info["pid_ns"], flush=True)
+sys.stdin.read()
+"""
+
+
+def test_kernel_in_a_real_other_pid_namespace_is_left_alone(kernel, runtime):
+    inner = subprocess.Popen(
+        [*unshare(), sys.executable, "-c", INNER_KERNEL],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env(),
+    )
+    try:
+        line = inner.stdout.readline()  # written once its files exist
+        assert line, "the kernel in the new PID namespace did not start"
+        pid_text, ns = line.split()
+        assert ns != discovery.pid_namespace()
+        files = [runtime / f"gpucleanup-{pid_text}.json"] + [
+            runtime / "gpucleanup" / name for name in (f"{pid_text}.key", f"{pid_text}.sock", f"{pid_text}.sock.pub")]
+        assert all(p.exists() for p in files)
+
+        result = cli("ps")
+        assert result.returncode == 0, result.stderr
+        table = rows(result.stdout)
+        assert "running cell 12" in table[str(os.getpid())]
+        assert table[pid_text].split()[1:] == ["/ns/inner.ipynb", "elsewhere", "(another", "PID", "namespace,", f"{ns})"]
+        entry = next(e for e in json.loads(cli("ps", "--json").stdout) if str(e["pid"]) == pid_text)
+        assert entry["elsewhere"] is True
+        assert all(p.exists() for p in files)
+    finally:
+        inner.stdin.close()
+        inner.wait(timeout=GUARD)
+    # Its process is gone now, but nothing here can prove it: the files stay for its own namespace to judge.
+    result = cli("ps")
+    assert result.returncode == 0, result.stderr
+    assert "elsewhere" in rows(result.stdout)[pid_text]
+    assert all(p.exists() for p in files)
+
+
+def test_ps_in_another_pid_namespace_leaves_this_kernel_alone(kernel, runtime):
+    result = subprocess.run(
+        [*unshare(), sys.executable, "-m", "gpucleanup.cli", "ps", "--json"],
+        capture_output=True, text=True, env=_env(), timeout=GUARD,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    (entry,) = json.loads(result.stdout)
+    assert entry == {
+        "pid": os.getpid(), "kernel_id": None, "notebook": "/home/me/fit.ipynb",
+        "discovery_file": str(kernel.discovery_path), "elsewhere": True,
+        "elsewhere_reason": f"another PID namespace, {discovery.pid_namespace()}",
+    }
+    assert kernel.discovery_path.exists()
+    assert Path(kernel.info["key_file"]).exists()
+    assert stat.S_ISSOCK(os.lstat(kernel.info["endpoint"][len("ipc://"):]).st_mode)
+    assert stat.S_ISSOCK(os.lstat(kernel.info["pub_endpoint"][len("ipc://"):]).st_mode)
+    result = cli("ps")
+    assert result.returncode == 0, result.stderr
+    assert "running cell 12" in rows(result.stdout)[str(os.getpid())]
+
+
+# ---------------------------------------------------------------- B. untrusted input
+
+
+def test_every_bad_file_is_one_line_and_the_good_kernel_is_still_listed(kernel, runtime, sleepers, tmp_path):
+    bad = {}
+    huge = 2**31
+    bad[runtime / f"gpucleanup-{huge}.json"] = f"pid {huge} in the file name is out of range (1 to 4194303)"
+    (runtime / f"gpucleanup-{huge}.json").write_text(json.dumps(record(runtime, 7, pid=huge)))
+    p = dead_pid()
+    bad[plant(runtime, p, record(runtime, p, pid=huge))] = f"pid {huge} is out of range (1 to 4194303)"
+    p = dead_pid()
+    bad[plant(runtime, p, record(runtime, p, endpoint=5))] = "endpoint must be a string, got int 5"
+    p = dead_pid()
+    bad[plant(runtime, p, record(runtime, p, kernel_id=[1, 2]))] = "kernel_id must be a string or null, got list [1, 2]"
+    p = dead_pid()
+    bad[plant(runtime, p, record(runtime, p, key_file=3))] = "key_file must be a string or null, got int 3"
+    p = dead_pid()
+    bad[plant(runtime, p, b"not json")] = "not JSON (Expecting value: line 1 column 1 (char 0))"
+    p = dead_pid()
+    bad[plant(runtime, p, b"{" + b" " * 70000 + b"}")] = "larger than 65536 bytes (70002)"
+    p = dead_pid()
+    fifo = runtime / f"gpucleanup-{p}.json"
+    os.mkfifo(fifo, 0o600)
+    bad[fifo] = "not a regular file (a FIFO)"
+    p = dead_pid()
+    zero = runtime / f"gpucleanup-{p}.json"
+    os.symlink("/dev/zero", zero)
+    bad[zero] = "a symbolic link"
+
+    # Live processes of this namespace whose key file is a FIFO, a link to /dev/zero, /dev/zero itself.
+    key_fifo = tmp_path / "fifo.key"
+    os.mkfifo(key_fifo, 0o600)
+    key_link = tmp_path / "zero.key"
+    os.symlink("/dev/zero", key_link)
+    for key, why in ((key_fifo, "not a regular file (a FIFO)"), (key_link, "a symbolic link"),
+                     (Path("/dev/zero"), "not a regular file (a character device)")):
+        pid = sleepers()
+        bad[plant(runtime, pid, record(runtime, pid, key_file=str(key)))] = f"key file {key} is {why}"
+
+    for args in (("ps", "--timeout", "1"), ("ps", "--json", "--timeout", "1")):
+        result = cli(*args)
+        assert result.returncode == 0, result.stderr
+        lines = result.stderr.splitlines()
+        assert sorted(lines) == sorted(f"gpucleanup: skipped {path}: {why}" for path, why in bad.items())
+        if "--json" in args:
+            assert [e["pid"] for e in json.loads(result.stdout)] == [os.getpid()]
+        else:
+            assert list(rows(result.stdout)) == [str(os.getpid())]
+            assert "running cell 12" in result.stdout
+    # Nothing proves these stale: they are all still there, for a person to look at.
+    assert all(os.path.lexists(path) for path in bad)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+def test_status_and_drain_report_a_bad_key_file_instead_of_hanging(runtime, sleepers, tmp_path):
+    key = tmp_path / "fifo.key"
+    os.mkfifo(key, 0o600)
+    pid = sleepers()
+    plant(runtime, pid, record(runtime, pid, key_file=str(key)))
+    for command in ("status", "drain"):
+        result = cli(command, str(pid), "--timeout", "1")
+        assert result.returncode == 4
+        assert result.stderr == (
+            f"gpucleanup: kernel {pid}: its key file {key} is not a regular file (a FIFO): gpucleanup writes a "
+            "regular file there; restart the kernel\n"
+        )
+
+
+def test_a_file_owned_by_someone_else_is_skipped(kernel, runtime):
+    if os.geteuid() != 0:
+        pytest.skip("only root can give a file away")
+    p = dead_pid()
+    path = plant(runtime, p, record(runtime, p))
+    os.chown(path, 12345, 12345)
+    result = cli("ps")
+    assert result.returncode == 0
+    assert result.stderr == f"gpucleanup: skipped {path}: owned by uid 12345, not by you\n"
+    assert list(rows(result.stdout)) == [str(os.getpid())]
+    assert path.exists()
+
+
+@pytest.mark.parametrize(
+    "fields, why",
+    [
+        ({"pid": True}, "pid must be an integer, got bool True"),
+        ({"pid": 0}, "pid 0 is out of range (1 to 4194303)"),
+        ({"pid": "77"}, "pid must be an integer, got str '77'"),
+        ({"pid": 78}, "pid 78 does not match the file name's pid 77"),
+        ({"discovery": 2}, "discovery version 2 is not 1"),
+        ({"endpoint": "tcp://10.0.0.1:5555"},
+         "endpoint 'tcp://10.0.0.1:5555' is not ipc://<absolute path>, tcp://127.0.0.1:<port> or tcp://[::1]:<port>"),
+        ({"pub_endpoint": "tcp://127.0.0.1:0"},
+         "pub_endpoint 'tcp://127.0.0.1:0' is not ipc://<absolute path>, tcp://127.0.0.1:<port> or tcp://[::1]:<port>"),
+        ({"endpoint": "ipc://relative.sock"},
+         "endpoint 'ipc://relative.sock' is not ipc://<absolute path>, tcp://127.0.0.1:<port> or tcp://[::1]:<port>"),
+        ({"key_file": "relative.key"}, "key_file 'relative.key' is not an absolute path"),
+        ({"key_file": "/a\x00b"}, "key_file is not a plausible value: '/a\\x00b'"),
+        ({"transport": "udp"}, "transport 'udp' is not 'ipc' or 'tcp'"),
+        ({"pid_ns": "net:[1]"}, "pid_ns 'net:[1]' is not pid:[<inode>]"),
+        ({"boot_id": 5}, "boot_id must be a string or null, got int 5"),
+        ({"proc_start_ticks": -1}, f"proc_start_ticks -1 is out of range (0 to {2**63 - 1})"),
+        ({"notebook": {"a": 1}}, "notebook must be a string or null, got dict {'a': 1}"),
+    ],
+)
+def test_validate_names_what_is_wrong(runtime, fields, why):
+    with pytest.raises(discovery.BadDiscoveryFile) as raised:
+        discovery.validate(record(runtime, 77, **{"proc_start_ticks": None, **fields}), 77)
+    assert str(raised.value) == why
+
+
+def test_validate_accepts_what_describe_writes_and_tcp_loopback(runtime):
+    for endpoint in ("tcp://127.0.0.1:5555", "tcp://[::1]:65535"):
+        info = record(runtime, 77, proc_start_ticks=None, endpoint=endpoint, pub_endpoint=endpoint, transport="tcp")
+        assert discovery.validate(info, 77) is info
+    info = discovery.describe(endpoint="ipc:///x/1.sock", pub_endpoint="ipc:///x/1.sock.pub", key_file=None,
+                              transport="ipc")
+    assert discovery.validate(info, os.getpid()) is info
+
+
+# ---------------------------------------------------------------- C. writing
+
+
+def test_write_on_a_full_disk_leaves_no_temporary_file(runtime, monkeypatch):
+    path = runtime / "gpucleanup-77.json"
+    discovery.write(path, record(runtime, 77, notebook="old"))
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(OSError) as raised:
+        discovery.write(path, record(runtime, 77, notebook="new"))
+    assert raised.value.errno == errno.ENOSPC
+    assert os.listdir(runtime) == [path.name]
+    assert json.loads(path.read_text())["notebook"] == "old"
+
+
+def test_endpoint_on_a_full_disk_leaves_nothing_behind(runtime, monkeypatch, fake_cuda):
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    # At start: the key cannot be written, so nothing starts and nothing stays.
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "write", full)
+        ep = StatusEndpoint()
+        ep.start(types.SimpleNamespace(user_ns={}))
+    assert not ep.running
+    assert ep.error == "OSError: [Errno 28] No space left on device"
+    assert sorted(os.listdir(runtime)) == ["gpucleanup"]
+    assert os.listdir(runtime / "gpucleanup") == []
+
+    # Later, when the notebook name arrives: the old file stays whole, no temporary file is left.
+    shell = types.SimpleNamespace(user_ns={})
+    ep = StatusEndpoint()
+    ep.start(shell)
+    try:
+        assert ep.error is None, ep.error
+        before = ep.discovery_path.read_bytes()
+        shell.user_ns["__session__"] = "/home/me/late.ipynb"
+        with monkeypatch.context() as patch:
+            patch.setattr(os, "write", full)
+            ep.set_state({"state": "idle"})
+        assert ep.error == "OSError: [Errno 28] No space left on device"
+        assert ep.discovery_path.read_bytes() == before
+        assert sorted(os.listdir(runtime)) == ["gpucleanup", ep.discovery_path.name]
+    finally:
+        ep.close()
+
+
+def test_write_replaces_a_planted_link_and_never_follows_it(runtime, tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    path = runtime / "gpucleanup-77.json"
+    os.symlink(victim, path)
+    discovery.write(path, record(runtime, 77))
+    assert not path.is_symlink()
+    assert json.loads(path.read_text())["pid"] == 77
+    assert victim.read_text() == "precious"
+
+
+@pytest.mark.parametrize("planted", ["symlink", "fifo"])
+def test_write_refuses_whatever_sits_at_its_temporary_name(runtime, tmp_path, monkeypatch, planted):
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    trap = runtime / "gpucleanup-77.json.trap.tmp"
+    if planted == "symlink":
+        os.symlink(victim, trap)
+    else:
+        os.mkfifo(trap)
+    monkeypatch.setattr(discovery, "_temp_name", lambda name: trap.name)
+    with pytest.raises(FileExistsError):
+        discovery.write(runtime / "gpucleanup-77.json", record(runtime, 77))
+    assert victim.read_text() == "precious"
+    assert os.listdir(runtime) == [trap.name]  # not written through it, and not ours to remove
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o022, 0o277])
+def test_written_files_are_0600_whatever_the_umask(runtime, umask):
+    old = os.umask(umask)
+    try:
+        discovery.write(runtime / "gpucleanup-77.json", record(runtime, 77))
+        discovery.write_private(runtime / "77.key", b"k" * 64)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((runtime / "gpucleanup-77.json").stat().st_mode) == 0o600
+    assert stat.S_IMODE((runtime / "77.key").stat().st_mode) == 0o600
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o1777, 0o773])
+def test_world_writable_runtime_dir_is_refused_with_what_to_set(tmp_path, monkeypatch, fake_cuda, caplog, mode):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, mode)
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(shared))
+    message = (
+        f"runtime directory {shared} is writable by every user (mode {mode:o}): gpucleanup writes no discovery "
+        "file, key or socket there; set JUPYTER_RUNTIME_DIR to a private directory (yours, mode 0700)"
+    )
+    with caplog.at_level(logging.WARNING, logger="gpucleanup"):
+        ep = StatusEndpoint()
+        ep.start(types.SimpleNamespace(user_ns={}))
+    assert not ep.running
+    assert ep.error == f"InsecureRuntimeDir: {message}"
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        f"gpucleanup status endpoint did not start: InsecureRuntimeDir: {message}"]
+    assert os.listdir(shared) == []
+    with pytest.raises(discovery.InsecureRuntimeDir):
+        discovery.write(shared / "gpucleanup-77.json", record(shared, 77))
+    assert os.listdir(shared) == []
+    ep.close()
+
+
+def test_a_linked_private_dir_is_refused_and_its_target_keeps_its_mode(runtime, tmp_path, fake_cuda):
+    other = tmp_path / "somebody-elses"
+    other.mkdir()
+    os.chmod(other, 0o755)
+    os.symlink(other, runtime / "gpucleanup")
+    ep = StatusEndpoint()
+    ep.start(types.SimpleNamespace(user_ns={}))
+    assert not ep.running
+    assert ep.error == (
+        f"PermissionError: {runtime / 'gpucleanup'} is a symbolic link: gpucleanup keeps its keys and sockets only "
+        "in a directory of its own; remove the link"
+    )
+    assert stat.S_IMODE(other.stat().st_mode) == 0o755
+    assert os.listdir(other) == []
+    assert sorted(os.listdir(runtime)) == ["gpucleanup"]
+    ep.close()
+
+
+def test_ensure_private_dir_narrows_a_real_directory_and_refuses_a_file(runtime):
+    private = runtime / "gpucleanup"
+    private.mkdir()
+    os.chmod(private, 0o755)
+    assert discovery.ensure_private_dir(private) == private
+    assert stat.S_IMODE(private.stat().st_mode) == 0o700
+    (runtime / "afile").write_text("")
+    with pytest.raises(PermissionError, match="is not a directory"):
+        discovery.ensure_private_dir(runtime / "afile")
