@@ -22,6 +22,17 @@ BUILD = pathlib.Path(os.environ.get("GPUCLEANUP_BUILD_DIR", ROOT / "build")).res
 FAKE_CUDA = BUILD / "tests" / "fake_cuda" / "libcuda.so.1"
 SCHEMA_DIR = ROOT / "share" / "schema"
 
+# Nothing a test starts may write into the user's own Jupyter runtime directory:
+# a status endpoint started by a test without a directory of its own lands here.
+if "JUPYTER_RUNTIME_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _RUNTIME = tempfile.mkdtemp(prefix="gpucleanup-test-runtime-")
+    os.environ["JUPYTER_RUNTIME_DIR"] = _RUNTIME
+    atexit.register(shutil.rmtree, _RUNTIME, True)
+
 # Before anything loads libgpucleanup: point it at the fake driver, and name the
 # library explicitly (the installed package's own, else the build tree's when the
 # package comes from PYTHONPATH=ipython_ext), so that subprocesses and kernels the
