@@ -3,18 +3,125 @@
 # driver) and the Python suites (pytest: native binding, extension in an
 # InteractiveShell, real kernels through jupyter_client, status server, CLI).
 # tests/gpu runs only where a GPU is present; it skips elsewhere.
+# Then the IPython-facing suites again in .venv-ipython-low, with the lowest
+# IPython (and jupyter_core) that pyproject.toml claims, on the same wheel.
+#
+# Usage: scripts/test.sh [--repeat N] [pytest arguments...]
+#   --repeat N   run the pytest suites N times in a row (one set-up and build),
+#                stopping at the first round that fails
+# Environment: GPUCLEANUP_BUILD_DIR (default build), GPUCLEANUP_SKIP_LOW_IPYTHON=1 skips the
+#   lowest-IPython run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+repeat=1
+pytest_args=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --repeat) [ $# -ge 2 ] || { echo "test.sh: --repeat needs a number" >&2; exit 2; }; repeat=$2; shift 2 ;;
+    --repeat=*) repeat=${1#--repeat=}; shift ;;
+    *) pytest_args+=("$1"); shift ;;
+  esac
+done
+case "$repeat" in
+  '' | *[!0-9]*) repeat=0 ;;
+  *) repeat=$((10#$repeat)) ;;
+esac
+[ "$repeat" -ge 1 ] || { echo "test.sh: --repeat needs a whole number of at least 1" >&2; exit 2; }
+
+started=$SECONDS
+say() { echo "test.sh: $*"; }
 
 bash scripts/setup.sh
 
 build=${GPUCLEANUP_BUILD_DIR:-build}
+say "building the C++ tests and the fake CUDA driver in $build/"
+step=$SECONDS
 cmake -S . -B "$build" -G Ninja -DGPUCLEANUP_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 cmake --build "$build" -j"$(nproc)"
+say "built in $((SECONDS - step)) s"
 ctest --test-dir "$build" --output-on-failure -j"$(nproc)"
 
+# pytest "$@" with the arguments given to test.sh; a selection of those (-k ...) that leaves one suite without
+# a test (pytest's exit 5) is no failure.
+pytest_run() {
+  local rc=0
+  GPUCLEANUP_BUILD_DIR="$build" "$@" -q -p no:cacheprovider ${pytest_args[@]+"${pytest_args[@]}"} || rc=$?
+  if [ "$rc" = 5 ] && [ ${#pytest_args[@]} -gt 0 ]; then
+    say "no test selected there by: ${pytest_args[*]}"
+    rc=0
+  fi
+  return "$rc"
+}
 # The installed package (with its own libgpucleanup.so) is what is tested; the
 # build tree provides only the fake driver.
 # Two runs: each suite has a conftest of its own that its modules import.
-GPUCLEANUP_BUILD_DIR="$build" .venv/bin/python -m pytest tests/python -q -p no:cacheprovider "$@"
-.venv/bin/python -m pytest tests/gpu -q -p no:cacheprovider -rs "$@"
+run_suites() {
+  pytest_run .venv/bin/python -m pytest tests/python && pytest_run .venv/bin/python -m pytest tests/gpu -rs
+}
+for ((round = 1; round <= repeat; round++)); do
+  [ "$repeat" = 1 ] || say "round $round of $repeat"
+  step=$SECONDS
+  rc=0
+  run_suites || rc=$?
+  if [ "$rc" != 0 ]; then
+    if [ "$repeat" = 1 ]; then say "the pytest suites failed"; else say "round $round of $repeat failed"; fi
+    exit "$rc"
+  fi
+  [ "$repeat" = 1 ] || say "round $round of $repeat passed in $((SECONDS - step)) s"
+done
+[ "$repeat" = 1 ] || say "all $repeat rounds passed"
+
+main_ipython=$(.venv/bin/python -c 'import IPython; print(IPython.__version__)')
+if [ "${GPUCLEANUP_SKIP_LOW_IPYTHON:-0}" = 1 ]; then
+  say "tested with IPython $main_ipython only (GPUCLEANUP_SKIP_LOW_IPYTHON=1)"
+  say "done in $((SECONDS - started)) s"
+  exit 0
+fi
+
+# The lowest IPython that pyproject.toml allows (ipython>=8.12), with the lowest jupyter_core it allows
+# (jupyter_core>=4.12), in a venv of its own, kept between runs. It gets the wheel setup.sh built and
+# installed into .venv, so nothing is compiled again.
+low_ipython=8.12
+low_jupyter_core=4.12
+low=.venv-ipython-low
+wheel=$(ls .venv/gpucleanup-build/gpucleanup-*.whl)
+stamp=$low/gpucleanup-build.sha256
+want=$(sha256sum "$wheel" | cut -d' ' -f1)
+if "$low/bin/python" - "$low_ipython" "$low_jupyter_core" 2>/dev/null <<'EOF'
+import sys, IPython, jupyter_core
+ok = IPython.__version__.startswith(sys.argv[1] + ".") and jupyter_core.__version__.startswith(sys.argv[2] + ".")
+sys.exit(0 if ok else 1)
+EOF
+then
+  say "using $low (IPython $low_ipython, jupyter_core $low_jupyter_core)"
+else
+  say "creating $low with IPython $low_ipython.* and jupyter_core $low_jupyter_core.*"
+  step=$SECONDS
+  rm -rf "$low"
+  python3 -m venv "$low"
+  printf '*\n' >"$low/.gitignore"  # keeps git (and `git add -A`) away from it
+  "$low/bin/python" -m pip install -q --upgrade "pip>=23" >/dev/null
+  "$low/bin/python" -m pip install -q "$wheel[test]" "ipython==$low_ipython.*" "jupyter_core==$low_jupyter_core.*"
+  echo "$want" >"$stamp"
+  say "created in $((SECONDS - step)) s"
+fi
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  say "installing the new gpucleanup wheel into $low"
+  "$low/bin/python" -m pip install -q --force-reinstall --no-deps "$wheel"
+  "$low/bin/python" -m pip install -q "$wheel[test]" "ipython==$low_ipython.*" "jupyter_core==$low_jupyter_core.*"
+  echo "$want" >"$stamp"
+fi
+low_versions=$("$low/bin/python" -c 'import IPython, jupyter_core; print(IPython.__version__, jupyter_core.__version__)')
+low_ipython_version=${low_versions% *}
+say "the IPython suites with IPython $low_ipython_version and jupyter_core ${low_versions#* }"
+step=$SECONDS
+rc=0
+pytest_run "$low/bin/python" -m pytest \
+  tests/python/test_extension.py tests/python/test_magics.py tests/python/test_config.py tests/python/test_kernel.py || rc=$?
+if [ "$rc" != 0 ]; then
+  say "the IPython suites failed with IPython $low_ipython_version ($low); they passed with IPython $main_ipython (.venv)"
+  exit "$rc"
+fi
+say "lowest-IPython suites passed in $((SECONDS - step)) s"
+say "tested with IPython $main_ipython (.venv) and IPython $low_ipython_version ($low); done in $((SECONDS - started)) s"
