@@ -1,24 +1,20 @@
-"""``%gpumem``: its arguments, and finding GPU arrays and tensors in the user's namespace.
+"""``%gpumem``: its arguments.
 
 The magic itself is a method of the extension object (``extension.GPUCleanup.gpumem``,
 so that one object is the magics, the configurable and the event handler); this
-module holds what it is made of. GPU objects are recognised by type name and
-module, and only through frameworks that are already in ``sys.modules``: nothing
-here imports a framework or initialises CUDA.
+module holds its argument parser. Finding GPU arrays and tensors is framework
+knowledge: ``frameworks/objects.py``.
 """
 
 from __future__ import annotations
 
 import difflib
-import sys
-import types
-import weakref
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from typing import Callable
 
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-__all__ = ["gpumem_arguments", "parse_gpumem", "OPTIONS", "gpu_object_info", "find_gpu_objects", "bound_gpu_objects"]
+__all__ = ["gpumem_arguments", "parse_gpumem", "OPTIONS"]
 
 OPTIONS = ("--json", "--drain", "--history", "--vars", "--off", "--on")
 USAGE = "%gpumem [--json] [--drain] [--history [N]] [--vars [N]] [--off | --on]"
@@ -88,212 +84,3 @@ def _fix_hint(message: str, line: str) -> str:
                 hint = f" Did you mean {close[0]}?"
             break
     return f"%gpumem: {message}.{hint} Usage: {USAGE} (details: %gpumem?)"
-
-
-# ------------------------------------------------------ GPU objects in the namespace
-
-_kind_cache: "weakref.WeakKeyDictionary[type, Optional[str]]" = weakref.WeakKeyDictionary()
-
-
-def _kind_of_type(tp: type) -> Optional[str]:
-    try:
-        return _kind_cache[tp]
-    except (KeyError, TypeError):
-        pass
-    try:
-        kind = _classify(tp)
-    except Exception:  # a user type with an odd metaclass is simply not a GPU array
-        kind = None
-    try:
-        _kind_cache[tp] = kind
-    except TypeError:
-        pass
-    return kind
-
-
-def _classify(tp: type) -> Optional[str]:
-    kind = None
-    module = getattr(tp, "__module__", "") or ""
-    name = getattr(tp, "__name__", "")
-    root = module.split(".", 1)[0]
-    if root == "cupy" and name == "ndarray":
-        kind = "cupy.ndarray"
-    elif root == "torch":
-        torch = sys.modules.get("torch")
-        tensor = getattr(torch, "Tensor", None)
-        if isinstance(tensor, type) and issubclass(tp, tensor):
-            kind = "torch.Tensor"
-    elif root in ("numba", "numba_cuda") and name in ("DeviceNDArray", "DeviceRecord"):
-        kind = "numba.DeviceNDArray"
-    elif root in ("jax", "jaxlib") and "jax" in sys.modules:
-        array = getattr(sys.modules["jax"], "Array", None)
-        try:
-            if isinstance(array, type) and issubclass(tp, array):
-                kind = "jax.Array"
-        except TypeError:
-            pass
-    # torch.Tensor subclasses defined by users live in other modules
-    if kind is None and root not in ("builtins", "numpy") and "torch" in sys.modules:
-        tensor = getattr(sys.modules["torch"], "Tensor", None)
-        try:
-            if isinstance(tensor, type) and issubclass(tp, tensor):
-                kind = "torch.Tensor"
-        except TypeError:
-            pass
-    return kind
-
-
-def gpu_object_info(obj: Any) -> Optional[dict]:
-    """``{"kind", "shape", "dtype", "device", "bytes"}`` for a GPU array or tensor, else None."""
-    kind = _kind_of_type(type(obj))
-    if kind is None:
-        return None
-    try:
-        if kind == "torch.Tensor":
-            if not getattr(obj, "is_cuda", False):
-                return None
-            device = getattr(obj.device, "index", None)
-            nbytes = int(obj.element_size()) * int(obj.nelement())
-            dtype = str(obj.dtype).replace("torch.", "")
-        elif kind == "jax.Array":
-            devs = list(obj.devices())
-            if not devs or getattr(devs[0], "platform", "") not in ("gpu", "cuda"):
-                return None
-            device = ",".join(str(getattr(d, "id", "?")) for d in devs)
-            nbytes = int(obj.nbytes)
-            dtype = str(obj.dtype)
-        elif kind == "cupy.ndarray":
-            device = getattr(getattr(obj, "device", None), "id", None)
-            nbytes = int(obj.nbytes)
-            dtype = str(obj.dtype)
-        else:
-            device = None
-            nbytes = int(getattr(obj, "nbytes", 0) or 0)
-            dtype = str(getattr(obj, "dtype", ""))
-        shape = tuple(int(s) for s in getattr(obj, "shape", ()) or ())
-    except Exception:
-        return None
-    return {
-        "kind": kind,
-        "shape": list(shape),
-        "dtype": dtype,
-        "device": f"GPU{device}" if device is not None else "GPU?",
-        "bytes": nbytes,
-    }
-
-
-_IPYTHON_NAMES = {"_", "__", "___", "_i", "_ii", "_iii", "In", "Out", "_ih", "_oh", "_dh", "exit", "quit", "get_ipython"}
-_SKIP_TYPES = (
-    types.ModuleType,
-    type,
-    types.FunctionType,
-    types.BuiltinFunctionType,
-    types.MethodType,
-    str,
-    bytes,
-    bytearray,
-    int,
-    float,
-    complex,
-    bool,
-    type(None),
-)
-
-
-def _skipped(obj: Any) -> bool:
-    # type(), not isinstance(): isinstance also asks obj.__class__, which user code can make raise
-    return issubclass(type(obj), _SKIP_TYPES)
-
-
-def _is_history_name(name: str) -> bool:
-    if name in _IPYTHON_NAMES:
-        return True
-    if name.startswith("_i") and name[2:].isdigit():
-        return True
-    return name.startswith("_") and name[1:].isdigit()
-
-
-def _children(obj: Any, path: str) -> Iterable[tuple]:
-    tp = type(obj)
-    if issubclass(tp, dict):
-        for key, value in list(obj.items())[:1000]:
-            yield f"{path}[{key!r}]", value
-    elif issubclass(tp, (list, tuple)):
-        for i, value in enumerate(obj[:1000]):
-            yield f"{path}[{i}]", value
-    elif issubclass(tp, (set, frozenset)):
-        for value in list(obj)[:1000]:
-            yield f"{path}{{…}}", value
-    else:
-        attrs = getattr(obj, "__dict__", None)
-        if type(attrs) is not dict:
-            return
-        for key, value in list(attrs.items())[:1000]:
-            if key in ("_parameters", "_buffers", "_modules") and isinstance(value, dict):
-                # torch.nn.Module keeps its members in these dicts: name them as attributes
-                for sub, subvalue in value.items():
-                    yield f"{path}.{sub}", subvalue
-            else:
-                yield f"{path}.{key}", value
-
-
-def find_gpu_objects(user_ns: dict, out_cache: Optional[dict] = None, max_depth: int = 6, max_visits: int = 50_000) -> List[dict]:
-    """GPU arrays and tensors reachable from ``user_ns`` (breadth first, shortest name wins).
-
-    Each entry is ``gpu_object_info`` plus ``"name"`` (``x``, ``model.fc.weight``,
-    ``d['k'][0]``, ``Out[3]``). The walk goes into dicts, lists, tuples, sets and
-    object attributes, at most ``max_depth`` levels and ``max_visits`` objects.
-    """
-    frontier = []
-    for name, value in list(user_ns.items()):
-        if not _is_history_name(name) and not name.startswith("__"):
-            frontier.append((name, value))
-    for key, value in list((out_cache or {}).items()):
-        frontier.append((f"Out[{key}]", value))
-    seen = set()
-    found: List[dict] = []
-    visits = 0
-    for _depth in range(max_depth + 1):
-        nxt = []
-        for path, obj in frontier:
-            if visits >= max_visits:
-                return found
-            oid = id(obj)
-            if oid in seen:
-                continue
-            seen.add(oid)
-            visits += 1
-            if _skipped(obj):
-                continue
-            info = gpu_object_info(obj)
-            if info is not None:
-                info["name"] = path
-                found.append(info)
-                continue
-            try:
-                nxt.extend(_children(obj, path))
-            except Exception:  # an object whose attributes or items raise is not walked into
-                continue
-        frontier = nxt
-        if not frontier:
-            break
-    return found
-
-
-def bound_gpu_objects(user_ns: dict) -> Dict[int, int]:
-    """``{id(obj): bytes}`` of the GPU arrays/tensors bound to top-level names (cheap: no walk).
-
-    The extension compares this before and after a cell to tell whether the cell
-    unbound a GPU object (``del x``, ``x = None``), one of the signals of its
-    garbage policy.
-    """
-    out: Dict[int, int] = {}
-    for name, value in list(user_ns.items()):
-        if _skipped(value):
-            continue
-        if _kind_of_type(type(value)) is None:
-            continue
-        info = gpu_object_info(value)
-        if info is not None:
-            out[id(value)] = info["bytes"]
-    return out

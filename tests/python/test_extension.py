@@ -23,7 +23,7 @@ import types
 
 import pytest
 
-from gpucleanup import extension
+from gpucleanup import after_cell, extension
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -255,7 +255,7 @@ def _ext(ip):
 
 
 def _wait_pinned(ip):
-    job = _ext(ip)._pinned_job
+    job = _ext(ip).engine.pinned_job
     if job is not None:
         assert job.done.wait(10)
 
@@ -698,7 +698,7 @@ def test_unraisable_from_other_threads_still_reach_the_previous_hook_stand_in(sh
     saved = sys.unraisablehook
     sys.unraisablehook = seen.append
     try:
-        with ext._unraisables.capture() as captured:
+        with ext.engine.unraisables.capture() as captured:
             worker = threading.Thread(target=lambda: sys.unraisablehook(types.SimpleNamespace(exc_type=ValueError)))
             worker.start()
             worker.join()
@@ -715,7 +715,7 @@ def test_unraisable_from_other_threads_still_reach_the_previous_hook_stand_in(sh
 @pytest.fixture
 def collects(monkeypatch):
     calls = []
-    monkeypatch.setattr(extension.gc, "collect", lambda generation=2: calls.append(generation) or 0)
+    monkeypatch.setattr(after_cell.gc, "collect", lambda generation=2: calls.append(generation) or 0)
     return calls
 
 
@@ -736,13 +736,52 @@ def test_gc_auto_young_collection_only_when_nothing_was_unbound_stand_in(shell, 
     assert _ext(shell).history.last()[-1]["gc"]["ran"] == "young"
 
 
-def test_gc_auto_full_collection_when_the_cell_deleted_a_name_and_gpu_memory_is_live_stand_in(shell, stand_in, collects, capsys):
+def _stand_in_holders(shell, names=("x",)):
+    """The stand-in adapters' memory is held by these names, as the namespace walk would find."""
+    walks = []
+
+    def walk(namespace):
+        walks.append(len(namespace))
+        return {n: id(namespace[n]) for n in names if n in namespace}
+
+    _ext(shell).engine.holders = after_cell.GpuHolders(walk=walk)
+    return walks
+
+
+def test_gc_auto_full_collection_when_the_cell_deleted_a_name_that_held_gpu_memory_stand_in(shell, stand_in, collects, capsys):
     shell.run_line_magic("load_ext", "gpucleanup")
+    _stand_in_holders(shell)
     _run(shell, "x = 1", capsys)
     collects.clear()
     _run(shell, "del x", capsys)
     assert collects == [1, 2]
     assert _ext(shell).history.last()[-1]["gc"]["ran"] == "full"
+
+
+def test_gc_auto_deleting_a_name_that_held_no_gpu_memory_is_a_young_collection_stand_in(shell, stand_in, collects, capsys):
+    shell.run_line_magic("load_ext", "gpucleanup")
+    _stand_in_holders(shell)
+    _run(shell, "x = 1; y = 2", capsys)
+    collects.clear()
+    _run(shell, "del y", capsys)
+    assert collects == [1]
+
+
+def test_namespace_is_walked_only_when_live_gpu_memory_grows_stand_in(shell, stand_in, capsys):
+    shell.run_line_magic("load_ext", "gpucleanup")
+    walks = _stand_in_holders(shell)
+    for i in range(50):
+        shell.user_ns[f"name{i}"] = i  # the namespace grows, GPU memory does not
+        _run(shell, f"x = 1", capsys)
+    assert len(walks) == 1  # the first cell: nothing known yet
+    stand_in.cupy.live[0] += GiB  # a cell made new GPU objects: the last walk cannot explain them
+    _run(shell, "x = 1", capsys)
+    assert len(walks) == 2
+    stand_in.cupy.live[0] -= GiB  # memory given back: nothing new to find
+    _run(shell, "x = 1", capsys)
+    assert len(walks) == 2
+    for i in range(50):
+        shell.user_ns.pop(f"name{i}", None)
 
 
 def test_gc_auto_no_full_collection_when_the_young_one_released_everything_stand_in(shell, stand_in, monkeypatch, capsys):
@@ -753,8 +792,9 @@ def test_gc_auto_no_full_collection_when_the_young_one_released_everything_stand
         stand_in.cupy.live = {}  # the young collection freed the cycle that held the memory
         return 1
 
-    monkeypatch.setattr(extension.gc, "collect", collect)
+    monkeypatch.setattr(after_cell.gc, "collect", collect)
     shell.run_line_magic("load_ext", "gpucleanup")
+    _stand_in_holders(shell)
     _run(shell, "x = 1", capsys)
     calls.clear()
     stand_in.cupy.live = {0: GiB}
@@ -777,6 +817,7 @@ def test_gc_always_and_never_stand_in(shell, stand_in, collects, capsys):
 def test_gc_really_releases_a_gpu_object_held_in_a_cycle_stand_in(shell, stand_in, capsys):
     """End to end with the real gc: a cycle holding a (stand-in) GPU buffer is collected after `del`."""
     shell.run_line_magic("load_ext", "gpucleanup")
+    _stand_in_holders(shell)
     live = stand_in.cupy.live
     shell.run_cell(textwrap.dedent("""
         class Node:
@@ -1056,10 +1097,10 @@ def test_fake_driver_sticky_error_said_once_in_a_fresh_process(fake_cuda, tmp_pa
 
 
 def test_adapter_notes_are_named_after_their_adapter_once():
-    assert extension.adapter_note("cupy", "[gpucleanup.cupy.204] GPU0: cleared cupy's FFT plan cache") == \
+    assert after_cell.adapter_note("cupy", "[gpucleanup.cupy.204] GPU0: cleared cupy's FFT plan cache") == \
         "[gpucleanup.cupy.204] GPU0: cleared cupy's FFT plan cache"
-    assert extension.adapter_note("cupy", "pool busy") == "cupy: pool busy"
-    assert extension.adapter_note("torch", "[gpucleanup.cupy.204] x") == "torch: [gpucleanup.cupy.204] x"
+    assert after_cell.adapter_note("cupy", "pool busy") == "cupy: pool busy"
+    assert after_cell.adapter_note("torch", "[gpucleanup.cupy.204] x") == "torch: [gpucleanup.cupy.204] x"
 
 
 def test_a_library_that_is_not_a_cuda_driver_is_named_not_the_native_library(tmp_path):
@@ -1187,28 +1228,44 @@ def test_a_drain_from_outside_never_makes_the_cell_wait_stand_in(shell, stand_in
     assert out.out == ""  # the next cell runs as usual
 
 
-def test_ctrl_c_during_the_pre_cell_snapshot_stops_the_cell_stand_in(shell, stand_in, capsys):
+class _InterruptedOnce(StandInEndpoint):
+    """Ctrl-C arrives while the pre-cell hook tells the endpoint that a cell runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.armed = False
+
+    def set_state(self, state):
+        if self.armed and state.get("state") == "running":
+            self.armed = False
+            raise KeyboardInterrupt
+        super().set_state(state)
+
+
+def test_ctrl_c_during_the_pre_cell_hook_stops_the_cell_stand_in(shell, stand_in, monkeypatch, capsys):
+    endpoint = _InterruptedOnce()
+    monkeypatch.setitem(extension.DEFAULTS, "status_endpoint", lambda: endpoint)
     shell.run_line_magic("load_ext", "gpucleanup")
     _run(shell, "x = 1", capsys)
-    stand_in.native.fail["snapshot"] = KeyboardInterrupt()
+    endpoint.armed = True
     result, out = _run(shell, "x = 2", capsys)
     # the interrupt reached the cell: it stopped before its first statement, as after any Ctrl-C
     assert isinstance(result.error_in_exec, KeyboardInterrupt)
     assert shell.user_ns["x"] == 1
-    assert "snapshot before the cell failed" not in out.out
-    del stand_in.native.fail["snapshot"]
+    assert "Error in callback" not in out.out
     result, _ = _run(shell, "x = 3", capsys)
     assert result.success and shell.user_ns["x"] == 3
 
 
-def test_the_interrupt_transformer_is_set_only_for_an_interrupted_cell_stand_in(shell, stand_in, capsys):
+def test_the_interrupt_transformer_is_set_only_for_an_interrupted_cell_stand_in(shell, stand_in, monkeypatch, capsys):
+    endpoint = _InterruptedOnce()
+    monkeypatch.setitem(extension.DEFAULTS, "status_endpoint", lambda: endpoint)
     before = list(shell.ast_transformers)
     shell.run_line_magic("load_ext", "gpucleanup")
     _run(shell, "x = 1", capsys)
     assert shell.ast_transformers == before
-    stand_in.native.fail["snapshot"] = KeyboardInterrupt()
+    endpoint.armed = True
     _run(shell, "x = 2", capsys)
     assert shell.ast_transformers == before  # gone again after that cell
-    del stand_in.native.fail["snapshot"]
     shell.run_line_magic("unload_ext", "gpucleanup")
     assert shell.ast_transformers == before

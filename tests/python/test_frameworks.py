@@ -455,7 +455,7 @@ def test_rmm_adapter_with_stand_in_module_reports_pool_and_live_bytes_of_configu
     assert world.calls == [("get_per_device_resource", 0)] and world.violations == []
     assert rmm_adapter.drain([0]) == {"freed_bytes": {0: 0}, "notes": []}
     assert rmm_adapter.describe() == (
-        "rmm holds 2.0 GiB (512.0 MiB live); RMM pools give memory back only when their resource is destroyed "
+        "rmm holds 2.0 GiB (512 MiB live); RMM pools give memory back only when their resource is destroyed "
         "(rmm.reinitialize()), so gpucleanup leaves them")
 
 

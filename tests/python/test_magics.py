@@ -10,6 +10,7 @@ from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 from gpucleanup import extension, magics
+from gpucleanup.frameworks import objects
 from test_extension import GiB, MiB, StandInAdapter, StandInEndpoint, StandInNative, _lines, shell  # noqa: F401
 
 
@@ -170,7 +171,7 @@ def test_gpumem_vars_lists_the_largest_gpu_objects_by_name_stand_in(shell, stand
 
 def test_gpumem_vars_never_imports_a_framework(shell, stand_in):  # noqa: F811
     before = set(sys.modules)
-    magics.find_gpu_objects({"a": 1, "b": [object()], "c": {"d": "e"}})
+    objects.find_gpu_objects({"a": 1, "b": [object()], "c": {"d": "e"}})
     assert {m for m in set(sys.modules) - before if m.split(".")[0] in ("cupy", "torch", "jax", "numba")} == set()
 
 
@@ -278,7 +279,7 @@ def test_an_object_whose_class_raises_does_not_break_vars_or_the_cell_stand_in(s
         assert "failed" not in capsys.readouterr().out  # no "snapshot before the cell failed"
         found = shell.run_line_magic("gpumem", "--vars --json")
         assert found["vars"] == []
-        assert magics.bound_gpu_objects(shell.user_ns) == {}
+        assert objects.bound_gpu_objects(shell.user_ns) == {}
     finally:
         shell.user_ns.pop("hostile", None)
         shell.user_ns.pop("hostiles", None)

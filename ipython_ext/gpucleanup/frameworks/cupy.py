@@ -16,7 +16,7 @@ import gc
 import sys
 from typing import Any, Iterator, Optional
 
-from . import Adapter, Figures, _bytes_text, _figures, _fault, _module
+from .base import Adapter, Figures, _bytes_text, _figures, _fault, _module
 
 
 def _pool_figures(pool: Any) -> tuple[int, int]:

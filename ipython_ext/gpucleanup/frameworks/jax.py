@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from . import Adapter, Figures, _bytes_text, _figures, _fault, _module
+from .base import Adapter, Figures, _bytes_text, _figures, _fault, _module
 
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Optional
 
-from . import Adapter, Figures, _bytes_text, _figures, _fault, _module
+from .base import Adapter, Figures, _bytes_text, _figures, _fault, _module
 
 _DEVICES_MODULES = ("numba.cuda.cudadrv.devices", "numba_cuda.numba.cuda.cudadrv.devices")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from . import Adapter, Figures, _bytes_text, _figures, _fault, _module
+from .base import Adapter, Figures, _bytes_text, _figures, _fault, _module
 
 
 def _mr_module() -> Any:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from . import Adapter, Figures, _bytes_text, _figures, _fault, _module
+from .base import Adapter, Figures, _bytes_text, _figures, _fault, _module
 
 
 def _context_ready() -> bool:

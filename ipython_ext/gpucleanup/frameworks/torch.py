@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from . import Adapter, Figures, _bytes_text, _figures, _fault, _module
+from .base import Adapter, Figures, _bytes_text, _figures, _fault, _module
 
 
 # A pinned host cache owning less than this is left alone. torch pins a few bytes of

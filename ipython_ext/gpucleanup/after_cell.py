@@ -1,0 +1,718 @@
+"""The after-cell engine: what gpucleanup does to GPU memory after a cell, as plain steps.
+
+Like IPython's own ``autoreload`` (a ``ModuleReloader`` that knows nothing of the shell,
+and a hook of a few lines that delegates), this module imports nothing from IPython:
+the extension (``extension.py``) owns the lifecycle, the traits and ``%gpumem``, and
+hands each cell to :meth:`AfterCell.run`, which returns an :class:`~.record.Outcome`:
+a typed record and the lines to print, separately.
+
+The steps, each a method with its inputs and outputs explicit:
+
+1. ``_settle``: the driver pass. On every device already in use, wait (at most
+   ``settle_timeout``) for queued work, then trim the driver's pools once; busy devices
+   are skipped. Past 2 s a progress line is written.
+2. ``_collect``: garbage collection, only when it can release GPU memory.
+3. ``_drain_frameworks``: each framework adapter empties its caches on the settled devices.
+4. ``_trim``: the driver's pools again, only if a framework gave memory back to them.
+5. ``_snapshot``: device figures after the cleanup (the driver pass's own when nothing
+   changed since it).
+6. ``_start_pinned``: pinned host pools are released on a background thread, started
+   after the cell's last driver call (a pinned free makes concurrent driver calls wait).
+7. ``_record`` and ``_lines``: the record and what to print.
+
+When nothing in the process uses CUDA, a cell costs one native probe and nothing else.
+Nothing here raises into the caller for a fault of a framework or of the driver: each
+becomes a note, said once per kind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+
+from . import report
+from .frameworks.objects import gpu_holder_names
+from .record import CellRecord, DeviceRecord, GcRecord, Outcome, PinnedRecord
+from .unraisable import UnraisableCapture, summarize_unraisables
+
+__all__ = ["AfterCell", "Settings", "adapter_note"]
+
+_PINNED_REPORT_WAIT_S = 0.005  # a pinned release this quick is reported by its own cell
+_ADAPTER_LOCK_WAIT_S = 0.05  # how long a cell waits for a background pinned release of the same adapter
+
+Note = Tuple[str, str]  # (kind, text): a kind is said once per session
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What one cell's cleanup does: the extension's traits, read when the cell ends."""
+
+    gc: str = "auto"
+    pinned: bool = True
+    driver_pools: bool = True
+    settle_timeout: float = 30.0
+    show: str = "auto"
+    frameworks: Mapping[str, bool] = field(default_factory=dict)
+
+    def framework_enabled(self, name: str) -> bool:
+        return bool(self.frameworks.get(name, True))
+
+
+def adapter_note(name: str, text: str) -> str:
+    """An adapter's note as users read it: named after its adapter once
+    ("[gpucleanup.cupy.204] ..." already is; other text gets "cupy: ")."""
+    return text if text.startswith(f"[gpucleanup.{name}.") else f"{name}: {text}"
+
+
+def _index(key: Any) -> Optional[int]:
+    try:
+        return int(key)
+    except (TypeError, ValueError):
+        return None
+
+
+class CtrlC:
+    """Ctrl-C during the cleanup becomes a flag the cleanup checks between steps.
+
+    A KeyboardInterrupt raised by the default handler lands wherever the main thread
+    runs Python next, which during the native settle is the first line of the ctypes
+    progress callback, where it would be printed and lost. With this handler the
+    progress callback sees the flag and asks the native wait to stop; the steps after
+    it are skipped. The previous handler is restored when the cleanup ends.
+    """
+
+    def __init__(self):
+        self.pressed = False
+
+    @contextlib.contextmanager
+    def armed(self):
+        self.pressed = False
+        previous = None
+        installed = False
+        if threading.current_thread() is threading.main_thread():
+            try:
+                previous = signal.getsignal(signal.SIGINT)
+                if previous is not None:
+                    signal.signal(signal.SIGINT, self._handler)
+                    installed = True
+            except (ValueError, TypeError, OSError):
+                installed = False
+        try:
+            yield self
+        finally:
+            if installed:
+                with contextlib.suppress(Exception):
+                    signal.signal(signal.SIGINT, previous)
+
+    def _handler(self, signum, frame) -> None:
+        self.pressed = True
+
+    def check(self) -> None:
+        if self.pressed:
+            raise KeyboardInterrupt
+
+
+class PinnedRelease:
+    """One background release of pinned host pools; adapters are done one after another."""
+
+    def __init__(self, engine: "AfterCell", adapters: list, cell: Optional[int]):
+        self.engine = engine
+        self.adapters = adapters
+        self.cell = cell
+        self.freed: Dict[str, int] = {}
+        self.notes: List[Note] = []
+        self.unraisable: List[dict] = []
+        self.elapsed_s = 0.0
+        self.done = threading.Event()
+        self.reported = False
+        self.thread = threading.Thread(target=self._run, name="gpucleanup-pinned", daemon=True)
+
+    def _run(self) -> None:
+        start = time.perf_counter()
+        engine = self.engine
+        try:
+            with engine.unraisables.capture() as captured:
+                for adapter in self.adapters:
+                    if engine.exiting:
+                        break
+                    with engine.adapter_lock(adapter.name), engine.unraisables.source(adapter.name):
+                        result, note = engine.guarded(adapter, "drain_pinned")
+                    if note:
+                        self.notes.append(note)
+                        continue
+                    if isinstance(result, dict):
+                        freed = int(result.get("freed_bytes") or 0)
+                        if freed:
+                            self.freed[adapter.name] = self.freed.get(adapter.name, 0) + freed
+                        for text in result.get("notes") or []:
+                            self.notes.append((f"note:{adapter.name}:{text}", adapter_note(adapter.name, text)))
+            self.unraisable = captured
+        except BaseException as exc:  # a background thread must never die loudly
+            self.notes.append(("pinned:internal", f"pinned release failed: {type(exc).__name__}: {exc}"))
+        finally:
+            self.elapsed_s = time.perf_counter() - start
+            self.done.set()
+
+    def result(self) -> dict:
+        return {"cell": self.cell, "freed_bytes": dict(self.freed), "elapsed_s": round(self.elapsed_s, 6)}
+
+
+class GpuHolders:
+    """Which top-level names held GPU memory at the last walk of the namespace.
+
+    The garbage policy wants to know whether a cell unbound such a name (``del model``)
+    while GPU memory is still live. Checking the remembered names costs as many
+    lookups as there are such names; the namespace itself is walked again only when the
+    frameworks' live bytes grew past what the last walk saw (new GPU objects the walk
+    cannot explain), bounded by ``gpu_holder_names``. A session of 10,000 cells and
+    100,000 names costs nothing more per cell while GPU memory stays as it is.
+    """
+
+    def __init__(self, walk: Callable[[dict], Dict[str, int]] = gpu_holder_names):
+        self._walk = walk
+        self.names: Dict[str, int] = {}
+        self.live_at_walk: Optional[int] = None
+        self.walks = 0
+
+    def unbound(self, namespace: Optional[dict]) -> bool:
+        if not namespace or not self.names:
+            return False
+        return any(id(namespace.get(name, _MISSING)) != oid for name, oid in self.names.items())
+
+    def update(self, namespace: Optional[dict], live: Optional[int]) -> None:
+        """After the cleanup: forget unbound names; walk again only for unexplained growth."""
+        if namespace is None or live is None:
+            return
+        self.names = {n: oid for n, oid in self.names.items() if id(namespace.get(n, _MISSING)) == oid}
+        if live > 0 and (self.live_at_walk is None or live > self.live_at_walk):
+            try:
+                self.names = self._walk(namespace)
+                self.walks += 1
+            except Exception:
+                self.names = {}
+        self.live_at_walk = live
+
+
+_MISSING = object()
+
+
+@dataclass
+class _Settled:
+    """What the driver pass found, per device index."""
+
+    state: Dict[int, str] = field(default_factory=dict)
+    settle: Dict[int, dict] = field(default_factory=dict)
+    message: Dict[int, Optional[str]] = field(default_factory=dict)
+    free_before: Dict[int, Optional[int]] = field(default_factory=dict)
+    figures: Dict[int, dict] = field(default_factory=dict)  # name, total, used, free after the pass
+    interrupted: bool = False
+
+
+class AfterCell:
+    """One cell's cleanup at a time, and what it must remember between cells.
+
+    ``native`` is ``gpucleanup._native`` (or a stand-in with the same functions);
+    ``adapters`` a callable returning the framework adapters in use (None: the real
+    ones, ``gpucleanup.frameworks.active``); ``status`` a callable ``(method, payload)``
+    feeding the status endpoint; ``write`` where the progress line goes.
+    """
+
+    def __init__(
+        self,
+        native: Any,
+        adapters: Optional[Callable[[], Any]] = None,
+        status: Optional[Callable[[str, dict], None]] = None,
+        write: Optional[Callable[[str], None]] = None,
+    ):
+        self.native = native
+        self._adapters_fn = adapters
+        self._status = status or (lambda method, payload: None)
+        self._write = write or _write_stdout
+        self.unraisables = UnraisableCapture()
+        self.ctrl_c = CtrlC()
+        self.holders = GpuHolders()
+        self.exiting = False
+        self.last_driver_state: Optional[str] = None
+        self.pinned_job: Optional[PinnedRelease] = None
+        self._warned: set = set()
+        self._unusable: set = set()
+        self._adapter_locks: Dict[str, threading.Lock] = {}
+        self._locks_lock = threading.Lock()
+        self._last_free: Dict[int, int] = {}  # device free after the last cleanup
+        self._last_used: Dict[int, int] = {}
+        self._cell: Optional[int] = None
+        self._progress_shown = False
+        self.progress_opened = False  # a progress line was written during this cleanup
+
+    # ------------------------------------------------------------ shared helpers
+
+    def note_once(self, kind: str) -> bool:
+        """True the first time ``kind`` is seen in this session."""
+        if kind in self._warned:
+            return False
+        self._warned.add(kind)
+        return True
+
+    def adapter_lock(self, name: str) -> threading.Lock:
+        with self._locks_lock:
+            lock = self._adapter_locks.get(name)
+            if lock is None:
+                lock = self._adapter_locks[name] = threading.Lock()
+            return lock
+
+    def guarded(self, adapter: Any, verb: str, *args: Any):
+        """``(result, None)`` or ``(None, (kind, note))``: an adapter's exception becomes one note."""
+        name = getattr(adapter, "name", "?")
+        try:
+            return getattr(adapter, verb)(*args), None
+        except Exception as exc:
+            return None, (f"adapter:{name}:{verb}:{type(exc).__name__}", f"{name}.{verb} failed: {type(exc).__name__}: {exc}")
+
+    def adapters(self, settings: Settings, notes: List[Note]) -> list:
+        """Enabled adapters whose framework is in use. Only called once the driver is 'ready'."""
+        fn = self._adapters_fn
+        if fn is None:
+            try:
+                from .frameworks import active as fn
+            except Exception:
+                return []  # the adapters are not part of this build
+            self._adapters_fn = fn
+        try:
+            found = fn()
+            adapters = list(found.values() if isinstance(found, dict) else found)
+        except Exception as exc:
+            notes.append(("adapters:active", f"framework detection failed: {type(exc).__name__}: {exc}"))
+            return []
+        return [a for a in adapters if settings.framework_enabled(str(getattr(a, "name", "?")))]
+
+    def stats(self, adapters: list, devices: List[int], notes: List[Note]) -> Dict[str, dict]:
+        out = {}
+        for adapter in adapters:
+            result, note = self.guarded(adapter, "stats", list(devices))
+            if note:
+                notes.append(note)
+                continue
+            if not isinstance(result, dict):
+                continue
+            per_device = {}
+            for key, entry in (result.get("devices") or {}).items():
+                idx = _index(key)
+                if idx is not None and isinstance(entry, dict):
+                    per_device[idx] = {
+                        "live_bytes": int(entry.get("live_bytes") or 0),
+                        "cached_bytes": int(entry.get("cached_bytes") or 0),
+                    }
+            pinned = result.get("pinned")
+            if isinstance(pinned, dict):
+                pinned = {"live_bytes": int(pinned.get("live_bytes") or 0), "cached_bytes": int(pinned.get("cached_bytes") or 0)}
+            else:
+                pinned = None
+            out[adapter.name] = {"devices": per_device, "pinned": pinned, "notes": list(result.get("notes") or [])}
+        return out
+
+    @staticmethod
+    def live_total(stats: Dict[str, dict], devices: List[int]) -> int:
+        return sum(s["devices"].get(i, {}).get("live_bytes", 0) for s in stats.values() for i in devices)
+
+    def is_unusable(self, index: int) -> bool:
+        return index in self._unusable
+
+    # ------------------------------------------------------------ the cell
+
+    def run(
+        self,
+        settings: Settings,
+        cell: Optional[int] = None,
+        namespace: Optional[dict] = None,
+        forced: bool = False,
+        after_forced: Optional[CellRecord] = None,
+    ) -> Optional[Outcome]:
+        """The cleanup after one cell; None when nothing in the process uses CUDA.
+
+        ``forced`` (``%gpumem --drain``) always returns lines. ``after_forced`` is the
+        record of a ``%gpumem --drain`` earlier in the same cell: this cleanup then says
+        and keeps only what it adds to it (one line and one record per cell).
+        """
+        start = time.perf_counter()
+        self.progress_opened = False
+        probe = self.native.probe()
+        driver = probe.get("driver") or {}
+        state = driver.get("state")
+        self.last_driver_state = state
+        in_use = [d for d in probe.get("devices") or [] if d.get("in_use")]
+        if state != "ready" or not in_use:
+            return self._nothing_in_use(driver, cell, forced)
+
+        notes: List[Note] = []
+        all_devices = [int(d["index"]) for d in in_use]
+        quiet = {i for i in all_devices if i in self._unusable}
+        devices = [i for i in all_devices if i not in self._unusable]
+        self._cell = cell
+        self._status("set_state", {"state": "draining", "cell": cell, "since_ns": time.time_ns()})
+
+        freed: Dict[int, Dict[str, int]] = {i: {} for i in all_devices}
+        background = self._finished_pinned()
+        captured: List[dict] = []
+        for job in background:
+            notes.extend(job.notes)
+            captured.extend(job.unraisable)
+        settled_pass = _Settled()
+        gc_record = GcRecord(policy=settings.gc)
+        adapters: list = []
+        stats_settled: Dict[str, dict] = {}
+        candidates: list = []
+        pending = False
+        interrupted = False
+        changed_since_pass = False
+        settled: List[int] = []
+        captured_now: List[dict] = []
+        try:
+            with self.ctrl_c.armed() as ctrl_c, self.unraisables.capture() as captured_now:
+                settled_pass = self._settle(settings, after_forced, devices, quiet, freed, notes)
+                interrupted = settled_pass.interrupted or ctrl_c.pressed
+                settled = [i for i in devices if settled_pass.state.get(i) == "drained"]
+                if interrupted:
+                    raise KeyboardInterrupt
+                ctrl_c.check()
+                adapters = self.adapters(settings, notes) if settled else []
+                stats_settled = self.stats(adapters, settled, notes) if adapters else {}
+                gc_record = self._collect(settings, adapters, stats_settled, settled, namespace)
+                ctrl_c.check()
+                given_back = self._drain_frameworks(adapters, settled, freed, notes, ctrl_c)
+                candidates, pending = self._pinned_candidates(settings, adapters, stats_settled, settled, devices)
+                ctrl_c.check()
+                if settings.driver_pools and settled and (given_back or gc_record.collected):
+                    self._trim(freed, notes)
+                changed_since_pass = bool(given_back or gc_record.collected)
+        except KeyboardInterrupt:
+            interrupted = True
+            for i in devices:
+                if settled_pass.state.get(i) in (None, "drained"):
+                    settled_pass.state[i] = "interrupted"
+        captured.extend(captured_now)
+
+        figures = self._snapshot(settled_pass, changed_since_pass or interrupted, notes)
+        stats_after: Dict[str, dict] = {}
+        if adapters and not interrupted:
+            usable = [i for i in devices if settled_pass.state.get(i) != "unusable"]
+            if not changed_since_pass and usable == settled:
+                stats_after = stats_settled  # nothing freed or collected since they were read
+            else:
+                stats_after = self.stats(adapters, usable, notes)
+        pinned_now: Dict[str, int] = {}
+        if candidates and not interrupted:
+            pinned_now, started_pending = self._start_pinned(candidates, cell, notes, captured)
+            pending = pending or started_pending
+        line = summarize_unraisables(captured)
+        if line:
+            notes.append((f"unraisable:{captured[0]['type']}", line))
+
+        record = self._record(
+            settings, cell, state, start, interrupted, all_devices, quiet, settled_pass, figures,
+            freed, stats_after, background, pinned_now, pending, gc_record, notes, captured,
+        )
+        if namespace is not None and not interrupted and adapters:
+            self.holders.update(namespace, self.live_total(stats_after, devices))
+        return self._outcome(settings, record, forced, after_forced)
+
+    # ------------------------------------------------------------ steps
+
+    def _nothing_in_use(self, driver: dict, cell: Optional[int], forced: bool) -> Optional[Outcome]:
+        state = driver.get("state")
+        if state == "unusable" and self.note_once("driver:unusable"):
+            self._write(f"{report.PREFIX}{report.SEP}the CUDA driver is unusable: {driver.get('message')}\n")
+        if not forced:
+            return None
+        why = report.driver_sentence(driver) if state != "ready" else "no GPU in use by this kernel: nothing to clean"
+        record = CellRecord(cell=cell, time_ns=time.time_ns(), driver_state=state, shown=True)
+        return Outcome(record=record, lines=[report.SEP.join([report.PREFIX, why])], keep=False)
+
+    def _settle_limit(self, settings: Settings, after_forced: Optional[CellRecord]) -> float:
+        """No second wait for a device that a ``%gpumem --drain`` earlier in the cell
+        already waited for in vain."""
+        if after_forced is not None and any(d.state not in ("drained", "unusable") for d in after_forced.devices):
+            return 0.0
+        return float(settings.settle_timeout)
+
+    def _settle(self, settings: Settings, after_forced: Optional[CellRecord], devices: List[int], quiet: set,
+                freed: Dict[int, Dict[str, int]], notes: List[Note]) -> _Settled:
+        """Step 1: the bounded wait for queued work, and the first trim of the driver's pools."""
+        out = _Settled()
+        result = self._native_drain(self._settle_limit(settings, after_forced), settings, notes, progress=True)
+        if result is None:
+            return out
+        out.interrupted = bool(result.get("keyboard_interrupt")) or self.ctrl_c.pressed
+        for dev in result.get("devices") or []:
+            idx = _index(dev.get("index"))
+            if idx is None:
+                continue
+            state = dev.get("state") or "error"
+            out.state[idx] = state
+            out.settle[idx] = dev.get("settle") or {}
+            out.message[idx] = dev.get("message")
+            out.free_before[idx] = dev.get("free_before_bytes")
+            if "free_bytes" in dev or "total_bytes" in dev:  # the one-pass call reports the figures after
+                out.figures[idx] = {k: dev.get(k) for k in ("name", "total_bytes", "used_bytes", "free_bytes")}
+            if state == "unusable":
+                if idx in self._unusable:
+                    quiet.add(idx)
+                self._unusable.add(idx)
+            elif state == "error":
+                err = dev.get("error") or {}
+                notes.append((f"device-error:{err.get('name') or dev.get('message')}", dev.get("message") or f"GPU{idx}: {err.get('message')}"))
+            if out.interrupted and out.settle[idx].get("status") == "interrupted":
+                out.state[idx] = "interrupted"
+        _add_released(freed, result)
+        return out
+
+    def _native_drain(self, timeout: float, settings: Settings, notes: List[Note], progress: bool) -> Optional[dict]:
+        self._progress_shown = False
+        self._show_progress = settings.show != "never"
+        # driver_pools off: settle only, the driver's pools are left as they are
+        extra = {} if settings.driver_pools else {"trim": False}
+        try:
+            return self.native.drain(timeout=timeout, progress=self._progress if progress else None, **extra)
+        except Exception as exc:
+            notes.append((f"drain:{type(exc).__name__}", f"native drain failed: {exc}"))
+            return None
+        finally:
+            if self._progress_shown:
+                self._write("\n")
+                self._progress_shown = False
+
+    def _progress(self, payload: dict) -> bool:
+        if self.ctrl_c.pressed:
+            return True  # stop waiting
+        # The status endpoint (gpucleanup ps) shows which GPU the cell waits for,
+        # since when: the wait began waited_s ago.
+        waited_s = float(payload.get("waited_s", 0.0))
+        device = int(payload.get("device", 0))
+        self._status("set_state", {"state": "waiting", "device": device, "cell": self._cell,
+                                   "since_ns": time.time_ns() - int(waited_s * 1e9)})
+        if not self._show_progress:
+            return False
+        self._write(("\r" if self._progress_shown else "") + report.progress_line(device, waited_s))
+        self._progress_shown = True
+        self.progress_opened = True
+        return False
+
+    def _collect(self, settings: Settings, adapters: list, stats: Dict[str, dict], settled: List[int],
+                 namespace: Optional[dict]) -> GcRecord:
+        """Step 2: garbage collection, only when it can release GPU memory.
+
+        'auto': a young collection when the frameworks hold live GPU memory (or none can
+        tell); a full one only when the cell also unbound a name that held GPU memory and
+        GPU memory is still live after the young one. 'always': a full collection.
+        """
+        info = GcRecord(policy=settings.gc)
+        if not settled or settings.gc == "never":
+            return info
+        live = self.live_total(stats, settled) if adapters else None
+        start = time.perf_counter()
+        if settings.gc == "always":
+            info.collected = gc.collect()
+            info.ran = "full"
+        elif live is None or live > 0:
+            # only live GPU objects can be garbage holding GPU memory
+            info.collected = gc.collect(1)
+            info.ran = "young"
+            if self.holders.unbound(namespace):
+                after = self.live_total(self.stats(adapters, settled, []), settled) if adapters else None
+                if after is None or after > 0:
+                    info.collected += gc.collect()
+                    info.ran = "full"
+        info.elapsed_s = round(time.perf_counter() - start, 6)
+        return info
+
+    def _drain_frameworks(self, adapters: list, settled: List[int], freed: Dict[int, Dict[str, int]],
+                          notes: List[Note], ctrl_c: CtrlC) -> bool:
+        """Step 3: each framework empties its caches on the settled devices; True if any gave memory back."""
+        for adapter in adapters:
+            ctrl_c.check()
+            if not getattr(adapter, "can_release", True):
+                continue
+            lock = self.adapter_lock(adapter.name)
+            if not lock.acquire(timeout=_ADAPTER_LOCK_WAIT_S):
+                notes.append((f"busy-pinned:{adapter.name}",
+                              f"{adapter.name}: pinned release of an earlier cell still running, its device pool waits for the next cell"))
+                continue
+            try:
+                with self.unraisables.source(adapter.name):
+                    res, note = self.guarded(adapter, "drain", list(settled))
+            finally:
+                lock.release()
+            if note:
+                notes.append(note)
+                continue
+            if isinstance(res, dict):
+                for key, n in (res.get("freed_bytes") or {}).items():
+                    idx = _index(key)
+                    if idx in freed and n:
+                        freed[idx][adapter.name] = freed[idx].get(adapter.name, 0) + int(n)
+                for text in res.get("notes") or []:
+                    notes.append((f"note:{adapter.name}:{text}", adapter_note(adapter.name, text)))
+        return any(n for i in settled for name, n in freed[i].items() if name != "driver")
+
+    def _pinned_candidates(self, settings: Settings, adapters: list, stats: Dict[str, dict], settled: List[int],
+                           devices: List[int]) -> Tuple[list, bool]:
+        """Which adapters' pinned pools to release after the cell's last driver call, and
+        whether an earlier release still runs."""
+        if not (settings.pinned and adapters and len(settled) == len(devices)):
+            return [], False
+        job = self.pinned_job
+        if job is not None and not job.done.is_set():
+            return [], True
+        return [
+            a
+            for a in adapters
+            if getattr(a, "can_release", True)
+            and hasattr(a, "drain_pinned")
+            and a.name in stats
+            # unknown pinned stats: try; known empty pools: no thread for nothing
+            and (stats[a.name]["pinned"] is None or stats[a.name]["pinned"]["cached_bytes"] > 0)
+        ], False
+
+    def _trim(self, freed: Dict[int, Dict[str, int]], notes: List[Note]) -> None:
+        """Step 4: the driver's pools again, after the frameworks gave memory back to them."""
+        _add_released(freed, self._native_drain(0.0, Settings(), notes, progress=False))
+
+    def _snapshot(self, settled: _Settled, changed: bool, notes: List[Note]) -> Dict[int, dict]:
+        """Step 5: device figures after the cleanup; a fresh snapshot only when the pass's own
+        figures may be stale (something was freed or collected since, or it reported none)."""
+        if settled.figures and not changed:
+            return dict(settled.figures)
+        try:
+            snapshot = self.native.snapshot()
+        except Exception as exc:
+            notes.append((f"snapshot:{type(exc).__name__}", f"snapshot failed: {exc}"))
+            return {}
+        return {int(d["index"]): d for d in snapshot.get("devices") or [] if _index(d.get("index")) is not None}
+
+    def _finished_pinned(self) -> List[PinnedRelease]:
+        job = self.pinned_job
+        if job is not None and job.done.is_set() and not job.reported:
+            job.reported = True
+            self.pinned_job = None
+            return [job]
+        return []
+
+    def _start_pinned(self, candidates: list, cell: Optional[int], notes: List[Note],
+                      captured: List[dict]) -> Tuple[Dict[str, int], bool]:
+        """Step 6: the pinned release, on its own thread; reported now if it is quick."""
+        job = PinnedRelease(self, candidates, cell)
+        self.pinned_job = job
+        job.thread.start()
+        if job.done.wait(_PINNED_REPORT_WAIT_S):
+            job.reported = True
+            self.pinned_job = None
+            notes.extend(job.notes)
+            captured.extend(job.unraisable)
+            return dict(job.freed), False
+        return {}, True
+
+    def _record(self, settings: Settings, cell: Optional[int], state: Optional[str], start: float, interrupted: bool,
+                all_devices: List[int], quiet: set, settled: _Settled, figures: Dict[int, dict],
+                freed: Dict[int, Dict[str, int]], stats_after: Dict[str, dict], background: List[PinnedRelease],
+                pinned_now: Dict[str, int], pending: bool, gc_record: GcRecord, notes: List[Note],
+                captured: List[dict]) -> CellRecord:
+        """Step 7: the record. ``touched``: device memory changed since the last cleanup."""
+        devices = []
+        touched = False
+        for i in all_devices:
+            fig = figures.get(i, {})
+            total = fig.get("total_bytes")
+            fb = settled.free_before.get(i)
+            if fb is not None and i in self._last_free and self._last_free[i] != fb:
+                touched = True
+            devices.append(
+                DeviceRecord(
+                    index=i,
+                    name=fig.get("name"),
+                    state=settled.state.get(i, "error" if i not in quiet else "unusable"),
+                    settle=settled.settle.get(i),
+                    total_bytes=total,
+                    used_at_start_bytes=self._last_used.get(i),
+                    used_before_bytes=(total - fb) if (total is not None and fb is not None) else None,
+                    used_after_bytes=fig.get("used_bytes"),
+                    freed_bytes=freed.get(i, {}),
+                    live_bytes={n: s["devices"][i]["live_bytes"] for n, s in stats_after.items() if s["devices"].get(i, {}).get("live_bytes")},
+                    cached_bytes={n: s["devices"][i]["cached_bytes"] for n, s in stats_after.items() if s["devices"].get(i, {}).get("cached_bytes")},
+                    message=settled.message.get(i),
+                    quiet=i in quiet,
+                )
+            )
+            if fig.get("free_bytes") is not None:
+                self._last_free[i] = int(fig["free_bytes"])
+            if fig.get("used_bytes") is not None:
+                self._last_used[i] = int(fig["used_bytes"])
+        shown_notes = [text for kind, text in notes if self.note_once(kind)]
+        return CellRecord(
+            cell=cell,
+            time_ns=time.time_ns(),
+            elapsed_s=round(time.perf_counter() - start, 6),
+            driver_state=state,
+            interrupted=interrupted,
+            devices=devices,
+            pinned=PinnedRecord(
+                freed_bytes=pinned_now,
+                background=[job.result() for job in background],
+                pending=pending,
+                pools={name: s["pinned"] for name, s in stats_after.items() if s.get("pinned")},
+            ),
+            gc=gc_record,
+            notes=[text for _, text in notes],
+            shown_notes=shown_notes,
+            unraisable=captured[:20],
+            touched=touched,
+        )
+
+    def _outcome(self, settings: Settings, record: CellRecord, forced: bool,
+                 after_forced: Optional[CellRecord]) -> Outcome:
+        """Step 7: whether to speak, and the lines."""
+        devices = record.devices
+        anything_freed = (any(sum(d.freed_bytes.values()) for d in devices) or bool(record.pinned.freed_bytes)
+                          or any(job.get("freed_bytes") for job in record.pinned.background))
+        trouble = bool(record.shown_notes) or record.interrupted or any(d.state != "drained" and not d.quiet for d in devices)
+        keep = True
+        if after_forced is not None:
+            before = {d.index: d.state for d in after_forced.devices}
+            new_trouble = bool(record.shown_notes) or record.interrupted or any(
+                d.state != before.get(d.index) and d.state != "drained" and not d.quiet for d in devices
+            )
+            shown = settings.show != "never" and bool(anything_freed or new_trouble)
+        elif forced or settings.show == "always":
+            shown = True
+        elif settings.show == "never":
+            shown = False
+        else:
+            shown = bool(record.touched or anything_freed or trouble)
+        # a progress line was written: the summary closes it, whatever the policy
+        shown = shown or self.progress_opened
+        data = record.to_dict()
+        # a sticky error is said once even when summaries are off
+        first_sticky = [d for d in data["devices"] if d["state"] == "unusable" and not d["quiet"]]
+        lines = report.summary_lines(data) if (shown or first_sticky) else []
+        if not shown and first_sticky:
+            lines = [report.SEP.join([report.PREFIX, d["message"] or report.unusable_sentence(d)]) for d in first_sticky]
+        record.shown = bool(lines)
+        if after_forced is not None and not lines:
+            keep = False  # one record per cell: this pass added nothing to the %gpumem --drain's
+        return Outcome(record=record, lines=lines, keep=keep)
+
+
+def _add_released(freed: Dict[int, Dict[str, int]], drain: Optional[dict]) -> None:
+    for dev in (drain or {}).get("devices") or []:
+        idx = _index(dev.get("index"))
+        if idx in freed and dev.get("released_bytes"):
+            freed[idx]["driver"] = freed[idx].get("driver", 0) + int(dev["released_bytes"])
+
+
+def _write_stdout(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()

@@ -1,0 +1,186 @@
+"""The base of every framework adapter: the four verbs, their guards and notes.
+
+See ``gpucleanup/frameworks/__init__.py`` for the verbs and the rules every adapter
+keeps. Adapters import this module, never the package's face.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any, Iterable, Optional
+
+from ..report import format_bytes as _bytes_text  # noqa: F401  (the adapters' byte formatter)
+
+__all__ = ["Adapter", "Stats", "Figures"]
+
+Stats = dict
+Figures = dict
+
+
+def _figures(live: int = 0, cached: int = 0) -> Figures:
+    return {"live_bytes": int(live), "cached_bytes": int(cached)}
+
+
+def _device_list(devices: Iterable[Any]) -> list[int]:
+    seen: list[int] = []
+    for d in devices or ():
+        try:
+            i = int(d)
+        except (TypeError, ValueError):
+            continue
+        if i >= 0 and i not in seen:
+            seen.append(i)
+    return seen
+
+
+def _fault(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class Adapter:
+    """Base of every adapter: the guards, the notes and the pinned-release lock.
+
+    Subclasses implement ``_in_use``, ``_stats``, ``_drain``, ``_pinned_stats``,
+    ``_drain_pinned`` and ``_describe``; the public verbs wrap them so that a
+    framework fault becomes a note and never reaches the caller.
+    """
+
+    name: str = ""
+    can_release: bool = True
+    #: number prefix of this adapter's fault notes (stats, drain, pinned)
+    _fault_ids = {"stats": 101, "drain": 102, "pinned": 103}
+
+    def __init__(self) -> None:
+        self._pinned_lock = threading.Lock()
+        self._releasing = False
+        self._state_lock = threading.Lock()
+        self._last_devices: dict[int, Figures] = {}
+        self._last_pinned: Optional[Figures] = None
+
+    # -- public verbs ---------------------------------------------------------
+
+    def in_use(self) -> bool:
+        """True when the framework is imported and already uses CUDA in this process."""
+        try:
+            return bool(self._in_use())
+        except Exception:
+            return False
+
+    def stats(self, devices: list[int]) -> Stats:
+        devices = _device_list(devices)
+        result: Stats = {"devices": {}, "pinned": None, "notes": []}
+        if not self.in_use():
+            result["devices"] = {i: _figures() for i in devices}
+            return result
+        try:
+            self._stats(devices, result)
+        except Exception as exc:
+            result["notes"].append(self._note("stats", f"could not read {self.name}'s memory: {_fault(exc)}"))
+        # Never wait for a pinned release running on another thread: report what
+        # was read before it began. The lock is only ever held for a quick read.
+        with self._pinned_lock:
+            if self._releasing:
+                with self._state_lock:
+                    result["pinned"] = None if self._last_pinned is None else dict(self._last_pinned)
+                result["notes"].append(self._note(
+                    "pinned", f"{self.name}'s pinned pool is being released: figures from before the release", 104))
+            else:
+                try:
+                    pinned = self._pinned_stats(result["notes"])
+                    with self._state_lock:
+                        self._last_pinned = None if pinned is None else dict(pinned)
+                    result["pinned"] = pinned
+                except Exception as exc:
+                    result["notes"].append(
+                        self._note("pinned", f"could not read {self.name}'s pinned pool: {_fault(exc)}")
+                    )
+        with self._state_lock:
+            self._last_devices = {i: dict(f) for i, f in result["devices"].items()}
+        return result
+
+    def drain(self, devices: list[int]) -> dict:
+        devices = _device_list(devices)
+        result: dict = {"freed_bytes": {}, "notes": []}
+        if not self.in_use():
+            result["freed_bytes"] = {i: 0 for i in devices}
+            return result
+        try:
+            self._drain(devices, result)
+        except Exception as exc:
+            result["notes"].append(self._note("drain", f"could not free {self.name}'s cache: {_fault(exc)}"))
+        for i in devices:
+            result["freed_bytes"].setdefault(i, 0)
+        return result
+
+    def drain_pinned(self) -> dict:
+        result: dict = {"freed_bytes": 0, "notes": []}
+        if not self.in_use():
+            return result
+        with self._pinned_lock:
+            if self._releasing:
+                result["notes"].append(self._note(
+                    "pinned", f"{self.name}'s pinned pool is already being released", 105))
+                return result
+            self._releasing = True
+        try:
+            self._drain_pinned(result)
+        except Exception as exc:
+            result["notes"].append(self._note(
+                "pinned", f"could not release {self.name}'s pinned pool: {_fault(exc)}"))
+        finally:
+            with self._pinned_lock:
+                self._releasing = False
+        return result
+
+    def describe(self) -> str:
+        """One line for users: what the framework holds (as of the last stats) and what can be released."""
+        if not self.in_use():
+            return f"{self.name} is not in use in this kernel"
+        try:
+            with self._state_lock:
+                devices = {i: dict(f) for i, f in self._last_devices.items()}
+                pinned = None if self._last_pinned is None else dict(self._last_pinned)
+            return self._describe(devices, pinned)
+        except Exception as exc:  # pragma: no cover - describe must never fail
+            return f"{self.name}: {_fault(exc)}"
+
+    # -- for subclasses ----------------------------------------------------------
+
+    def _note(self, kind: str, text: str, number: Optional[int] = None) -> str:
+        return f"[gpucleanup.{self.name}.{number or self._fault_ids[kind]}] {text}"
+
+    def _remember_pinned(self, pinned: Optional[Figures]) -> None:
+        with self._state_lock:
+            self._last_pinned = None if pinned is None else dict(pinned)
+
+    def _in_use(self) -> bool:
+        raise NotImplementedError
+
+    def _stats(self, devices: list[int], result: Stats) -> None:
+        raise NotImplementedError
+
+    def _drain(self, devices: list[int], result: dict) -> None:
+        result["freed_bytes"] = {i: 0 for i in devices}
+
+    def _pinned_stats(self, notes: list[str]) -> Optional[Figures]:
+        return None
+
+    def _drain_pinned(self, result: dict) -> None:
+        return None
+
+    def _describe(self, devices: dict[int, Figures], pinned: Optional[Figures]) -> str:
+        raise NotImplementedError
+
+    # shared wording
+    @staticmethod
+    def _held(devices: dict[int, Figures]) -> tuple[int, int]:
+        live = sum(f["live_bytes"] for f in devices.values())
+        cached = sum(f["cached_bytes"] for f in devices.values())
+        return live, cached
+
+
+def _module(name: str) -> Any:
+    """The module if something already imported it, else None (never imports)."""
+    return sys.modules.get(name)

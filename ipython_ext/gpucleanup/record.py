@@ -1,0 +1,106 @@
+"""The record of one cell's cleanup: typed here, plain JSON everywhere else.
+
+The after-cell engine (``after_cell.py``) returns a :class:`CellRecord`; the history,
+``%gpumem --history``, the status endpoint and ``gpucleanup watch`` keep and send
+``CellRecord.to_dict()``, whose shape is ``share/schema/cell_record.schema.json``.
+Bytes are exact ints, durations seconds as floats; what is printed is returned beside
+the record (``Outcome.lines``), never inside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+__all__ = ["DeviceRecord", "PinnedRecord", "GcRecord", "CellRecord", "Outcome"]
+
+
+@dataclass
+class DeviceRecord:
+    """One device in use by the kernel, after the cleanup."""
+
+    index: int
+    name: Optional[str] = None
+    #: drained | busy | unusable | error | interrupted
+    state: str = "error"
+    #: the native settle: {"status": done | timeout | still_busy | skipped | interrupted, "waited_s", ...}
+    settle: Optional[dict] = None
+    total_bytes: Optional[int] = None
+    #: device used when the cell started: the previous cell's figure after its cleanup (None: unknown)
+    used_at_start_bytes: Optional[int] = None
+    #: ... when the cell ended, before the cleanup
+    used_before_bytes: Optional[int] = None
+    #: ... after the cleanup
+    used_after_bytes: Optional[int] = None
+    #: freed now, per framework ("driver": the driver's own pools)
+    freed_bytes: Dict[str, int] = field(default_factory=dict)
+    #: held by live objects, per framework
+    live_bytes: Dict[str, int] = field(default_factory=dict)
+    #: kept by a framework and not freeable now, per framework
+    cached_bytes: Dict[str, int] = field(default_factory=dict)
+    #: the driver's one line for a busy or unusable device
+    message: Optional[str] = None
+    #: unusable and already said: no line any more
+    quiet: bool = False
+
+
+@dataclass
+class PinnedRecord:
+    """Pinned (page-locked) host memory: host-wide, not per device."""
+
+    #: released by this cell's cleanup, per framework
+    freed_bytes: Dict[str, int] = field(default_factory=dict)
+    #: background releases that finished since the last record: {"cell", "freed_bytes", "elapsed_s"}
+    background: List[dict] = field(default_factory=list)
+    #: a release still runs in the background
+    pending: bool = False
+    #: each framework's pinned pool after the cleanup: {"live_bytes", "cached_bytes"}
+    pools: Dict[str, dict] = field(default_factory=dict)
+
+
+@dataclass
+class GcRecord:
+    policy: str = "auto"
+    #: None | "young" | "full"
+    ran: Optional[str] = None
+    elapsed_s: float = 0.0
+    collected: int = 0
+
+
+@dataclass
+class CellRecord:
+    #: the cell's execution count; None for %gpumem --drain outside a cell's own cleanup
+    cell: Optional[int] = None
+    time_ns: int = 0
+    elapsed_s: float = 0.0
+    driver_state: Optional[str] = None
+    interrupted: bool = False
+    devices: List[DeviceRecord] = field(default_factory=list)
+    pinned: PinnedRecord = field(default_factory=PinnedRecord)
+    gc: GcRecord = field(default_factory=GcRecord)
+    #: every note of this cell
+    notes: List[str] = field(default_factory=list)
+    #: the notes printed (the first of their kind)
+    shown_notes: List[str] = field(default_factory=list)
+    #: what frameworks printed through sys.unraisablehook while freeing (strings only)
+    unraisable: List[dict] = field(default_factory=list)
+    #: the cell changed GPU memory
+    touched: bool = False
+    #: a summary line was printed
+    shown: bool = False
+
+    def to_dict(self) -> dict:
+        """The JSON shape of share/schema/cell_record.schema.json."""
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class Outcome:
+    """What the engine hands back for one cell: the record and the lines to print."""
+
+    record: CellRecord
+    lines: List[str] = field(default_factory=list)
+    #: goes to the history and the status endpoint (not: a %gpumem --drain with no GPU in
+    #: use, or a cell's own cleanup that added nothing to its %gpumem --drain)
+    keep: bool = True
