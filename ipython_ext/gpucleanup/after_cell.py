@@ -39,7 +39,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 from . import report
 from .frameworks.objects import gpu_holder_names
 from .record import CellRecord, DeviceRecord, GcRecord, Outcome, PinnedRecord
-from .unraisable import UnraisableCapture, summarize_unraisables
+from .unraisable import CAPTURE, summarize_unraisables
 
 __all__ = ["AfterCell", "Settings", "adapter_note"]
 
@@ -234,7 +234,7 @@ class AfterCell:
         self._adapters_fn = adapters
         self._status = status or (lambda method, payload: None)
         self._write = write or _write_stdout
-        self.unraisables = UnraisableCapture()
+        self.unraisables = CAPTURE
         self.ctrl_c = CtrlC()
         self.holders = GpuHolders()
         self.exiting = False

@@ -12,7 +12,7 @@ import sys
 import threading
 from typing import Callable, Dict, List, Optional
 
-__all__ = ["UnraisableCapture", "summarize_unraisables"]
+__all__ = ["UnraisableCapture", "CAPTURE", "summarize_unraisables"]
 
 
 class UnraisableCapture:
@@ -28,7 +28,9 @@ class UnraisableCapture:
     def __init__(self):
         self._lock = threading.Lock()
         self._saved: Optional[Callable] = None
-        self._by_thread: Dict[int, List[dict]] = {}
+        # per thread, a stack of lists: a capture inside a capture (an adapter's own,
+        # inside the engine's) takes what arrives while it runs, the outer one the rest
+        self._by_thread: Dict[int, List[List[dict]]] = {}
         self._local = threading.local()
 
     @contextlib.contextmanager
@@ -39,12 +41,16 @@ class UnraisableCapture:
             if not self._by_thread:
                 self._saved = sys.unraisablehook
                 sys.unraisablehook = self._hook
-            self._by_thread[tid] = entries
+            self._by_thread.setdefault(tid, []).append(entries)
         try:
             yield entries
         finally:
             with self._lock:
-                self._by_thread.pop(tid, None)
+                stack = self._by_thread.get(tid, [])
+                if stack and stack[-1] is entries:
+                    stack.pop()
+                if not stack:
+                    self._by_thread.pop(tid, None)
                 if not self._by_thread:
                     if sys.unraisablehook == self._hook:
                         sys.unraisablehook = self._saved or sys.__unraisablehook__
@@ -61,7 +67,8 @@ class UnraisableCapture:
             self._local.source = previous
 
     def _hook(self, unraisable) -> None:
-        entries = self._by_thread.get(threading.get_ident())
+        stack = self._by_thread.get(threading.get_ident())
+        entries = stack[-1] if stack else None
         if entries is None:
             (self._saved or sys.__unraisablehook__)(unraisable)
             return
@@ -92,3 +99,7 @@ def summarize_unraisables(entries: List[dict]) -> Optional[str]:
     count = len(entries)
     what = "traceback" if count == 1 else "tracebacks"
     return f"{count} {what} from {first['source']} while freeing captured (first: {detail})"
+
+
+#: The capture every part of gpucleanup uses (the engine, the CuPy adapter).
+CAPTURE = UnraisableCapture()

@@ -1269,3 +1269,29 @@ def test_the_interrupt_transformer_is_set_only_for_an_interrupted_cell_stand_in(
     assert shell.ast_transformers == before  # gone again after that cell
     shell.run_line_magic("unload_ext", "gpucleanup")
     assert shell.ast_transformers == before
+
+
+def test_every_kept_record_matches_its_schema_stand_in(shell, stand_in, schemas, capsys):
+    shell.run_line_magic("load_ext", "gpucleanup")
+    _run(shell, "x = 1", capsys)
+    stand_in.native.busy.add(0)
+    _run(shell, "x = 2", capsys)
+    stand_in.native.busy.clear()
+    _run(shell, "%gpumem --drain", capsys)
+    records = _ext(shell).history.last()
+    assert len(records) >= 3
+    for record in records:
+        schemas["cell_record.schema.json"].validate(record)
+    published = [e[1] for e in stand_in.endpoint.events if e[0] == "publish"]
+    assert published == records[-len(published):]
+
+
+def test_the_engine_imports_nothing_from_ipython():
+    import subprocess as sp
+
+    code = ("import sys, gpucleanup.after_cell, gpucleanup.record, gpucleanup.frameworks; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('IPython', 'traitlets', 'ipykernel')))")
+    done = sp.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                  env=dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "ipython_ext"), os.environ.get("PYTHONPATH", "")])))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

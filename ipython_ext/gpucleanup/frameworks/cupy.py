@@ -13,9 +13,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import gc
-import sys
 from typing import Any, Iterator, Optional
 
+from ..unraisable import CAPTURE
 from .base import Adapter, Figures, _bytes_text, _figures, _fault, _module
 
 
@@ -228,21 +228,16 @@ def _held(pool: Any) -> int:
 class _UnraisableCapture:
     """Collects the "Exception ignored in ...Memory.__dealloc__" errors that CuPy's frees
     raise after a sticky CUDA error (share/FACTS.md §7.7), so a drain says one line instead of
-    printing a traceback per block. Other unraisable errors go to the previous hook."""
+    printing a traceback per block. Uses gpucleanup's one capture of sys.unraisablehook."""
 
     def __enter__(self) -> "_UnraisableCapture":
-        self.errors: list[str] = []
-        self._previous = sys.unraisablehook
-
-        def hook(unraisable: Any) -> None:
-            where = repr(getattr(unraisable, "object", "")) + type(unraisable.exc_value).__module__
-            if "cupy" in where or "cuda" in type(unraisable.exc_value).__name__.lower():
-                self.errors.append(_fault(unraisable.exc_value))
-            else:
-                self._previous(unraisable)
-
-        sys.unraisablehook = hook
+        self._context = CAPTURE.capture()
+        self._entries = self._context.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        sys.unraisablehook = self._previous
+        self._context.__exit__(*exc)
+
+    @property
+    def errors(self) -> list[str]:
+        return [f"{e['type']}: {e['message']}" if e["message"] else e["type"] for e in self._entries]

@@ -12,7 +12,7 @@ TensorFlow's logical GPU i is taken to be CUDA device i (true unless
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Optional
 
 from .base import Adapter, Figures, _bytes_text, _figures, _fault, _module
 
