@@ -28,6 +28,7 @@ becomes a note, said once per kind.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import signal
 import sys
@@ -59,6 +60,11 @@ class Settings:
     settle_timeout: float = 30.0
     show: str = "auto"
     frameworks: Mapping[str, bool] = field(default_factory=dict)
+    #: "cell": every cache after every cell; "auto": device caches after every cell, pinned
+    #: host pools once the kernel is idle; "idle": everything once the kernel is idle
+    release: str = "cell"
+    #: how long the kernel must stay idle before a deferred release runs
+    idle_release_s: float = 1.0
 
     def framework_enabled(self, name: str) -> bool:
         return bool(self.frameworks.get(name, True))
@@ -163,6 +169,114 @@ class PinnedRelease:
         return {"cell": self.cell, "freed_bytes": dict(self.freed), "elapsed_s": round(self.elapsed_s, 6)}
 
 
+class IdleRelease:
+    """What a cell left cached, given back once the kernel has been idle ``delay_s`` seconds.
+
+    A cell that starts before then cancels it (``AfterCell.cell_starts``): what the cell
+    re-uses from the caches is not torn down and rebuilt between two cells run back to
+    back. Once started it runs to its end on its own thread; the frameworks' pools and the
+    driver serialise it with a cell that starts meanwhile. Its result is reported by the
+    next cell's line ("freed 1.5 GiB when idle").
+    """
+
+    def __init__(self, engine: "AfterCell", adapters: list, devices: List[int], cell: Optional[int],
+                 device: bool, pinned: bool, trim: bool, delay_s: float):
+        self.engine = engine
+        self.adapters = adapters
+        self.devices = list(devices)
+        self.cell = cell
+        self.device = device
+        self.pinned = pinned
+        self.trim = trim
+        self.freed_device: Dict[int, Dict[str, int]] = {i: {} for i in devices}
+        self.freed_pinned: Dict[str, int] = {}
+        self.notes: List[Note] = []
+        self.unraisable: List[dict] = []
+        self.elapsed_s = 0.0
+        self.done = threading.Event()
+        self.reported = False
+        self._lock = threading.Lock()
+        self._state = "waiting"  # waiting -> running -> done, or waiting -> cancelled
+        self._timer = threading.Timer(max(0.0, float(delay_s)), self._run)
+        self._timer.name = "gpucleanup-idle-release"
+        self._timer.daemon = True
+
+    def start(self) -> None:
+        self._timer.start()
+
+    def cancel(self) -> bool:
+        """Drop it if it has not started; True if it was dropped."""
+        with self._lock:
+            if self._state != "waiting":
+                return False
+            self._state = "cancelled"
+        self._timer.cancel()
+        self.done.set()
+        return True
+
+    @property
+    def cancelled(self) -> bool:
+        return self._state == "cancelled"
+
+    def _run(self) -> None:
+        with self._lock:
+            if self._state != "waiting":
+                return
+            self._state = "running"
+        engine = self.engine
+        start = time.perf_counter()
+        try:
+            with engine.unraisables.capture() as captured:
+                for adapter in self.adapters:
+                    if engine.exiting:
+                        break
+                    with engine.adapter_lock(adapter.name), engine.unraisables.source(adapter.name):
+                        if self.device and getattr(adapter, "can_release", True):
+                            result, note = engine.guarded(adapter, "drain", list(self.devices))
+                            self._take(adapter.name, result, note, pinned=False)
+                        if self.pinned and hasattr(adapter, "drain_pinned"):
+                            result, note = engine.guarded(adapter, "drain_pinned")
+                            self._take(adapter.name, result, note, pinned=True)
+                if self.trim and not engine.exiting:
+                    try:
+                        _add_released(self.freed_device, engine.native.drain(timeout=0.0))
+                    except Exception as exc:
+                        self.notes.append((f"idle-trim:{type(exc).__name__}", f"trim when idle failed: {exc}"))
+            self.unraisable = captured
+        except BaseException as exc:  # a background thread must never die loudly
+            self.notes.append(("idle:internal", f"release when idle failed: {type(exc).__name__}: {exc}"))
+        finally:
+            self.elapsed_s = time.perf_counter() - start
+            self._state = "done"
+            self.done.set()
+
+    def _take(self, name: str, result: Any, note: Optional[Note], pinned: bool) -> None:
+        if note:
+            self.notes.append(note)
+            return
+        if not isinstance(result, dict):
+            return
+        if pinned:
+            freed = int(result.get("freed_bytes") or 0)
+            if freed:
+                self.freed_pinned[name] = self.freed_pinned.get(name, 0) + freed
+        else:
+            for key, n in (result.get("freed_bytes") or {}).items():
+                idx = _index(key)
+                if idx in self.freed_device and n:
+                    self.freed_device[idx][name] = self.freed_device[idx].get(name, 0) + int(n)
+        for text in result.get("notes") or []:
+            self.notes.append((f"note:{name}:{text}", adapter_note(name, text)))
+
+    def result(self) -> dict:
+        return {
+            "cell": self.cell,
+            "devices": [{"index": i, "freed_bytes": dict(f)} for i, f in sorted(self.freed_device.items()) if f],
+            "pinned_freed_bytes": dict(self.freed_pinned),
+            "elapsed_s": round(self.elapsed_s, 6),
+        }
+
+
 class GpuHolders:
     """Which top-level names held GPU memory at the last walk of the namespace.
 
@@ -240,6 +354,8 @@ class AfterCell:
         self.exiting = False
         self.last_driver_state: Optional[str] = None
         self.pinned_job: Optional[PinnedRelease] = None
+        self.idle_job: Optional[IdleRelease] = None  # the latest, while it may still be cancelled
+        self._idle_jobs: List[IdleRelease] = []  # started, not yet reported by a cell's line
         self._warned: set = set()
         self._unusable: set = set()
         self._adapter_locks: Dict[str, threading.Lock] = {}
@@ -323,6 +439,17 @@ class AfterCell:
     def is_unusable(self, index: int) -> bool:
         return index in self._unusable
 
+    def cell_starts(self) -> None:
+        """A cell starts: a release waiting for the kernel to be idle is not wanted now."""
+        job, self.idle_job = self.idle_job, None
+        if job is not None and job.cancel():
+            with contextlib.suppress(ValueError):
+                self._idle_jobs.remove(job)
+
+    def stop(self) -> None:
+        """Unload or exit: nothing waits any more to run later."""
+        self.cell_starts()
+
     # ------------------------------------------------------------ the cell
 
     def run(
@@ -341,6 +468,9 @@ class AfterCell:
         """
         start = time.perf_counter()
         self.progress_opened = False
+        if forced:
+            settings = dataclasses.replace(settings, release="cell")  # %gpumem --drain: everything, now
+        self.cell_starts()  # a release still waiting is replaced by this cleanup's
         probe = self.native.probe()
         driver = probe.get("driver") or {}
         state = driver.get("state")
@@ -358,10 +488,13 @@ class AfterCell:
 
         freed: Dict[int, Dict[str, int]] = {i: {} for i in all_devices}
         background = self._finished_pinned()
+        idle_done = self._finished_idle()
         captured: List[dict] = []
-        for job in background:
+        for job in [*background, *idle_done]:
             notes.extend(job.notes)
             captured.extend(job.unraisable)
+        now_device = settings.release != "idle"  # device caches and the driver trim, now or when idle
+        now_pinned = settings.release == "cell"
         settled_pass = _Settled()
         gc_record = GcRecord(policy=settings.gc)
         adapters: list = []
@@ -374,7 +507,7 @@ class AfterCell:
         captured_now: List[dict] = []
         try:
             with self.ctrl_c.armed() as ctrl_c, self.unraisables.capture() as captured_now:
-                settled_pass = self._settle(settings, after_forced, devices, quiet, freed, notes)
+                settled_pass = self._settle(settings, after_forced, devices, quiet, freed, notes, trim=now_device)
                 interrupted = settled_pass.interrupted or ctrl_c.pressed
                 settled = [i for i in devices if settled_pass.state.get(i) == "drained"]
                 if interrupted:
@@ -384,10 +517,10 @@ class AfterCell:
                 stats_settled = self.stats(adapters, settled, notes) if adapters else {}
                 gc_record = self._collect(settings, adapters, stats_settled, settled, namespace)
                 ctrl_c.check()
-                given_back = self._drain_frameworks(adapters, settled, freed, notes, ctrl_c)
+                given_back = self._drain_frameworks(adapters, settled, freed, notes, ctrl_c) if now_device else False
                 candidates, pending = self._pinned_candidates(settings, adapters, stats_settled, settled, devices)
                 ctrl_c.check()
-                if settings.driver_pools and settled and (given_back or gc_record.collected):
+                if now_device and settings.driver_pools and settled and (given_back or gc_record.collected):
                     self._trim(freed, notes)
                 changed_since_pass = bool(given_back or gc_record.collected)
         except KeyboardInterrupt:
@@ -406,9 +539,12 @@ class AfterCell:
             else:
                 stats_after = self.stats(adapters, usable, notes)
         pinned_now: Dict[str, int] = {}
-        if candidates and not interrupted:
+        deferred = None
+        if candidates and not interrupted and now_pinned:
             pinned_now, started_pending = self._start_pinned(candidates, cell, notes, captured)
             pending = pending or started_pending
+        elif not interrupted and settled and (candidates or not now_device):
+            deferred = self._defer(settings, adapters if not now_device else [], candidates, settled, cell)
         line = summarize_unraisables(captured)
         if line:
             notes.append((f"unraisable:{captured[0]['type']}", line))
@@ -417,6 +553,9 @@ class AfterCell:
             settings, cell, state, start, interrupted, all_devices, quiet, settled_pass, figures,
             freed, stats_after, background, pinned_now, pending, gc_record, notes, captured,
         )
+        record.release = settings.release
+        record.deferred = deferred
+        record.idle = [job.result() for job in idle_done]
         if namespace is not None and not interrupted and adapters:
             self.holders.update(namespace, self.live_total(stats_after, devices))
         return self._outcome(settings, record, forced, after_forced)
@@ -441,10 +580,11 @@ class AfterCell:
         return float(settings.settle_timeout)
 
     def _settle(self, settings: Settings, after_forced: Optional[CellRecord], devices: List[int], quiet: set,
-                freed: Dict[int, Dict[str, int]], notes: List[Note]) -> _Settled:
+                freed: Dict[int, Dict[str, int]], notes: List[Note], trim: bool = True) -> _Settled:
         """Step 1: the bounded wait for queued work, and the first trim of the driver's pools."""
         out = _Settled()
-        result = self._native_drain(self._settle_limit(settings, after_forced), settings, notes, progress=True)
+        result = self._native_drain(self._settle_limit(settings, after_forced), settings, notes, progress=True,
+                                    trim=trim and settings.driver_pools)
         if result is None:
             return out
         out.interrupted = bool(result.get("keyboard_interrupt")) or self.ctrl_c.pressed
@@ -471,11 +611,12 @@ class AfterCell:
         _add_released(freed, result)
         return out
 
-    def _native_drain(self, timeout: float, settings: Settings, notes: List[Note], progress: bool) -> Optional[dict]:
+    def _native_drain(self, timeout: float, settings: Settings, notes: List[Note], progress: bool,
+                      trim: bool = True) -> Optional[dict]:
         self._progress_shown = False
         self._show_progress = settings.show != "never"
-        # driver_pools off: settle only, the driver's pools are left as they are
-        extra = {} if settings.driver_pools else {"trim": False}
+        # driver_pools off (or the trim deferred until idle): settle only, the pools are left as they are
+        extra = {} if trim else {"trim": False}
         try:
             return self.native.drain(timeout=timeout, progress=self._progress if progress else None, **extra)
         except Exception as exc:
@@ -594,6 +735,30 @@ class AfterCell:
             return {}
         return {int(d["index"]): d for d in snapshot.get("devices") or [] if _index(d.get("index")) is not None}
 
+    def _defer(self, settings: Settings, device_adapters: list, pinned_adapters: list, devices: List[int],
+               cell: Optional[int]) -> dict:
+        """Steps 3, 4 and 6 for later: once the kernel has been idle ``idle_release_s``."""
+        adapters = list(device_adapters)
+        for a in pinned_adapters:
+            if a not in adapters:
+                adapters.append(a)
+        device = bool(device_adapters) or settings.release == "idle"
+        job = IdleRelease(
+            self, adapters, devices, cell, device=device, pinned=bool(pinned_adapters),
+            trim=device and settings.driver_pools, delay_s=settings.idle_release_s,
+        )
+        self.idle_job = job
+        self._idle_jobs.append(job)
+        job.start()
+        return {"device": device, "pinned": bool(pinned_adapters), "after_s": float(settings.idle_release_s)}
+
+    def _finished_idle(self) -> List[IdleRelease]:
+        done = [job for job in self._idle_jobs if job.done.is_set()]
+        self._idle_jobs = [job for job in self._idle_jobs if not job.done.is_set()]
+        for job in done:
+            job.reported = True
+        return [job for job in done if not job.cancelled]
+
     def _finished_pinned(self) -> List[PinnedRelease]:
         job = self.pinned_job
         if job is not None and job.done.is_set() and not job.reported:
@@ -677,7 +842,8 @@ class AfterCell:
         """Step 7: whether to speak, and the lines."""
         devices = record.devices
         anything_freed = (any(sum(d.freed_bytes.values()) for d in devices) or bool(record.pinned.freed_bytes)
-                          or any(job.get("freed_bytes") for job in record.pinned.background))
+                          or any(job.get("freed_bytes") for job in record.pinned.background)
+                          or any(job.get("devices") or job.get("pinned_freed_bytes") for job in record.idle))
         trouble = bool(record.shown_notes) or record.interrupted or any(d.state != "drained" and not d.quiet for d in devices)
         keep = True
         if after_forced is not None:

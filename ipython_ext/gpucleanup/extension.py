@@ -136,6 +136,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             settle_timeout=float(self.settle_timeout),
             show=self.show,
             frameworks=dict(self.frameworks),
+            release=self.release,
+            idle_release_s=float(self.idle_release_s),
         )
 
     # ------------------------------------------------------------ lifecycle
@@ -182,6 +184,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
 
     def unload(self) -> None:
         """Undo ``load``: the same bound methods are unregistered, the magic and %config entry removed."""
+        self.engine.stop()
         if self._hooks_registered:
             for event, fn in (("pre_run_cell", self.pre_run_cell), ("post_run_cell", self.post_run_cell)):
                 with contextlib.suppress(ValueError):
@@ -207,6 +210,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
     def _at_exit(self) -> None:
         # no driver call may happen while the process exits
         self.engine.exiting = True
+        self.engine.stop()
         self._close_status_endpoint()
 
     def _start_status_endpoint(self) -> None:
@@ -285,6 +289,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         """Before a cell: mark it running for the status endpoint. No driver call."""
         try:
             self._forced_in_cell = None
+            self.engine.cell_starts()  # a release waiting for the kernel to be idle is not wanted now
             if not self.enabled or self.engine.exiting:
                 return
             if info is not None and getattr(info, "silent", False):

@@ -89,6 +89,13 @@ class CellRecord:
     touched: bool = False
     #: a summary line was printed
     shown: bool = False
+    #: the release policy this cleanup ran under: "cell", "auto" or "idle"
+    release: str = "cell"
+    #: what this cleanup left for later: {"device": bool, "pinned": bool, "after_s": seconds idle}
+    deferred: Optional[dict] = None
+    #: releases run while the kernel was idle since the last record:
+    #: {"cell", "devices": [{"index", "freed_bytes"}], "pinned_freed_bytes", "elapsed_s"}
+    idle: List[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         """The JSON shape of share/schema/cell_record.schema.json."""

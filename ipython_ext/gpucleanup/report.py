@@ -146,7 +146,7 @@ def progress_line(device: int, waited_s: float) -> str:
     return f"{PREFIX}{SEP}waiting for GPU{device} to finish queued work … {int(waited_s)} s"
 
 
-def _pinned_segment(pinned: dict) -> Optional[str]:
+def _pinned_segment(pinned: dict, record: Optional[dict] = None) -> Optional[str]:
     segs = []
     now = _sum(pinned.get("freed_bytes"))
     if now:
@@ -157,6 +157,14 @@ def _pinned_segment(pinned: dict) -> Optional[str]:
             segs.append(f"pinned {format_bytes(freed)} freed in background")
     if pinned.get("pending"):
         segs.append("pinned release running in background")
+    for job in (record or {}).get("idle") or []:
+        freed = _sum(job.get("pinned_freed_bytes"))
+        if freed:
+            segs.append(f"pinned {format_bytes(freed)} freed when idle")
+    deferred = (record or {}).get("deferred") or {}
+    if deferred.get("pinned"):
+        held = sum(int((p or {}).get("cached_bytes") or 0) for p in (pinned.get("pools") or {}).values())
+        segs.append(f"pinned {format_bytes(held)} cached until idle" if held else "pinned release when idle")
     return SEP.join(segs) if segs else None
 
 
@@ -187,6 +195,12 @@ def _device_line(dev: dict, record: dict, pinned: Optional[str]) -> str:
         waited = settle.get("waited_s") or 0.0
         if settle.get("status") == "done" and waited >= QUEUED_WORK_NOTICE_S:
             segs.append(f"waited {format_duration(waited)} for queued work")
+    for job in record.get("idle") or []:  # what was given back while the kernel was idle
+        for entry in job.get("devices") or []:
+            if entry.get("index") == dev.get("index"):
+                total = _sum(entry.get("freed_bytes"))
+                if total:
+                    segs.append(f"freed {format_bytes(total)} when idle ({_parts(entry['freed_bytes'], total)})")
     if pinned:
         segs.append(pinned)
     live = dev.get("live_bytes") or {}
@@ -197,7 +211,11 @@ def _device_line(dev: dict, record: dict, pinned: Optional[str]) -> str:
     cached = {k: v for k, v in (dev.get("cached_bytes") or {}).items() if v}
     if cached:
         cached_total = _sum(cached)
-        segs.append(f"held {format_bytes(cached_total)} cached ({_parts(cached, cached_total)})")
+        if (record.get("deferred") or {}).get("device"):
+            # release = "idle": the caches stay for a next cell, and go once the kernel is idle
+            segs.append(f"cached {format_bytes(cached_total)} until idle ({_parts(cached, cached_total)})")
+        else:
+            segs.append(f"held {format_bytes(cached_total)} cached ({_parts(cached, cached_total)})")
     if dev.get("total_bytes") is not None or dev.get("used_after_bytes") is not None:
         segs.append(f"device {format_pair(dev.get('used_after_bytes'), dev.get('total_bytes'))}")
     segs.append(format_duration(record.get("elapsed_s")))
@@ -214,7 +232,7 @@ def summary_lines(record: dict) -> list[str]:
     The pinned host segment (host-wide, not per device) goes on the first line.
     """
     lines = []
-    pinned = _pinned_segment(record.get("pinned") or {})
+    pinned = _pinned_segment(record.get("pinned") or {}, record)
     devices = [d for d in record.get("devices", []) if not d.get("quiet")]
     first = True
     for dev in devices:

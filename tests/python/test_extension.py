@@ -1295,3 +1295,77 @@ def test_the_engine_imports_nothing_from_ipython():
                   env=dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "ipython_ext"), os.environ.get("PYTHONPATH", "")])))
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+# ------------------------------------------------------------------ release policy
+
+
+def _idle_job_done(shell):
+    job = _ext(shell).engine.idle_job
+    assert job is not None
+    assert job.done.wait(30)
+    return job
+
+
+def test_release_idle_keeps_the_caches_for_the_next_cell_and_gives_them_back_when_idle_stand_in(shell, stand_in, capsys):
+    shell.run_line_magic("load_ext", "gpucleanup")
+    _run(shell, "x = 1", capsys)
+    stand_in.cupy.cached[0] = GiB
+    shell.run_line_magic("config", "GPUCleanup.release = 'idle'")
+    shell.run_line_magic("config", "GPUCleanup.idle_release_s = 0.05")
+    shell.run_line_magic("config", "GPUCleanup.show = 'always'")
+    drains = stand_in.cupy.calls["drain"]
+    _, out = _run(shell, "x = 2", capsys)
+    assert stand_in.cupy.calls["drain"] == drains  # nothing torn down after the cell
+    (line,) = _lines(out.out)
+    assert "cached 1.0 GiB until idle (cupy 1.0)" in line
+    assert _ext(shell).history.last()[-1]["deferred"] == {"device": True, "pinned": False, "after_s": 0.05}  # pinned: emptied by cell 1
+    job = _idle_job_done(shell)  # the kernel stayed idle: the release ran on its own thread
+    assert stand_in.cupy.calls["drain"] == drains + 1 and stand_in.cupy.cached.get(0, 0) == 0
+    assert job.result()["devices"] == [{"index": 0, "freed_bytes": {"cupy": GiB}}]
+    _, out = _run(shell, "y = 3", capsys)
+    assert "freed 1.0 GiB when idle (cupy 1.0)" in _lines(out.out)[0]
+    assert _ext(shell).history.last()[-1]["idle"][0]["devices"] == [{"index": 0, "freed_bytes": {"cupy": GiB}}]
+
+
+def test_release_idle_a_cell_run_back_to_back_cancels_the_pending_release_stand_in(shell, stand_in, capsys):
+    shell.run_line_magic("load_ext", "gpucleanup")
+    shell.run_line_magic("config", "GPUCleanup.release = 'idle'")
+    shell.run_line_magic("config", "GPUCleanup.idle_release_s = 3600")  # never reached in this test
+    stand_in.cupy.cached[0] = GiB
+    drains = stand_in.cupy.calls["drain"]
+    for i in range(5):
+        _run(shell, f"x = {i}", capsys)
+    engine = _ext(shell).engine
+    first = engine.idle_job
+    _run(shell, "x = 9", capsys)
+    assert first.cancelled and engine.idle_job is not first
+    assert stand_in.cupy.calls["drain"] == drains and stand_in.cupy.cached[0] == GiB
+    shell.run_line_magic("unload_ext", "gpucleanup")
+    assert engine.idle_job is None and engine.pinned_job is None or engine.pinned_job.done.is_set()
+
+
+def test_release_auto_frees_device_caches_now_and_pinned_pools_when_idle_stand_in(shell, stand_in, capsys):
+    shell.run_line_magic("load_ext", "gpucleanup")
+    shell.run_line_magic("config", "GPUCleanup.release = 'auto'")
+    shell.run_line_magic("config", "GPUCleanup.idle_release_s = 0.05")
+    _, out = _run(shell, "x = 1", capsys)
+    assert stand_in.cupy.calls["drain"] == 1 and stand_in.cupy.calls["drain_pinned"] == 0
+    (line,) = _lines(out.out)
+    assert "freed 4.0 GiB (cupy 3.0, driver 1.0)" in line and "pinned 1.0 GiB cached until idle" in line
+    _idle_job_done(shell)
+    assert stand_in.cupy.calls["drain_pinned"] == 1
+    _, out = _run(shell, "x = 2", capsys)
+    assert "pinned 1.0 GiB freed when idle" in _lines(out.out)[0]
+
+
+def test_gpumem_drain_gives_everything_back_now_whatever_the_release_policy_stand_in(shell, stand_in, capsys):
+    shell.run_line_magic("load_ext", "gpucleanup")
+    shell.run_line_magic("config", "GPUCleanup.release = 'idle'")
+    shell.run_line_magic("config", "GPUCleanup.idle_release_s = 3600")
+    _run(shell, "x = 1", capsys)
+    assert stand_in.cupy.calls["drain"] == 0
+    _run(shell, "%gpumem --drain", capsys)
+    _wait_pinned(shell)
+    assert stand_in.cupy.calls["drain"] == 1 and stand_in.cupy.calls["drain_pinned"] == 1
+    assert _ext(shell).history.last()[-1]["release"] == "cell"
