@@ -3,8 +3,13 @@
 # carried in .whl/ (gpucleanup's manylinux wheel plus IPython, ipykernel,
 # jupyter_client and their dependencies, made by scripts/build_wheels.sh),
 # then the real-GPU tests, the benchmarks and the demo, in one go.
-# Results land in $OUT (or ./gpu-out): machine.log, gpu-tests.log, facts.log, bench.json, bench.log, demo.log.
-# Usage: scripts/gpu_run.sh [STAGE ...]   stages: tests facts bench demo (default: all of them)
+# Results land in $OUT (or ./gpu-out): machine.log, gpu-tests.log, facts.log, bench.json, bench.log, demo.log,
+# and for the stage kernels: kernels.json, kernels.log, kernel-calls.json, kernel-calls.log.
+# Usage: scripts/gpu_run.sh [STAGE ...]   stages: tests facts bench demo kernels (default: tests facts bench demo)
+# The stage kernels (tests/bench/kernel_calls.py, under a minute, then tests/bench/bench_kernels.py, about
+# 7.5 minutes) runs only when named. For its ipyexperiments variant, .whl/ must also carry ipyexperiments,
+# nvidia-ml-py (the pynvml module) and psutil (psutil comes with ipykernel's dependencies anyway); without
+# them that variant is skipped with the reason, the rest runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-$PWD/gpu-out}
@@ -35,4 +40,14 @@ if [[ $stages == *" bench "* ]]; then
 fi
 if [[ $stages == *" demo "* ]]; then
   python3 scripts/demo.py 2>&1 | tee "$out/demo.log"
+fi
+if [[ $stages == *" kernels "* ]]; then
+  # what the extension does per cell (calls, JSON, threads, walks), then the per-cell cost in real kernels,
+  # every variant side by side (about 7.5 min; no scenario starts after 420 s, so the stage stays under 10 min)
+  start=$SECONDS
+  python3 tests/bench/kernel_calls.py --json "$out/kernel-calls.json" 2>&1 | tee "$out/kernel-calls.log"
+  echo "gpu_run: kernel_calls took $((SECONDS - start)) s" | tee -a "$out/kernel-calls.log"
+  start=$SECONDS
+  python3 tests/bench/bench_kernels.py --budget-s 420 --json "$out/kernels.json" 2>&1 | tee "$out/kernels.log"
+  echo "gpu_run: bench_kernels took $((SECONDS - start)) s" | tee -a "$out/kernels.log"
 fi
