@@ -42,6 +42,8 @@ __all__ = ["StatusEndpoint"]
 
 log = logging.getLogger("gpucleanup")
 
+_REFUSALS_EVERY_S = 5.0  # how often set_state looks at the refused-connections counter
+
 # sun_path holds 108 bytes with its NUL; the publish socket adds ".pub".
 _MAX_SOCKET_PATH = 107 - len(".pub")
 
@@ -61,12 +63,15 @@ class StatusEndpoint:
         max_peers: int = 64,
         peer_idle_timeout_s: float = 10.0,
         native: Any = None,
+        refusals_every_s: float = _REFUSALS_EVERY_S,
     ):
         self.transport = (transport or os.environ.get("GPUCLEANUP_STATUS_TRANSPORT") or "ipc").lower()
         self.history_limit = history_limit
         self.max_peers = max_peers
         self.peer_idle_timeout_s = peer_idle_timeout_s
         self._refusals_logged = False
+        self._refusals_checked = float("-inf")
+        self.refusals_every_s = refusals_every_s
         self._runtime_dir = Path(runtime_dir) if runtime_dir is not None else None
         self._native = native
         self._shell = None
@@ -151,8 +156,14 @@ class StatusEndpoint:
 
     def _log_refusals(self) -> None:
         # Once per endpoint: connections refused beyond max_peers (a flood of the port).
+        # Read at most every few seconds: set_state runs twice per cell, and the counters
+        # are a native call and a JSON reply of their own.
         if self._refusals_logged:
             return
+        now = time.monotonic()
+        if now - self._refusals_checked < self.refusals_every_s:
+            return
+        self._refusals_checked = now
         read = getattr(self._lib(), "server_connections", None)
         if read is None:
             return

@@ -51,7 +51,7 @@ class Keep(logging.Handler):
             warnings.append(record.getMessage())
 
 logging.getLogger("gpucleanup").addHandler(Keep())
-ep = StatusEndpoint(transport="tcp", max_peers=64)
+ep = StatusEndpoint(transport="tcp", max_peers=64, refusals_every_s=0)
 ep.start(types.SimpleNamespace(user_ns={}))
 ep.set_state({"state": "idle"})
 print(json.dumps({"error": ep.error, "info": ep.info, "nofile": limit}), flush=True)
@@ -231,6 +231,7 @@ class FakeNative:
     def __init__(self, refused):
         self.refused = list(refused)
         self.config = None
+        self.reads = 0
 
     def server_start(self, config):
         self.config = config
@@ -246,6 +247,7 @@ class FakeNative:
         pass
 
     def server_connections(self):
+        self.reads += 1
         value = self.refused.pop(0) if len(self.refused) > 1 else self.refused[0]
         return {"max_peers": 7, "peers": 0, "pub_peers": 0, "refused_connections": value, "dropped_idle": 0}
 
@@ -260,7 +262,7 @@ def runtime(tmp_path, monkeypatch):
 
 def test_limits_reach_server_start_and_refusals_are_logged_once(runtime, caplog):
     native = FakeNative([0, 0, 3, 9, 12])
-    ep = StatusEndpoint(transport="tcp", max_peers=7, peer_idle_timeout_s=2.5, native=native)
+    ep = StatusEndpoint(transport="tcp", max_peers=7, peer_idle_timeout_s=2.5, native=native, refusals_every_s=0)
     ep.start(types.SimpleNamespace(user_ns={}))
     try:
         assert ep.error is None, ep.error
@@ -291,3 +293,16 @@ def test_endpoint_defaults_and_the_trait():
     for bad in (0, 1025):
         with pytest.raises(TraitError):
             options.status_max_peers = bad
+
+
+def test_the_refused_counter_is_read_at_most_every_few_seconds(runtime):
+    # set_state runs twice per cell: the counter is not worth a native call each time
+    native = FakeNative([0] * 50)
+    ep = StatusEndpoint(transport="tcp", native=native)
+    ep.start(types.SimpleNamespace(user_ns={}))
+    try:
+        for _ in range(20):
+            ep.set_state({"state": "idle"})
+        assert native.reads == 1
+    finally:
+        ep.close()
