@@ -555,9 +555,12 @@ def ipyexperiments_class(framework: str) -> str:
     return "IPyExperimentsPytorch" if framework in ("cupy", "torch") else "IPyExperimentsCPU"
 
 
+GPUCLEANUP_CONFIG: List[str] = []  # --config: %config lines run after %load_ext gpucleanup
+
+
 def tool_cell(variant: str, framework: str) -> Optional[str]:
     if variant == "gpucleanup":
-        return "%load_ext gpucleanup"
+        return "\n".join(["%load_ext gpucleanup"] + [f"%config {line}" for line in GPUCLEANUP_CONFIG])
     if variant == "ipyexperiments":
         cls = ipyexperiments_class(framework)
         return f"from ipyexperiments import {cls}\nexp = {cls}()"
@@ -1036,7 +1039,10 @@ def main() -> int:
                         help="start no further scenario once this many seconds have passed (default 0: no limit)")
     parser.add_argument("--json", help="write every figure here (rewritten after each scenario)")
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
+    parser.add_argument("--config", action="append", default=[],
+                        help="a %%config line for the gpucleanup variant, e.g. \"GPUCleanup.release = 'auto'\" (repeatable)")
     args = parser.parse_args()
+    GPUCLEANUP_CONFIG.extend(args.config)
     if args.list:
         print("\n".join(f"{n}{'' if n in DEFAULT_ORDER else '   (only when named)'}" for n in ALL_ORDER + ["names-N", "blocks-N"]))
         return 0
