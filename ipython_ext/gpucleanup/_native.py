@@ -26,6 +26,8 @@ __all__ = [
     "probe",
     "snapshot",
     "drain",
+    "after_cell",
+    "trim",
     "shutdown",
     "server_start",
     "server_stop",
@@ -95,6 +97,15 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gpucleanup_drain.restype = ctypes.c_int
     lib.gpucleanup_settle.argtypes = [ctypes.c_double, PROGRESS_FN, ctypes.c_void_p, c_char_pp]
     lib.gpucleanup_settle.restype = ctypes.c_int
+    # Added to ABI version 1 later: a library from before has neither (after_cell() and trim() say so).
+    after_cell = getattr(lib, "gpucleanup_after_cell", None)
+    if after_cell is not None:
+        after_cell.argtypes = [ctypes.c_double, ctypes.c_int, PROGRESS_FN, ctypes.c_void_p, c_char_pp]
+        after_cell.restype = ctypes.c_int
+    trim = getattr(lib, "gpucleanup_trim", None)
+    if trim is not None:
+        trim.argtypes = [c_char_pp]
+        trim.restype = ctypes.c_int
     lib.gpucleanup_shutdown.argtypes = []
     lib.gpucleanup_shutdown.restype = None
     lib.gpucleanup_server_start.argtypes = [ctypes.c_char_p, c_char_pp]
@@ -165,28 +176,38 @@ def snapshot() -> dict:
     return _call_json(library().gpucleanup_snapshot)
 
 
-def drain(timeout: float = 30.0, progress: Optional[Callable[[dict], bool]] = None, trim: bool = True) -> dict:
-    """Settle (bounded by ``timeout`` seconds) and trim the driver pools of every device in use.
+def _entry(name: str) -> Callable[..., int]:
+    """A function of the library that may be missing from an older build of the same ABI version."""
+    fn = getattr(library(), name, None)
+    if fn is None:
+        raise NativeError(
+            ERR_INTERNAL,
+            f"[gpucleanup.python.102] {library_path()} has no {name} (a build older than this package): "
+            "reinstall gpucleanup",
+        )
+    return fn
 
-    ``trim=False`` settles only (``gpucleanup_settle``): the pools are reported, not trimmed.
 
-    ``progress``, if given, is called with ``{"device", "waited_s", "limit_s"}`` about once
-    a second once a wait passes 2 s; returning True abandons the remaining waits. A
-    ``KeyboardInterrupt`` raised while the callback runs also abandons them; it is not
-    re-raised (a drain never stops the kernel) but recorded as
-    ``result["keyboard_interrupt"] = True``.
-    """
+def _check_timeout(timeout: Any) -> float:
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
         raise TypeError(f"timeout must be a number of seconds, not {type(timeout).__name__}")
     if not math.isfinite(timeout) or timeout < 0:
         raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout!r}")
-    interrupted: list = []
+    return float(timeout)
 
-    # Python runs a SIGINT handler at the first bytecode it executes, which in a
-    # ctypes callback is before any try: block could catch the KeyboardInterrupt
-    # (ctypes would print it and return 0). So while the native call waits, Ctrl-C
-    # only sets a flag that the callback turns into "stop waiting". A caller that
-    # installed its own handler (the extension does) keeps it.
+
+def _waiting_call(call: Callable[[Any], dict], progress: Optional[Callable[[dict], bool]]) -> dict:
+    """Runs ``call(callback)`` (a native call that may wait) with Ctrl-C turned into "stop waiting".
+
+    Python runs a SIGINT handler at the first bytecode it executes, which in a
+    ctypes callback is before any try: block could catch the KeyboardInterrupt
+    (ctypes would print it and return 0). So while the native call waits, Ctrl-C
+    only sets a flag that the callback turns into "stop waiting". A caller that
+    installed its own handler (the extension does) keeps it. A KeyboardInterrupt
+    raised inside ``progress`` also stops the wait. Either way the result gets
+    ``"keyboard_interrupt": True`` and nothing is raised.
+    """
+    interrupted: list = []
     swap = (threading.current_thread() is threading.main_thread()
             and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
 
@@ -203,21 +224,65 @@ def drain(timeout: float = 30.0, progress: Optional[Callable[[dict], bool]] = No
         except KeyboardInterrupt:
             interrupted.append(True)
             return 1
-        except Exception:  # a faulty callback must not abort the drain
+        except Exception:  # a faulty callback must not abort the wait
             return 0
 
     callback = PROGRESS_FN(_on_progress)
     if swap:
         signal.signal(signal.SIGINT, _on_sigint)
     try:
-        lib = library()
-        result = _call_json(lib.gpucleanup_drain if trim else lib.gpucleanup_settle, float(timeout), callback, None)
+        result = call(callback)
     finally:
         if swap:
             signal.signal(signal.SIGINT, signal.default_int_handler)
     if interrupted:
         result["keyboard_interrupt"] = True
     return result
+
+
+def drain(timeout: float = 30.0, progress: Optional[Callable[[dict], bool]] = None, trim: bool = True) -> dict:
+    """Settle (bounded by ``timeout`` seconds) and trim the driver pools of every device in use.
+
+    ``trim=False`` settles only (``gpucleanup_settle``): the pools are reported, not trimmed.
+
+    ``progress``, if given, is called with ``{"device", "waited_s", "limit_s"}`` about once
+    a second once a wait passes 2 s; returning True abandons the remaining waits. A
+    ``KeyboardInterrupt`` raised while the callback runs also abandons them; it is not
+    re-raised (a drain never stops the kernel) but recorded as
+    ``result["keyboard_interrupt"] = True``.
+    """
+    seconds = _check_timeout(timeout)
+    lib = library()
+    fn = lib.gpucleanup_drain if trim else lib.gpucleanup_settle
+    return _waiting_call(lambda callback: _call_json(fn, seconds, callback, None), progress)
+
+
+def after_cell(timeout: float = 30.0, progress: Optional[Callable[[dict], bool]] = None, trim: bool = True) -> dict:
+    """The whole after-cell pass in one native call (share/schema/after_cell.schema.json, kind after_cell).
+
+    Probe; settle every device in use (bounded by ``timeout`` seconds in total, on the
+    device's long-lived watchdog thread); trim the driver's pools (``trim=False``: report
+    them only); and per device the memory afterwards (``total_bytes``, ``used_bytes``,
+    ``free_bytes``) next to what a drain reports (``state``, ``settle``,
+    ``free_before_bytes``, ``released_bytes``, ``pools``, ``error``, ``message``). CUDA not
+    initialised or no device in use: ``devices`` is empty, nothing but the probe was done.
+
+    ``progress`` and Ctrl-C behave as in :func:`drain`: the wait stops, nothing is raised,
+    ``result["keyboard_interrupt"]`` is True.
+    """
+    seconds = _check_timeout(timeout)
+    fn = _entry("gpucleanup_after_cell")
+    return _waiting_call(lambda callback: _call_json(fn, seconds, 1 if trim else 0, callback, None), progress)
+
+
+def trim() -> dict:
+    """Trim the driver's pools of every device in use now, without waiting (kind trim).
+
+    For the second trim after the frameworks gave memory back to the driver's pools:
+    per device ``released_bytes``, ``pools`` and the memory afterwards. A device still
+    busy from an earlier wait is reported busy and not trimmed.
+    """
+    return _call_json(_entry("gpucleanup_trim"))
 
 
 def shutdown() -> None:

@@ -471,11 +471,29 @@ class AfterCell:
         if forced:
             settings = dataclasses.replace(settings, release="cell")  # %gpumem --drain: everything, now
         self.cell_starts()  # a release still waiting is replaced by this cleanup's
-        probe = self.native.probe()
+        self._cell = cell
+        one_pass = hasattr(self.native, "after_cell")
+        first: Optional[dict] = None
+        now_device = settings.release != "idle"  # device caches and the driver trim, now or when idle
+        if one_pass:
+            # probe, settle, trim and the figures after, in one native call; when nothing
+            # in the process uses CUDA it is a probe and nothing else
+            notes_first: List[Note] = []
+            with self.ctrl_c.armed() as ctrl_c:
+                first = self._native_pass(self._settle_limit(settings, after_forced), settings, notes_first,
+                                          trim=now_device and settings.driver_pools)
+                if first is not None and ctrl_c.pressed:
+                    first["keyboard_interrupt"] = True  # the next armed() starts afresh
+            if first is None:
+                raise RuntimeError(notes_first[0][1] if notes_first else "the native after-cell pass failed")
+            probe = first
+            in_use = [d for d in first.get("devices") or [] if _index(d.get("index")) is not None]
+        else:
+            probe = self.native.probe()
+            in_use = [d for d in probe.get("devices") or [] if d.get("in_use")]
         driver = probe.get("driver") or {}
         state = driver.get("state")
         self.last_driver_state = state
-        in_use = [d for d in probe.get("devices") or [] if d.get("in_use")]
         if state != "ready" or not in_use:
             return self._nothing_in_use(driver, cell, forced)
 
@@ -493,7 +511,6 @@ class AfterCell:
         for job in [*background, *idle_done]:
             notes.extend(job.notes)
             captured.extend(job.unraisable)
-        now_device = settings.release != "idle"  # device caches and the driver trim, now or when idle
         now_pinned = settings.release == "cell"
         settled_pass = _Settled()
         gc_record = GcRecord(policy=settings.gc)
@@ -503,11 +520,13 @@ class AfterCell:
         pending = False
         interrupted = False
         changed_since_pass = False
+        figures_stale = False
         settled: List[int] = []
         captured_now: List[dict] = []
         try:
             with self.ctrl_c.armed() as ctrl_c, self.unraisables.capture() as captured_now:
-                settled_pass = self._settle(settings, after_forced, devices, quiet, freed, notes, trim=now_device)
+                settled_pass = self._settle(settings, after_forced, devices, quiet, freed, notes, trim=now_device,
+                                            result=first)
                 interrupted = settled_pass.interrupted or ctrl_c.pressed
                 settled = [i for i in devices if settled_pass.state.get(i) == "drained"]
                 if interrupted:
@@ -520,9 +539,15 @@ class AfterCell:
                 given_back = self._drain_frameworks(adapters, settled, freed, notes, ctrl_c) if now_device else False
                 candidates, pending = self._pinned_candidates(settings, adapters, stats_settled, settled, devices)
                 ctrl_c.check()
+                trimmed: Dict[int, dict] = {}
                 if now_device and settings.driver_pools and settled and (given_back or gc_record.collected):
-                    self._trim(freed, notes)
+                    trimmed = self._trim(freed, notes)
                 changed_since_pass = bool(given_back or gc_record.collected)
+                figures_stale = changed_since_pass
+                if trimmed and settled_pass.figures and set(trimmed) >= set(settled_pass.figures):
+                    # the trim reported every device's memory after it: as fresh as a snapshot
+                    settled_pass.figures.update(trimmed)
+                    figures_stale = False
         except KeyboardInterrupt:
             interrupted = True
             for i in devices:
@@ -530,7 +555,7 @@ class AfterCell:
                     settled_pass.state[i] = "interrupted"
         captured.extend(captured_now)
 
-        figures = self._snapshot(settled_pass, changed_since_pass or interrupted, notes)
+        figures = self._snapshot(settled_pass, figures_stale or interrupted, notes)
         stats_after: Dict[str, dict] = {}
         if adapters and not interrupted:
             usable = [i for i in devices if settled_pass.state.get(i) != "unusable"]
@@ -580,11 +605,14 @@ class AfterCell:
         return float(settings.settle_timeout)
 
     def _settle(self, settings: Settings, after_forced: Optional[CellRecord], devices: List[int], quiet: set,
-                freed: Dict[int, Dict[str, int]], notes: List[Note], trim: bool = True) -> _Settled:
-        """Step 1: the bounded wait for queued work, and the first trim of the driver's pools."""
+                freed: Dict[int, Dict[str, int]], notes: List[Note], trim: bool = True,
+                result: Optional[dict] = None) -> _Settled:
+        """Step 1: the bounded wait for queued work, and the first trim of the driver's pools
+        (``result``: the one-pass call already did both)."""
         out = _Settled()
-        result = self._native_drain(self._settle_limit(settings, after_forced), settings, notes, progress=True,
-                                    trim=trim and settings.driver_pools)
+        if result is None:
+            result = self._native_drain(self._settle_limit(settings, after_forced), settings, notes, progress=True,
+                                        trim=trim and settings.driver_pools)
         if result is None:
             return out
         out.interrupted = bool(result.get("keyboard_interrupt")) or self.ctrl_c.pressed
@@ -610,6 +638,22 @@ class AfterCell:
                 out.state[idx] = "interrupted"
         _add_released(freed, result)
         return out
+
+    def _native_pass(self, timeout: float, settings: Settings, notes: List[Note], trim: bool) -> Optional[dict]:
+        """The one-pass native call (``_native.after_cell``), with the progress line."""
+        self._progress_shown = False
+        self._show_progress = settings.show != "never"
+        try:
+            return self.native.after_cell(timeout=timeout, progress=self._progress, trim=trim)
+        except Exception as exc:
+            if str(exc).startswith("[gpucleanup.api.111]"):
+                raise  # a drain from outside holds the library: the extension says so
+            notes.append((f"drain:{type(exc).__name__}", f"native after-cell pass failed: {exc}"))
+            return None
+        finally:
+            if self._progress_shown:
+                self._write("\n")
+                self._progress_shown = False
 
     def _native_drain(self, timeout: float, settings: Settings, notes: List[Note], progress: bool,
                       trim: bool = True) -> Optional[dict]:
@@ -719,9 +763,20 @@ class AfterCell:
             and (stats[a.name]["pinned"] is None or stats[a.name]["pinned"]["cached_bytes"] > 0)
         ], False
 
-    def _trim(self, freed: Dict[int, Dict[str, int]], notes: List[Note]) -> None:
-        """Step 4: the driver's pools again, after the frameworks gave memory back to them."""
+    def _trim(self, freed: Dict[int, Dict[str, int]], notes: List[Note]) -> Dict[int, dict]:
+        """Step 4: the driver's pools again, after the frameworks gave memory back to them.
+        Returns the device figures after it where the library reports them (then no snapshot is needed)."""
+        if hasattr(self.native, "trim"):
+            try:
+                result = self.native.trim()
+            except Exception as exc:
+                notes.append((f"trim:{type(exc).__name__}", f"native trim failed: {exc}"))
+                return {}
+            _add_released(freed, result)
+            return {int(d["index"]): {k: d.get(k) for k in ("name", "total_bytes", "used_bytes", "free_bytes")}
+                    for d in result.get("devices") or [] if _index(d.get("index")) is not None and d.get("free_bytes") is not None}
         _add_released(freed, self._native_drain(0.0, Settings(), notes, progress=False))
+        return {}
 
     def _snapshot(self, settled: _Settled, changed: bool, notes: List[Note]) -> Dict[int, dict]:
         """Step 5: device figures after the cleanup; a fresh snapshot only when the pass's own

@@ -43,17 +43,28 @@ void mark_failed(nlohmann::json& entry, const Driver& driver, const DeviceUse& u
 }
 
 // Memory of one device in use: cuMemGetInfo inside its context, then its pools.
+void mark_idle(nlohmann::json& entry) {
+  entry["in_use"] = false;
+  entry["context"] = nullptr;
+  entry["state"] = "idle";
+}
+
+// The context is gone (a framework reset the device and left the stale handle
+// current; or a current context was destroyed): not in use after all.
+bool context_gone(const DeviceUse& use, const CallFailure& failure) {
+  return failure.code == CUDA_ERROR_CONTEXT_IS_DESTROYED ||
+         (use.context == ContextKind::current && failure.code == CUDA_ERROR_INVALID_CONTEXT);
+}
+
 void read_memory(nlohmann::json& entry, const Driver& driver, const DeviceUse& use, DeviceRecord& record) {
   ScopedContext scope(driver, use);
-  if (scope.failure()) return mark_failed(entry, driver, use, record, *scope.failure());
-  if (!scope.entered()) {
-    // Released between the probe and now: it is idle after all.
-    entry["in_use"] = false;
-    entry["context"] = nullptr;
-    entry["state"] = "idle";
-    return;
+  if (scope.failure()) {
+    if (context_gone(use, *scope.failure())) return mark_idle(entry);
+    return mark_failed(entry, driver, use, record, *scope.failure());
   }
+  if (!scope.entered()) return mark_idle(entry);  // released between the probe and now: idle after all
   const MemoryInfo info = memory_info(driver);
+  if (info.failure && context_gone(use, *info.failure)) return mark_idle(entry);
   if (info.failure) return mark_failed(entry, driver, use, record, *info.failure);
   entry["free_bytes"] = bytes(info.free_bytes);
   entry["ctx_total_bytes"] = bytes(info.total_bytes);
@@ -118,7 +129,11 @@ MemoryInfo memory_info(const Driver& driver) {
 
 nlohmann::json take_snapshot(const Driver& driver, DeviceRegistry& registry, SnapshotKind kind) {
   const bool full = kind == SnapshotKind::snapshot;
-  const Probe found = probe(driver);
+  // A full snapshot enters every device in use that is not unusable: retained
+  // by the probe right after its state said active, once.
+  RetainIf retain;
+  if (full) retain = [&registry](const DeviceUse& use) { return !registry.refresh(use).sticky; };
+  const Probe found = probe(driver, retain);
   nlohmann::json report = report_header(full ? "snapshot" : "probe");
   report["driver"] = describe_driver(driver, found);
   report["devices"] = nlohmann::json::array();

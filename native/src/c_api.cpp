@@ -28,7 +28,7 @@ thread_local std::string last_error;
 
 // Everything the C ABI keeps between calls, fresh in a forked child.
 struct ApiState {
-  // Serialises probe, snapshot and drain; timed so the status server's thread
+  // Serialises probe, snapshot, drain, after_cell and trim; timed so the status server's thread
   // can give up instead of waiting out a long drain.
   std::timed_mutex cleanup;
   // A drain asked for through the status server holds `cleanup` while it waits
@@ -246,8 +246,10 @@ gpucleanup_status gpucleanup_snapshot(char** json_out) {
 
 namespace {
 
+using DrainEntry = nlohmann::json (*)(const Driver&, DeviceRegistry&, const DrainOptions&);
+
 gpucleanup_status drain_call(double timeout_s, gpucleanup_progress_fn progress, void* user, char** json_out,
-                             bool trim) {
+                             bool trim, DrainEntry entry) {
   return guarded([&] {
     require_out(json_out);
     if (!std::isfinite(timeout_s) || timeout_s < 0) {
@@ -268,7 +270,7 @@ gpucleanup_status drain_call(double timeout_s, gpucleanup_progress_fn progress, 
         return progress(text.c_str(), user) != 0;
       };
     }
-    hand_out(drain(usable_driver(), state.registry, options), json_out);
+    hand_out(entry(usable_driver(), state.registry, options), json_out);
   });
 }
 
@@ -276,12 +278,27 @@ gpucleanup_status drain_call(double timeout_s, gpucleanup_progress_fn progress, 
 
 gpucleanup_status gpucleanup_drain(double timeout_s, gpucleanup_progress_fn progress, void* user,
                                    char** json_out) {
-  return drain_call(timeout_s, progress, user, json_out, true);
+  return drain_call(timeout_s, progress, user, json_out, true, &drain);
 }
 
 gpucleanup_status gpucleanup_settle(double timeout_s, gpucleanup_progress_fn progress, void* user,
                                     char** json_out) {
-  return drain_call(timeout_s, progress, user, json_out, false);
+  return drain_call(timeout_s, progress, user, json_out, false, &drain);
+}
+
+gpucleanup_status gpucleanup_after_cell(double timeout_s, int trim, gpucleanup_progress_fn progress, void* user,
+                                        char** json_out) {
+  return drain_call(timeout_s, progress, user, json_out, trim != 0, &after_cell);
+}
+
+gpucleanup_status gpucleanup_trim(char** json_out) {
+  return guarded([&] {
+    require_out(json_out);
+    require_running();
+    ApiState& state = api_state().get();
+    auto lock = kernel_lock(state);
+    hand_out(trim_pools(usable_driver(), state.registry), json_out);
+  });
 }
 
 void gpucleanup_shutdown(void) {

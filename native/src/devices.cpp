@@ -41,7 +41,12 @@ const char* to_string(DriverState state) noexcept {
   return "unusable";
 }
 
-Probe probe(const Driver& driver) {
+ContextLease::~ContextLease() {
+  if (process_is_exiting()) return;
+  driver_.api().cuDevicePrimaryCtxRelease(device_);
+}
+
+Probe probe(const Driver& driver, const RetainIf& retain) {
   if (process_is_exiting()) {
     return stop_here(DriverState::exiting,
                      "[gpucleanup.api.102] the process is exiting: gpucleanup makes no more driver calls");
@@ -107,6 +112,16 @@ Probe probe(const Driver& driver) {
       use.failure = CallFailure{"cuDevicePrimaryCtxGetState", state};
     } else if (active != 0) {
       use.context = ContextKind::primary;
+      // At once after the state said active: a retain of an inactive primary
+      // context would create one.
+      if (retain && retain(use)) {
+        CUcontext context = nullptr;
+        if (const CUresult retained = api.cuDevicePrimaryCtxRetain(&context, use.device); retained != CUDA_SUCCESS) {
+          use.failure = CallFailure{"cuDevicePrimaryCtxRetain", retained};
+        } else {
+          use.lease = std::make_shared<const ContextLease>(driver, use.device, context);
+        }
+      }
     } else if (current != nullptr && current_device == use.device) {
       use.context = ContextKind::current;
       use.current = current;
@@ -181,6 +196,15 @@ ScopedContext::ScopedContext(const Driver& driver, const DeviceUse& use) : drive
       return;
     }
     if (const CUresult pushed = api.cuCtxPushCurrent(use.current); pushed != CUDA_SUCCESS) {
+      failure_ = CallFailure{"cuCtxPushCurrent", pushed};
+      return;
+    }
+    pushed_ = entered_ = true;
+    return;
+  }
+  if (use.lease) {
+    // Retained by the probe right after its state said active.
+    if (const CUresult pushed = api.cuCtxPushCurrent(use.lease->context()); pushed != CUDA_SUCCESS) {
       failure_ = CallFailure{"cuCtxPushCurrent", pushed};
       return;
     }

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -36,6 +37,30 @@ struct CallFailure {
   CUresult code = CUDA_SUCCESS;
 };
 
+// One reference to a device's primary context, taken by the probe right after
+// cuDevicePrimaryCtxGetState said the context is active (so it never creates
+// one) and given back (cuDevicePrimaryCtxRelease) when the last holder drops
+// it: the call that probed, or the watchdog still waiting in it. Taken anew by
+// every call: keeping a reference between calls would keep the context alive
+// after the process released its own (a framework's close or release would no
+// longer free its memory), and a handle kept without a reference goes stale
+// when a framework resets the context.
+class ContextLease {
+ public:
+  ContextLease(Driver driver, CUdevice device, CUcontext context)
+      : driver_(std::move(driver)), device_(device), context_(context) {}
+  ~ContextLease();  // no driver call once the process is exiting
+  ContextLease(const ContextLease&) = delete;
+  ContextLease& operator=(const ContextLease&) = delete;
+
+  CUcontext context() const noexcept { return context_; }
+
+ private:
+  Driver driver_;
+  CUdevice device_;
+  CUcontext context_;
+};
+
 struct DeviceUse {
   int index = 0;
   CUdevice device = 0;
@@ -44,6 +69,8 @@ struct DeviceUse {
   ContextKind context = ContextKind::none;
   CUcontext current = nullptr;      // the calling thread's context, for ContextKind::current
   std::optional<CallFailure> failure;  // the probe itself failed on this device
+  // For ContextKind::primary, when the probe was asked to retain it.
+  std::shared_ptr<const ContextLease> lease;
 
   bool in_use() const noexcept { return context != ContextKind::none; }
 };
@@ -54,10 +81,16 @@ struct Probe {
   std::vector<DeviceUse> devices;
 };
 
+// Asked by the probe for each device whose primary context is active (the
+// device is keyed, not yet retained): true to retain it at once.
+using RetainIf = std::function<bool(const DeviceUse&)>;
+
 // The cheap probe: driver state and, when initialised, every device with
 // whether it is in use. Makes no call at all while the process exits or in a
-// child forked after the driver was initialised.
-Probe probe(const Driver& driver);
+// child forked after the driver was initialised. With `retain`, a device in
+// use through its primary context for which it answers true is retained right
+// after its state was read (use.lease); a failed retain is use.failure.
+Probe probe(const Driver& driver, const RetainIf& retain = {});
 
 // The "driver" object of the snapshot and drain schemas.
 nlohmann::json describe_driver(const Driver& driver, const Probe& probe);
@@ -74,12 +107,15 @@ struct DeviceWait {
   double busy_for_s() const;
 };
 
+class Watchdog;  // watchdog.hpp
+
 // What is remembered about a device between calls.
 struct DeviceRecord {
   std::optional<CallFailure> sticky;   // once set, the device is left alone
   std::shared_ptr<DeviceWait> wait;    // a settle still running (or finished, not yet seen)
   std::optional<std::string> name;     // static facts, read once
   std::optional<std::uint64_t> total_bytes;
+  std::shared_ptr<Watchdog> watchdog;  // the device's settle thread, started on first need
 };
 
 // Per-device memory of the library, keyed by UUID (stable across renumbering
@@ -102,7 +138,8 @@ void read_static_facts(const Driver& driver, const DeviceUse& use, DeviceRecord&
 
 // Retain -> re-check -> push on construction, pop -> release on destruction,
 // on the calling thread. entered() is false when the device is no longer in use
-// (its primary context went inactive) or a call failed (failure()).
+// (its primary context went inactive) or a call failed (failure()). A use that
+// carries a lease (the probe retained it) is only pushed and popped.
 class ScopedContext {
  public:
   ScopedContext(const Driver& driver, const DeviceUse& use);

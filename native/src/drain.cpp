@@ -7,11 +7,12 @@
 #include <mutex>
 #include <optional>
 #include <string>
-#include <thread>
+#include <system_error>
 #include <vector>
 
 #include "accounting.hpp"
 #include "process_state.hpp"
+#include "watchdog.hpp"
 
 namespace gpucleanup {
 namespace {
@@ -21,19 +22,23 @@ using Clock = std::chrono::steady_clock;
 // Longest settle honoured: keeps deadline arithmetic far from overflow.
 constexpr double kMaxTimeoutS = 1e7;
 
-// Wakes the draining thread when any watchdog finishes. Shared with the
-// watchdogs, which may outlive the drain.
+enum class Mode { drain, after_cell, trim };
+
+// Wakes the calling thread whenever a watchdog moves on. Shared with the
+// watchdogs, which may outlive the call.
 struct Settling {
   std::mutex mutex;
-  std::condition_variable finished;
+  std::condition_variable changed;
 };
 
-enum class Settle { skipped, pending, done, timeout, still_busy, interrupted, error };
+// Where a device's pass is. The caller's limit applies before `settled`.
+enum class Phase { queued, measuring, settling, settled, done };
+
+enum class Settle { skipped, done, timeout, still_busy, interrupted, error };
 
 const char* to_string(Settle settle) {
   switch (settle) {
     case Settle::skipped: return "skipped";
-    case Settle::pending: return "timeout";
     case Settle::done: return "done";
     case Settle::timeout: return "timeout";
     case Settle::still_busy: return "still_busy";
@@ -43,17 +48,206 @@ const char* to_string(Settle settle) {
   return "error";
 }
 
-struct Work {
-  DeviceUse use;
-  DeviceRecord* record = nullptr;
-  nlohmann::json entry;
+// One device's pass, inside one push of its context: memory before, the wait
+// (settle), the trim, memory after. Inputs are fixed before it runs. Results
+// are written by whoever runs it (a watchdog, or the calling thread) and read
+// by the caller once `phase`, read under settling->mutex, says they are
+// complete: the measurements of before at `settling`, everything at `done`.
+struct Pass {
+  Pass(const Driver& d, const DeviceUse& u) : driver(d), use(u) {}
+
+  Driver driver;
+  DeviceUse use;                   // with the probe's lease for a primary context
+  bool on_probing_thread = false;  // a context current to this thread needs no push
+  bool measure_before = true;
+  bool settle = false;
+  bool trim = false;               // cuMemPoolTrimTo requested
+  bool read_after = true;          // false: what was read before is reported as after
+  std::shared_ptr<DeviceWait> wait;       // when settle
+  std::shared_ptr<Settling> settling;     // when run by a watchdog
+
+  // Guarded by settling->mutex when run by a watchdog.
+  Phase phase = Phase::queued;
+  bool abandoned = false;  // the caller returned without it: no trim, nothing more reported
+
+  // Results.
+  bool stopped = false;    // a failure after which this pass leaves the device alone
+  bool gone = false;       // its context was destroyed meanwhile: not in use after all
+  bool synced = false;     // cuCtxSynchronize ran (its result is in `wait`)
+  bool trim_ran = false;   // reached the trim step: pools and memory after are reported
+  std::vector<CallFailure> failures;  // in the order they happened
+  MemoryInfo before;
+  MemoryInfo after;
   std::vector<PoolRef> pools;
   std::vector<std::optional<std::uint64_t>> reserved_before;
-  std::shared_ptr<DeviceWait> wait;
+  std::vector<std::optional<std::uint64_t>> reserved_after;
+  std::vector<bool> trimmed;
+};
+
+// Runs `change` under the pass's lock (when a watchdog runs it) and wakes the caller.
+template <typename Change>
+void under_lock(Pass& pass, Change&& change) {
+  if (!pass.settling) {
+    change();
+    return;
+  }
+  {
+    std::lock_guard lock(pass.settling->mutex);
+    change();
+  }
+  pass.settling->changed.notify_all();
+}
+
+void finish_wait(DeviceWait& wait, CUresult result, const char* call) {
+  wait.call.store(call);
+  wait.result.store(result);
+  wait.finished_ns.store(Clock::now().time_since_epoch().count());
+  wait.finished.store(true, std::memory_order_release);
+}
+
+// The context the pass entered no longer exists: a framework reset the device
+// (cuDevicePrimaryCtxReset; the thread that used it keeps the stale handle
+// current, and calls in it answer CUDA_ERROR_CONTEXT_IS_DESTROYED, as measured
+// on a real driver), or a context current to the calling thread was destroyed.
+// Nothing to clean there: the device is not in use after all.
+bool context_gone(const Pass& pass, CUresult code) {
+  return code == CUDA_ERROR_CONTEXT_IS_DESTROYED ||
+         (pass.use.context == ContextKind::current && code == CUDA_ERROR_INVALID_CONTEXT);
+}
+
+bool failed(Pass& pass, const std::optional<CallFailure>& failure) {
+  if (!failure) return false;
+  if (context_gone(pass, failure->code)) {
+    pass.gone = pass.stopped = true;
+    return true;
+  }
+  pass.failures.push_back(*failure);
+  if (is_sticky(failure->code)) pass.stopped = true;
+  return true;
+}
+
+// The pass itself. Makes no driver call once the process is exiting; the
+// lease's reference is given back by whoever drops the pass last.
+void run_pass(Pass& pass) noexcept {
+  try {
+    bool abandoned = false;
+    under_lock(pass, [&] {
+      abandoned = pass.abandoned;
+      pass.phase = abandoned ? Phase::done : Phase::measuring;
+      if (abandoned && pass.wait) finish_wait(*pass.wait, CUDA_SUCCESS, "cuCtxSynchronize");
+    });
+    if (abandoned) return;
+
+    const EntryPoints& api = pass.driver.api();
+    bool pushed = false;
+    if (process_is_exiting()) {
+      pass.stopped = true;
+    } else if (pass.use.context == ContextKind::current && pass.on_probing_thread) {
+      // The probe found it current to this very thread: nothing to push.
+    } else {
+      const CUcontext context = pass.use.context == ContextKind::current ? pass.use.current
+                                : pass.use.lease                        ? pass.use.lease->context()
+                                                                        : nullptr;
+      if (context == nullptr) {
+        pass.stopped = true;
+      } else if (const CUresult result = api.cuCtxPushCurrent(context); result != CUDA_SUCCESS) {
+        failed(pass, CallFailure{"cuCtxPushCurrent", result});
+        pass.stopped = true;
+      } else {
+        pushed = true;
+      }
+    }
+    // A context current to the probing thread is checked before use even when
+    // the free memory before is not wanted (the trim): it may be a stale one.
+    if (!pass.stopped && (pass.measure_before || pass.use.context == ContextKind::current)) {
+      pass.before = memory_info(pass.driver);
+      failed(pass, pass.before.failure);
+    }
+    if (!pass.stopped) {
+      pass.pools = device_pools(pass.driver, pass.use.device);
+      for (const PoolRef& pool : pass.pools) {
+        pass.reserved_before.push_back(pool_attribute(pass.driver, pool.handle, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT));
+      }
+    }
+
+    if (pass.settle) {
+      bool sync = false;
+      under_lock(pass, [&] {
+        abandoned = pass.abandoned;
+        sync = !pass.stopped && !abandoned && !process_is_exiting();
+        pass.phase = sync ? Phase::settling : Phase::settled;
+        if (!sync) finish_wait(*pass.wait, CUDA_SUCCESS, "cuCtxSynchronize");
+      });
+      if (sync) {
+        const CUresult result = api.cuCtxSynchronize();
+        under_lock(pass, [&] {
+          finish_wait(*pass.wait, result, "cuCtxSynchronize");
+          pass.synced = true;
+          pass.phase = Phase::settled;
+          abandoned = pass.abandoned;
+        });
+        // Abandoned: the next call folds a sticky result in from the wait.
+        if (!abandoned) failed(pass, result == CUDA_SUCCESS ? std::nullopt
+                                                            : std::optional(CallFailure{"cuCtxSynchronize", result}));
+      }
+    }
+
+    if (!pass.stopped && !abandoned && !process_is_exiting()) {
+      pass.trim_ran = true;
+      for (const auto& [which, handle] : pass.pools) {
+        bool trimmed = false;
+        if (pass.trim && api.cuMemPoolTrimTo != nullptr) {
+          const CUresult result = api.cuMemPoolTrimTo(handle, 0);
+          trimmed = result == CUDA_SUCCESS;
+          if (!trimmed) failed(pass, CallFailure{"cuMemPoolTrimTo", result});
+        }
+        pass.trimmed.push_back(trimmed);
+        pass.reserved_after.push_back(pass.read_after
+                                          ? pool_attribute(pass.driver, handle, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)
+                                          : pass.reserved_before[pass.trimmed.size() - 1]);
+      }
+      if (pass.read_after) {
+        pass.after = memory_info(pass.driver);
+        failed(pass, pass.after.failure);
+      } else {
+        pass.after = pass.before;
+      }
+    }
+    if (pushed && !process_is_exiting()) {
+      CUcontext popped = nullptr;
+      api.cuCtxPopCurrent(&popped);
+    }
+    // Popped: the reference may go. The caller holds its own until it returns
+    // (so a finished call has given everything back when it returns); a
+    // watchdog the caller stopped waiting for gives it back here.
+    pass.use.lease.reset();
+    under_lock(pass, [&] { pass.phase = Phase::done; });
+  } catch (...) {
+    // Out of memory in a vector: the caller must still see the pass end.
+    try {
+      under_lock(pass, [&] {
+        if (pass.wait && !pass.wait->finished.load()) finish_wait(*pass.wait, CUDA_ERROR_UNKNOWN, "cuCtxSynchronize");
+        pass.stopped = true;
+        pass.phase = Phase::done;
+      });
+    } catch (...) {
+    }
+  }
+}
+
+// A device listed in the reply.
+struct Listed {
+  DeviceUse use;
+  DeviceRecord* record = nullptr;
+  std::shared_ptr<Pass> pass;  // null: not touched this call
+  bool on_watchdog = false;
+  bool still_busy = false;
   Settle settle = Settle::skipped;
   double waited_s = 0;
   std::optional<double> busy_for_s;
-  bool trim = false;
+  bool abandoned = false;
+  Phase phase_at_abandon = Phase::queued;
+  std::optional<std::string> watchdog_error;  // gpucleanup.drain.301
 };
 
 double seconds(Clock::duration d) { return std::max(0.0, std::chrono::duration<double>(d).count()); }
@@ -68,9 +262,184 @@ std::string one_decimal(double value) {
   return text;
 }
 
-nlohmann::json base_entry(const DeviceUse& use, const DeviceRecord& record) {
+std::string gpu(const DeviceUse& use) { return "GPU" + std::to_string(use.index); }
+
+void mark_failed(nlohmann::json& entry, const Driver& driver, const DeviceUse& use, DeviceRecord& record,
+                 const CallFailure& failure) {
+  if (is_sticky(failure.code)) {
+    if (!record.sticky) record.sticky = failure;
+    entry["state"] = "unusable";
+  } else {
+    entry["state"] = "error";
+  }
+  entry["error"] = failure_json(driver, use.index, failure);
+  entry["message"] = failure_message(driver, use.index, failure);
+}
+
+// Gives up waiting for a pass still before or in its settle (lock held).
+void abandon(Listed& listed, Clock::time_point start, bool interrupted) {
+  Pass& pass = *listed.pass;
+  pass.abandoned = true;
+  listed.abandoned = true;
+  listed.phase_at_abandon = pass.phase;
+  listed.settle = interrupted ? Settle::interrupted : Settle::timeout;
+  listed.waited_s = seconds(Clock::now() - start);
+  listed.busy_for_s = pass.wait->busy_for_s();
+}
+
+// Waits for every pass given to a watchdog: without a limit once past its
+// settle (a trim and two reads), else until the deadline or the progress
+// callback's "stop". Returns true when interrupted.
+bool wait_for_watchdogs(std::vector<Listed>& listed, Settling& settling, Clock::time_point start,
+                        const DrainOptions& options) {
+  const double limit_s = std::min(options.timeout_s, kMaxTimeoutS);
+  const auto deadline = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(limit_s));
+  auto next_progress = start + options.progress_after;
+  bool interrupted = false;
+  std::unique_lock lock(settling.mutex);
+  auto abandon_unsettled = [&](bool by_progress) {
+    for (Listed& l : listed) {
+      if (l.on_watchdog && !l.abandoned && l.pass->phase < Phase::settled) abandon(l, start, by_progress);
+    }
+  };
+  while (true) {
+    const Listed* waiting = nullptr;
+    bool pending = false;
+    for (const Listed& l : listed) {
+      if (!l.on_watchdog || l.abandoned || l.pass->phase == Phase::done) continue;
+      pending = true;
+      if (waiting == nullptr && l.pass->phase < Phase::settled) waiting = &l;
+    }
+    if (!pending) return interrupted;
+    if (waiting == nullptr) {
+      settling.changed.wait(lock);
+      continue;
+    }
+    const auto now = Clock::now();
+    if (now >= deadline) {
+      abandon_unsettled(false);
+      continue;
+    }
+    if (options.progress && now >= next_progress) {
+      const nlohmann::json report = {
+          {"device", waiting->use.index}, {"waited_s", seconds(now - start)}, {"limit_s", limit_s}};
+      lock.unlock();
+      const bool stop = options.progress(report);
+      lock.lock();
+      if (stop) {
+        interrupted = true;
+        abandon_unsettled(true);
+        continue;
+      }
+      next_progress = std::max(next_progress + options.progress_every, Clock::now());
+      continue;
+    }
+    settling.changed.wait_until(lock, options.progress ? std::min(deadline, next_progress) : deadline);
+  }
+}
+
+// After the wait: how the settle of a pass that was not abandoned ended.
+void finish_settle(Listed& listed, Clock::time_point start) {
+  Pass& pass = *listed.pass;
+  if (pass.synced) {
+    const Clock::time_point finished{Clock::duration(pass.wait->finished_ns.load())};
+    listed.waited_s = seconds(finished - start);
+    listed.settle = pass.wait->result.load() == CUDA_SUCCESS ? Settle::done : Settle::error;
+  } else {
+    listed.settle = Settle::skipped;  // stopped before the wait (a sticky error, exiting)
+  }
+  listed.record->wait.reset();
+}
+
+bool before_known(const Listed& listed) {
+  return listed.pass && (!listed.abandoned || listed.phase_at_abandon >= Phase::settling);
+}
+
+// The pools as the pass saw them: trimmed and read again, or (busy) as read before.
+nlohmann::json pool_entries(const Pass& pass, bool after, std::uint64_t& released) {
+  nlohmann::json pools = nlohmann::json::array();
+  released = 0;
+  for (std::size_t i = 0; i < pass.pools.size(); ++i) {
+    const auto& before = pass.reserved_before[i];
+    const auto& reserved = after ? pass.reserved_after[i] : before;
+    if (before && reserved && *before > *reserved) released += *before - *reserved;
+    pools.push_back({
+        {"which", pass.pools[i].which},
+        {"handle", pool_handle_text(pass.pools[i].handle)},
+        {"reserved_before_bytes", bytes(before)},
+        {"reserved_after_bytes", bytes(reserved)},
+        {"trimmed", after && pass.trimmed[i]},
+    });
+  }
+  return pools;
+}
+
+std::string still_busy_message(const Listed& listed, const char* what) {
+  return gpu(listed.use) + " is still busy with work queued " + one_decimal(listed.busy_for_s.value_or(0)) +
+         " s ago: " + what;
+}
+
+std::string busy_message(const Listed& listed) {
+  return gpu(listed.use) + " is still busy after " + one_decimal(listed.waited_s) + " s" +
+         (listed.settle == Settle::interrupted ? " (wait interrupted)" : "") +
+         ": its queued work keeps running and its memory was not trimmed";
+}
+
+std::string no_trim_message(const DeviceUse& use) {
+  return "the CUDA driver has no cuMemPoolTrimTo: " + gpu(use) +
+         "'s memory pools were not trimmed (update the NVIDIA driver to free them)";
+}
+
+nlohmann::json context_json(ContextKind kind) {
+  switch (kind) {
+    case ContextKind::primary: return "primary";
+    case ContextKind::current: return "current";
+    case ContextKind::none: break;
+  }
+  return nullptr;
+}
+
+// Everything of one device but the mode's own fields: state, error and
+// message from what the pass (or an earlier call) found.
+void apply_outcome(nlohmann::json& entry, const Driver& driver, Listed& listed, const char* busy_state) {
+  DeviceRecord& record = *listed.record;
+  const DeviceUse& use = listed.use;
+  if (!listed.pass) {
+    if (record.sticky) {
+      mark_failed(entry, driver, use, record, *record.sticky);  // left alone: reported, never touched again
+    } else if (use.failure) {
+      mark_failed(entry, driver, use, record, *use.failure);
+    }
+    if (listed.still_busy && !record.sticky && !use.failure) entry["state"] = busy_state;
+    return;
+  }
+  const Pass& pass = *listed.pass;
+  if (listed.watchdog_error) entry["message"] = *listed.watchdog_error;
+  if (before_known(listed)) {
+    for (const CallFailure& failure : pass.failures) mark_failed(entry, driver, use, record, failure);
+  }
+  if (listed.abandoned || listed.still_busy) {
+    if (entry["state"] != "unusable") entry["state"] = busy_state;
+  }
+  if (pass.trim_ran && !listed.still_busy && pass.trim && driver.api().cuMemPoolTrimTo == nullptr &&
+      !pass.pools.empty() && entry["message"].is_null()) {
+    entry["message"] = no_trim_message(use);
+  }
+}
+
+nlohmann::json settle_json(const Listed& listed) {
+  return {
+      {"status", to_string(listed.settle)},
+      {"waited_s", listed.waited_s},
+      {"busy_for_s", listed.busy_for_s ? nlohmann::json(*listed.busy_for_s) : nlohmann::json(nullptr)},
+  };
+}
+
+// share/schema/drain.schema.json#/$defs/device, as it has always been.
+nlohmann::json drain_entry(const Driver& driver, Listed& listed) {
+  const DeviceRecord& record = *listed.record;
   nlohmann::json entry = {
-      {"index", use.index},
+      {"index", listed.use.index},
       {"name", record.name ? nlohmann::json(*record.name) : nlohmann::json(nullptr)},
       {"state", "drained"},
       {"pools", nlohmann::json::array()},
@@ -80,242 +449,235 @@ nlohmann::json base_entry(const DeviceUse& use, const DeviceRecord& record) {
       {"error", nullptr},
       {"message", nullptr},
   };
-  if (use.context != ContextKind::none) entry["context"] = use.context == ContextKind::primary ? "primary" : "current";
+  if (listed.use.context != ContextKind::none) entry["context"] = context_json(listed.use.context);
+  apply_outcome(entry, driver, listed, "busy");
+  if (listed.still_busy && entry["state"] == "busy") {
+    entry["message"] = still_busy_message(listed, "not waited for again, not trimmed");
+  } else if (listed.abandoned && entry["state"] == "busy") {
+    entry["message"] = busy_message(listed);
+  }
+  if (before_known(listed)) {
+    const Pass& pass = *listed.pass;
+    entry["free_before_bytes"] = bytes(pass.before.free_bytes);
+    if (pass.trim_ran) {
+      std::uint64_t released = 0;
+      entry["pools"] = pool_entries(pass, true, released);
+      entry["released_bytes"] = released;
+      entry["free_after_bytes"] = bytes(pass.after.free_bytes);
+    }
+  }
+  entry["settle"] = settle_json(listed);
   return entry;
 }
 
-void mark_failed(Work& work, const Driver& driver, const CallFailure& failure) {
-  if (is_sticky(failure.code)) {
-    if (!work.record->sticky) work.record->sticky = failure;
-    work.entry["state"] = "unusable";
-    work.trim = false;
-  } else {
-    work.entry["state"] = "error";
+void memory_after(nlohmann::json& entry, const MemoryInfo& info) {
+  entry["free_bytes"] = bytes(info.free_bytes);
+  if (info.free_bytes && info.total_bytes && *info.total_bytes >= *info.free_bytes) {
+    entry["used_bytes"] = *info.total_bytes - *info.free_bytes;
   }
-  work.entry["error"] = failure_json(driver, work.use.index, failure);
-  work.entry["message"] = failure_message(driver, work.use.index, failure);
 }
 
-// The watchdog: enters the device's context on its own thread and waits for
-// its queued work. Everything it touches is owned by value or shared_ptr.
-void watch(Driver driver, DeviceUse use, std::shared_ptr<DeviceWait> wait, std::shared_ptr<Settling> settling) {
-  CUresult result = CUDA_SUCCESS;
-  const char* call = "cuCtxSynchronize";
-  try {
-    ScopedContext scope(driver, use);
-    if (scope.failure()) {
-      result = scope.failure()->code;
-      call = scope.failure()->call == "cuCtxPushCurrent" ? "cuCtxPushCurrent" : "cuDevicePrimaryCtxRetain";
-    } else if (scope.entered() && !process_is_exiting()) {
-      result = driver.api().cuCtxSynchronize();
+// share/schema/after_cell.schema.json#/$defs/device
+nlohmann::json after_cell_entry(const Driver& driver, Listed& listed) {
+  const DeviceRecord& record = *listed.record;
+  nlohmann::json entry = {
+      {"index", listed.use.index},
+      {"uuid", listed.use.uuid ? nlohmann::json(*listed.use.uuid) : nlohmann::json(nullptr)},
+      {"name", record.name ? nlohmann::json(*record.name) : nlohmann::json(nullptr)},
+      {"context", context_json(listed.use.context)},
+      {"state", "drained"},
+      {"free_before_bytes", nullptr},
+      {"released_bytes", 0},
+      {"pools", nlohmann::json::array()},
+      {"total_bytes", bytes(record.total_bytes)},
+      {"used_bytes", nullptr},
+      {"free_bytes", nullptr},
+      {"error", nullptr},
+      {"message", nullptr},
+  };
+  apply_outcome(entry, driver, listed, "busy");
+  if (listed.still_busy && entry["state"] == "busy") {
+    entry["message"] = still_busy_message(listed, "not waited for again, not trimmed");
+  } else if (listed.abandoned && entry["state"] == "busy") {
+    entry["message"] = busy_message(listed);
+  }
+  if (before_known(listed)) {
+    const Pass& pass = *listed.pass;
+    const bool busy = listed.abandoned || listed.still_busy;
+    if (!listed.still_busy) entry["free_before_bytes"] = bytes(pass.before.free_bytes);
+    if (busy) {
+      // Not trimmed: the pools and the memory as read at the start of this call.
+      std::uint64_t released = 0;
+      entry["pools"] = pool_entries(pass, false, released);
+      memory_after(entry, listed.still_busy ? pass.after : pass.before);
+    } else if (pass.trim_ran) {
+      std::uint64_t released = 0;
+      entry["pools"] = pool_entries(pass, true, released);
+      entry["released_bytes"] = released;
+      memory_after(entry, pass.after);
     }
-  } catch (...) {
-    result = CUDA_ERROR_UNKNOWN;
   }
-  {
-    std::lock_guard lock(settling->mutex);
-    wait->call.store(call);
-    wait->result.store(result);
-    wait->finished_ns.store(Clock::now().time_since_epoch().count());
-    wait->finished.store(true, std::memory_order_release);
-  }
-  settling->finished.notify_all();
+  entry["settle"] = settle_json(listed);
+  return entry;
 }
 
-// Before the settle: what the pools hold and the device has free.
-void measure_before(Work& work, const Driver& driver, bool& still_in_use) {
-  ScopedContext scope(driver, work.use);
-  if (scope.failure()) return mark_failed(work, driver, *scope.failure());
-  if (!scope.entered()) {
-    still_in_use = false;
-    return;
+// share/schema/after_cell.schema.json#/$defs/trimmed_device
+nlohmann::json trim_entry(const Driver& driver, Listed& listed) {
+  const DeviceRecord& record = *listed.record;
+  nlohmann::json entry = {
+      {"index", listed.use.index},
+      {"uuid", listed.use.uuid ? nlohmann::json(*listed.use.uuid) : nlohmann::json(nullptr)},
+      {"name", record.name ? nlohmann::json(*record.name) : nlohmann::json(nullptr)},
+      {"context", context_json(listed.use.context)},
+      {"state", "trimmed"},
+      {"released_bytes", 0},
+      {"pools", nlohmann::json::array()},
+      {"total_bytes", bytes(record.total_bytes)},
+      {"used_bytes", nullptr},
+      {"free_bytes", nullptr},
+      {"error", nullptr},
+      {"message", nullptr},
+  };
+  apply_outcome(entry, driver, listed, "busy");
+  if (listed.still_busy && entry["state"] == "busy") entry["message"] = still_busy_message(listed, "not trimmed");
+  if (listed.pass && listed.pass->trim_ran) {
+    std::uint64_t released = 0;
+    entry["pools"] = pool_entries(*listed.pass, true, released);
+    entry["released_bytes"] = released;
+    memory_after(entry, listed.pass->after);
   }
-  work.trim = true;
-  const MemoryInfo info = memory_info(driver);
-  if (info.failure) {
-    mark_failed(work, driver, *info.failure);
-    if (!work.trim) return;
-  }
-  work.entry["free_before_bytes"] = bytes(info.free_bytes);
-  work.pools = device_pools(driver, work.use.device);
-  for (const PoolRef& pool : work.pools) {
-    work.reserved_before.push_back(pool_attribute(driver, pool.handle, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT));
-  }
+  return entry;
 }
 
-void trim(Work& work, const Driver& driver, bool requested) {
-  ScopedContext scope(driver, work.use);
-  if (scope.failure()) return mark_failed(work, driver, *scope.failure());
-  if (!scope.entered()) return;
-  const EntryPoints& api = driver.api();
-  std::uint64_t released = 0;
-  for (std::size_t i = 0; i < work.pools.size(); ++i) {
-    const PoolRef& pool = work.pools[i];
-    bool trimmed = false;
-    if (requested && api.cuMemPoolTrimTo != nullptr) {
-      const CUresult result = api.cuMemPoolTrimTo(pool.handle, 0);
-      trimmed = result == CUDA_SUCCESS;
-      if (!trimmed) mark_failed(work, driver, CallFailure{"cuMemPoolTrimTo", result});
-    }
-    const auto after = pool_attribute(driver, pool.handle, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT);
-    const auto& before = work.reserved_before[i];
-    if (before && after && *before > *after) released += *before - *after;
-    work.entry["pools"].push_back({
-        {"which", pool.which},
-        {"handle", pool_handle_text(pool.handle)},
-        {"reserved_before_bytes", bytes(before)},
-        {"reserved_after_bytes", bytes(after)},
-        {"trimmed", trimmed},
-    });
+const char* kind_of(Mode mode) {
+  switch (mode) {
+    case Mode::drain: return "drain";
+    case Mode::after_cell: return "after_cell";
+    case Mode::trim: return "trim";
   }
-  work.entry["released_bytes"] = released;
-  if (requested && api.cuMemPoolTrimTo == nullptr && !work.pools.empty() && work.entry["message"].is_null()) {
-    work.entry["message"] = "the CUDA driver has no cuMemPoolTrimTo: GPU" + std::to_string(work.use.index) +
-                            "'s memory pools were not trimmed (update the NVIDIA driver to free them)";
-  }
-  const MemoryInfo info = memory_info(driver);
-  if (info.failure) return mark_failed(work, driver, *info.failure);
-  work.entry["free_after_bytes"] = bytes(info.free_bytes);
+  return "drain";
 }
 
-// Waits for every started watchdog, the deadline, or the progress callback's
-// "stop", whichever comes first. Returns true when interrupted.
-bool wait_for_settle(std::vector<Work>& works, Settling& settling, Clock::time_point start,
-                     const DrainOptions& options) {
-  const double limit_s = std::min(options.timeout_s, kMaxTimeoutS);
-  const auto deadline = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(limit_s));
-  auto next_progress = start + options.progress_after;
-  std::unique_lock lock(settling.mutex);
-  while (true) {
-    const Work* waiting = nullptr;
-    for (const Work& work : works) {
-      if (work.settle == Settle::pending && !work.wait->finished.load(std::memory_order_acquire)) {
-        waiting = &work;
-        break;
-      }
-    }
-    if (waiting == nullptr) return false;
-    const auto now = Clock::now();
-    if (now >= deadline) return false;
-    if (options.progress && now >= next_progress) {
-      const nlohmann::json report = {
-          {"device", waiting->use.index}, {"waited_s", seconds(now - start)}, {"limit_s", limit_s}};
-      lock.unlock();
-      const bool stop = options.progress(report);
-      lock.lock();
-      if (stop) return true;
-      next_progress = std::max(next_progress + options.progress_every, Clock::now());
-      continue;
-    }
-    settling.finished.wait_until(lock, options.progress ? std::min(deadline, next_progress) : deadline);
-  }
-}
-
-void finish_settle(Work& work, const Driver& driver, Clock::time_point start, bool interrupted) {
-  if (work.wait->finished.load(std::memory_order_acquire)) {
-    const Clock::time_point finished{Clock::duration(work.wait->finished_ns.load())};
-    work.waited_s = seconds(finished - start);
-    const auto result = static_cast<CUresult>(work.wait->result.load());
-    work.record->wait.reset();
-    if (result == CUDA_SUCCESS) {
-      work.settle = Settle::done;
-    } else {
-      work.settle = Settle::error;
-      mark_failed(work, driver, CallFailure{work.wait->call.load(), result});
-    }
-    return;
-  }
-  // Still waiting: the watchdog stays in the registry for the next call.
-  work.settle = interrupted ? Settle::interrupted : Settle::timeout;
-  work.waited_s = seconds(Clock::now() - start);
-  work.busy_for_s = work.wait->busy_for_s();
-  work.trim = false;
-  work.entry["state"] = "busy";
-  work.entry["message"] = "GPU" + std::to_string(work.use.index) + " is still busy after " +
-                          one_decimal(work.waited_s) + " s" + (interrupted ? " (wait interrupted)" : "") +
-                          ": its queued work keeps running and its memory was not trimmed";
-}
-
-}  // namespace
-
-nlohmann::json drain(const Driver& driver, DeviceRegistry& registry, const DrainOptions& options) {
+nlohmann::json run(Mode mode, const Driver& driver, DeviceRegistry& registry, const DrainOptions& options) {
   const auto start = Clock::now();
-  const Probe found = probe(driver);
-  nlohmann::json report = report_header("drain");
+  const bool settle = mode != Mode::trim && options.timeout_s > 0;
+  // Retained by the probe right after its state said active, once per device
+  // and call: the devices this call will enter.
+  const Probe found = probe(driver, [&](const DeviceUse& use) {
+    const DeviceRecord& record = registry.refresh(use);
+    if (record.sticky) return false;
+    if (record.wait) return mode == Mode::after_cell;  // busy: only the after-cell pass reads its memory
+    return true;
+  });
+  nlohmann::json report = report_header(kind_of(mode));
   report["driver"] = describe_driver(driver, found);
-  report["timeout_s"] = options.timeout_s;
-  report["trim"] = options.trim;
-  report["interrupted"] = false;
+  if (mode != Mode::trim) {
+    report["timeout_s"] = options.timeout_s;
+    report["trim"] = options.trim;
+    report["interrupted"] = false;
+  }
   report["devices"] = nlohmann::json::array();
   if (found.state != DriverState::ready) {
     report["elapsed_s"] = seconds(Clock::now() - start);
     return report;
   }
 
-  std::vector<Work> works;
+  std::vector<Listed> listed;
   for (const DeviceUse& use : found.devices) {
     DeviceRecord& record = registry.refresh(use);
     if (!use.in_use() && !record.sticky) continue;
     read_static_facts(driver, use, record);
-    Work work;
-    work.use = use;
-    work.record = &record;
-    work.entry = base_entry(use, record);
-    if (record.sticky) {
-      // Left alone: reported, never touched again.
-      mark_failed(work, driver, *record.sticky);
-    } else if (record.wait) {
-      work.settle = Settle::still_busy;
-      work.busy_for_s = record.wait->busy_for_s();
-      work.entry["state"] = "busy";
-      work.entry["message"] = "GPU" + std::to_string(use.index) + " is still busy with work queued " +
-                              one_decimal(*work.busy_for_s) + " s ago: not waited for again, not trimmed";
-    } else {
-      bool still_in_use = true;
-      measure_before(work, driver, still_in_use);
-      if (!still_in_use) continue;
-      if (work.trim && options.timeout_s > 0) work.settle = Settle::pending;
-    }
-    works.push_back(std::move(work));
-  }
-
-  bool interrupted = false;
-  const bool settling_any =
-      std::any_of(works.begin(), works.end(), [](const Work& w) { return w.settle == Settle::pending; });
-  if (settling_any) {
-    auto settling = std::make_shared<Settling>();
-    const auto settle_start = Clock::now();
-    for (Work& work : works) {
-      if (work.settle != Settle::pending) continue;
-      work.wait = std::make_shared<DeviceWait>();
-      try {
-        std::thread(watch, driver, work.use, work.wait, settling).detach();
-        work.record->wait = work.wait;
-      } catch (const std::system_error& e) {
-        work.settle = Settle::error;
-        work.entry["message"] = std::string("[gpucleanup.drain.301] could not start a watchdog thread (") +
-                                e.what() + "): GPU" + std::to_string(work.use.index) +
-                                " was trimmed without waiting for its queued work";
+    Listed l;
+    l.use = use;
+    l.record = &record;
+    if (!record.sticky && !use.failure) {
+      // Busy as the probe saw it: a wait that ended since is seen by the next call.
+      const bool unretained = use.context == ContextKind::primary && !use.lease;
+      if (record.wait || unretained) {
+        l.still_busy = true;
+        l.settle = Settle::still_busy;
+        if (record.wait) l.busy_for_s = record.wait->busy_for_s();
+      }
+      if (!l.still_busy || (mode == Mode::after_cell && !unretained)) {
+        auto pass = std::make_shared<Pass>(driver, use);
+        pass->on_probing_thread = true;
+        pass->measure_before = mode != Mode::trim;
+        pass->trim = !l.still_busy && (mode == Mode::trim || options.trim);
+        pass->read_after = !l.still_busy;
+        l.pass = std::move(pass);
       }
     }
-    interrupted = wait_for_settle(works, *settling, settle_start, options);
-    for (Work& work : works) {
-      if (work.settle == Settle::pending) finish_settle(work, driver, settle_start, interrupted);
+    listed.push_back(std::move(l));
+  }
+
+  // The waits, each on its device's watchdog, all at once.
+  auto settling = std::make_shared<Settling>();
+  const auto settle_start = Clock::now();
+  bool any_on_watchdog = false;
+  if (settle) {
+    for (Listed& l : listed) {
+      if (!l.pass || l.still_busy) continue;
+      Pass& pass = *l.pass;
+      DeviceRecord& record = *l.record;
+      try {
+        if (!record.watchdog || !record.watchdog->alive()) record.watchdog = std::make_shared<Watchdog>();
+      } catch (const std::system_error& e) {
+        l.settle = Settle::error;
+        l.watchdog_error = std::string("[gpucleanup.drain.301] could not start a watchdog thread (") + e.what() +
+                           "): " + gpu(l.use) + " was trimmed without waiting for its queued work";
+        continue;
+      }
+      pass.on_probing_thread = false;
+      pass.settle = true;
+      pass.wait = std::make_shared<DeviceWait>();
+      pass.wait->started = settle_start;  // busy since the wait began, as the limit counts
+      pass.settling = settling;
+      record.wait = pass.wait;
+      l.on_watchdog = true;
+      any_on_watchdog = true;
+      record.watchdog->submit([keep = l.pass] { run_pass(*keep); });
+    }
+  }
+  // Passes without a wait run here meanwhile; no thread is woken for them.
+  for (Listed& l : listed) {
+    if (l.pass && !l.on_watchdog) run_pass(*l.pass);
+  }
+  bool interrupted = false;
+  if (any_on_watchdog) {
+    interrupted = wait_for_watchdogs(listed, *settling, settle_start, options);
+    std::lock_guard lock(settling->mutex);
+    for (Listed& l : listed) {
+      if (l.on_watchdog && !l.abandoned) finish_settle(l, settle_start);
     }
   }
 
-  for (Work& work : works) {
-    if (work.trim) trim(work, driver, options.trim);
-    work.entry["settle"] = {
-        {"status", to_string(work.settle)},
-        {"waited_s", work.waited_s},
-        {"busy_for_s", work.busy_for_s ? nlohmann::json(*work.busy_for_s) : nlohmann::json(nullptr)},
-    };
-    report["devices"].push_back(std::move(work.entry));
+  for (Listed& l : listed) {
+    if (before_known(l) && l.pass->gone) continue;  // its context is gone: not in use after all
+    switch (mode) {
+      case Mode::drain: report["devices"].push_back(drain_entry(driver, l)); break;
+      case Mode::after_cell: report["devices"].push_back(after_cell_entry(driver, l)); break;
+      case Mode::trim: report["devices"].push_back(trim_entry(driver, l)); break;
+    }
   }
-  report["interrupted"] = interrupted;
+  if (mode != Mode::trim) report["interrupted"] = interrupted;
   report["elapsed_s"] = seconds(Clock::now() - start);
   return report;
+}
+
+}  // namespace
+
+nlohmann::json drain(const Driver& driver, DeviceRegistry& registry, const DrainOptions& options) {
+  return run(Mode::drain, driver, registry, options);
+}
+
+nlohmann::json after_cell(const Driver& driver, DeviceRegistry& registry, const DrainOptions& options) {
+  return run(Mode::after_cell, driver, registry, options);
+}
+
+nlohmann::json trim_pools(const Driver& driver, DeviceRegistry& registry) {
+  DrainOptions options;
+  options.timeout_s = 0;
+  return run(Mode::trim, driver, registry, options);
 }
 
 }  // namespace gpucleanup

@@ -1,13 +1,19 @@
-// Drain: a bounded settle, then the driver's pools trimmed, on every device in
-// use.
+// Drain and the after-cell pass: a bounded settle, then the driver's pools
+// trimmed, on every device in use.
 //
-// cuCtxSynchronize cannot be interrupted or given a timeout, so each device's
-// wait runs on a watchdog thread of its own (all devices at once, one overall
-// limit). At the limit the drain returns whether or not the GPU has finished;
-// the watchdog keeps waiting in the background, owns what it uses through
-// shared_ptr, and the next drain or snapshot reports the device busy instead of
-// starting a second wait. A busy device is not trimmed: memory freed by its
-// queued work is not yet observed and cannot be released anyway.
+// cuCtxSynchronize cannot be interrupted or given a timeout, so a device's
+// settle runs on its watchdog (watchdog.hpp: one long-lived thread per device,
+// started on first need), all devices at once under one overall limit, while
+// the calling thread waits on a condition variable with the deadline. The
+// watchdog does the device's whole pass inside one push of the context that
+// the probe retained (memory before, the wait, the trim, memory after), so a
+// call retains and pushes each device once. At the limit the call returns
+// whether or not the GPU has finished; the watchdog keeps waiting in the
+// background, owns what it uses through shared_ptr, and the next call reports
+// the device busy instead of starting a second wait. A busy device is not
+// trimmed: memory freed by its queued work is not yet observed and cannot be
+// released anyway. Without a wait (timeout 0, gpucleanup_trim) the pass runs on
+// the calling thread and no thread is woken.
 #pragma once
 
 #include <chrono>
@@ -35,5 +41,15 @@ struct DrainOptions {
 
 // share/schema/drain.schema.json
 nlohmann::json drain(const Driver& driver, DeviceRegistry& registry, const DrainOptions& options);
+
+// share/schema/after_cell.schema.json, kind "after_cell": the probe, the
+// settle, the trim (options.trim) and what each device in use has free
+// afterwards, in one pass. Not initialised, or nothing in use: the probe only.
+nlohmann::json after_cell(const Driver& driver, DeviceRegistry& registry, const DrainOptions& options);
+
+// share/schema/after_cell.schema.json, kind "trim": cuMemPoolTrimTo(pool, 0)
+// on every device in use that is not busy, on the calling thread, no wait;
+// released bytes and free memory afterwards.
+nlohmann::json trim_pools(const Driver& driver, DeviceRegistry& registry);
 
 }  // namespace gpucleanup

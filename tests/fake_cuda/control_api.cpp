@@ -8,7 +8,8 @@
 namespace {
 
 bool is_counter(const std::string& name) {
-  static const char* const kPlain[] = {"cuInit", "contexts_created", "retained", "pushed", "syncs_in_flight"};
+  static const char* const kPlain[] = {"cuInit",          "contexts_created", "retained",      "pushed",
+                                       "syncs_in_flight", "threads",          "primary_resets"};
   for (const char* plain : kPlain) {
     if (name == plain) return true;
   }
@@ -56,6 +57,18 @@ FAKE_CUDA_EXPORT long long fake_cuda_counter(const char* name) {
   const auto& counters = fake_cuda::state().counters;
   auto it = counters.find(name);
   return it == counters.end() ? 0 : it->second;
+}
+
+FAKE_CUDA_EXPORT int fake_cuda_reset_primary_context(int device) {
+  auto& s = fake_cuda::state();
+  auto lock = fake_cuda::lock_state();
+  try {
+    fake_cuda::reset_primary_context(s, device);
+    return 0;
+  } catch (const std::exception& e) {
+    s.last_error = e.what();
+    return -1;
+  }
 }
 
 FAKE_CUDA_EXPORT void fake_cuda_release_sync(void) {

@@ -47,12 +47,18 @@ class Call {
   // reference was released is destroyed, as on a real driver.
   Context* usable_current() {
     Context* context = current();
-    if (context == nullptr) return nullptr;
+    if (context == nullptr || context->destroyed) return nullptr;
     if (context->primary && !s_.device(context->device)->primary_active()) return nullptr;
     return context;
   }
 
   Device* device_of(const Context* context) { return context == nullptr ? nullptr : s_.device(context->device); }
+
+  // The current context is a primary context destroyed by a reset.
+  bool current_destroyed() {
+    Context* context = current();
+    return context != nullptr && context->destroyed;
+  }
 
  private:
   std::unique_lock<std::mutex> lock_;
@@ -200,7 +206,7 @@ FAKE_CUDA_EXPORT CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext* pctx, CUde
   if (!device->primary_active()) ++s.counters["contexts_created"];
   ++device->retained;
   ++s.counters["retained"];
-  *pctx = reinterpret_cast<CUcontext>(&device->primary_context);
+  *pctx = reinterpret_cast<CUcontext>(device->primary_context.get());
   return CUDA_SUCCESS;
 }
 
@@ -229,7 +235,8 @@ FAKE_CUDA_EXPORT CUresult CUDAAPI cuCtxGetCurrent(CUcontext* pctx) {
 
 FAKE_CUDA_EXPORT CUresult CUDAAPI cuCtxGetDevice(CUdevice* device) {
   Call call("cuCtxGetDevice");
-  Context* context = call.usable_current();
+  // A destroyed context still names its device (as on a real driver).
+  Context* context = call.current_destroyed() ? call.current() : call.usable_current();
   if (auto refused = call.refuse(call.device_of(context))) return refused;
   if (device == nullptr) return CUDA_ERROR_INVALID_VALUE;
   if (context == nullptr) return CUDA_ERROR_INVALID_CONTEXT;
@@ -244,7 +251,10 @@ FAKE_CUDA_EXPORT CUresult CUDAAPI cuCtxPushCurrent_v2(CUcontext ctx) {
   if (auto refused = call.refuse(call.device_of(context))) return refused;
   if (ctx == nullptr) return CUDA_ERROR_INVALID_VALUE;
   if (context == nullptr) return CUDA_ERROR_INVALID_CONTEXT;
-  if (context->primary && !s.device(context->device)->primary_active()) return CUDA_ERROR_INVALID_CONTEXT;
+  // A destroyed primary context's stale handle is pushed as it is; calls made in it fail.
+  if (context->primary && !context->destroyed && !s.device(context->device)->primary_active()) {
+    return CUDA_ERROR_INVALID_CONTEXT;
+  }
   fake_cuda::thread_contexts(s).push_back({context, true});
   ++s.counters["pushed"];
   return CUDA_SUCCESS;
@@ -268,6 +278,7 @@ FAKE_CUDA_EXPORT CUresult CUDAAPI cuCtxSynchronize(void) {
   Context* context = call.usable_current();
   Device* device = call.device_of(context);
   if (auto refused = call.refuse(device)) return refused;
+  if (call.current_destroyed()) return CUDA_ERROR_CONTEXT_IS_DESTROYED;
   if (context == nullptr) return CUDA_ERROR_INVALID_CONTEXT;
   if (device->sticky_error != CUDA_SUCCESS) return device->sticky_error;
   if (!fake_cuda::wait_for_queued_work(call, *device)) return CUDA_SUCCESS;  // scenario replaced meanwhile
@@ -283,6 +294,7 @@ FAKE_CUDA_EXPORT CUresult CUDAAPI cuMemGetInfo_v2(size_t* free, size_t* total) {
   Context* context = call.usable_current();
   Device* device = call.device_of(context);
   if (auto refused = call.refuse(device)) return refused;
+  if (call.current_destroyed()) return CUDA_ERROR_CONTEXT_IS_DESTROYED;  // 709, after a reset
   if (context == nullptr) return CUDA_ERROR_INVALID_CONTEXT;  // 201, share/FACTS.md §7.4
   if (device->sticky_error != CUDA_SUCCESS) return device->sticky_error;
   if (free == nullptr || total == nullptr) return CUDA_ERROR_INVALID_VALUE;

@@ -100,8 +100,27 @@ int fake_cuda_update(const char* patch_json);
  *   "retained"          primary-context retains not yet released
  *   "pushed"            contexts pushed and not yet popped, all threads
  *   "syncs_in_flight"   cuCtxSynchronize calls currently blocked
+ *   "threads"           distinct threads that called the fake (the thread
+ *                       that called fake_cuda_reset included): a library that
+ *                       starts a thread per call shows one more per call
+ *   "primary_resets"    calls of fake_cuda_reset_primary_context
  * Unknown names return -1. */
 long long fake_cuda_counter(const char* name);
+
+/* What cuDevicePrimaryCtxReset does when a framework calls it (cudaDeviceReset
+ * is one), as measured on a real driver (580.159.04): the device's primary
+ * context is destroyed and the device is inactive afterwards
+ * (cuDevicePrimaryCtxGetState answers 0, even while a framework had it
+ * retained) until someone retains it again, which makes a new context (here
+ * with another handle). Every reference is void: "retained" drops by the
+ * device's retains, a later release answers CUDA_ERROR_INVALID_CONTEXT. A
+ * thread that had the context current keeps the stale handle current:
+ * cuCtxGetCurrent and cuCtxGetDevice answer for it, cuMemGetInfo and
+ * cuCtxSynchronize in it fail with CUDA_ERROR_CONTEXT_IS_DESTROYED (709), and
+ * the stale handle can still be pushed (calls in it then fail the same way).
+ * To model the framework using the device again, patch primary_active: true.
+ * Returns 0, or -1 for a device that does not exist. */
+int fake_cuda_reset_primary_context(int device);
 
 /* Unblocks every cuCtxSynchronize that hangs or sleeps, now and until the next
  * reset. */

@@ -254,7 +254,7 @@ std::unique_ptr<Device> make_device(int index) {
   device->name = "Fake GPU " + std::to_string(index);
   std::tie(device->uuid, device->uuid_bytes) = parse_uuid(default_uuid(index), "default uuid");
   device->total = kDefaultTotal;
-  device->primary_context = Context{index, true};
+  device->primary_context = std::make_unique<Context>(Context{index, true, false});
   device->default_pool = std::make_unique<Pool>();
   device->default_pool->device = index;
   return device;
@@ -362,7 +362,10 @@ Context* State::find_context(CUcontext handle) {
   if (context == nullptr) return nullptr;
   if (context == base_context) return context;
   for (auto& device : devices) {
-    if (context == &device->primary_context) return context;
+    if (context == device->primary_context.get()) return context;
+  }
+  for (Context* destroyed : destroyed_primaries) {
+    if (context == destroyed) return context;
   }
   return nullptr;
 }
@@ -395,6 +398,8 @@ std::vector<StackFrame>& thread_contexts(State& s) {
   };
   thread_local ThreadStack stack;
   if (stack.generation != s.generation) {
+    // The first call of this thread since the scenario was loaded.
+    ++s.counters["threads"];
     stack.frames.clear();
     stack.generation = s.generation;
     if (s.base_context != nullptr && !s.base_context_claimed) {
@@ -429,6 +434,7 @@ void reset(State& s, const std::string& scenario_json) {
   for (auto& device : s.devices) s.retired_devices.push_back(std::move(device));
   if (s.base_context_storage) s.retired_contexts.push_back(std::move(s.base_context_storage));
   s.devices.clear();
+  s.destroyed_primaries.clear();
   s.base_context = nullptr;
   s.base_context_claimed = false;
   s.initialized = true;
@@ -451,7 +457,7 @@ void reset(State& s, const std::string& scenario_json) {
     if (patch.current_context->primary) {
       // A primary context current to a thread was retained by someone.
       device.external_primary_ref = true;
-      s.base_context = &device.primary_context;
+      s.base_context = device.primary_context.get();
     } else {
       s.base_context_storage = std::make_unique<Context>(Context{device.index, false});
       s.base_context = s.base_context_storage.get();
@@ -479,6 +485,20 @@ void update(State& s, const std::string& patch_json) {
   s.sync_cv.notify_all();  // a changed sync_seconds applies to synchronizes already waiting
 }
 
+void reset_primary_context(State& s, int device_index) {
+  Device* device = s.device(device_index);
+  if (device == nullptr) fail("reset_primary_context", "no device " + std::to_string(device_index));
+  std::unique_ptr<Context> old = std::move(device->primary_context);
+  old->destroyed = true;
+  s.destroyed_primaries.push_back(old.get());
+  s.retired_contexts.push_back(std::move(old));  // a thread may still have it current (base_context too)
+  device->primary_context = std::make_unique<Context>(Context{device->index, true, false});
+  s.counters["retained"] -= device->retained;
+  device->retained = 0;
+  device->external_primary_ref = false;
+  ++s.counters["primary_resets"];
+}
+
 std::string dump(const State& s) {
   json devices = json::array();
   for (const auto& device : s.devices) {
@@ -495,7 +515,8 @@ std::string dump(const State& s) {
                        {"errors", errors_json(device->errors)}});
   }
   // The plain counters always appear; "calls.<entry>" once the entry was called.
-  json counters = {{"cuInit", 0}, {"contexts_created", 0}, {"retained", 0}, {"pushed", 0}, {"syncs_in_flight", 0}};
+  json counters = {{"cuInit", 0},  {"contexts_created", 0}, {"retained", 0},      {"pushed", 0},
+                   {"syncs_in_flight", 0}, {"threads", 0},     {"primary_resets", 0}};
   for (const auto& [name, value] : s.counters) counters[name] = value;
   json root = {{"initialized", s.initialized},
                {"driver_version", s.driver_version},

@@ -47,6 +47,9 @@ struct Pool {
 struct Context {
   int device = 0;
   bool primary = true;
+  // A primary context destroyed by fake_cuda_reset_primary_context: its handle
+  // is stale (push refuses it, calls made in it find no context).
+  bool destroyed = false;
 };
 
 struct Device {
@@ -61,7 +64,9 @@ struct Device {
   bool external_primary_ref = false;
   int retained = 0;
   bool pools_supported = true;
-  Context primary_context;
+  // Replaced by fake_cuda_reset_primary_context (cuDevicePrimaryCtxReset by a
+  // framework): the new context has another handle, the old one is retired.
+  std::unique_ptr<Context> primary_context;
   std::unique_ptr<Pool> default_pool;
   std::unique_ptr<Pool> current_pool;  // null: the default pool is current
   double sync_seconds = 0;             // negative: hang until released
@@ -101,6 +106,9 @@ struct State {
 
   std::vector<std::unique_ptr<Device>> retired_devices;
   std::vector<std::unique_ptr<Context>> retired_contexts;
+  // Primary contexts of this scenario destroyed by reset_primary_context: their
+  // handles can still be pushed (as on a real driver), calls in them fail.
+  std::vector<Context*> destroyed_primaries;
   std::vector<std::unique_ptr<Pool>> retired_pools;
 
   Device* device(CUdevice ordinal) {
@@ -140,6 +148,18 @@ const std::set<std::string>& entry_names();
 // was when the JSON is malformed.
 void reset(State& s, const std::string& scenario_json);
 void update(State& s, const std::string& patch_json);
+
+// cuDevicePrimaryCtxReset as a framework calls it, as measured on a real
+// driver (580.159.04, after CuPy had retained the context): the device's
+// primary context is destroyed and the device is inactive afterwards
+// (cuDevicePrimaryCtxGetState answers 0) until someone retains it again, which
+// makes a new context with another handle. Every reference is void (a later
+// release of one answers CUDA_ERROR_INVALID_CONTEXT). A thread that had it
+// current still has the stale handle current: cuCtxGetCurrent and
+// cuCtxGetDevice answer for it, cuMemGetInfo and cuCtxSynchronize in it fail
+// with CUDA_ERROR_CONTEXT_IS_DESTROYED, and the stale handle can still be
+// pushed. Throws ScenarioError for a device that does not exist.
+void reset_primary_context(State& s, int device);
 
 // Scenario-shaped state plus "counters".
 std::string dump(const State& s);

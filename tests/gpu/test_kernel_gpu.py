@@ -49,7 +49,11 @@ def __gpucleanup_probe():
         out["live"] += torch.cuda.memory_allocated(0)
         out["cached"]["torch"] = torch.cuda.memory_reserved(0) - torch.cuda.memory_allocated(0)
         hs = torch.cuda.memory.host_memory_stats()
-        out["pinned_cached"]["torch_owned"] = hs.get("allocated_bytes.current", 0)
+        owned = hs.get("allocated_bytes.current", 0)
+        # under 1 MiB torch's pinned cache is left alone on purpose (its own scalar staging:
+        # gpucleanup.frameworks.torch.SMALL_PINNED_BYTES); from there on it must be released
+        out["pinned_cached"]["torch_owned"] = owned if owned >= (1 << 20) else 0
+        out["torch_pinned_small"] = owned if owned < (1 << 20) else 0
     devices = sys.modules.get("numba.cuda.cudadrv.devices")
     if devices is not None:
         info = type(devices._runtime.gpus).__dict__.get("lst")

@@ -149,7 +149,10 @@ TEST_F(DrainTest, IdleDevicesAreNeitherListedNorTouched) {
   EXPECT_EQ(fake.counter("contexts_created"), 0);
   EXPECT_EQ(fake.counter("cuInit"), 0);
   EXPECT_EQ(fake.counter("calls.cuCtxSynchronize"), 3);
-  EXPECT_EQ(fake.counter("calls.cuDevicePrimaryCtxRetain"), 9);  // before, settle, trim on each
+  // Retained by the probe and entered once each, by its watchdog, for the whole pass.
+  EXPECT_EQ(fake.counter("calls.cuDevicePrimaryCtxRetain"), 3);
+  EXPECT_EQ(fake.counter("calls.cuCtxPushCurrent"), 3);
+  EXPECT_EQ(fake.counter("calls.cuDevicePrimaryCtxGetState"), 8);
 }
 
 TEST_F(DrainTest, NotInitialisedProcessDrainsNothing) {

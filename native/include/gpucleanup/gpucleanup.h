@@ -26,8 +26,8 @@
  *   GPUCLEANUP_LIBCUDA  path of the CUDA driver library to load instead of
  *                       "libcuda.so.1" (used by the tests' fake driver).
  *
- * Thread safety: every function may be called from any thread. Snapshot and
- * drain calls are serialised inside the library.
+ * Thread safety: every function may be called from any thread. Snapshot,
+ * drain, after_cell and trim calls are serialised inside the library.
  */
 #ifndef GPUCLEANUP_GPUCLEANUP_H
 #define GPUCLEANUP_GPUCLEANUP_H
@@ -124,6 +124,37 @@ GPUCLEANUP_API gpucleanup_status gpucleanup_settle(double timeout_s,
                                                    gpucleanup_progress_fn progress,
                                                    void* user,
                                                    char** json_out);
+
+/* The whole after-cell pass in one call and one JSON reply, for the cleanup
+ * after every notebook cell:
+ *   1. probe (as gpucleanup_probe). CUDA not initialised, or no device in use:
+ *      the reply is made right here, with no device listed.
+ *   2. settle every device in use, as gpucleanup_drain (bounded by timeout_s
+ *      in total, progress and interruption alike; 0 skips it). The wait runs
+ *      on the device's watchdog, a thread started the first time the device
+ *      needs one and reused by every later call.
+ *   3. when trim is non-zero, cuMemPoolTrimTo(pool, 0) on the default and the
+ *      current pool of every settled device (0: the pools are reported as
+ *      they are, like gpucleanup_settle).
+ *   4. per device: free_before_bytes (before the trim), released_bytes, the
+ *      pools, and total/used/free bytes afterwards (as gpucleanup_snapshot
+ *      reports them).
+ * Each device in use is retained and entered once per call. A busy device is
+ * not trimmed and is reported with the memory read at the start of the call.
+ * JSON shape: share/schema/after_cell.schema.json with "kind": "after_cell". */
+GPUCLEANUP_API gpucleanup_status gpucleanup_after_cell(double timeout_s,
+                                                       int trim,
+                                                       gpucleanup_progress_fn progress,
+                                                       void* user,
+                                                       char** json_out);
+
+/* The trim alone, without a wait: cuMemPoolTrimTo(pool, 0) on the default and
+ * the current pool of every device in use, on the calling thread (for the
+ * second trim after frameworks gave memory back to the driver's pools). A
+ * device still busy from an earlier wait is not trimmed. Reports per device
+ * the pools, released_bytes, and total/used/free bytes afterwards.
+ * JSON shape: share/schema/after_cell.schema.json with "kind": "trim". */
+GPUCLEANUP_API gpucleanup_status gpucleanup_trim(char** json_out);
 
 /* Marks the process as exiting: stops the status server and makes every later
  * call a no-op returning GPUCLEANUP_ERR_EXITING. Idempotent. Also runs
