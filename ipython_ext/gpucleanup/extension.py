@@ -289,10 +289,10 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         """Before a cell: mark it running for the status endpoint. No driver call."""
         try:
             self._forced_in_cell = None
+            if info is not None and getattr(info, "silent", False):
+                return  # a frontend's silent request (no cleanup follows it) leaves a pending release alone
             self.engine.cell_starts()  # a release waiting for the kernel to be idle is not wanted now
             if not self.enabled or self.engine.exiting:
-                return
-            if info is not None and getattr(info, "silent", False):
                 return
             self._status("set_state", {"state": "running", "cell": running_cell_number(self.shell, info), "since_ns": time.time_ns()})
         except KeyboardInterrupt:

@@ -1370,3 +1370,13 @@ def test_gpumem_drain_gives_everything_back_now_whatever_the_release_policy_stan
     _wait_pinned(shell)
     assert stand_in.cupy.calls["drain"] == 1 and stand_in.cupy.calls["drain_pinned"] == 1
     assert _ext(shell).history.last()[-1]["release"] == "cell"
+
+
+def test_release_idle_a_silent_request_does_not_cancel_the_pending_release_stand_in(shell, stand_in, capsys):
+    shell.run_line_magic("load_ext", "gpucleanup")
+    shell.run_line_magic("config", "GPUCleanup.release = 'idle'")
+    shell.run_line_magic("config", "GPUCleanup.idle_release_s = 3600")
+    _run(shell, "x = 1", capsys)
+    job = _ext(shell).engine.idle_job
+    shell.run_cell("y = 2", silent=True)  # e.g. a variable inspector's request: no cleanup follows it
+    assert _ext(shell).engine.idle_job is job and not job.cancelled
