@@ -92,6 +92,9 @@ def _time_hooks(shell, hook_times: dict) -> None:
 
         # the registered callbacks are bound methods of ext: swap them in the event registry
         callbacks = shell.events.callbacks[name]
+        if original not in callbacks:  # no driver here: gpucleanup registered no hooks
+            print(f"profile_cell: gpucleanup registered no {name} hook (no CUDA driver?): not timed")
+            continue
         callbacks[callbacks.index(original)] = timed
 
 
