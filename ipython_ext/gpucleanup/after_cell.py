@@ -124,51 +124,6 @@ class CtrlC:
             raise KeyboardInterrupt
 
 
-class PinnedRelease:
-    """One background release of pinned host pools; adapters are done one after another."""
-
-    def __init__(self, engine: "AfterCell", adapters: list, cell: Optional[int]):
-        self.engine = engine
-        self.adapters = adapters
-        self.cell = cell
-        self.freed: Dict[str, int] = {}
-        self.notes: List[Note] = []
-        self.unraisable: List[dict] = []
-        self.elapsed_s = 0.0
-        self.done = threading.Event()
-        self.reported = False
-        self.thread = threading.Thread(target=self._run, name="gpucleanup-pinned", daemon=True)
-
-    def _run(self) -> None:
-        start = time.perf_counter()
-        engine = self.engine
-        try:
-            with engine.unraisables.capture() as captured:
-                for adapter in self.adapters:
-                    if engine.exiting:
-                        break
-                    with engine.adapter_lock(adapter.name), engine.unraisables.source(adapter.name):
-                        result, note = engine.guarded(adapter, "drain_pinned")
-                    if note:
-                        self.notes.append(note)
-                        continue
-                    if isinstance(result, dict):
-                        freed = int(result.get("freed_bytes") or 0)
-                        if freed:
-                            self.freed[adapter.name] = self.freed.get(adapter.name, 0) + freed
-                        for text in result.get("notes") or []:
-                            self.notes.append((f"note:{adapter.name}:{text}", adapter_note(adapter.name, text)))
-            self.unraisable = captured
-        except BaseException as exc:  # a background thread must never die loudly
-            self.notes.append(("pinned:internal", f"pinned release failed: {type(exc).__name__}: {exc}"))
-        finally:
-            self.elapsed_s = time.perf_counter() - start
-            self.done.set()
-
-    def result(self) -> dict:
-        return {"cell": self.cell, "freed_bytes": dict(self.freed), "elapsed_s": round(self.elapsed_s, 6)}
-
-
 class IdleRelease:
     """What a cell left cached, given back once the kernel has been idle ``delay_s`` seconds.
 
@@ -275,6 +230,22 @@ class IdleRelease:
             "pinned_freed_bytes": dict(self.freed_pinned),
             "elapsed_s": round(self.elapsed_s, 6),
         }
+
+
+class PinnedRelease(IdleRelease):
+    """The pinned host pools released now, on their own thread (release = "cell"): a pinned
+    free makes driver calls made meanwhile wait for it, so it starts after the cell's last one."""
+
+    def __init__(self, engine: "AfterCell", adapters: list, cell: Optional[int]):
+        super().__init__(engine, adapters, [], cell, device=False, pinned=True, trim=False, delay_s=0.0)
+        self._timer.name = "gpucleanup-pinned"
+
+    @property
+    def freed(self) -> Dict[str, int]:
+        return self.freed_pinned
+
+    def result(self) -> dict:
+        return {"cell": self.cell, "freed_bytes": dict(self.freed_pinned), "elapsed_s": round(self.elapsed_s, 6)}
 
 
 class GpuHolders:
@@ -827,7 +798,7 @@ class AfterCell:
         """Step 6: the pinned release, on its own thread; reported now if it is quick."""
         job = PinnedRelease(self, candidates, cell)
         self.pinned_job = job
-        job.thread.start()
+        job.start()
         if job.done.wait(_PINNED_REPORT_WAIT_S):
             job.reported = True
             self.pinned_job = None
