@@ -610,37 +610,40 @@ class AfterCell:
         _add_released(freed, result)
         return out
 
-    def _native_pass(self, timeout: float, settings: Settings, notes: List[Note], trim: bool) -> Optional[dict]:
-        """The one-pass native call (``_native.after_cell``), with the progress line."""
+    @contextlib.contextmanager
+    def _progress_line(self, settings: Settings):
+        """Around a native wait: the progress line it may write is closed when it returns."""
         self._progress_shown = False
         self._show_progress = settings.show != "never"
         try:
-            return self.native.after_cell(timeout=timeout, progress=self._progress, trim=trim)
-        except Exception as exc:
-            if str(exc).startswith("[gpucleanup.api.111]"):
-                raise  # a drain from outside holds the library: the extension says so
-            notes.append((f"drain:{type(exc).__name__}", f"native after-cell pass failed: {exc}"))
-            return None
+            yield
         finally:
             if self._progress_shown:
                 self._write("\n")
                 self._progress_shown = False
 
+    def _native_pass(self, timeout: float, settings: Settings, notes: List[Note], trim: bool) -> Optional[dict]:
+        """The one-pass native call (``_native.after_cell``), with the progress line."""
+        with self._progress_line(settings):
+            try:
+                return self.native.after_cell(timeout=timeout, progress=self._progress, trim=trim)
+            except Exception as exc:
+                if str(exc).startswith("[gpucleanup.api.111]"):
+                    raise  # a drain from outside holds the library: the extension says so
+                notes.append((f"drain:{type(exc).__name__}", f"native after-cell pass failed: {exc}"))
+                return None
+
     def _native_drain(self, timeout: float, settings: Settings, notes: List[Note], progress: bool,
                       trim: bool = True) -> Optional[dict]:
-        self._progress_shown = False
-        self._show_progress = settings.show != "never"
+        """A library without the one-pass call: its drain (settle, and trim unless ``trim`` is off)."""
         # driver_pools off (or the trim deferred until idle): settle only, the pools are left as they are
         extra = {} if trim else {"trim": False}
-        try:
-            return self.native.drain(timeout=timeout, progress=self._progress if progress else None, **extra)
-        except Exception as exc:
-            notes.append((f"drain:{type(exc).__name__}", f"native drain failed: {exc}"))
-            return None
-        finally:
-            if self._progress_shown:
-                self._write("\n")
-                self._progress_shown = False
+        with self._progress_line(settings):
+            try:
+                return self.native.drain(timeout=timeout, progress=self._progress if progress else None, **extra)
+            except Exception as exc:
+                notes.append((f"drain:{type(exc).__name__}", f"native drain failed: {exc}"))
+                return None
 
     def _progress(self, payload: dict) -> bool:
         if self.ctrl_c.pressed:
@@ -892,10 +895,10 @@ class AfterCell:
         lines = report.summary_lines(data) if (shown or first_sticky) else []
         if not shown and first_sticky:
             lines = [report.SEP.join([report.PREFIX, d["message"] or report.unusable_sentence(d)]) for d in first_sticky]
-        record.shown = bool(lines)
+        record.shown = data["shown"] = bool(lines)
         if after_forced is not None and not lines:
             keep = False  # one record per cell: this pass added nothing to the %gpumem --drain's
-        return Outcome(record=record, lines=lines, keep=keep)
+        return Outcome(record=record, lines=lines, keep=keep, data=data)
 
 
 def _add_released(freed: Dict[int, Dict[str, int]], drain: Optional[dict]) -> None:

@@ -344,7 +344,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         namespace = getattr(self.shell, "user_ns", None)
         outcome = self.engine.run(self.settings(), cell=cell, namespace=namespace, forced=forced, after_forced=after_forced)
         if outcome is not None and outcome.keep:
-            data = outcome.record.to_dict()
+            data = outcome.as_dict()
             self.history.append(data)
             self._status("publish", data)
         return outcome

@@ -111,3 +111,9 @@ class Outcome:
     #: goes to the history and the status endpoint (not: a %gpumem --drain with no GPU in
     #: use, or a cell's own cleanup that added nothing to its %gpumem --drain)
     keep: bool = True
+    #: ``record.to_dict()`` as the engine made it for the lines: the history and the status
+    #: endpoint keep this one (asdict is the dearest step of building a record)
+    data: Optional[dict] = None
+
+    def as_dict(self) -> dict:
+        return self.data if self.data is not None else self.record.to_dict()

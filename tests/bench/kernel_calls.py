@@ -22,7 +22,7 @@ Counters (differences over the N measured cells, divided by N):
                                     split by calling module (gpucleanup.* or not)
   threads started                   threading.Thread.start calls (by thread name);
                                     OS threads of the process before/after
-  namespace walks                   calls of bound_gpu_objects, find_gpu_objects,
+  namespace walks                   calls of find_gpu_objects,
                                     gpu_holder_names wherever they live in
                                     gpucleanup.* (absent when none exists)
   IPython history writeouts         HistoryManager.writeout_cache calls
@@ -72,7 +72,7 @@ FW_SETUP = {
     "fake": "",
     "none": "",
 }
-WALKS = ("bound_gpu_objects", "find_gpu_objects", "gpu_holder_names")
+WALKS = ("find_gpu_objects", "gpu_holder_names")
 
 
 # ------------------------------------------------------------------ child: one scenario, one mode

@@ -279,7 +279,7 @@ def test_an_object_whose_class_raises_does_not_break_vars_or_the_cell_stand_in(s
         assert "failed" not in capsys.readouterr().out  # no "snapshot before the cell failed"
         found = shell.run_line_magic("gpumem", "--vars --json")
         assert found["vars"] == []
-        assert objects.bound_gpu_objects(shell.user_ns) == {}
+        assert objects.gpu_holder_names(shell.user_ns) == {}
     finally:
         shell.user_ns.pop("hostile", None)
         shell.user_ns.pop("hostiles", None)

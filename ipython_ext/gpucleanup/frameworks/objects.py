@@ -14,7 +14,7 @@ import types
 import weakref
 from typing import Any, Dict, Iterable, List, Optional
 
-__all__ = ["gpu_object_info", "find_gpu_objects", "bound_gpu_objects", "gpu_holder_names"]
+__all__ = ["gpu_object_info", "find_gpu_objects", "gpu_holder_names"]
 
 _kind_cache: "weakref.WeakKeyDictionary[type, Optional[str]]" = weakref.WeakKeyDictionary()
 
@@ -202,25 +202,6 @@ def find_gpu_objects(user_ns: dict, out_cache: Optional[dict] = None, max_depth:
         if not frontier:
             break
     return found
-
-
-def bound_gpu_objects(user_ns: dict) -> Dict[int, int]:
-    """``{id(obj): bytes}`` of the GPU arrays/tensors bound to top-level names (cheap: no walk).
-
-    The extension compares this before and after a cell to tell whether the cell
-    unbound a GPU object (``del x``, ``x = None``), one of the signals of its
-    garbage policy.
-    """
-    out: Dict[int, int] = {}
-    for name, value in list(user_ns.items()):
-        if _skipped(value):
-            continue
-        if _kind_of_type(type(value)) is None:
-            continue
-        info = gpu_object_info(value)
-        if info is not None:
-            out[id(value)] = info["bytes"]
-    return out
 
 
 _TOP_NAME = re.compile(r"[^.\[{]+")
