@@ -5,7 +5,9 @@
 # then the real-GPU tests, the benchmarks and the demo, in one go.
 # Results land in $OUT (or ./gpu-out): machine.log, gpu-tests.log, facts.log, bench.json, bench.log, demo.log,
 # and for the stage kernels: kernels.json, kernels.log, kernel-calls.json, kernel-calls.log.
-# Usage: scripts/gpu_run.sh [STAGE ...]   stages: tests facts bench demo kernels (default: tests facts bench demo)
+# Usage: scripts/gpu_run.sh [STAGE ...]   stages: tests facts bench demo kernels stages (default: tests facts bench demo)
+# The stage stages (tests/bench/profile_cell.py --stages --primitives, in-process, about a minute) writes
+# stages.log: where the per-cell time goes, step by step, with CUDA unused and PyTorch or CuPy idle.
 # The stage kernels (tests/bench/kernel_calls.py, under a minute, then tests/bench/bench_kernels.py, about
 # 7.5 minutes) runs only when named. For its ipyexperiments variant, .whl/ must also carry ipyexperiments,
 # nvidia-ml-py (the pynvml module) and psutil (psutil comes with ipykernel's dependencies anyway); without
@@ -40,6 +42,12 @@ if [[ $stages == *" bench "* ]]; then
 fi
 if [[ $stages == *" demo "* ]]; then
   python3 scripts/demo.py 2>&1 | tee "$out/demo.log"
+fi
+if [[ $stages == *" stages "* ]]; then
+  for scenario in unused cupy_idle torch_idle; do
+    echo "== $scenario"
+    python3 tests/bench/profile_cell.py "$scenario" --stages --primitives --cells 300
+  done 2>&1 | tee "$out/stages.log"
 fi
 if [[ $stages == *" kernels "* ]]; then
   # what the extension does per cell (calls, JSON, threads, walks), then the per-cell cost in real kernels,

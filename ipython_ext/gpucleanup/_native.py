@@ -14,6 +14,7 @@ import math
 import os
 import signal
 import threading
+import time
 from importlib import resources
 from typing import Any, Callable, Optional
 
@@ -32,11 +33,12 @@ __all__ = [
     "server_start",
     "server_stop",
     "server_set_state",
+    "server_state",
     "server_publish",
     "server_connections",
 ]
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 # gpucleanup_status values (native/include/gpucleanup/gpucleanup.h)
 OK = 0
@@ -69,6 +71,17 @@ class NativeError(RuntimeError):
 
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
+# The same library through ctypes.PyDLL: its calls keep the interpreter lock. The
+# per-cell calls (probe, after_cell, trim, snapshot, the status server's state and
+# records) go through it, so that IPython's history thread is not let in by a call
+# of microseconds (a ctypes.CDLL call releases the lock; the thread then commits to
+# SQLite before the kernel goes idle). Where such a call has to wait, the library
+# gives the lock up for the wait (gpucleanup_set_gil_hooks, native/src/gil.hpp).
+# GPUCLEANUP_NATIVE_GIL=release makes every call release it (for comparisons).
+_held: Optional[ctypes.CDLL] = None
+
+# gpucleanup_server_state's state codes (GPUCLEANUP_STATE_*)
+STATES = {"idle": 0, "running": 1, "draining": 2, "waiting": 3}
 
 
 def library_path() -> str:
@@ -116,6 +129,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gpucleanup_server_set_state.restype = ctypes.c_int
     lib.gpucleanup_server_publish.argtypes = [ctypes.c_char_p]
     lib.gpucleanup_server_publish.restype = ctypes.c_int
+    lib.gpucleanup_server_state.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int]
+    lib.gpucleanup_server_state.restype = ctypes.c_int
+    lib.gpucleanup_set_gil_hooks.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    lib.gpucleanup_set_gil_hooks.restype = None
     lib.gpucleanup_server_connections.argtypes = [c_char_pp]
     lib.gpucleanup_server_connections.restype = ctypes.c_int
 
@@ -134,8 +151,24 @@ def library() -> ctypes.CDLL:
                     f"[gpucleanup.python.101] {library_path()} has ABI version {found}, "
                     f"this package needs {ABI_VERSION}: reinstall gpucleanup",
                 )
+            global _held
+            _held = lib
+            if os.environ.get("GPUCLEANUP_NATIVE_GIL", "hold") != "release":
+                api = ctypes.pythonapi
+                lib.gpucleanup_set_gil_hooks(*(ctypes.cast(getattr(api, name), ctypes.c_void_p).value for name in (
+                    "PyGILState_Check", "PyEval_SaveThread", "PyEval_RestoreThread")))
+                held = ctypes.PyDLL(library_path(), mode=os.RTLD_LOCAL | os.RTLD_NOW)
+                _declare(held)
+                _held = held
             _lib = lib
         return _lib
+
+
+def held() -> ctypes.CDLL:
+    """The library through ctypes.PyDLL (calls keep the interpreter lock), see ``_held``."""
+    if _lib is None:
+        library()
+    return _held
 
 
 def _raise(lib: ctypes.CDLL, status: int) -> None:
@@ -168,17 +201,17 @@ def abi_version() -> int:
 
 def probe() -> dict:
     """Driver state and which devices are in use; no memory queries."""
-    return _call_json(library().gpucleanup_probe)
+    return _call_json(held().gpucleanup_probe)
 
 
 def snapshot() -> dict:
     """Full per-device snapshot (share/schema/snapshot.schema.json)."""
-    return _call_json(library().gpucleanup_snapshot)
+    return _call_json(held().gpucleanup_snapshot)
 
 
 def _entry(name: str) -> Callable[..., int]:
     """A function of the library that may be missing from an older build of the same ABI version."""
-    fn = getattr(library(), name, None)
+    fn = getattr(held(), name, None)
     if fn is None:
         raise NativeError(
             ERR_INTERNAL,
@@ -312,8 +345,21 @@ def server_connections() -> dict:
 
 
 def server_set_state(state: dict) -> None:
-    _call_status(library().gpucleanup_server_set_state, json.dumps(state).encode())
+    _call_status(held().gpucleanup_server_set_state, json.dumps(state).encode())
+
+
+def server_state(state: str, cell: Optional[int] = None, since_ns: Optional[int] = None,
+                 device: Optional[int] = None) -> None:
+    """The kernel's state for the status server, without JSON (gpucleanup_server_state).
+
+    ``state`` is one of STATES; ``since_ns`` defaults to now (``time.time_ns()``).
+    """
+    code = STATES.get(state)
+    if code is None:
+        raise ValueError(f"state must be one of {', '.join(STATES)}, got {state!r}")
+    _call_status(held().gpucleanup_server_state, code, -1 if cell is None else int(cell),
+                 time.time_ns() if since_ns is None else int(since_ns), -1 if device is None else int(device))
 
 
 def server_publish(record: dict) -> None:
-    _call_status(library().gpucleanup_server_publish, json.dumps(record).encode())
+    _call_status(held().gpucleanup_server_publish, json.dumps(record).encode())

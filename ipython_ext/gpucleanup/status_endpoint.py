@@ -52,6 +52,24 @@ def _jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, default=repr))
 
 
+_STATE_KEYS = {"idle": {"state", "since_ns"}, "running": {"state", "cell", "since_ns"},
+               "draining": {"state", "cell", "since_ns"}, "waiting": {"state", "cell", "since_ns", "device"}}
+
+
+def _state_fields(state: Any) -> Optional[tuple]:
+    """(state, cell, since_ns, device) when ``state`` is one the server takes without JSON, else None."""
+    if not isinstance(state, dict):
+        return None
+    name = state.get("state")
+    keys = _STATE_KEYS.get(name) if isinstance(name, str) else None
+    if keys is None or not set(state) <= keys:
+        return None
+    values = (state.get("cell"), state.get("since_ns"), state.get("device"))
+    if any(v is not None and (not isinstance(v, int) or isinstance(v, bool)) for v in values):
+        return None
+    return (name, *values)
+
+
 class StatusEndpoint:
     """The status server of this kernel, found by ``gpucleanup ps`` through a discovery file."""
 
@@ -111,10 +129,15 @@ class StatusEndpoint:
             return
         try:
             self._refresh_notebook()
-            try:
-                self._lib().server_set_state(state)
-            except TypeError:
-                self._lib().server_set_state(_jsonable(state))
+            lib = self._lib()
+            fields = _state_fields(state)
+            if fields is not None and hasattr(lib, "server_state"):
+                lib.server_state(*fields)  # the per-cell path: no JSON
+            else:
+                try:
+                    lib.server_set_state(state)
+                except TypeError:
+                    lib.server_set_state(_jsonable(state))
             self._log_refusals()
         except Exception as exc:
             self._note(exc)

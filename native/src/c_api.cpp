@@ -18,6 +18,7 @@
 #include "drain.hpp"
 #include "driver.hpp"
 #include "errors.hpp"
+#include "gil.hpp"
 #include "process_state.hpp"
 #include "status_server.hpp"
 
@@ -137,8 +138,13 @@ constexpr auto kOutsideDrainPoll = std::chrono::milliseconds(25);
 
 // The lock for a call made by the kernel itself (its hooks, %gpumem): never
 // queued behind a drain from outside for longer than kOutsideDrainPatience.
+// Called with the interpreter lock held (ctypes.PyDLL), it gives that up while it
+// waits: the holder may be a drain of the kernel's own on another Python thread,
+// whose progress callback needs the interpreter lock to finish.
 std::unique_lock<std::timed_mutex> kernel_lock(ApiState& state) {
   std::unique_lock lock(state.cleanup, std::defer_lock);
+  if (lock.try_lock()) return lock;
+  gil::Released released;
   const auto deadline = std::chrono::steady_clock::now() + kOutsideDrainPatience;
   while (!lock.try_lock_for(std::chrono::milliseconds(2))) {
     if (!state.outside_drain.load()) continue;  // a status snapshot: microseconds
@@ -343,7 +349,8 @@ gpucleanup_status gpucleanup_server_connections(char** json_out) {
   return guarded([&] {
     require_out(json_out);
     ApiState& state = api_state().get();
-    std::lock_guard lock(state.server_mutex);
+    gil::lock(state.server_mutex);
+    std::lock_guard lock(state.server_mutex, std::adopt_lock);
     if (!state.server) {
       fail(GPUCLEANUP_ERR_SERVER,
            "[gpucleanup.api.107] the status server is not running: call gpucleanup_server_start first");
@@ -356,7 +363,8 @@ gpucleanup_status gpucleanup_server_set_state(const char* state_json) {
   return guarded([&] {
     nlohmann::json value = parse_object(state_json, "state_json");
     ApiState& state = api_state().get();
-    std::lock_guard lock(state.server_mutex);
+    gil::lock(state.server_mutex);
+    std::lock_guard lock(state.server_mutex, std::adopt_lock);
     if (!state.server) {
       fail(GPUCLEANUP_ERR_SERVER,
            "[gpucleanup.api.107] the status server is not running: call gpucleanup_server_start first");
@@ -365,11 +373,40 @@ gpucleanup_status gpucleanup_server_set_state(const char* state_json) {
   });
 }
 
+gpucleanup_status gpucleanup_server_state(int kind, long long cell, long long since_ns, int device) {
+  return guarded([&] {
+    static const char* const names[] = {"idle", "running", "draining", "waiting"};
+    if (kind < GPUCLEANUP_STATE_IDLE || kind > GPUCLEANUP_STATE_WAITING) {
+      fail(GPUCLEANUP_ERR_INVALID_ARGUMENT, "[gpucleanup.api.112] state is " + std::to_string(kind) +
+                                                ": pass a GPUCLEANUP_STATE_* value (0 idle, 1 running, 2 draining, 3 waiting)");
+    }
+    nlohmann::json value = {{"state", names[kind]}, {"since_ns", static_cast<std::int64_t>(since_ns)}};
+    if (kind != GPUCLEANUP_STATE_IDLE) {
+      value["cell"] = cell < 0 ? nlohmann::json(nullptr) : nlohmann::json(static_cast<std::int64_t>(cell));
+    }
+    if (kind == GPUCLEANUP_STATE_WAITING && device >= 0) value["device"] = device;
+    ApiState& state = api_state().get();
+    gil::lock(state.server_mutex);
+    std::lock_guard lock(state.server_mutex, std::adopt_lock);
+    if (!state.server) {
+      fail(GPUCLEANUP_ERR_SERVER,
+           "[gpucleanup.api.107] the status server is not running: call gpucleanup_server_start first");
+    }
+    state.server->set_state(std::move(value));
+  });
+}
+
+void gpucleanup_set_gil_hooks(gpucleanup_gil_check_fn check, gpucleanup_gil_save_fn save,
+                              gpucleanup_gil_restore_fn restore) {
+  gil::set_hooks(check, save, restore);
+}
+
 gpucleanup_status gpucleanup_server_publish(const char* record_json) {
   return guarded([&] {
     nlohmann::json value = parse_object(record_json, "record_json");
     ApiState& state = api_state().get();
-    std::lock_guard lock(state.server_mutex);
+    gil::lock(state.server_mutex);
+    std::lock_guard lock(state.server_mutex, std::adopt_lock);
     if (!state.server) {
       fail(GPUCLEANUP_ERR_SERVER,
            "[gpucleanup.api.107] the status server is not running: call gpucleanup_server_start first");

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "accounting.hpp"
+#include "gil.hpp"
 #include "process_state.hpp"
 #include "watchdog.hpp"
 
@@ -18,6 +19,9 @@ namespace gpucleanup {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// How long a wait keeps the caller's interpreter lock before giving it up (gil.hpp).
+constexpr auto kHoldGilFor = std::chrono::milliseconds(2);
 
 // Longest settle honoured: keeps deadline arithmetic far from overflow.
 constexpr double kMaxTimeoutS = 1e7;
@@ -296,7 +300,30 @@ bool wait_for_watchdogs(std::vector<Listed>& listed, Settling& settling, Clock::
   const auto deadline = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(limit_s));
   auto next_progress = start + options.progress_after;
   bool interrupted = false;
+  // A caller holding the interpreter lock keeps it for the first kHoldGilFor (an
+  // idle device settles in tens of microseconds) and gives it up for the rest of
+  // the wait. Declared before the lock: the interpreter lock is taken back after
+  // settling.mutex is let go.
+  std::optional<gil::Released> released;
+  const auto hold_gil_until = Clock::now() + kHoldGilFor;
   std::unique_lock lock(settling.mutex);
+  // Waits for a change until `until` (none: without a limit).
+  auto wait_for_change = [&](std::optional<Clock::time_point> until) {
+    if (!released) {
+      if (Clock::now() < hold_gil_until) {
+        settling.changed.wait_until(lock, until ? std::min(*until, hold_gil_until) : hold_gil_until);
+        return;
+      }
+      lock.unlock();  // never wait for the interpreter lock while holding settling.mutex
+      released.emplace();
+      lock.lock();
+    }
+    if (until) {
+      settling.changed.wait_until(lock, *until);
+    } else {
+      settling.changed.wait(lock);
+    }
+  };
   auto abandon_unsettled = [&](bool by_progress) {
     for (Listed& l : listed) {
       if (l.on_watchdog && !l.abandoned && l.pass->phase < Phase::settled) abandon(l, start, by_progress);
@@ -312,7 +339,7 @@ bool wait_for_watchdogs(std::vector<Listed>& listed, Settling& settling, Clock::
     }
     if (!pending) return interrupted;
     if (waiting == nullptr) {
-      settling.changed.wait(lock);
+      wait_for_change(std::nullopt);
       continue;
     }
     const auto now = Clock::now();
@@ -334,7 +361,7 @@ bool wait_for_watchdogs(std::vector<Listed>& listed, Settling& settling, Clock::
       next_progress = std::max(next_progress + options.progress_every, Clock::now());
       continue;
     }
-    settling.changed.wait_until(lock, options.progress ? std::min(deadline, next_progress) : deadline);
+    wait_for_change(options.progress ? std::min(deadline, next_progress) : deadline);
   }
 }
 

@@ -5,7 +5,14 @@ Runs a scenario of bench_after_cell.py (same setup and cell) in this process wit
 the largest cumulative time, plus the wall time of the hooks alone (pre_run_cell and
 post_run_cell, timed by wrapping them).
 
-Usage: python tests/bench/profile_cell.py SCENARIO [--cells N] [--top K]
+With ``--stages`` it times, instead of profiling, each step of the after-cell path
+(the engine's steps, the adapters' verbs, the native calls, the record's conversion,
+the status endpoint) by wrapping them, and prints the median microseconds each adds
+per cell: inclusive times, so a step's figure contains the steps it calls. With
+``--primitives`` it times single calls the steps are made of (a framework's memory
+statistics, ``gc.collect``, a native pass) in the cell's namespace after the setup.
+
+Usage: python tests/bench/profile_cell.py SCENARIO [--cells N] [--top K] [--stages] [--primitives]
 """
 
 from __future__ import annotations
@@ -21,7 +28,80 @@ import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_after_cell import SCENARIOS  # noqa: E402
+from bench_after_cell import SCENARIOS as _BENCH_SCENARIOS  # noqa: E402
+
+# In-process counterparts of bench_kernels.py's "nothing to free" scenarios.
+SCENARIOS = dict(_BENCH_SCENARIOS)
+SCENARIOS.update({
+    "unused": dict(needs=None, setup="x = 0", cell="x += 1"),
+    "torch_idle": dict(needs="torch", setup=(
+        "import torch\nw = torch.ones(1 << 20, device='cuda')\nloss = float((w * 2).sum())\ntorch.cuda.synchronize()"),
+        cell="x = 1"),
+    "cupy_idle": dict(needs="cupy", setup=(
+        "import cupy as cp\nw = cp.ones(1 << 20)\ncp.cuda.Device(0).synchronize()"), cell="x = 1"),
+})
+
+# (module, attribute path) of what --stages times, outermost first.
+STAGES = [
+    ("gpucleanup.extension", "GPUCleanup.pre_run_cell"),
+    ("gpucleanup.extension", "GPUCleanup.post_run_cell"),
+    ("gpucleanup.extension", "GPUCleanup._status"),
+    ("gpucleanup.extension", "GPUCleanup.settings"),
+    ("gpucleanup.after_cell", "AfterCell.run"),
+    ("gpucleanup.after_cell", "AfterCell._native_pass"),
+    ("gpucleanup.after_cell", "AfterCell._settle"),
+    ("gpucleanup.after_cell", "AfterCell.adapters"),
+    ("gpucleanup.after_cell", "AfterCell.stats"),
+    ("gpucleanup.after_cell", "AfterCell._collect"),
+    ("gpucleanup.after_cell", "AfterCell._drain_frameworks"),
+    ("gpucleanup.after_cell", "AfterCell._pinned_candidates"),
+    ("gpucleanup.after_cell", "AfterCell._trim"),
+    ("gpucleanup.after_cell", "AfterCell._snapshot"),
+    ("gpucleanup.after_cell", "AfterCell._record"),
+    ("gpucleanup.after_cell", "AfterCell._outcome"),
+    ("gpucleanup.after_cell", "GpuHolders.update"),
+    ("gpucleanup.record", "CellRecord.to_dict"),
+    ("gpucleanup.report", "summary_lines"),
+    ("gpucleanup.history", "History.append"),
+    ("gpucleanup.status_endpoint", "StatusEndpoint.set_state"),
+    ("gpucleanup.status_endpoint", "StatusEndpoint.publish"),
+    ("gpucleanup._native", "after_cell"),
+    ("gpucleanup._native", "trim"),
+    ("gpucleanup._native", "snapshot"),
+    ("gpucleanup._native", "server_set_state"),
+    ("gpucleanup._native", "server_publish"),
+    ("gpucleanup.frameworks.base", "Adapter.stats"),
+    ("gpucleanup.frameworks.base", "Adapter.drain"),
+    ("gpucleanup.frameworks.base", "Adapter.in_use"),
+    ("gpucleanup.frameworks", "active"),
+    ("gc", "collect"),
+]
+
+# Single calls timed by --primitives, per framework the scenario needs (None: always).
+PRIMITIVES = {
+    None: [
+        "gc.collect(0)", "gc.collect(1)",
+        "gpucleanup._native.probe()",
+        "gpucleanup._native.after_cell(timeout=1.0)",
+        "gpucleanup.frameworks.active()",
+    ],
+    "torch": [
+        "torch.cuda.is_initialized()",
+        "torch.cuda.memory_allocated(0)",
+        "torch.cuda.memory_reserved(0)",
+        "torch.cuda.memory_stats_as_nested_dict(0)",
+        "torch.cuda.memory.host_memory_stats()",
+        "torch.cuda.get_allocator_backend()",
+        "torch.cuda.empty_cache()",
+        "torch.cuda.ipc_collect()",
+    ],
+    "cupy": [
+        "cp.get_default_memory_pool().used_bytes()",
+        "cp.get_default_memory_pool().total_bytes()",
+        "cp.get_default_pinned_memory_pool().n_free_blocks()",
+        "cp.get_default_memory_pool().free_all_blocks()",
+    ],
+}
 
 
 def main() -> int:
@@ -32,6 +112,8 @@ def main() -> int:
     parser.add_argument("--filter", default=r"gpucleanup|cupy|torch|zmq|ctypes",
                         help="regular expression on the profile's file/function names ('.' for everything)")
     parser.add_argument("--bare", action="store_true", help="do not load gpucleanup (the baseline)")
+    parser.add_argument("--stages", action="store_true", help="median microseconds per cell of each step, no profiler")
+    parser.add_argument("--primitives", action="store_true", help="time single calls the steps are made of")
     args = parser.parse_args()
 
     from IPython.core.interactiveshell import InteractiveShell
@@ -48,6 +130,8 @@ def main() -> int:
 
     run(spec["setup"])
     hook_times: dict = {"pre_run_cell": [], "post_run_cell": []}
+    # wrapped before loading, so that what the extension looks up once is the timed one
+    stage_times = _time_stages(args.cells) if args.stages and not args.bare else None
     if not args.bare:
         run("%load_ext gpucleanup")
         _time_hooks(shell, hook_times)
@@ -56,7 +140,9 @@ def main() -> int:
         run(spec["cell"])
     for times in hook_times.values():
         times.clear()
-    for _ in range(args.cells):  # timed without the profiler
+    for _ in range(args.cells):  # timed without the profiler (with --stages: with the timers)
+        if stage_times is not None:
+            stage_times["_counter"]["cell"] += 1
         t0 = time.perf_counter()
         run(spec["cell"])
         cell_times.append((time.perf_counter() - t0) * 1e3)
@@ -64,6 +150,12 @@ def main() -> int:
     for name, times in hook_times.items():
         if times:
             print(f"{name}: median {statistics.median(times):.3f} ms, max {max(times):.3f} ms over {len(times)} cells")
+    if stage_times is not None:
+        _print_stages(stage_times, args.cells)
+    if args.primitives:
+        _time_primitives(shell, spec.get("needs"))
+    if args.stages or args.primitives:
+        return 0
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(args.cells):
@@ -73,6 +165,72 @@ def main() -> int:
     stats = pstats.Stats(profile, stream=sys.stdout)
     stats.sort_stats("cumulative").print_stats(args.filter, args.top)
     return 0
+
+
+def _time_stages(cells: int) -> dict:
+    """Wraps every step of STAGES that exists with a timer; returns {name: [(cell, µs)]}, filled as cells run."""
+    import importlib
+
+    times: dict = {}
+    counter = {"cell": 0}
+    for module_name, path in STAGES:
+        try:
+            owner = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        *parents, attr = path.split(".")
+        for parent in parents:
+            owner = getattr(owner, parent, None)
+        original = getattr(owner, attr, None) if owner is not None else None
+        if original is None or not callable(original):
+            continue
+        label = f"{module_name.rsplit('.', 1)[-1]}.{path}"
+        times[label] = []
+
+        def timed(*a, _original=original, _label=label, **k):
+            t0 = time.perf_counter_ns()
+            try:
+                return _original(*a, **k)
+            finally:
+                times[_label].append((counter["cell"], (time.perf_counter_ns() - t0) / 1e3))
+
+        setattr(owner, attr, timed)
+    times["_counter"] = counter
+    return times
+
+
+def _print_stages(times: dict, cells: int) -> None:
+    """Median over cells of each step's summed time in a cell (0 for a cell where it did not run)."""
+    counter = times.pop("_counter")
+    print(f"per-stage: median µs per cell (inclusive) and calls per cell, over {cells} cells")
+    rows = []
+    for label, samples in times.items():
+        per_cell: dict = {}
+        calls: dict = {}
+        for cell, us in samples:
+            per_cell[cell] = per_cell.get(cell, 0.0) + us
+            calls[cell] = calls.get(cell, 0) + 1
+        values = [per_cell.get(c, 0.0) for c in range(1, counter["cell"] + 1)]
+        if not samples or not values:
+            continue
+        rows.append((statistics.median(values), max(values), sum(calls.values()) / max(len(values), 1), label))
+    for median, worst, n, label in sorted(rows, reverse=True):
+        print(f"  {median:9.1f} µs  (max {worst:9.1f})  {n:5.2f} calls  {label}")
+
+
+def _time_primitives(shell, needs) -> None:
+    import timeit
+
+    print("primitives: median µs per call over 5 rounds of 200 calls")
+    namespace = dict(shell.user_ns)
+    exec("import gc, gpucleanup, gpucleanup._native, gpucleanup.frameworks", namespace)
+    for expression in PRIMITIVES[None] + PRIMITIVES.get(needs, []):
+        try:
+            runs = timeit.repeat(expression, globals=namespace, number=200, repeat=5)
+        except Exception as exc:
+            print(f"  {'-':>9}      {expression}: {type(exc).__name__}: {exc}")
+            continue
+        print(f"  {statistics.median(runs) / 200 * 1e6:9.1f} µs  {expression}")
 
 
 def _time_hooks(shell, hook_times: dict) -> None:

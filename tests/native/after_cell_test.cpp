@@ -12,6 +12,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <map>
@@ -611,4 +612,80 @@ TEST(AfterCellDeathTest, AWatchdogMakesNoDriverCallOnceTheProcessIsExiting) {
         std::exit(delta.empty() && fake.counter("retained") == 1 ? 0 : 4);
       },
       ::testing::ExitedWithCode(0), "");
+}
+
+namespace {
+
+// A stand-in for the interpreter lock: who holds it, and how often it was given up.
+struct StandInGil {
+  static inline std::atomic<bool> held{true};
+  static inline std::atomic<int> saves{0};
+  static inline std::atomic<int> restores{0};
+  static int check() { return held.load() ? 1 : 0; }
+  static void* save() {
+    ++saves;
+    held = false;
+    return reinterpret_cast<void*>(0x9);
+  }
+  static void restore(void* token) {
+    EXPECT_EQ(token, reinterpret_cast<void*>(0x9));
+    ++restores;
+    held = true;
+  }
+  explicit StandInGil(bool holding) {
+    held = holding;
+    saves = 0;
+    restores = 0;
+    gpucleanup_set_gil_hooks(&check, &save, &restore);
+  }
+  ~StandInGil() { gpucleanup_set_gil_hooks(nullptr, nullptr, nullptr); }
+};
+
+}  // namespace
+
+TEST_F(AfterCell, ACallHoldingTheInterpreterLockGivesItUpForAWaitAndTakesItBack) {
+  // 0.3 s of queued work: longer than the lock is kept (2 ms) whatever the machine's load.
+  fake.reset(one_device("GPU-af7e0000-0000-4000-8000-000000000020", {{"sync_seconds", 0.3}}));
+  StandInGil gil(true);
+  char* out = nullptr;
+  ASSERT_EQ(gpucleanup_after_cell(30.0, 1, nullptr, nullptr, &out), GPUCLEANUP_OK) << gpucleanup_last_error();
+  const json report = json::parse(out);
+  gpucleanup_free(out);
+  EXPECT_EQ(report["devices"][0]["state"], "drained");
+  EXPECT_EQ(StandInGil::saves.load(), 1);
+  EXPECT_EQ(StandInGil::restores.load(), 1);
+  EXPECT_TRUE(StandInGil::held.load());  // the caller has it back
+}
+
+TEST_F(AfterCell, ACallNotHoldingTheInterpreterLockNeverTouchesIt) {
+  fake.reset(one_device("GPU-af7e0000-0000-4000-8000-000000000021", {{"sync_seconds", 0.3}}));
+  StandInGil gil(false);  // a ctypes.CDLL call, or one of the library's own threads
+  char* out = nullptr;
+  ASSERT_EQ(gpucleanup_after_cell(30.0, 1, nullptr, nullptr, &out), GPUCLEANUP_OK) << gpucleanup_last_error();
+  gpucleanup_free(out);
+  EXPECT_EQ(StandInGil::saves.load(), 0);
+  EXPECT_EQ(StandInGil::restores.load(), 0);
+}
+
+TEST_F(AfterCell, AHungDeviceWaitedForWithTheLockHeldStillEndsAtTheLimitWithTheLockBack) {
+  fake.reset(one_device("GPU-af7e0000-0000-4000-8000-000000000022", {{"sync_seconds", -1}}));
+  StandInGil gil(true);
+  char* out = nullptr;
+  ASSERT_EQ(gpucleanup_after_cell(0.2, 1, nullptr, nullptr, &out), GPUCLEANUP_OK) << gpucleanup_last_error();
+  const json report = json::parse(out);
+  gpucleanup_free(out);
+  EXPECT_EQ(report["devices"][0]["state"], "busy");
+  EXPECT_EQ(StandInGil::saves.load(), 1);
+  EXPECT_EQ(StandInGil::restores.load(), 1);
+  EXPECT_TRUE(StandInGil::held.load());
+}
+
+TEST_F(AfterCell, TheServerStateWithoutJsonChecksItsArguments) {
+  EXPECT_EQ(gpucleanup_server_state(7, 1, 0, -1), GPUCLEANUP_ERR_INVALID_ARGUMENT);
+  EXPECT_STREQ(gpucleanup_last_error(),
+               "[gpucleanup.api.112] state is 7: pass a GPUCLEANUP_STATE_* value (0 idle, 1 running, 2 draining, "
+               "3 waiting)");
+  EXPECT_EQ(gpucleanup_server_state(GPUCLEANUP_STATE_IDLE, -1, 0, -1), GPUCLEANUP_ERR_SERVER);
+  EXPECT_STREQ(gpucleanup_last_error(),
+               "[gpucleanup.api.107] the status server is not running: call gpucleanup_server_start first");
 }

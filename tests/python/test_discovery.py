@@ -617,3 +617,27 @@ def test_ensure_private_dir_narrows_a_real_directory_and_refuses_a_file(runtime)
     (runtime / "afile").write_text("")
     with pytest.raises(PermissionError, match="is not a directory"):
         discovery.ensure_private_dir(runtime / "afile")
+
+
+def test_the_status_server_takes_the_per_cell_states_without_json(kernel):
+    from gpucleanup import _native, status_client
+
+    info = json.loads(kernel.discovery_path.read_text())
+    target = status_client.Target(info["endpoint"], Path(info["key_file"]).read_bytes())
+    since = 1_700_000_000_000_000_000
+    kernel.set_state({"state": "waiting", "device": 0, "cell": 7, "since_ns": since})
+    def state() -> dict:  # what the kernel said; the server adds age_s and updated_ns
+        reply = status_client.request(target, "status", timeout=10)["state"]
+        return {k: v for k, v in reply.items() if k not in ("age_s", "updated_ns")}
+
+    assert state() == {"state": "waiting", "device": 0, "cell": 7, "since_ns": since}
+    _native.server_state("running")  # no cell number: null, as the JSON call says it
+    assert state()["state"] == "running" and state()["cell"] is None
+    _native.server_state("idle", cell=9, since_ns=since)
+    assert state() == {"state": "idle", "since_ns": since}
+    # what the fields cannot say still goes as JSON, unchanged
+    kernel.set_state({"state": "running", "cell": 3, "note": "from a test"})
+    told = state()
+    assert (told["state"], told["cell"], told["note"]) == ("running", 3, "from a test")
+    with pytest.raises(ValueError, match="state must be one of idle, running, draining, waiting"):
+        _native.server_state("sleeping")

@@ -274,7 +274,19 @@ def test_torch_adapter_with_stand_in_module_reports_exact_bytes(monkeypatch):
     result = adapter("torch").stats([0])
     assert result == {"devices": {0: {"live_bytes": 100, "cached_bytes": 1000}},
                       "pinned": {"live_bytes": 8 * MiB, "cached_bytes": 16 * MiB}, "notes": []}
+    assert world.calls == [("host_memory_stats_as_nested_dict", None)]
+
+
+def test_torch_adapter_without_the_nested_statistics_reads_the_flat_ones_with_the_same_figures(monkeypatch):
+    world = World(n_devices=2, active=(0, 1))
+    install_torch(monkeypatch, world, allocated={0: 100, 1: 10}, reserved={0: 1100, 1: 20},
+                  host_active=8 * MiB, host_owned=24 * MiB, host_keys="2.5", nested=False)
+    torch_adapter = adapter("torch")
+    assert torch_adapter.stats([0, 1]) == {
+        "devices": {0: {"live_bytes": 100, "cached_bytes": 1000}, 1: {"live_bytes": 10, "cached_bytes": 10}},
+        "pinned": {"live_bytes": 8 * MiB, "cached_bytes": 16 * MiB}, "notes": []}
     assert world.calls == [("host_memory_stats", None)]
+    assert torch_adapter.drain([0, 1]) == {"freed_bytes": {0: 1000, 1: 10}, "notes": []}
 
 
 def test_torch_adapter_with_stand_in_module_empties_the_cache_inside_each_given_device(monkeypatch):

@@ -333,10 +333,46 @@ def test_drain_keeps_working_beside_it(settled, schemas):
 
 def test_a_library_without_the_new_functions_is_said_plainly(monkeypatch):
     class Older:
-        """A libgpucleanup of ABI version 1 built before gpucleanup_after_cell existed."""
+        """A libgpucleanup of this ABI version built before gpucleanup_after_cell existed."""
 
-    monkeypatch.setattr(_native, "library", lambda: Older())
+    monkeypatch.setattr(_native, "held", lambda: Older())
     with pytest.raises(_native.NativeError, match=r"^\[gpucleanup\.python\.102\] .* has no gpucleanup_after_cell"):
         _native.after_cell()
     with pytest.raises(_native.NativeError, match=r"^\[gpucleanup\.python\.102\] .* has no gpucleanup_trim"):
         _native.trim()
+
+
+# ---------------------------------------------------------------- the interpreter lock
+
+def test_per_cell_calls_keep_the_interpreter_lock_unless_told_otherwise():
+    # ctypes.PyDLL: a call of microseconds does not let another Python thread in
+    assert isinstance(_native.held(), ctypes.PyDLL)
+    assert not isinstance(_native.library(), ctypes.PyDLL)
+
+
+def test_a_call_that_keeps_the_lock_gives_it_up_while_a_device_settles(settled):
+    # A device whose synchronize takes 0.3 s: a thread of Python's own must run during
+    # the wait, although the call was made through ctypes.PyDLL. Had the library kept the
+    # lock for the wait, the thread could not have counted at all until it returned.
+    settled.reset(one_device("GPU-af7e0000-0000-4000-8000-0000000000b1", sync_seconds=0.3))
+    counted = []
+    stop = threading.Event()
+    started = threading.Event()
+
+    def count():
+        started.set()
+        while not stop.is_set():
+            counted.append(1)
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=count, daemon=True)
+    thread.start()
+    assert started.wait(10)
+    before = len(counted)
+    result = _native.after_cell(timeout=30)
+    during = len(counted) - before
+    stop.set()
+    thread.join(10)
+    assert result["devices"][0]["state"] == "drained"
+    assert during > 0
+

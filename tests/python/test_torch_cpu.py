@@ -34,5 +34,9 @@ def test_torch_adapter_with_real_torch_reads_the_real_statistics_functions():
     assert callable(torch.cuda.memory_allocated) and callable(torch.cuda.memory_reserved)
     assert callable(torch.cuda.is_initialized)
     assert callable(getattr(torch.cuda.memory, "host_memory_stats", None))
+    # the per-cell reads: one nested call per device and one for the pinned cache
+    assert callable(getattr(torch.cuda, "memory_stats_as_nested_dict", None))
+    assert callable(getattr(torch.cuda.memory, "host_memory_stats_as_nested_dict", None))
+    assert torch.cuda.memory_stats_as_nested_dict(0) == {}  # CUDA not initialised: nothing, nothing started
     assert _host_empty_cache(torch) is not None
     assert torch.cuda.is_initialized() is False

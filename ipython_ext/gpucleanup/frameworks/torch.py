@@ -22,9 +22,47 @@ SMALL_PINNED_BYTES = 1 << 20
 
 
 def _host_stats(torch: Any) -> Optional[dict]:
+    """The pinned host cache's counters as ``{"reserved_bytes.current": n, ...}``, or None.
+
+    Read through ``host_memory_stats_as_nested_dict`` where this torch has it:
+    ``host_memory_stats`` returns the same figures but flattens every counter in
+    Python first (30 µs against a few on the GPU machine, tests/bench/profile_cell.py).
+    """
     memory = getattr(getattr(torch, "cuda", None), "memory", None)
+    nested = getattr(memory, "host_memory_stats_as_nested_dict", None)
+    if nested is not None:
+        return _flatten(nested())
     fn = getattr(memory, "host_memory_stats", None)
     return None if fn is None else fn()
+
+
+def _flatten(nested: Any) -> dict:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``, two levels deep (all the counters read here need)."""
+    flat: dict = {}
+    for key, value in (nested or {}).items():
+        if isinstance(value, dict):
+            for inner, number in value.items():
+                if not isinstance(number, dict):
+                    flat[f"{key}.{inner}"] = number
+        else:
+            flat[key] = value
+    return flat
+
+
+def _device_figures(cuda: Any, index: int) -> tuple[int, int]:
+    """(allocated, reserved) bytes of torch's caching allocator on one device.
+
+    One ``memory_stats_as_nested_dict`` call: ``memory_allocated`` and
+    ``memory_reserved`` each build and flatten every counter of the allocator
+    (about 140 µs each against 22 µs for the nested one on the GPU machine).
+    """
+    nested = getattr(cuda, "memory_stats_as_nested_dict", None)
+    if nested is None:
+        return int(cuda.memory_allocated(index)), int(cuda.memory_reserved(index))
+    stats = nested(index)
+    if not stats:  # torch answers {} before its CUDA state exists
+        return 0, 0
+    return int(stats["allocated_bytes"]["all"]["current"]), int(stats["reserved_bytes"]["all"]["current"])
 
 
 def _host_owned(stats: Optional[dict]) -> Optional[int]:
@@ -79,8 +117,7 @@ class TorchAdapter(Adapter):
         cuda = self._torch().cuda
         for i in devices:
             try:
-                allocated = int(cuda.memory_allocated(i))
-                reserved = int(cuda.memory_reserved(i))
+                allocated, reserved = _device_figures(cuda, i)
                 result["devices"][i] = _figures(allocated, max(reserved - allocated, 0))
             except Exception as exc:
                 result["notes"].append(self._note("stats", f"could not read torch's cache on GPU{i}: {_fault(exc)}"))
@@ -122,7 +159,7 @@ class TorchAdapter(Adapter):
     @staticmethod
     def _reserved(cuda: Any, i: int) -> Optional[int]:
         try:
-            return int(cuda.memory_reserved(i))
+            return _device_figures(cuda, i)[1]
         except Exception:
             return None
 

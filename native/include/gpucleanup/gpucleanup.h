@@ -43,7 +43,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a function's signature or meaning changes. */
-#define GPUCLEANUP_ABI_VERSION 1
+#define GPUCLEANUP_ABI_VERSION 2
 
 typedef enum gpucleanup_status {
   GPUCLEANUP_OK = 0,
@@ -186,6 +186,30 @@ GPUCLEANUP_API gpucleanup_status gpucleanup_server_stop(void);
 /* Sets the kernel's state as the server reports it, a JSON object such as
  * {"state": "running", "cell": 12, "since_ns": ...}. */
 GPUCLEANUP_API gpucleanup_status gpucleanup_server_set_state(const char* state_json);
+
+/* The kernel's state without JSON, for the calls made on every cell: state is
+ * GPUCLEANUP_STATE_*; cell < 0 means no cell number (JSON null), device < 0 no
+ * device (only "waiting" names one); since_ns is CLOCK_REALTIME nanoseconds.
+ * The same as gpucleanup_server_set_state with the object those fields make. */
+#define GPUCLEANUP_STATE_IDLE 0
+#define GPUCLEANUP_STATE_RUNNING 1
+#define GPUCLEANUP_STATE_DRAINING 2
+#define GPUCLEANUP_STATE_WAITING 3
+GPUCLEANUP_API gpucleanup_status gpucleanup_server_state(int state, long long cell, long long since_ns,
+                                                         int device);
+
+/* Functions of the running Python interpreter, handed over once by the
+ * extension: PyGILState_Check, PyEval_SaveThread, PyEval_RestoreThread (all
+ * three, or three NULLs to forget them). With them, a call made while holding
+ * the interpreter lock (ctypes.PyDLL) gives the lock up for as long as it has
+ * to wait (a device that has not settled, a drain from outside, the status
+ * server stopping) and takes it back before returning; calls that do not hold
+ * it are unaffected. Without them, such a call holds the lock while it waits. */
+typedef int (*gpucleanup_gil_check_fn)(void);
+typedef void* (*gpucleanup_gil_save_fn)(void);
+typedef void (*gpucleanup_gil_restore_fn)(void*);
+GPUCLEANUP_API void gpucleanup_set_gil_hooks(gpucleanup_gil_check_fn check, gpucleanup_gil_save_fn save,
+                                             gpucleanup_gil_restore_fn restore);
 
 /* The server's connection counters: {"max_peers", "peers", "pub_peers",
  * "refused_connections", "dropped_idle", "peer_idle_timeout_s"}. */

@@ -28,7 +28,10 @@ class TorchStandIn:
 
 def install_torch(monkeypatch, world: World, initialised=True, allocated=None, reserved=None,
                   host_active=0, host_owned=0, backend="native", capturing=(), host_keys="2.11",
-                  host_empty="_C") -> TorchStandIn:
+                  host_empty="_C", nested=True) -> TorchStandIn:
+    """``nested``: this torch has ``memory_stats_as_nested_dict`` and
+    ``host_memory_stats_as_nested_dict`` (every torch the adapter reads them from); without
+    them the adapter falls back to ``memory_allocated``/``memory_reserved``/``host_memory_stats``."""
     t = TorchStandIn(world, initialised, allocated, reserved, host_active, host_owned, backend, capturing, host_keys)
 
     def is_initialized():
@@ -83,17 +86,39 @@ def install_torch(monkeypatch, world: World, initialised=True, allocated=None, r
             return {"allocated_bytes.current": t.host_active, "reserved_bytes.current": t.host_owned}
         return {"num_host_alloc": 1}
 
+    def memory_stats_as_nested_dict(i):
+        if not t.initialised:
+            return {}
+        return {"allocated_bytes": {"all": {"current": t.allocated.get(i, 0), "peak": 0}, "large_pool": {}},
+                "reserved_bytes": {"all": {"current": t.reserved.get(i, 0), "peak": 0}}, "num_alloc_retries": 0}
+
+    def host_memory_stats_as_nested_dict():
+        flat = host_memory_stats()
+        t.world.calls[-1] = ("host_memory_stats_as_nested_dict", None)
+        nested_stats: dict = {}
+        for key, value in flat.items():
+            outer, _, inner = key.partition(".")
+            if inner:
+                nested_stats.setdefault(outer, {})[inner] = value
+            else:
+                nested_stats[outer] = value
+        return nested_stats
+
     def host_empty_cache():
         t._guard("host_empty_cache")
         t.host_owned = t.host_active
 
     memory = module("torch.cuda.memory", host_memory_stats=host_memory_stats)
+    if nested:
+        memory.host_memory_stats_as_nested_dict = host_memory_stats_as_nested_dict
     cuda = module(
         "torch.cuda", is_initialized=is_initialized, memory_allocated=memory_allocated,
         memory_reserved=memory_reserved, empty_cache=empty_cache, ipc_collect=ipc_collect,
         mem_get_info=mem_get_info, device=device, get_allocator_backend=get_allocator_backend,
         is_current_stream_capturing=is_current_stream_capturing, memory=memory,
     )
+    if nested:
+        cuda.memory_stats_as_nested_dict = memory_stats_as_nested_dict
     c = module("torch._C")
     torch = module("torch", cuda=cuda, _C=c)
     if host_empty == "_C":
