@@ -332,6 +332,8 @@ class AfterCell:
         self._adapter_locks: Dict[str, threading.Lock] = {}
         self._locks_lock = threading.Lock()
         self._last_free: Dict[int, int] = {}  # device free after the last cleanup
+        self._last_live: Optional[int] = None  # live GPU bytes the frameworks told after it
+        self._last_cached: Optional[int] = None  # and the bytes they kept cached
         self._last_used: Dict[int, int] = {}
         self._cell: Optional[int] = None
         self._progress_shown = False
@@ -504,17 +506,36 @@ class AfterCell:
                     raise KeyboardInterrupt
                 ctrl_c.check()
                 adapters = self.adapters(settings, notes) if settled else []
-                stats_settled = self.stats(adapters, settled, notes) if adapters else {}
-                gc_record = self._collect(settings, adapters, stats_settled, settled, namespace)
+                # collect first, then read the frameworks once: what the collection freed
+                # is in those figures, and only a cache that holds something is emptied
+                live_before = self._live_hint(settled_pass, settled) if adapters else None
+                stats_before: Optional[Dict[str, dict]] = None
+                notes_before: List[Note] = []
+                if live_before is None and adapters and settings.gc == "auto":
+                    # not known since the last cleanup (the device's memory changed): read
+                    # them now, so that a collection runs only where it can free GPU memory
+                    stats_before = self.stats(adapters, settled, notes_before)
+                    live_before = self.live_total(stats_before, settled)
+                gc_record = self._collect(settings, adapters, live_before, settled, namespace)
                 ctrl_c.check()
-                given_back = self._drain_frameworks(adapters, settled, freed, notes, ctrl_c) if now_device else False
+                if stats_before is not None and not gc_record.collected:
+                    stats_settled = stats_before  # nothing collected: still as read
+                    notes.extend(notes_before)
+                else:
+                    stats_settled = self.stats(adapters, settled, notes) if adapters else {}
+                given_back = (self._drain_frameworks(adapters, settled, freed, notes, ctrl_c, stats_settled)
+                              if now_device else False)
                 candidates, pending = self._pinned_candidates(settings, adapters, stats_settled, settled, devices)
                 ctrl_c.check()
+                # the collection may have freed memory straight into the driver's pools
+                # (asynchronous frees): trim again when it freed GPU objects
+                gc_freed = bool(gc_record.collected) and (
+                    live_before is None or self.live_total(stats_settled, settled) < live_before)
                 trimmed: Dict[int, dict] = {}
-                if now_device and settings.driver_pools and settled and (given_back or gc_record.collected):
+                if now_device and settings.driver_pools and settled and (given_back or gc_freed):
                     trimmed = self._trim(freed, notes)
-                changed_since_pass = bool(given_back or gc_record.collected)
-                figures_stale = changed_since_pass
+                changed_since_pass = bool(given_back)  # the frameworks' figures changed since they were read
+                figures_stale = bool(given_back or gc_freed)
                 if trimmed and settled_pass.figures and set(trimmed) >= set(settled_pass.figures):
                     # the trim reported every device's memory after it: as fresh as a snapshot
                     settled_pass.figures.update(trimmed)
@@ -552,8 +573,14 @@ class AfterCell:
         record.release = settings.release
         record.deferred = deferred
         record.idle = [job.result() for job in idle_done]
-        if namespace is not None and not interrupted and adapters:
-            self.holders.update(namespace, self.live_total(stats_after, devices))
+        if adapters and not interrupted:
+            self._last_live = self.live_total(stats_after, devices)
+            self._last_cached = sum(s["devices"].get(i, {}).get("cached_bytes", 0)
+                                    for s in stats_after.values() for i in devices)
+            if namespace is not None:
+                self.holders.update(namespace, self._last_live)
+        elif not adapters:
+            self._last_live = None
         return self._outcome(settings, record, forced, after_forced)
 
     # ------------------------------------------------------------ steps
@@ -661,18 +688,32 @@ class AfterCell:
         self.progress_opened = True
         return False
 
-    def _collect(self, settings: Settings, adapters: list, stats: Dict[str, dict], settled: List[int],
+    def _live_hint(self, settled_pass: _Settled, settled: List[int]) -> Optional[int]:
+        """Live GPU bytes as the frameworks told them after the last cleanup, when the
+        driver saw no change on any device since and no framework kept a cache (None:
+        not known, or memory may have changed hands)."""
+        if self._last_live is None or self._last_cached != 0:
+            # a framework kept a cache (release "auto"/"idle", or one that cannot release):
+            # it can hand out memory again without the driver seeing any change
+            return None
+        for i in settled:
+            before = settled_pass.free_before.get(i)
+            if before is None or self._last_free.get(i) != before:
+                return None
+        return self._last_live
+
+    def _collect(self, settings: Settings, adapters: list, live: Optional[int], settled: List[int],
                  namespace: Optional[dict]) -> GcRecord:
         """Step 2: garbage collection, only when it can release GPU memory.
 
-        'auto': a young collection when the frameworks hold live GPU memory (or none can
-        tell); a full one only when the cell also unbound a name that held GPU memory and
-        GPU memory is still live after the young one. 'always': a full collection.
+        'auto': a young collection unless the frameworks held no live GPU memory after the
+        last cleanup and the driver has seen no change since (``live`` is then 0; None:
+        not known); a full one only when the cell also unbound a name that held GPU memory
+        and GPU memory is still live after the young one. 'always': a full collection.
         """
         info = GcRecord(policy=settings.gc)
         if not settled or settings.gc == "never":
             return info
-        live = self.live_total(stats, settled) if adapters else None
         start = time.perf_counter()
         if settings.gc == "always":
             info.collected = gc.collect()
@@ -690,11 +731,16 @@ class AfterCell:
         return info
 
     def _drain_frameworks(self, adapters: list, settled: List[int], freed: Dict[int, Dict[str, int]],
-                          notes: List[Note], ctrl_c: CtrlC) -> bool:
-        """Step 3: each framework empties its caches on the settled devices; True if any gave memory back."""
+                          notes: List[Note], ctrl_c: CtrlC, stats: Optional[Dict[str, dict]] = None) -> bool:
+        """Step 3: each framework empties its caches on the settled devices; True if any gave memory back.
+
+        A framework whose figures (``stats``, read after the collection) say it caches
+        nothing on any of them is left alone: nothing to give back, no call made."""
         for adapter in adapters:
             ctrl_c.check()
             if not getattr(adapter, "can_release", True):
+                continue
+            if stats is not None and _caches_nothing(stats.get(adapter.name), settled):
                 continue
             lock = self.adapter_lock(adapter.name)
             if not lock.acquire(timeout=_ADAPTER_LOCK_WAIT_S):
@@ -899,6 +945,12 @@ class AfterCell:
         if after_forced is not None and not lines:
             keep = False  # one record per cell: this pass added nothing to the %gpumem --drain's
         return Outcome(record=record, lines=lines, keep=keep, data=data)
+
+
+def _caches_nothing(stats: Optional[dict], devices: List[int]) -> bool:
+    """True when an adapter's figures name every device and none has cached bytes."""
+    per_device = (stats or {}).get("devices") or {}
+    return bool(devices) and all(i in per_device and not per_device[i].get("cached_bytes") for i in devices)
 
 
 def _add_released(freed: Dict[int, Dict[str, int]], drain: Optional[dict]) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import time
 import weakref
 from typing import Any, Dict, List, Optional
@@ -37,6 +38,7 @@ DEFAULTS: Dict[str, Any] = {"native": None, "adapters": None, "status_endpoint":
 _MISSING = object()
 
 
+@functools.lru_cache(maxsize=None)
 def _counts_before_pre_run_cell() -> bool:
     """Does this IPython count a cell before ``pre_run_cell`` (so the running cell is count - 1)?
 

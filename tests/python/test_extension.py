@@ -798,6 +798,7 @@ def test_gc_auto_no_full_collection_when_the_young_one_released_everything_stand
     _run(shell, "x = 1", capsys)
     calls.clear()
     stand_in.cupy.live = {0: GiB}
+    stand_in.native.devices[0].used += GiB  # allocated from the driver: the pass sees the change
     _run(shell, "del x", capsys)
     assert calls == [1]
 
@@ -1380,3 +1381,48 @@ def test_release_idle_a_silent_request_does_not_cancel_the_pending_release_stand
     job = _ext(shell).engine.idle_job
     shell.run_cell("y = 2", silent=True)  # e.g. a variable inspector's request: no cleanup follows it
     assert _ext(shell).engine.idle_job is job and not job.cancelled
+
+
+# ---------------------------------------------------------------- what an idle cell costs
+
+def test_an_idle_cell_reads_each_framework_once_and_empties_nothing_stand_in(shell, stand_in, capsys):
+    # after a cell that emptied the caches, a cell that touches no GPU memory: one read of
+    # the framework's figures, no drain of an empty cache, no second trim of the driver's pools
+    shell.run_line_magic("load_ext", "gpucleanup")
+    _run(shell, "x = 1", capsys)
+    _wait_pinned(shell)
+    assert stand_in.cupy.cached == {} and stand_in.cupy.live == {0: 2 * GiB}
+    stand_in.cupy.calls.clear()
+    stand_in.native.calls.clear()
+    for _ in range(5):
+        _run(shell, "x += 1", capsys)
+    assert stand_in.cupy.calls == {"stats": 5}
+    assert stand_in.native.calls["trim"] == 0
+
+
+def test_a_framework_caching_nothing_is_not_drained_one_caching_something_is_stand_in(shell, stand_in, capsys):
+    empty = StandInAdapter("torch", stand_in.native, live={0: GiB})
+    stand_in.adapters.append(empty)
+    shell.run_line_magic("load_ext", "gpucleanup")
+    _run(shell, "x = 1", capsys)
+    assert stand_in.cupy.calls["drain"] == 1 and stand_in.cupy.cached == {}
+    assert empty.calls["drain"] == 0
+    empty.cached = {0: GiB}  # torch frees a tensor into its cache
+    empty.live = {}
+    _run(shell, "x = 2", capsys)
+    assert empty.calls["drain"] == 1 and empty.cached == {}
+    assert stand_in.cupy.calls["drain"] == 1  # still nothing cached there
+
+
+def test_gc_auto_collects_when_a_kept_cache_hands_out_memory_the_driver_cannot_see_stand_in(shell, stand_in, collects,
+                                                                                              capsys):
+    # a framework that cannot release keeps its cache: it can hand out memory again
+    # without the driver's figures moving, so "nothing live last time" proves nothing
+    keeper = StandInAdapter("jax", stand_in.native, cached={0: 4 * GiB}, can_release=False)
+    stand_in.adapters[:] = [keeper]
+    shell.run_line_magic("load_ext", "gpucleanup")
+    _run(shell, "x = 1", capsys)
+    assert collects == []  # nothing live: nothing for a collection to free
+    keeper.live, keeper.cached = {0: GiB}, {0: 3 * GiB}  # handed out from its cache
+    _run(shell, "y = 1", capsys)
+    assert collects == [1]
