@@ -1151,14 +1151,22 @@ def test_running_cell_number_follows_the_ipython_version(monkeypatch):
     shell = types.SimpleNamespace(execution_count=8)
     stored = types.SimpleNamespace(store_history=True)
     unstored = types.SimpleNamespace(store_history=False)
-    monkeypatch.setattr(IPython, "version_info", (8, 12, 3, ""))
-    assert extension.running_cell_number(shell, stored) == 8  # counted after the cell
-    monkeypatch.setattr(IPython, "version_info", (9, 7, 0, ""))
-    assert extension.running_cell_number(shell, stored) == 8
-    monkeypatch.setattr(IPython, "version_info", (9, 8, 0, ""))
-    assert extension.running_cell_number(shell, stored) == 7  # counted before pre_run_cell
-    assert extension.running_cell_number(shell, unstored) == 8  # a cell kept out of the history is not counted
-    assert extension.running_cell_number(types.SimpleNamespace(execution_count=None), stored) is None
+
+    def on(version):  # the answer is kept for the process: forget it for each version tried
+        monkeypatch.setattr(IPython, "version_info", version)
+        extension._counts_before_pre_run_cell.cache_clear()
+
+    try:
+        on((8, 12, 3, ""))
+        assert extension.running_cell_number(shell, stored) == 8  # counted after the cell
+        on((9, 7, 0, ""))
+        assert extension.running_cell_number(shell, stored) == 8
+        on((9, 8, 0, ""))
+        assert extension.running_cell_number(shell, stored) == 7  # counted before pre_run_cell
+        assert extension.running_cell_number(shell, unstored) == 8  # a cell kept out of the history is not counted
+        assert extension.running_cell_number(types.SimpleNamespace(execution_count=None), stored) is None
+    finally:
+        extension._counts_before_pre_run_cell.cache_clear()  # the real IPython's answer for the tests after
 
 
 def test_status_endpoint_keeps_as_many_records_as_the_history_stand_in(shell, stand_in, monkeypatch):
