@@ -362,4 +362,4 @@ def server_state(state: str, cell: Optional[int] = None, since_ns: Optional[int]
 
 
 def server_publish(record: dict) -> None:
-    _call_status(held().gpucleanup_server_publish, json.dumps(record).encode())
+    _call_status(held().gpucleanup_server_publish, json.dumps(record, separators=(",", ":")).encode())

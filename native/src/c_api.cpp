@@ -10,6 +10,7 @@
 #include <mutex>
 #include <new>
 #include <string>
+#include <string_view>
 
 #include <nlohmann/json.hpp>
 
@@ -121,6 +122,23 @@ nlohmann::json parse_object(const char* text, const char* what) {
          std::string("[gpucleanup.api.104] ") + what + " is not a JSON object: pass a JSON object such as {}");
   }
   return value;
+}
+
+// The text of one JSON object, checked without building it (json::accept is a
+// parse without the tree): a cell record is kept and sent as text.
+std::string checked_object_text(const char* text, const char* what) {
+  if (text == nullptr) {
+    fail(GPUCLEANUP_ERR_INVALID_ARGUMENT,
+         std::string("[gpucleanup.api.104] ") + what + " is NULL: pass a JSON object as a UTF-8 string");
+  }
+  std::string_view view(text);
+  const auto first = view.find_first_not_of(" \t\r\n");
+  if (first == std::string_view::npos || view[first] != '{' || !nlohmann::json::accept(view)) {
+    fail(GPUCLEANUP_ERR_INVALID_ARGUMENT,
+         std::string("[gpucleanup.api.104] ") + what + " is not a JSON object: pass a JSON object such as {}");
+  }
+  const auto last = view.find_last_not_of(" \t\r\n");
+  return std::string(view.substr(first, last - first + 1));
 }
 
 void hand_out(const nlohmann::json& value, char** json_out) {
@@ -403,7 +421,7 @@ void gpucleanup_set_gil_hooks(gpucleanup_gil_check_fn check, gpucleanup_gil_save
 
 gpucleanup_status gpucleanup_server_publish(const char* record_json) {
   return guarded([&] {
-    nlohmann::json value = parse_object(record_json, "record_json");
+    std::string text = checked_object_text(record_json, "record_json");
     ApiState& state = api_state().get();
     gil::lock(state.server_mutex);
     std::lock_guard lock(state.server_mutex, std::adopt_lock);
@@ -411,7 +429,7 @@ gpucleanup_status gpucleanup_server_publish(const char* record_json) {
       fail(GPUCLEANUP_ERR_SERVER,
            "[gpucleanup.api.107] the status server is not running: call gpucleanup_server_start first");
     }
-    state.server->publish(std::move(value));
+    state.server->publish_text(std::move(text));
   });
 }
 

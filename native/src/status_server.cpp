@@ -500,7 +500,7 @@ struct StatusServer::Impl {
   json state = json{{"state", "unknown"}};
   std::int64_t state_since_ns = 0;
   std::int64_t state_updated_ns = 0;
-  std::deque<json> history;
+  std::deque<std::string> history;  // each a JSON object's text (publish_text)
   std::deque<std::string> outbox;
   std::uint64_t published = 0;
 
@@ -702,7 +702,7 @@ struct StatusServer::Impl {
     }
     {
       std::lock_guard<std::mutex> lock(state_mutex);
-      reply["last_record"] = history.empty() ? json(nullptr) : history.back();
+      reply["last_record"] = history.empty() ? json(nullptr) : json::parse(history.back());
       reply["server"] = {{"pid", static_cast<long long>(getpid())},
                          {"endpoint", endpoint},
                          {"pub_endpoint", pub_endpoint},
@@ -734,7 +734,7 @@ struct StatusServer::Impl {
     std::lock_guard<std::mutex> lock(state_mutex);
     json records = json::array();
     const std::size_t skip = history.size() > limit ? history.size() - limit : 0;
-    for (std::size_t i = skip; i < history.size(); ++i) records.push_back(history[i]);
+    for (std::size_t i = skip; i < history.size(); ++i) records.push_back(json::parse(history[i]));
     return json{{"ok", true},
                 {"kind", "history"},
                 {"kernel", config.kernel},
@@ -1191,21 +1191,34 @@ void StatusServer::set_state(nlohmann::json state) {
   impl_->state_updated_ns = now;
 }
 
-void StatusServer::publish(nlohmann::json record) {
+void StatusServer::publish(const nlohmann::json& record) {
   if (!record.is_object()) {
     GPUCLEANUP_FAIL("gpucleanup.server.508", "a cell record must be a JSON object, got " + dump(record));
   }
+  publish_text(dump(record));
+}
+
+void StatusServer::publish_text(std::string record) {
   if (!impl_) return;
   Impl& s = *impl_;
   {
     std::lock_guard<std::mutex> lock(s.state_mutex);
     ++s.published;
-    s.outbox.push_back(dump(json{{"protocol", kProtocol},
-                                 {"kind", "record"},
-                                 {"seq", s.published},
-                                 {"time_ns", now_ns()},
-                                 {"kernel", s.config.kernel},
-                                 {"record", record}}));
+    // The message as dump() writes it (keys in order), with the record's text inside.
+    std::string message;
+    message.reserve(record.size() + 160);
+    message += "{\"kernel\":";
+    message += dump(s.config.kernel);
+    message += ",\"kind\":\"record\",\"protocol\":";
+    message += dump(kProtocol);
+    message += ",\"record\":";
+    message += record;
+    message += ",\"seq\":";
+    message += std::to_string(s.published);
+    message += ",\"time_ns\":";
+    message += std::to_string(now_ns());
+    message += '}';
+    s.outbox.push_back(std::move(message));
     // Nobody reads a stopped server's outbox; the history is what survives.
     while (s.outbox.size() > std::max<std::size_t>(s.config.history_limit, 1)) s.outbox.pop_front();
     s.history.push_back(std::move(record));

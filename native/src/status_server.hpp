@@ -95,7 +95,11 @@ class StatusServer {
   // Throws gpucleanup::Error (gpucleanup.server.507) if it is not an object.
   void set_state(nlohmann::json state);
   // One finished cell's record: kept in the bounded history, sent on PUB.
-  void publish(nlohmann::json record);
+  void publish(const nlohmann::json& record);
+  // The same from its JSON text, which the caller has checked to be one JSON
+  // object (the C ABI does): kept and sent as it is, parsed again only when a
+  // status or history request asks for it, so a record costs the kernel no DOM.
+  void publish_text(std::string record);
 
   bool running() const noexcept;
 

@@ -114,6 +114,13 @@ TEST_F(CApi, MalformedJsonInIsAnInvalidArgument) {
   EXPECT_EQ(gpucleanup_server_publish(nullptr), GPUCLEANUP_ERR_INVALID_ARGUMENT);
   EXPECT_STREQ(gpucleanup_last_error(),
                "[gpucleanup.api.104] record_json is NULL: pass a JSON object as a UTF-8 string");
+  // a record is checked without being built: every malformed text is still refused
+  for (const char* bad : {"", "   ", "[1, 2]", "{\"cell\": 1", "{\"cell\": 1} {}", "{\"cell\": NaN}", "\"text\"",
+                          "{\"cell\": \"\xff\"}"}) {
+    EXPECT_EQ(gpucleanup_server_publish(bad), GPUCLEANUP_ERR_INVALID_ARGUMENT) << bad;
+    EXPECT_STREQ(gpucleanup_last_error(),
+                 "[gpucleanup.api.104] record_json is not a JSON object: pass a JSON object such as {}");
+  }
 }
 
 TEST_F(CApi, ServerConfigOfTheWrongTypeIsAnInvalidArgument) {
