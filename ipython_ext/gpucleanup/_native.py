@@ -26,6 +26,7 @@ __all__ = [
     "abi_version",
     "probe",
     "snapshot",
+    "cuda_initialized",
     "drain",
     "after_cell",
     "trim",
@@ -131,6 +132,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gpucleanup_server_publish.restype = ctypes.c_int
     lib.gpucleanup_server_state.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int]
     lib.gpucleanup_server_state.restype = ctypes.c_int
+    lib.gpucleanup_cuda_initialized.argtypes = []
+    lib.gpucleanup_cuda_initialized.restype = ctypes.c_int
     lib.gpucleanup_set_gil_hooks.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.gpucleanup_set_gil_hooks.restype = None
     lib.gpucleanup_server_connections.argtypes = [c_char_pp]
@@ -202,6 +205,16 @@ def abi_version() -> int:
 def probe() -> dict:
     """Driver state and which devices are in use; no memory queries."""
     return _call_json(held().gpucleanup_probe)
+
+
+def cuda_initialized() -> Optional[bool]:
+    """Whether anything in this process initialised CUDA, in one driver call, no JSON.
+
+    None when the probe would stop for another reason (no driver, unusable, exiting):
+    :func:`probe` says which. Never initialises CUDA.
+    """
+    found = held().gpucleanup_cuda_initialized()
+    return None if found < 0 else bool(found)
 
 
 def snapshot() -> dict:

@@ -445,6 +445,16 @@ class AfterCell:
             settings = dataclasses.replace(settings, release="cell")  # %gpumem --drain: everything, now
         self.cell_starts()  # a release still waiting is replaced by this cleanup's
         self._cell = cell
+        if not forced and self._idle_jobs == [] and self.pinned_job is None:
+            # the common cell of a kernel that never used CUDA: one driver call, no JSON
+            quick = getattr(self.native, "cuda_initialized", None)
+            try:
+                initialised = quick() if quick is not None else None
+            except Exception:
+                initialised = None  # the full pass below says what is wrong
+            if initialised is False:
+                self.last_driver_state = "not_initialized"
+                return None
         one_pass = hasattr(self.native, "after_cell")
         first: Optional[dict] = None
         now_device = settings.release != "idle"  # device caches and the driver trim, now or when idle

@@ -258,6 +258,14 @@ gpucleanup_status gpucleanup_probe(char** json_out) {
   });
 }
 
+int gpucleanup_cuda_initialized(void) {
+  try {
+    return cuda_initialized(Driver::process());
+  } catch (...) {
+    return -1;
+  }
+}
+
 gpucleanup_status gpucleanup_snapshot(char** json_out) {
   return guarded([&] {
     require_out(json_out);

@@ -46,6 +46,15 @@ ContextLease::~ContextLease() {
   driver_.api().cuDevicePrimaryCtxRelease(device_);
 }
 
+int cuda_initialized(const Driver& driver) noexcept {
+  if (process_is_exiting() || forked_after_driver_init() || !driver.loaded() || !driver.usable()) return -1;
+  int count = 0;
+  const CUresult counted = driver.api().cuDeviceGetCount(&count);
+  if (counted == CUDA_ERROR_NOT_INITIALIZED) return 0;
+  return counted == CUDA_SUCCESS ? 1 : -1;
+}
+
+
 Probe probe(const Driver& driver, const RetainIf& retain) {
   if (process_is_exiting()) {
     return stop_here(DriverState::exiting,

@@ -75,6 +75,11 @@ struct DeviceUse {
   bool in_use() const noexcept { return context != ContextKind::none; }
 };
 
+// 1: something in this process initialised CUDA; 0: nothing did (the probe's
+// not_initialized); -1: the probe would stop for another reason. One
+// cuDeviceGetCount at most, never cuInit.
+int cuda_initialized(const Driver& driver) noexcept;
+
 struct Probe {
   DriverState state = DriverState::no_driver;
   std::string message;

@@ -266,9 +266,11 @@ def wrap_everything(found: dict, instrument, counts, notes: List[str]) -> None:
     for mod in modules.values():
         for value in list(vars(mod).values()):
             if isinstance(value, ctypes.CDLL) and not getattr(value, "_kernel_calls_wrapped", False):
+                # ctypes.PyDLL calls keep the interpreter lock; other CDLL calls release it
+                kind = "held" if isinstance(value, ctypes.PyDLL) else "released"
                 for attr, fn in list(vars(value).items()):
                     if isinstance(fn, ctypes._CFuncPtr):  # noqa: SLF001
-                        setattr(value, attr, _counting(fn, f"ctypes.{attr}", counts))
+                        setattr(value, attr, _counting(fn, f"ctypes.{attr} ({kind})", counts))
                         found["cdll_symbols"].append(attr)
                 value._kernel_calls_wrapped = True
     native = modules.get("gpucleanup._native")
@@ -276,7 +278,7 @@ def wrap_everything(found: dict, instrument, counts, notes: List[str]) -> None:
         for attr, fn in list(vars(native).items()):
             if callable(fn) and getattr(fn, "__module__", None) == native.__name__ and not isinstance(fn, type) \
                     and not attr.startswith(("__", "_kernel_calls")) \
-                    and attr not in ("library", "library_path", "_raise", "_declare"):
+                    and attr not in ("library", "held", "library_path", "_raise", "_declare"):
                 if instrument(fn, f"native.{attr}"):
                     found["native_functions"].append(attr)
     for mod_name, mod in modules.items():
@@ -393,6 +395,7 @@ def report(name: str, desc: str, res: Dict[str, dict]) -> List[str]:
     found = ours.get("found") or {}
     if found.get("cdll_symbols"):
         line("ctypes calls into libgpucleanup", sum(counts[k] for k in ctypes_keys), 0)
+        line("  of which release the interpreter lock", sum(counts[k] for k in ctypes_keys if k.endswith("(released)")), 0)
         for k in ctypes_keys:
             if counts[k]:
                 line(f"  {k[7:]}", counts[k])

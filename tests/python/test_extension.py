@@ -934,7 +934,7 @@ class CountingNative:
 
     def __getattr__(self, name):
         fn = getattr(self._native, name)
-        if callable(fn) and name in ("probe", "snapshot", "drain", "after_cell", "trim"):
+        if callable(fn) and name in ("probe", "snapshot", "drain", "after_cell", "trim", "cuda_initialized"):
             def counted(*a, **k):
                 self.calls[name] += 1
                 return fn(*a, **k)
@@ -985,10 +985,12 @@ def test_fake_driver_not_initialised_one_probe_per_cell_and_no_cuinit(shell, rea
     shell.run_line_magic("load_ext", "gpucleanup")
     assert capsys.readouterr().out == ""
     real.calls.clear()
+    counted = fake_cuda.counter("calls.cuDeviceGetCount")
     for i in range(10):
         _, out = _run(shell, f"x = {i}", capsys)
         assert out.out == ""
-    assert dict(real.calls) == {"after_cell": 10}  # one native call per cell, a probe inside
+    assert dict(real.calls) == {"cuda_initialized": 10}  # one native call per cell, no JSON
+    assert fake_cuda.counter("calls.cuDeviceGetCount") - counted == 10  # and one driver call in it
     assert fake_cuda.counter("cuInit") == 0 and fake_cuda.counter("contexts_created") == 0
 
 
@@ -1434,3 +1436,21 @@ def test_gc_auto_collects_when_a_kept_cache_hands_out_memory_the_driver_cannot_s
     keeper.live, keeper.cached = {0: GiB}, {0: 3 * GiB}  # handed out from its cache
     _run(shell, "y = 1", capsys)
     assert collects == [1]
+
+
+def test_a_kernel_that_never_used_cuda_costs_one_quick_call_per_cell_stand_in(shell, stand_in, capsys):
+    # the library answers "nothing initialised CUDA" in one driver call: no JSON pass at all
+    stand_in.native.cuda_initialized = lambda: (stand_in.native.calls.update(["cuda_initialized"]), False)[1]
+    shell.run_line_magic("load_ext", "gpucleanup")
+    stand_in.native.calls.clear()
+    for _ in range(3):
+        _, out = _run(shell, "x = 1", capsys)
+        assert _lines(out.out) == []
+    assert stand_in.native.calls == {"cuda_initialized": 3}
+    assert _ext(shell).engine.last_driver_state == "not_initialized"
+    # %gpumem --drain still asks the full probe, which says why there is nothing to clean
+    stand_in.native.state = "not_initialized"
+    _, out = _run(shell, "%gpumem --drain", capsys)
+    assert stand_in.native.calls["cuda_initialized"] == 4  # the cell's own cleanup after the magic
+    assert sum(stand_in.native.calls.values()) > 4
+    assert len(_lines(out.out)) == 1

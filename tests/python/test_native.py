@@ -193,7 +193,8 @@ def test_no_driver_is_a_state_in_a_fresh_process():
     env["GPUCLEANUP_LIBCUDA"] = "/nonexistent/libcuda.so.1"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "ipython_ext"), env.get("PYTHONPATH")]))
     done = subprocess.run(
-        [sys.executable, "-c", "import gpucleanup; print(gpucleanup.snapshot())"],
+        [sys.executable, "-c", "import gpucleanup, gpucleanup._native as n; assert n.cuda_initialized() is None; "
+                               "print(gpucleanup.snapshot())"],
         env=env,
         capture_output=True,
         text=True,

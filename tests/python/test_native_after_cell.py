@@ -148,6 +148,17 @@ def test_not_initialised_is_one_driver_call_and_a_tiny_reply(fake_cuda, schemas)
     assert fake_cuda.counter("cuInit") == 0
 
 
+def test_whether_cuda_was_initialised_is_one_driver_call_without_json(fake_cuda):
+    fake_cuda.reset({"initialized": False, "devices": [{"uuid": "GPU-af7e0000-0000-4000-8000-0000000000b2"}]})
+    for _ in range(10):
+        before = driver_calls(fake_cuda)
+        assert _native.cuda_initialized() is False
+        assert delta(driver_calls(fake_cuda), before) == {"cuDeviceGetCount": 1}
+    fake_cuda.reset({"devices": [{"uuid": "GPU-af7e0000-0000-4000-8000-0000000000b3", "primary_active": True}]})
+    assert _native.cuda_initialized() is True
+    assert fake_cuda.counter("cuInit") == 0 and fake_cuda.counter("contexts_created") == 0
+
+
 def test_nothing_in_use_is_the_probe_alone(fake_cuda, schemas):
     fake_cuda.reset({"devices": [{"uuid": "GPU-af7e0000-0000-4000-8000-0000000000a5"}]})
     before = driver_calls(fake_cuda)

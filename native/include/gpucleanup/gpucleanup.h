@@ -198,6 +198,12 @@ GPUCLEANUP_API gpucleanup_status gpucleanup_server_set_state(const char* state_j
 GPUCLEANUP_API gpucleanup_status gpucleanup_server_state(int state, long long cell, long long since_ns,
                                                          int device);
 
+/* Whether anything in this process has initialised CUDA, in one driver call
+ * and without JSON: 1 yes, 0 no (the probe would say "not_initialized"), -1
+ * anything else (no driver, unusable, exiting, forked: ask the probe, which
+ * says why). Never initialises CUDA; takes no lock. */
+GPUCLEANUP_API int gpucleanup_cuda_initialized(void);
+
 /* Functions of the running Python interpreter, handed over once by the
  * extension: PyGILState_Check, PyEval_SaveThread, PyEval_RestoreThread (all
  * three, or three NULLs to forget them). With them, a call made while holding
