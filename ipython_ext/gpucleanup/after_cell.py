@@ -334,6 +334,8 @@ class AfterCell:
         self._last_free: Dict[int, int] = {}  # device free after the last cleanup
         self._last_live: Optional[int] = None  # live GPU bytes the frameworks told after it
         self._last_cached: Optional[int] = None  # and the bytes they kept cached
+        self._kept: Dict[str, Dict[int, int]] = {}  # per framework and device: cached bytes its last drain left
+        self._drained_now: List[str] = []  # frameworks drained by this cleanup
         self._last_used: Dict[int, int] = {}
         self._cell: Optional[int] = None
         self._progress_shown = False
@@ -488,6 +490,7 @@ class AfterCell:
         self._status("set_state", {"state": "draining", "cell": cell, "since_ns": time.time_ns()})
 
         freed: Dict[int, Dict[str, int]] = {i: {} for i in all_devices}
+        self._drained_now = []
         background = self._finished_pinned()
         idle_done = self._finished_idle()
         captured: List[dict] = []
@@ -583,6 +586,9 @@ class AfterCell:
         record.release = settings.release
         record.deferred = deferred
         record.idle = [job.result() for job in idle_done]
+        for name in self._drained_now:  # what each drain could not give back, until it changes
+            if name in stats_after:
+                self._kept[name] = {i: f.get("cached_bytes", 0) for i, f in stats_after[name]["devices"].items()}
         if adapters and not interrupted:
             self._last_live = self.live_total(stats_after, devices)
             self._last_cached = sum(s["devices"].get(i, {}).get("cached_bytes", 0)
@@ -745,12 +751,14 @@ class AfterCell:
         """Step 3: each framework empties its caches on the settled devices; True if any gave memory back.
 
         A framework whose figures (``stats``, read after the collection) say it caches
-        nothing on any of them is left alone: nothing to give back, no call made."""
+        nothing on any of them, or exactly what its last drain could not give back (torch
+        keeps a partly used segment), is left alone: nothing to give back, no call made."""
         for adapter in adapters:
             ctrl_c.check()
             if not getattr(adapter, "can_release", True):
                 continue
-            if stats is not None and _caches_nothing(stats.get(adapter.name), settled):
+            if stats is not None and _nothing_new_cached(stats.get(adapter.name), settled,
+                                                         self._kept.get(adapter.name, {})):
                 continue
             lock = self.adapter_lock(adapter.name)
             if not lock.acquire(timeout=_ADAPTER_LOCK_WAIT_S):
@@ -765,6 +773,8 @@ class AfterCell:
             if note:
                 notes.append(note)
                 continue
+            if isinstance(res, dict) and not res.get("notes"):
+                self._drained_now.append(adapter.name)  # emptied as far as it can be
             if isinstance(res, dict):
                 for key, n in (res.get("freed_bytes") or {}).items():
                     idx = _index(key)
@@ -957,10 +967,12 @@ class AfterCell:
         return Outcome(record=record, lines=lines, keep=keep, data=data)
 
 
-def _caches_nothing(stats: Optional[dict], devices: List[int]) -> bool:
-    """True when an adapter's figures name every device and none has cached bytes."""
+def _nothing_new_cached(stats: Optional[dict], devices: List[int], kept: Dict[int, int]) -> bool:
+    """True when an adapter's figures name every device and each caches nothing, or the
+    very bytes its last drain left there (``kept``)."""
     per_device = (stats or {}).get("devices") or {}
-    return bool(devices) and all(i in per_device and not per_device[i].get("cached_bytes") for i in devices)
+    return bool(devices) and all(
+        i in per_device and (per_device[i].get("cached_bytes") or 0) in (0, kept.get(i, 0)) for i in devices)
 
 
 def _add_released(freed: Dict[int, Dict[str, int]], drain: Optional[dict]) -> None:

@@ -1454,3 +1454,27 @@ def test_a_kernel_that_never_used_cuda_costs_one_quick_call_per_cell_stand_in(sh
     assert stand_in.native.calls["cuda_initialized"] == 4  # the cell's own cleanup after the magic
     assert sum(stand_in.native.calls.values()) > 4
     assert len(_lines(out.out)) == 1
+
+
+def test_a_cache_its_drain_cannot_empty_is_not_drained_again_until_it_changes_stand_in(shell, stand_in, capsys):
+    # torch keeps a segment that still holds a live block: empty_cache leaves its free part
+    stuck = StandInAdapter("torch", stand_in.native, live={0: GiB}, cached={0: MiB})
+    original = stuck.drain
+
+    def drain_leaving_the_segment(devices):
+        result = original(devices)
+        stuck.cached = {0: MiB}
+        result["freed_bytes"] = {}
+        return result
+
+    stuck.drain = drain_leaving_the_segment
+    stand_in.adapters[:] = [stuck]
+    shell.run_line_magic("load_ext", "gpucleanup")
+    _run(shell, "x = 1", capsys)
+    assert stuck.calls["drain"] == 1
+    for _ in range(3):
+        _run(shell, "x += 1", capsys)
+    assert stuck.calls["drain"] == 1  # the same bytes as its last drain left: nothing to give back
+    stuck.cached = {0: MiB + GiB}  # a tensor freed into the cache
+    _run(shell, "x += 1", capsys)
+    assert stuck.calls["drain"] == 2
