@@ -7,7 +7,8 @@
 # and for the stage kernels: kernels.json, kernels.log, kernel-calls.json, kernel-calls.log.
 # Usage: scripts/gpu_run.sh [STAGE ...]   stages: tests facts bench demo kernels stages (default: tests facts bench demo)
 # The stage stages (tests/bench/profile_cell.py --stages --primitives, in-process, about a minute) writes
-# stages.log: where the per-cell time goes, step by step, with CUDA unused and PyTorch or CuPy idle.
+# stages.log: where the per-cell time goes, step by step, with CUDA unused and PyTorch or CuPy idle; and
+# driver-costs.log: each driver call of one after-cell pass timed alone (tests/bench/driver_costs.cpp).
 # The stage kernels (tests/bench/kernel_calls.py, under a minute, then tests/bench/bench_kernels.py, about
 # 7.5 minutes) runs only when named. For its ipyexperiments variant, .whl/ must also carry ipyexperiments,
 # nvidia-ml-py (the pynvml module) and psutil (psutil comes with ipykernel's dependencies anyway); without
@@ -44,6 +45,9 @@ if [[ $stages == *" demo "* ]]; then
   python3 scripts/demo.py 2>&1 | tee "$out/demo.log"
 fi
 if [[ $stages == *" stages "* ]]; then
+  # the driver's own cost per call (a C++ program: carried prebuilt in .bin/, else built here)
+  [[ -x .bin/driver_costs ]] || bash tests/bench/build_driver_costs.sh .bin/driver_costs
+  .bin/driver_costs 2000 1000 2>&1 | tee "$out/driver-costs.log"
   for scenario in unused cupy_idle torch_idle; do
     echo "== $scenario"
     python3 tests/bench/profile_cell.py "$scenario" --stages --primitives --cells 300

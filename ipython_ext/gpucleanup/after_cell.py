@@ -521,29 +521,21 @@ class AfterCell:
                 adapters = self.adapters(settings, notes) if settled else []
                 # collect first, then read the frameworks once: what the collection freed
                 # is in those figures, and only a cache that holds something is emptied
-                live_before = self._live_hint(settled_pass, settled) if adapters else None
-                stats_before: Optional[Dict[str, dict]] = None
-                notes_before: List[Note] = []
-                if live_before is None and adapters and settings.gc == "auto":
-                    # not known since the last cleanup (the device's memory changed): read
-                    # them now, so that a collection runs only where it can free GPU memory
-                    stats_before = self.stats(adapters, settled, notes_before)
-                    live_before = self.live_total(stats_before, settled)
-                gc_record = self._collect(settings, adapters, live_before, settled, namespace)
+                # not known (the device's memory changed, or a framework keeps a cache): a
+                # young collection, cheaper than reading every framework to decide
+                gc_record = self._collect(settings, adapters, self._live_hint(settled_pass, settled) if adapters
+                                          else None, settled, namespace)
                 ctrl_c.check()
-                if stats_before is not None and not gc_record.collected:
-                    stats_settled = stats_before  # nothing collected: still as read
-                    notes.extend(notes_before)
-                else:
-                    stats_settled = self.stats(adapters, settled, notes) if adapters else {}
+                stats_settled = self.stats(adapters, settled, notes) if adapters else {}
                 given_back = (self._drain_frameworks(adapters, settled, freed, notes, ctrl_c, stats_settled)
                               if now_device else False)
                 candidates, pending = self._pinned_candidates(settings, adapters, stats_settled, settled, devices)
                 ctrl_c.check()
                 # the collection may have freed memory straight into the driver's pools
-                # (asynchronous frees): trim again when it freed GPU objects
+                # (asynchronous frees): trim again when live GPU memory is below what the
+                # last cleanup left (else the next cell's pass trims it)
                 gc_freed = bool(gc_record.collected) and (
-                    live_before is None or self.live_total(stats_settled, settled) < live_before)
+                    self._last_live is None or self.live_total(stats_settled, settled) < self._last_live)
                 trimmed: Dict[int, dict] = {}
                 if now_device and settings.driver_pools and settled and (given_back or gc_freed):
                     trimmed = self._trim(freed, notes)
@@ -723,9 +715,10 @@ class AfterCell:
         """Step 2: garbage collection, only when it can release GPU memory.
 
         'auto': a young collection unless the frameworks held no live GPU memory after the
-        last cleanup and the driver has seen no change since (``live`` is then 0; None:
-        not known); a full one only when the cell also unbound a name that held GPU memory
-        and GPU memory is still live after the young one. 'always': a full collection.
+        last cleanup, kept no cache, and the driver has seen no change since (``live`` is
+        then 0; None: not known, collect); a full one only when the cell also unbound a
+        name that held GPU memory and GPU memory is still live after the young one.
+        'always': a full collection.
         """
         info = GcRecord(policy=settings.gc)
         if not settled or settings.gc == "never":

@@ -93,8 +93,9 @@ class GPUCleanupOptions(Configurable):
         GC_POLICIES,
         default_value="auto",
         help=(
-            "Garbage collection after a cell. 'auto': only when a framework reports live GPU memory "
-            "(otherwise gc cannot release any): first a young collection (generations 0 and 1, cheap); "
+            "Garbage collection after a cell. 'auto': only when it can release GPU memory: skipped when "
+            "the last cleanup left no live GPU memory and no framework cache and the driver has seen no "
+            "change since; otherwise first a young collection (generations 0 and 1, cheap); "
             "a full collection only when the cell also unbound a name of the user namespace or a GPU "
             "array/tensor from it and GPU memory is still live. 'always': a full gc.collect() after every "
             "cell that used the GPU. 'never': no collection."

@@ -722,9 +722,12 @@ def collects(monkeypatch):
 def test_gc_auto_skips_collection_when_no_gpu_object_is_live_stand_in(shell, stand_in, collects, capsys):
     stand_in.cupy.live = {}
     shell.run_line_magic("load_ext", "gpucleanup")
-    _run(shell, "x = 1", capsys)
-    _run(shell, "del x", capsys)
-    assert collects == []
+    _run(shell, "x = 1", capsys)  # not known yet: a young collection (cheaper than reading to decide)
+    assert collects == [1]
+    collects.clear()
+    _run(shell, "y = 1", capsys)
+    _run(shell, "del y", capsys)
+    assert collects == []  # nothing live, no cache kept, nothing changed since
 
 
 def test_gc_auto_young_collection_only_when_nothing_was_unbound_stand_in(shell, stand_in, collects, capsys):
@@ -1432,10 +1435,17 @@ def test_gc_auto_collects_when_a_kept_cache_hands_out_memory_the_driver_cannot_s
     stand_in.adapters[:] = [keeper]
     shell.run_line_magic("load_ext", "gpucleanup")
     _run(shell, "x = 1", capsys)
-    assert collects == []  # nothing live: nothing for a collection to free
+    collects.clear()
     keeper.live, keeper.cached = {0: GiB}, {0: 3 * GiB}  # handed out from its cache
     _run(shell, "y = 1", capsys)
     assert collects == [1]
+    # the same world without the kept cache: after a cleanup that left nothing live,
+    # a cell that changed nothing the driver sees is not collected after
+    keeper.live, keeper.cached = {}, {}
+    _run(shell, "z = 1", capsys)
+    collects.clear()
+    _run(shell, "z = 2", capsys)
+    assert collects == []
 
 
 def test_a_kernel_that_never_used_cuda_costs_one_quick_call_per_cell_stand_in(shell, stand_in, capsys):
