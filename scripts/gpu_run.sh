@@ -5,7 +5,8 @@
 # then the real-GPU tests, the benchmarks and the demo, in one go.
 # Results land in $OUT (or ./gpu-out): machine.log, gpu-tests.log, facts.log, bench.json, bench.log, demo.log,
 # and for the stage kernels: kernels.json, kernels.log, kernel-calls.json, kernel-calls.log.
-# Usage: scripts/gpu_run.sh [STAGE ...]   stages: tests facts bench demo kernels stages (default: tests facts bench demo)
+# Usage: scripts/gpu_run.sh [STAGE ...]   stages: tests facts bench demo kernels kernels-focus stages
+#        (default: tests facts bench demo)
 # The stage stages (tests/bench/profile_cell.py --stages --primitives, in-process, about a minute) writes
 # stages.log: where the per-cell time goes, step by step, with CUDA unused and PyTorch or CuPy idle; and
 # driver-costs.log: each driver call of one after-cell pass timed alone (tests/bench/driver_costs.cpp).
@@ -52,6 +53,12 @@ if [[ $stages == *" stages "* ]]; then
     echo "== $scenario"
     python3 tests/bench/profile_cell.py "$scenario" --stages --primitives --cells 300
   done 2>&1 | tee "$out/stages.log"
+fi
+if [[ $stages == *" kernels-focus "* ]]; then
+  # the per-cell headline scenarios again with 600 timed cells per variant (about 4 min): the
+  # kernel-level figures of an idle cell move by +-0.2 ms from one machine to the next
+  python3 tests/bench/bench_kernels.py --scenario cuda-unused,torch-idle,cupy-idle,long-session --cells 600 \
+    --budget-s 420 --json "$out/kernels-focus.json" 2>&1 | tee "$out/kernels-focus.log"
 fi
 if [[ $stages == *" kernels "* ]]; then
   # what the extension does per cell (calls, JSON, threads, walks), then the per-cell cost in real kernels,
