@@ -182,7 +182,7 @@ def _raise(lib: ctypes.CDLL, status: int) -> None:
 
 
 def _call_json(fn: Callable[..., int], *args: Any) -> Any:
-    lib = library()
+    lib = held()  # freeing the reply takes microseconds: no reason to let another thread in
     out = ctypes.c_void_p()
     status = fn(*args, ctypes.byref(out))
     if status != OK:

@@ -361,6 +361,28 @@ def test_per_cell_calls_keep_the_interpreter_lock_unless_told_otherwise():
     assert not isinstance(_native.library(), ctypes.PyDLL)
 
 
+def test_a_cell_makes_no_call_that_releases_the_interpreter_lock(settled, monkeypatch):
+    # every per-cell function goes through ctypes.PyDLL, the reply's free() included
+    _native.library()
+    used = []
+
+    class Releasing:  # the ctypes.CDLL handle, watched
+        def __init__(self, lib):
+            self._lib = lib
+
+        def __getattr__(self, name):
+            used.append(name)
+            return getattr(self._lib, name)
+
+    monkeypatch.setattr(_native, "_lib", Releasing(_native._lib))
+    settled.reset(one_device("GPU-af7e0000-0000-4000-8000-0000000000b4"))
+    assert _native.cuda_initialized() is True
+    assert _native.after_cell(timeout=30)["devices"][0]["state"] == "drained"
+    _native.trim()
+    _native.snapshot()
+    assert used == []
+
+
 def test_a_call_that_keeps_the_lock_gives_it_up_while_a_device_settles(settled):
     # A device whose synchronize takes 0.3 s: a thread of Python's own must run during
     # the wait, although the call was made through ctypes.PyDLL. Had the library kept the
