@@ -141,6 +141,20 @@ std::string checked_object_text(const char* text, const char* what) {
   return std::string(view.substr(first, last - first + 1));
 }
 
+// Runs `use` on the running status server under its lock (taken with the
+// interpreter lock given up if it has to wait), or fails with api.107.
+template <class Use>
+void on_server(Use&& use) {
+  ApiState& state = api_state().get();
+  gil::lock(state.server_mutex);
+  std::lock_guard lock(state.server_mutex, std::adopt_lock);
+  if (!state.server) {
+    fail(GPUCLEANUP_ERR_SERVER,
+         "[gpucleanup.api.107] the status server is not running: call gpucleanup_server_start first");
+  }
+  use(*state.server);
+}
+
 void hand_out(const nlohmann::json& value, char** json_out) {
   const std::string text = value.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   char* copy = strdup(text.c_str());
@@ -374,28 +388,14 @@ gpucleanup_status gpucleanup_server_stop(void) {
 gpucleanup_status gpucleanup_server_connections(char** json_out) {
   return guarded([&] {
     require_out(json_out);
-    ApiState& state = api_state().get();
-    gil::lock(state.server_mutex);
-    std::lock_guard lock(state.server_mutex, std::adopt_lock);
-    if (!state.server) {
-      fail(GPUCLEANUP_ERR_SERVER,
-           "[gpucleanup.api.107] the status server is not running: call gpucleanup_server_start first");
-    }
-    hand_out(state.server->connections(), json_out);
+    on_server([&](StatusServer& server) { hand_out(server.connections(), json_out); });
   });
 }
 
 gpucleanup_status gpucleanup_server_set_state(const char* state_json) {
   return guarded([&] {
     nlohmann::json value = parse_object(state_json, "state_json");
-    ApiState& state = api_state().get();
-    gil::lock(state.server_mutex);
-    std::lock_guard lock(state.server_mutex, std::adopt_lock);
-    if (!state.server) {
-      fail(GPUCLEANUP_ERR_SERVER,
-           "[gpucleanup.api.107] the status server is not running: call gpucleanup_server_start first");
-    }
-    state.server->set_state(std::move(value));
+    on_server([&](StatusServer& server) { server.set_state(std::move(value)); });
   });
 }
 
@@ -411,14 +411,7 @@ gpucleanup_status gpucleanup_server_state(int kind, long long cell, long long si
       value["cell"] = cell < 0 ? nlohmann::json(nullptr) : nlohmann::json(static_cast<std::int64_t>(cell));
     }
     if (kind == GPUCLEANUP_STATE_WAITING && device >= 0) value["device"] = device;
-    ApiState& state = api_state().get();
-    gil::lock(state.server_mutex);
-    std::lock_guard lock(state.server_mutex, std::adopt_lock);
-    if (!state.server) {
-      fail(GPUCLEANUP_ERR_SERVER,
-           "[gpucleanup.api.107] the status server is not running: call gpucleanup_server_start first");
-    }
-    state.server->set_state(std::move(value));
+    on_server([&](StatusServer& server) { server.set_state(std::move(value)); });
   });
 }
 
@@ -430,14 +423,7 @@ void gpucleanup_set_gil_hooks(gpucleanup_gil_check_fn check, gpucleanup_gil_save
 gpucleanup_status gpucleanup_server_publish(const char* record_json) {
   return guarded([&] {
     std::string text = checked_object_text(record_json, "record_json");
-    ApiState& state = api_state().get();
-    gil::lock(state.server_mutex);
-    std::lock_guard lock(state.server_mutex, std::adopt_lock);
-    if (!state.server) {
-      fail(GPUCLEANUP_ERR_SERVER,
-           "[gpucleanup.api.107] the status server is not running: call gpucleanup_server_start first");
-    }
-    state.server->publish_text(std::move(text));
+    on_server([&](StatusServer& server) { server.publish_text(std::move(text)); });
   });
 }
 
