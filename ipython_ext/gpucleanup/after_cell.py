@@ -434,6 +434,7 @@ class AfterCell:
         namespace: Optional[dict] = None,
         forced: bool = False,
         after_forced: Optional[CellRecord] = None,
+        hidden: Optional[List[dict]] = None,
     ) -> Optional[Outcome]:
         """The cleanup after one cell; None when nothing in the process uses CUDA.
 
@@ -577,6 +578,7 @@ class AfterCell:
         )
         record.release = settings.release
         record.deferred = deferred
+        record.hidden = list(hidden or [])
         record.idle = [job.result() for job in idle_done]
         for name in self._drained_now:  # what each drain could not give back, until it changes
             if name in stats_after:

@@ -164,6 +164,16 @@ class GPUCleanupOptions(Configurable):
         ),
     ).tag(config=True)
 
+    release_after_oom = Bool(
+        True,
+        help=(
+            "After a cell fails with a GPU out-of-memory error, clear the local variables of its "
+            "traceback's frames before the cleanup, so that the memory they hold comes back for the next "
+            "cell (the error and its printed traceback stay; %debug can no longer show those variables). "
+            "False keeps them."
+        ),
+    ).tag(config=True)
+
     @validate("settle_timeout")
     def _check_settle_timeout(self, proposal):
         value = proposal["value"]

@@ -17,10 +17,11 @@ import time
 import weakref
 from typing import Any, Dict, List, Optional
 
+from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from traitlets import observe
 
-from . import report
+from . import holders, report
 from .after_cell import AfterCell, Settings
 from .config import GPUCleanupOptions
 from .frameworks.objects import find_gpu_objects
@@ -316,7 +317,9 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             if not self.enabled or self.engine.exiting:
                 return
             cell = getattr(result, "execution_count", None) if result is not None else None
-            outcome = self.cleanup(cell=cell, after_forced=self._forced_in_cell)
+            self._release_after_oom(result, cell)
+            hidden = holders.held_after_cell(self.shell, result, cell) if self.engine.last_driver_state == "ready" else []
+            outcome = self.cleanup(cell=cell, after_forced=self._forced_in_cell, hidden=hidden)
             if outcome is not None:
                 for line in outcome.lines:
                     print(line)
@@ -340,11 +343,28 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                 if self._endpoint is not None:
                     self._status("set_state", {"state": "idle", "since_ns": time.time_ns()})
 
-    def cleanup(self, cell: Optional[int] = None, forced: bool = False, after_forced: Optional[CellRecord] = None) -> Optional[Outcome]:
+    def _release_after_oom(self, result: Any, cell: Optional[int]) -> None:
+        """A cell that failed with a GPU out-of-memory error: its traceback's frames let go
+        of their variables before the cleanup (``release_after_oom``), and the user is told."""
+        error = getattr(result, "error_in_exec", None) if result is not None else None
+        if error is None or not self.release_after_oom or not holders.is_out_of_memory(error):
+            return
+        held = holders.traceback_objects(error, cell, getattr(self.shell, "user_ns", None))
+        if not held:
+            return
+        frames = holders.release_traceback(error)
+        total = sum(int(f.get("bytes") or 0) for f in held)
+        print(f"{report.PREFIX}{report.SEP}out of GPU memory in cell [{cell}]: released {report.format_bytes(total)} "
+              f"held by {len(held)} variable{'s' if len(held) != 1 else ''} of its traceback ({frames} frames; the "
+              "error stays, %debug no longer shows them; %config GPUCleanup.release_after_oom = False keeps them)")
+
+    def cleanup(self, cell: Optional[int] = None, forced: bool = False, after_forced: Optional[CellRecord] = None,
+                hidden: Optional[List[dict]] = None) -> Optional[Outcome]:
         """The after-cell cleanup now (the engine's); its record goes to the history and
         the status endpoint. None when nothing in the kernel uses CUDA."""
         namespace = getattr(self.shell, "user_ns", None)
-        outcome = self.engine.run(self.settings(), cell=cell, namespace=namespace, forced=forced, after_forced=after_forced)
+        outcome = self.engine.run(self.settings(), cell=cell, namespace=namespace, forced=forced, after_forced=after_forced,
+                                  hidden=hidden)
         if outcome is not None and outcome.keep:
             data = outcome.as_dict()
             self.history.append(data)
@@ -443,13 +463,15 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         elif args.on:
             self.enabled = True
             print(f"{report.PREFIX}{report.SEP}automatic cleanup resumed")
-        if args.drain:
+        if args.release is not None:
+            self._release(args.release)
+        elif args.drain:
             outcome = self.cleanup(forced=True)
             if outcome is not None:
                 for text in outcome.lines:
                     print(text)
                 self._forced_in_cell = outcome.record
-        wants_table = not (args.off or args.on or args.drain) or args.json
+        wants_table = not (args.off or args.on or args.drain or args.release is not None) or args.json
         if args.json:
             data = self.status() if (args.history is None and args.vars is None) or wants_table else {}
             if args.history is not None:
@@ -479,9 +501,42 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         return "the native library could not be loaded"
 
     def _vars(self) -> List[dict]:
-        out_cache = getattr(getattr(self.shell, "history_manager", None), "output_hist", None)
-        found = find_gpu_objects(self.shell.user_ns, out_cache)
+        """GPU objects the kernel keeps: through variables, the output cache and the last traceback."""
+        found = find_gpu_objects(self.shell.user_ns)
+        for entry in found:
+            entry["held_by"] = "variable"
+        found += holders.output_cache_objects(self.shell)
+        error = holders.last_exception(self.shell)
+        result = getattr(self.shell, "last_execution_result", None)
+        cell = getattr(result, "execution_count", None) if getattr(result, "error_in_exec", None) is error else None
+        found += holders.traceback_objects(error, cell, self.shell.user_ns)
         return sorted(found, key=lambda f: -int(f.get("bytes") or 0))
+
+    def _release(self, what: str) -> None:
+        """``%gpumem --release out|traceback|NAME``: let go of GPU objects the kernel keeps, then clean up."""
+        if what == "out":
+            dropped = holders.release_output_cache(self.shell)
+            said = (f"released {', '.join(dropped)} from the output cache" if dropped
+                    else "no output-cache entry holds a GPU array or tensor")
+        elif what == "traceback":
+            error = holders.last_exception(self.shell)
+            held = holders.traceback_objects(error, None, self.shell.user_ns)
+            frames = holders.release_traceback(error) if error is not None else 0
+            said = (f"cleared {frames} frames of the last traceback ({len(held)} GPU objects, "
+                    f"{report.format_bytes(sum(int(f.get('bytes') or 0) for f in held))}); %debug no longer shows "
+                    "their variables" if error is not None else "there is no last traceback")
+        else:
+            if what not in self.shell.user_ns:
+                raise UsageError(f"%gpumem --release: {what!r} is not a variable of this kernel: pass out, traceback or "
+                                 "the name of a variable (see %gpumem --vars)")
+            self.shell.del_var(what, by_name=False)
+            said = f"deleted {what} and every reference IPython kept to it (as %xdel)"
+        print(f"{report.PREFIX}{report.SEP}{said}")
+        outcome = self.cleanup(forced=True)
+        if outcome is not None:
+            for text in outcome.lines:
+                print(text)
+            self._forced_in_cell = outcome.record
 
 
 # ---------------------------------------------------------------- entry points

@@ -16,8 +16,8 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 __all__ = ["gpumem_arguments", "parse_gpumem", "OPTIONS"]
 
-OPTIONS = ("--json", "--drain", "--history", "--vars", "--off", "--on")
-USAGE = "%gpumem [--json] [--drain] [--history [N]] [--vars [N]] [--off | --on]"
+OPTIONS = ("--json", "--drain", "--history", "--vars", "--release", "--off", "--on")
+USAGE = "%gpumem [--json] [--drain] [--history [N]] [--vars [N]] [--release out|traceback|NAME] [--off | --on]"
 
 _ARGUMENTS = [
     magic_arguments(),
@@ -40,8 +40,20 @@ _ARGUMENTS = [
         type=int,
         metavar="N",
         help=(
-            "The N largest GPU arrays and tensors reachable from the namespace (default 20): "
-            "name, type, shape, dtype, device and bytes. Output-cache entries show as Out[N]."
+            "The N largest GPU arrays and tensors the kernel keeps (default 20): name, what holds it "
+            "(a variable, the output cache as Out[N], or the last traceback as function: variable), type, "
+            "shape, dtype, device and bytes."
+        ),
+    ),
+    argument(
+        "--release",
+        default=None,
+        metavar="WHAT",
+        help=(
+            "Let go of GPU memory the kernel keeps, then clean up and say what came back. 'out': the "
+            "output-cache entries (Out[N], _N, _) that hold a GPU array or tensor, only those; 'traceback': "
+            "the local variables of the last traceback's frames (the error and its text stay; %%debug can no "
+            "longer show those variables); NAME: a variable and every reference IPython keeps to it (as %%xdel)."
         ),
     ),
     argument("--off", action="store_true", help="Pause the automatic cleanup after each cell."),
@@ -68,6 +80,8 @@ def parse_gpumem(method: Callable, line: str):
         raise UsageError(f"%gpumem: cannot read the options ({exc}): check the quotes. Usage: {USAGE}") from None
     if args.off and args.on:
         raise UsageError(f"%gpumem: --off and --on contradict each other: pass one of them. Usage: {USAGE}")
+    if args.release is not None and (args.drain or args.off or args.on):
+        raise UsageError(f"%gpumem: --release cleans up by itself: pass it alone. Usage: {USAGE}")
     for flag in ("history", "vars"):
         value = getattr(args, flag)
         if value is not None and value < 1:

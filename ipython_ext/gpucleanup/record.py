@@ -96,6 +96,9 @@ class CellRecord:
     #: releases run while the kernel was idle since the last record:
     #: {"cell", "devices": [{"index", "freed_bytes"}], "pinned_freed_bytes", "elapsed_s"}
     idle: List[dict] = field(default_factory=list)
+    #: GPU objects the cell left where no variable names them: its Out[N], its traceback's
+    #: frames: {"held_by", "name", "device", "bytes"}
+    hidden: List[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         """The JSON shape of share/schema/cell_record.schema.json.

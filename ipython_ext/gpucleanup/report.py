@@ -11,7 +11,7 @@ from __future__ import annotations
 import html
 import json
 import re
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 __all__ = [
     "PREFIX",
@@ -207,7 +207,8 @@ def _device_line(dev: dict, record: dict, pinned: Optional[str]) -> str:
     live_total = _sum(live)
     if live:
         names = ", ".join(k for k, v in sorted(live.items(), key=lambda kv: -kv[1]) if v)
-        segs.append(f"kept {format_bytes(live_total)} live" + (f" ({names})" if names else ""))
+        segs.append(f"kept {format_bytes(live_total)} live" + (f" ({names})" if names else "")
+                    + _hidden_text(record.get("hidden"), dev.get("index")))
     cached = {k: v for k, v in (dev.get("cached_bytes") or {}).items() if v}
     if cached:
         cached_total = _sum(cached)
@@ -220,6 +221,26 @@ def _device_line(dev: dict, record: dict, pinned: Optional[str]) -> str:
         segs.append(f"device {format_pair(dev.get('used_after_bytes'), dev.get('total_bytes'))}")
     segs.append(format_duration(record.get("elapsed_s")))
     return SEP.join(segs)
+
+
+def _hidden_text(hidden: Optional[Sequence[dict]], index: Any) -> str:
+    """``: Out[5] 1.0 GiB, traceback of cell [7] 4.0 GiB (fit: batch)``: what holds live memory
+    where no variable names it, largest first (at most three holders, two names each)."""
+    groups: Dict[str, List[dict]] = {}
+    for entry in hidden or []:
+        if entry.get("device") not in (f"GPU{index}", None, "GPU?"):
+            continue
+        groups.setdefault(str(entry.get("held_by")), []).append(entry)
+    if not groups:
+        return ""
+    parts = []
+    for held_by, entries in sorted(groups.items(), key=lambda kv: -sum(int(e.get("bytes") or 0) for e in kv[1]))[:3]:
+        text = f"{held_by} {format_bytes(sum(int(e.get('bytes') or 0) for e in entries))}"
+        if held_by.startswith("traceback"):
+            names = [str(e.get("name")) for e in sorted(entries, key=lambda e: -int(e.get("bytes") or 0))]
+            text += f" ({', '.join(names[:2])}{', …' if len(names) > 2 else ''})"
+        parts.append(text)
+    return ": " + ", ".join(parts)
 
 
 def unusable_sentence(dev: dict) -> str:
@@ -437,14 +458,18 @@ def history_report(records: Sequence[dict]) -> Report:
 def vars_report(found: Sequence[dict], limit: int) -> Report:
     """The largest GPU arrays/tensors reachable from the user's namespace."""
     if not found:
-        return Report([], [f"{PREFIX}{SEP}no GPU arrays or tensors reachable from the namespace"])
+        return Report([], [f"{PREFIX}{SEP}no GPU arrays or tensors in the namespace, the output cache or the last traceback"])
     top = sorted(found, key=lambda f: -int(f.get("bytes") or 0))[:limit]
     rows = [
-        [f["name"], f.get("kind", ""), "×".join(str(s) for s in f.get("shape") or ()) or "()", f.get("dtype", ""),
-         f.get("device", ""), format_bytes(f.get("bytes"))]
+        [f["name"], f.get("held_by", "variable"), f.get("kind", ""), "×".join(str(s) for s in f.get("shape") or ()) or "()",
+         f.get("dtype", ""), f.get("device", ""), format_bytes(f.get("bytes"))]
         for f in top
     ]
     total = sum(int(f.get("bytes") or 0) for f in found)
     notes = [f"{len(found)} objects, {format_bytes(total)} in all; views of one buffer each count their own size."]
-    headers = ["name", "type", "shape", "dtype", "device", "bytes"]
-    return Report([Table("GPU arrays and tensors in the namespace", headers, rows, notes, align="lllllr")])
+    hidden = sorted({f["held_by"] for f in found if f.get("held_by") not in (None, "variable")})
+    if hidden:
+        notes.append("held by " + ", ".join(hidden) + ": %gpumem --release out (the output cache) or --release "
+                     "traceback (the last traceback's variables) lets them go")
+    headers = ["name", "held by", "type", "shape", "dtype", "device", "bytes"]
+    return Report([Table("GPU arrays and tensors the kernel keeps", headers, rows, notes, align="llllllr")])

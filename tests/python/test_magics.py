@@ -154,16 +154,17 @@ def test_gpumem_vars_lists_the_largest_gpu_objects_by_name_stand_in(shell, stand
         shell.run_line_magic("load_ext", "gpucleanup")
         _, cap = _display(shell, "--vars")
         assert cap.outputs[0].data["text/plain"].splitlines() == [
-            "GPU arrays and tensors in the namespace",
-            "name           type          shape      dtype    device    bytes",
-            "-------------  ------------  ---------  -------  ------  -------",
-            "x              cupy.ndarray  4096×4096  float32  GPU0     64 MiB",
-            "z['m'].weight  torch.Tensor  1024×1024  float16  GPU1    2.0 MiB",
-            "y[0]           cupy.ndarray  10         float32  GPU0       40 B",
+            "GPU arrays and tensors the kernel keeps",
+            "name           held by   type          shape      dtype    device    bytes",
+            "-------------  --------  ------------  ---------  -------  ------  -------",
+            "x              variable  cupy.ndarray  4096×4096  float32  GPU0     64 MiB",
+            "z['m'].weight  variable  torch.Tensor  1024×1024  float16  GPU1    2.0 MiB",
+            "y[0]           variable  cupy.ndarray  10         float32  GPU0       40 B",
             "  3 objects, 66 MiB in all; views of one buffer each count their own size.",
         ]
         data = shell.run_line_magic("gpumem", "--json --vars 1")
-        assert data["vars"] == [{"kind": "cupy.ndarray", "shape": [4096, 4096], "dtype": "float32", "device": "GPU0", "bytes": 64 * MiB, "name": "x"}]
+        assert data["vars"] == [{"kind": "cupy.ndarray", "shape": [4096, 4096], "dtype": "float32", "device": "GPU0", "bytes": 64 * MiB, "name": "x",
+                                 "held_by": "variable"}]
     finally:
         for name in ("alias",):
             shell.user_ns.pop(name, None)
@@ -204,7 +205,7 @@ def test_gpumem_on_cell_prints_no_line_when_nothing_was_freed(shell, fake_cuda, 
 @pytest.mark.parametrize(
     "line, message",
     [
-        ("--jsn", "%gpumem: unrecognized arguments: --jsn. Did you mean --json? Usage: %gpumem [--json] [--drain] [--history [N]] [--vars [N]] [--off | --on] (details: %gpumem?)"),
+        ("--jsn", "%gpumem: unrecognized arguments: --jsn. Did you mean --json? Usage: %gpumem [--json] [--drain] [--history [N]] [--vars [N]] [--release out|traceback|NAME] [--off | --on] (details: %gpumem?)"),
         ("--hist 3", "Did you mean --history?"),
         ("--off --on", "%gpumem: --off and --on contradict each other: pass one of them."),
         ("--history 0", "%gpumem: --history N needs N >= 1, got 0."),
@@ -224,7 +225,7 @@ def test_gpumem_help_documents_every_option_stand_in(shell, stand_in):  # noqa: 
     doc = shell.find_line_magic("gpumem").__doc__
     for option in ("--json", "--drain", "--history", "--vars", "--off", "--on", "outside every", "%config GPUCleanup"):
         assert option in doc
-    assert "::\n\n  %gpumem [--json] [--drain] [--history [N]] [--vars [N]] [--off] [--on]" in doc
+    assert "::\n\n  %gpumem [--json] [--drain] [--history [N]] [--vars [N]] [--release WHAT]\n              [--off] [--on]" in doc
 
 
 def test_gpumem_without_driver_says_so_stand_in(shell, stand_in):  # noqa: F811
@@ -258,7 +259,7 @@ def test_unbalanced_quote_is_a_usage_error_stand_in(shell, stand_in):  # noqa: F
         shell.run_line_magic("gpumem", '"unterminated')
     assert str(err.value) == (
         "%gpumem: cannot read the options (No closing quotation): check the quotes. "
-        "Usage: %gpumem [--json] [--drain] [--history [N]] [--vars [N]] [--off | --on]"
+        "Usage: %gpumem [--json] [--drain] [--history [N]] [--vars [N]] [--release out|traceback|NAME] [--off | --on]"
     )
 
 

@@ -212,13 +212,19 @@ def test_vars_report_largest_first():
         {"name": "small", "kind": "cupy.ndarray", "shape": [2], "dtype": "float32", "device": "GPU0", "bytes": 8},
         {"name": "big", "kind": "torch.Tensor", "shape": [1024, 1024], "dtype": "float32", "device": "GPU0", "bytes": 4 * MiB},
     ]
+    found[1]["held_by"] = "output cache"
+    found[1]["name"] = "Out[3]"
     lines = report.vars_report(found, limit=1).text().splitlines()
     assert lines[1:4] == [
-        "name  type          shape      dtype    device    bytes",
-        "----  ------------  ---------  -------  ------  -------",
-        "big   torch.Tensor  1024×1024  float32  GPU0    4.0 MiB",
+        "name    held by       type          shape      dtype    device    bytes",
+        "------  ------------  ------------  ---------  -------  ------  -------",
+        "Out[3]  output cache  torch.Tensor  1024×1024  float32  GPU0    4.0 MiB",
     ]
-    assert len(lines) == 5
+    assert lines[4:] == [
+        "  2 objects, 4.0 MiB in all; views of one buffer each count their own size.",
+        "  held by output cache: %gpumem --release out (the output cache) or --release traceback (the last "
+        "traceback's variables) lets them go",
+    ]
 
 
 def test_json_report_is_a_dict_shown_as_json():
