@@ -1,0 +1,58 @@
+"""Hidden holders on a real GPU, in an in-process IPython shell with PyTorch: a tensor left in
+Out[N] and a failed cell's traceback after a real out-of-memory error, named by the line and
+given back (torch's allocated bytes and the device's free memory back where they were)."""
+
+from __future__ import annotations
+
+from conftest import GiB, MiB, TOLERANCE, require, run_script
+
+
+def test_out_and_an_out_of_memory_traceback_are_named_and_given_back():
+    require("torch")
+    r = run_script('''
+        import io, contextlib, torch
+        from IPython.core.interactiveshell import InteractiveShell
+        shell = InteractiveShell.instance()
+        def run(code):
+            sink = io.StringIO()
+            with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+                res = shell.run_cell(code, store_history=True)
+            return res, [l for l in sink.getvalue().splitlines() if l.startswith("gpucleanup")]
+        run("import torch\\nw = torch.ones(1024, device='cuda')\\ntorch.cuda.synchronize()")
+        run("%load_ext gpucleanup")
+        base_alloc = torch.cuda.memory_allocated(0)
+        base_free = torch.cuda.mem_get_info(0)[0]
+        res, out_lines = run("torch.ones(256 * 1024 ** 2, device='cuda')")   # 1 GiB left in Out[N]
+        out_cell = res.execution_count
+        del res
+        held_alloc = torch.cuda.memory_allocated(0)
+        _, release_lines = run("%gpumem --release out")
+        after_out_alloc = torch.cuda.memory_allocated(0)
+        run("def fit():\\n    batch = torch.empty(4 * 1024 ** 3, dtype=torch.uint8, device='cuda')\\n"
+            "    return torch.empty(1024 ** 4, dtype=torch.uint8, device='cuda')")
+        res, oom_lines = run("fit()")
+        oom_cell = res.execution_count
+        oom_type = type(res.error_in_exec).__name__
+        del res
+        after_oom_alloc = torch.cuda.memory_allocated(0)
+        after_oom_free = torch.cuda.mem_get_info(0)[0]
+        res, again_lines = run("again = torch.empty(4 * 1024 ** 3, dtype=torch.uint8, device='cuda')\\ndel again")
+        again_ok = res.error_in_exec is None
+        del res
+        for l in out_lines + release_lines + oom_lines + again_lines:
+            figure(l)
+        result(out_cell=out_cell, out_lines=out_lines, release_lines=release_lines, oom_cell=oom_cell,
+               oom_type=oom_type, oom_lines=oom_lines, base_alloc=base_alloc, held_alloc=held_alloc,
+               after_out_alloc=after_out_alloc, after_oom_alloc=after_oom_alloc, base_free=base_free,
+               after_oom_free=after_oom_free, again_ok=again_ok)
+    ''')
+    assert r["held_alloc"] - r["base_alloc"] == GiB
+    assert any(f"kept " in l and f": Out[{r['out_cell']}] 1.0 GiB" in l for l in r["out_lines"]), r["out_lines"]
+    assert r["release_lines"][0] == f"gpucleanup · released Out[{r['out_cell']}] from the output cache"
+    assert r["after_out_alloc"] == r["base_alloc"]
+    assert r["oom_type"] == "OutOfMemoryError"
+    assert r["oom_lines"][0].startswith(f"gpucleanup · out of GPU memory in cell [{r['oom_cell']}]: released 4.0 GiB "
+                                        "held by 1 variable of its traceback"), r["oom_lines"]
+    assert r["after_oom_alloc"] == r["base_alloc"]
+    assert abs(r["after_oom_free"] - r["base_free"]) <= TOLERANCE
+    assert r["again_ok"] is True
