@@ -543,3 +543,28 @@ def test_torch_adapter_with_stand_in_module_leaves_a_pinned_cache_under_a_mebiby
     assert not [c for c in world.calls if c[0] == "host_empty_cache"]
     torch.host_owned = 1 << 20  # from a mebibyte on, it is released as before
     assert adapter("torch").drain_pinned() == {"freed_bytes": 1 << 20, "notes": []}
+
+
+def test_torch_drain_gives_back_library_workspaces_before_emptying_the_cache(monkeypatch):
+    # cuBLAS workspaces are allocated through torch's allocator: they count as live until cleared
+    world = World(n_devices=2, active=(0, 1))
+    torch = install_torch(monkeypatch, world, allocated={0: 100 + 32 * MiB, 1: 10}, reserved={0: 1100 + 32 * MiB, 1: 20})
+    torch.workspace = {0: 32 * MiB}
+    result = adapter("torch").drain([0, 1])
+    assert result == {"freed_bytes": {0: 1000 + 32 * MiB, 1: 10}, "notes": []}
+    names = [c[0] for c in world.calls]
+    assert names.index("clear_cublas_workspaces") < names.index("empty_cache")
+    assert "cufft_clear_plan_cache(0)" in names and "cufft_clear_plan_cache(1)" in names
+    assert world.violations == []
+
+
+def test_torch_drain_leaves_library_workspaces_alone_while_a_graph_is_captured(monkeypatch):
+    world = World(n_devices=2, active=(0, 1))
+    torch = install_torch(monkeypatch, world, allocated={0: 100 + 32 * MiB, 1: 10}, reserved={0: 1100 + 32 * MiB, 1: 20},
+                          capturing=(1,))
+    torch.workspace = {0: 32 * MiB}
+    adapter("torch").drain([0, 1])
+    names = [c[0] for c in world.calls]
+    assert "clear_cublas_workspaces" not in names
+    assert not any(n.startswith("cufft_clear_plan_cache") for n in names)
+    assert torch.workspace == {0: 32 * MiB}

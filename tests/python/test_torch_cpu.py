@@ -38,5 +38,7 @@ def test_torch_adapter_with_real_torch_reads_the_real_statistics_functions():
     assert callable(getattr(torch.cuda, "memory_stats_as_nested_dict", None))
     assert callable(getattr(torch.cuda.memory, "host_memory_stats_as_nested_dict", None))
     assert torch.cuda.memory_stats_as_nested_dict(0) == {}  # CUDA not initialised: nothing, nothing started
+    # the library caches a drain clears (the cuBLAS one exists in CUDA builds only)
+    assert callable(getattr(torch, "_cufft_clear_plan_cache", None))
     assert _host_empty_cache(torch) is not None
     assert torch.cuda.is_initialized() is False

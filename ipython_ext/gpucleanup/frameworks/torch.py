@@ -132,6 +132,7 @@ class TorchAdapter(Adapter):
         cuda = torch.cuda
         before = {i: self._reserved(cuda, i) for i in devices}
         drained: list[int] = []
+        self._clear_library_caches(torch, devices, result)
         for i in devices:
             try:
                 with cuda.device(i):
@@ -155,6 +156,35 @@ class TorchAdapter(Adapter):
             after = self._reserved(cuda, i)
             if before[i] is not None and after is not None:
                 result["freed_bytes"][i] = max(before[i] - after, 0)
+
+    def _clear_library_caches(self, torch: Any, devices: list[int], result: dict) -> None:
+        """What torch keeps for its libraries, allocated through its caching allocator (so it
+        shows as live): the cuBLAS/cuBLASLt workspaces (one per handle and stream, all devices
+        at once) and each device's cuFFT plan cache. Given back before ``empty_cache`` so that
+        their blocks go with the rest; the next matmul or FFT makes them again. Left alone
+        while a CUDA graph is being captured on any device (the capture uses them)."""
+        cuda = torch.cuda
+        capturing = getattr(cuda, "is_current_stream_capturing", None)
+        for i in devices:
+            try:
+                with cuda.device(i):
+                    if capturing is not None and capturing():
+                        return
+            except Exception:
+                return
+        clear_workspaces = getattr(getattr(torch, "_C", None), "_cuda_clearCublasWorkspaces", None)
+        try:
+            if clear_workspaces is not None:
+                clear_workspaces()
+        except Exception as exc:
+            result["notes"].append(self._note("drain", f"could not clear torch's cuBLAS workspaces: {_fault(exc)}", 209))
+        clear_plans = getattr(torch, "_cufft_clear_plan_cache", None)
+        for i in devices if clear_plans is not None else ():
+            try:
+                clear_plans(i)
+            except Exception as exc:
+                result["notes"].append(self._note("drain", f"could not clear torch's cuFFT plan cache on GPU{i}: "
+                                                           f"{_fault(exc)}", 210))
 
     @staticmethod
     def _reserved(cuda: Any, i: int) -> Optional[int]:

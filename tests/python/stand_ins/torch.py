@@ -19,6 +19,7 @@ class TorchStandIn:
         self.backend = backend
         self.capturing = set(capturing or ())
         self.host_keys = host_keys
+        self.workspace: dict = {}  # cuBLAS workspace bytes per device, counted in allocated
 
     def _guard(self, name):
         self.world.calls.append((name, self.world.current))
@@ -104,6 +105,16 @@ def install_torch(monkeypatch, world: World, initialised=True, allocated=None, r
                 nested_stats[outer] = value
         return nested_stats
 
+    def clear_cublas_workspaces():
+        # like at::cuda::clearCublasWorkspaces: every device's workspaces go back to the cache
+        t._guard("clear_cublas_workspaces")
+        for i, n in list(t.workspace.items()):
+            t.allocated[i] = t.allocated.get(i, 0) - n
+        t.workspace.clear()
+
+    def cufft_clear_plan_cache(i):
+        t._guard(f"cufft_clear_plan_cache({i})")
+
     def host_empty_cache():
         t._guard("host_empty_cache")
         t.host_owned = t.host_active
@@ -119,8 +130,8 @@ def install_torch(monkeypatch, world: World, initialised=True, allocated=None, r
     )
     if nested:
         cuda.memory_stats_as_nested_dict = memory_stats_as_nested_dict
-    c = module("torch._C")
-    torch = module("torch", cuda=cuda, _C=c)
+    c = module("torch._C", _cuda_clearCublasWorkspaces=clear_cublas_workspaces)
+    torch = module("torch", cuda=cuda, _C=c, _cufft_clear_plan_cache=cufft_clear_plan_cache)
     if host_empty == "_C":
         c._host_emptyCache = host_empty_cache
     elif host_empty == "accelerator":
