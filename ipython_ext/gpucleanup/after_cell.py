@@ -65,6 +65,8 @@ class Settings:
     release: str = "cell"
     #: how long the kernel must stay idle before a deferred release runs
     idle_release_s: float = 1.0
+    #: say once per device when memory outside every pool grew this much since loading (0: never)
+    outside_warning_mib: int = 256
 
     def framework_enabled(self, name: str) -> bool:
         return bool(self.frameworks.get(name, True))
@@ -296,6 +298,7 @@ class _Settled:
     message: Dict[int, Optional[str]] = field(default_factory=dict)
     free_before: Dict[int, Optional[int]] = field(default_factory=dict)
     figures: Dict[int, dict] = field(default_factory=dict)  # name, total, used, free after the pass
+    pools: Dict[int, Optional[int]] = field(default_factory=dict)  # driver pools' reserved bytes after the pass
     interrupted: bool = False
 
 
@@ -334,6 +337,10 @@ class AfterCell:
         self._last_free: Dict[int, int] = {}  # device free after the last cleanup
         self._last_live: Optional[int] = None  # live GPU bytes the frameworks told after it
         self._last_cached: Optional[int] = None  # and the bytes they kept cached
+        self._last_outside: Dict[int, int] = {}  # per device: outside every pool after the last cleanup
+        self._outside_base: Dict[int, int] = {}  # ... after the first cleanup
+        self._outside_warning_bytes = 0
+        self._outside_notes: List[Note] = []
         self._kept: Dict[str, Dict[int, int]] = {}  # per framework and device: cached bytes its last drain left
         self._drained_now: List[str] = []  # frameworks drained by this cleanup
         self._last_used: Dict[int, int] = {}
@@ -544,6 +551,8 @@ class AfterCell:
                 figures_stale = bool(given_back or gc_freed)
                 if trimmed and settled_pass.figures and set(trimmed) >= set(settled_pass.figures):
                     # the trim reported every device's memory after it: as fresh as a snapshot
+                    for i, fig in trimmed.items():
+                        settled_pass.pools[i] = fig.pop("pools_reserved", None)
                     settled_pass.figures.update(trimmed)
                     figures_stale = False
         except KeyboardInterrupt:
@@ -635,6 +644,7 @@ class AfterCell:
             out.free_before[idx] = dev.get("free_before_bytes")
             if "free_bytes" in dev or "total_bytes" in dev:  # the one-pass call reports the figures after
                 out.figures[idx] = {k: dev.get(k) for k in ("name", "total_bytes", "used_bytes", "free_bytes")}
+                out.pools[idx] = pools_reserved(dev)
             if state == "unusable":
                 if idx in self._unusable:
                     quiet.add(idx)
@@ -808,7 +818,8 @@ class AfterCell:
                 notes.append((f"trim:{type(exc).__name__}", f"native trim failed: {exc}"))
                 return {}
             _add_released(freed, result)
-            return {int(d["index"]): {k: d.get(k) for k in ("name", "total_bytes", "used_bytes", "free_bytes")}
+            return {int(d["index"]): {**{k: d.get(k) for k in ("name", "total_bytes", "used_bytes", "free_bytes")},
+                                      "pools_reserved": pools_reserved(d)}
                     for d in result.get("devices") or [] if _index(d.get("index")) is not None and d.get("free_bytes") is not None}
         _add_released(freed, self._native_drain(0.0, Settings(), notes, progress=False))
         return {}
@@ -878,6 +889,8 @@ class AfterCell:
                 captured: List[dict]) -> CellRecord:
         """Step 7: the record. ``touched``: device memory changed since the last cleanup."""
         devices = []
+        self._outside_warning_bytes = int(settings.outside_warning_mib) << 20
+        self._outside_notes = []
         touched = False
         for i in all_devices:
             fig = figures.get(i, {})
@@ -902,11 +915,16 @@ class AfterCell:
                     quiet=i in quiet,
                 )
             )
+            outside, growth = self._outside(i, fig, settled, stats_after, quiet)
+            devices[-1].outside_bytes = outside
+            devices[-1].outside_growth_bytes = growth
             if fig.get("free_bytes") is not None:
                 self._last_free[i] = int(fig["free_bytes"])
             if fig.get("used_bytes") is not None:
                 self._last_used[i] = int(fig["used_bytes"])
         shown_notes = [text for kind, text in notes if self.note_once(kind)]
+        shown_notes += [text for _, text in self._outside_notes]  # said once already (note_once in _outside)
+        notes = notes + self._outside_notes
         return CellRecord(
             cell=cell,
             time_ns=time.time_ns(),
@@ -926,6 +944,37 @@ class AfterCell:
             unraisable=captured[:20],
             touched=touched,
         )
+
+    def _outside(self, i: int, fig: dict, settled: _Settled, stats_after: Dict[str, dict],
+                 quiet: set) -> Tuple[Optional[int], Optional[int]]:
+        """Device memory no framework, no framework cache and no driver pool accounts for,
+        after the cleanup, and how much it grew since the last cleanup (None: not known).
+
+        It holds the CUDA context, raw allocations (``cuMemAlloc``) and, since
+        ``cuMemGetInfo`` is device-wide, other processes' memory on the same GPU."""
+        used = fig.get("used_bytes")
+        # a fresh snapshot lists its pools; else the pass's (or the trim's) figures
+        pools = pools_reserved(fig) if "pools" in fig else settled.pools.get(i, fig.get("pools_reserved"))
+        if used is None or pools is None or i in quiet or settled.state.get(i) != "drained" or not stats_after:
+            return None, None
+        known = sum(s["devices"].get(i, {}).get("live_bytes", 0) + s["devices"].get(i, {}).get("cached_bytes", 0)
+                    for s in stats_after.values()) + int(pools)
+        outside = max(0, int(used) - known)
+        before = self._last_outside.get(i)
+        self._last_outside[i] = outside
+        base = self._outside_base.setdefault(i, outside)
+        if self._outside_warning_bytes and outside - base >= self._outside_warning_bytes and self.note_once(f"outside:{i}"):
+            self._outside_notes.append((f"outside:{i}", (
+                f"GPU{i}: {report.format_bytes(outside - base)} outside every pool have appeared since gpucleanup "
+                "loaded: raw allocations (cuMemAlloc through ctypes, cuda-python, CUDA libraries) that nothing frees, "
+                "or another process on this GPU; %gpumem shows the total")))
+        return outside, (None if before is None else outside - before)
+
+    def outside_since_load(self, i: int) -> Optional[int]:
+        """Growth of memory outside every pool on device ``i`` since the first cleanup."""
+        if i not in self._last_outside or i not in self._outside_base:
+            return None
+        return self._last_outside[i] - self._outside_base[i]
 
     def _outcome(self, settings: Settings, record: CellRecord, forced: bool,
                  after_forced: Optional[CellRecord]) -> Outcome:
@@ -960,6 +1009,21 @@ class AfterCell:
         if after_forced is not None and not lines:
             keep = False  # one record per cell: this pass added nothing to the %gpumem --drain's
         return Outcome(record=record, lines=lines, keep=keep, data=data)
+
+
+def pools_reserved(dev: dict) -> Optional[int]:
+    """The driver pools' reserved bytes of one device entry (after a trim where it says so),
+    None when the entry lists no pools or a pool's figure is unknown."""
+    pools = dev.get("pools")
+    if not isinstance(pools, list) or not pools:
+        return None if pools is None else 0
+    total = 0
+    for pool in pools:
+        value = pool.get("reserved_after_bytes", pool.get("reserved_bytes")) if isinstance(pool, dict) else None
+        if value is None:
+            return None
+        total += int(value)
+    return total
 
 
 def _nothing_new_cached(stats: Optional[dict], devices: List[int], kept: Dict[int, int]) -> bool:

@@ -174,6 +174,17 @@ class GPUCleanupOptions(Configurable):
         ),
     ).tag(config=True)
 
+    outside_warning_mib = Int(
+        256,
+        min=0,
+        max=1 << 30,
+        help=(
+            "Say once per device when device memory outside every pool (no framework, no framework cache, "
+            "no driver pool accounts for it: raw allocations, or another process on the GPU) has grown this "
+            "many MiB since gpucleanup loaded. 0: never. Each cell's line says its own growth of 16 MiB or more."
+        ),
+    ).tag(config=True)
+
     @validate("settle_timeout")
     def _check_settle_timeout(self, proposal):
         value = proposal["value"]

@@ -141,6 +141,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             frameworks=dict(self.frameworks),
             release=self.release,
             idle_release_s=float(self.idle_release_s),
+            outside_warning_mib=int(self.outside_warning_mib),
         )
 
     # ------------------------------------------------------------ lifecycle
@@ -415,6 +416,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                     "pools": pools,
                     "known_bytes": known,
                     "outside_bytes": max(0, used - known) if used is not None else None,
+                    "outside_since_load_bytes": self.engine.outside_since_load(i),
                     "message": (dev.get("error") or {}).get("message"),
                 }
             )

@@ -43,6 +43,11 @@ class DeviceRecord:
     message: Optional[str] = None
     #: unusable and already said: no line any more
     quiet: bool = False
+    #: after the cleanup, memory no framework and no driver pool accounts for: the CUDA context,
+    #: raw allocations, other processes on the GPU (None: not known)
+    outside_bytes: Optional[int] = None
+    #: ... and how much it grew since the last cleanup (None: not known yet)
+    outside_growth_bytes: Optional[int] = None
 
 
 @dataclass

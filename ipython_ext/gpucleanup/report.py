@@ -170,6 +170,9 @@ def _pinned_segment(pinned: dict, record: Optional[dict] = None) -> Optional[str
 
 # A settle shorter than this is not worth a word in the summary line.
 QUEUED_WORK_NOTICE_S = 0.1
+# A cell's growth of memory outside every pool is said from this size on (below it: the
+# driver's own bookkeeping and other processes' small moves).
+OUTSIDE_NOTICE_BYTES = 16 << 20
 
 
 def _device_line(dev: dict, record: dict, pinned: Optional[str]) -> str:
@@ -203,6 +206,10 @@ def _device_line(dev: dict, record: dict, pinned: Optional[str]) -> str:
                     segs.append(f"freed {format_bytes(total)} when idle ({_parts(entry['freed_bytes'], total)})")
     if pinned:
         segs.append(pinned)
+    growth = dev.get("outside_growth_bytes")
+    if growth is not None and growth >= OUTSIDE_NOTICE_BYTES:
+        segs.append(f"+{format_bytes(growth)} outside every pool in this cell (raw allocations, or another process "
+                    f"on GPU{dev.get('index')})")
     live = dev.get("live_bytes") or {}
     live_total = _sum(live)
     if live:
@@ -388,7 +395,9 @@ def memory_report(status: dict, history_rows: int = 5) -> Report:
             rows.append(
                 [f"driver pool ({pool.get('which')})", format_bytes(pool.get("used_bytes")), format_bytes(pool.get("reserved_bytes"))]
             )
-        rows.append(["outside every pool", format_bytes(dev.get("outside_bytes")), ""])
+        since = dev.get("outside_since_load_bytes")
+        rows.append(["outside every pool", format_bytes(dev.get("outside_bytes"))
+                     + (f" ({'+' if since >= 0 else '-'}{format_bytes(abs(since))} since load)" if since else ""), ""])
         notes = ["frameworks: live (held by objects) / cached (freeable); driver pools: used / reserved."]
         notes.append(
             "outside every pool = device used - everything known: the CUDA context (~500 MiB), "

@@ -88,3 +88,32 @@ def test_a_training_step_leaves_nothing_allocated_once_its_objects_are_deleted()
     ''')
     assert r["allocated"] == r["base"]
     assert r["reserved"] - r["allocated"] <= 2 * MiB  # the block of x0's segment stays
+
+
+def test_raw_allocations_are_said_as_growth_outside_every_pool():
+    # five raw cuMemAlloc of 64 MiB made through ctypes, never freed: no framework and no pool
+    # accounts for them, and the cell's line says so
+    require("torch")
+    r = run_script('''
+        import io, contextlib, torch
+        from IPython.core.interactiveshell import InteractiveShell
+        shell = InteractiveShell.instance()
+        def run(code):
+            sink = io.StringIO()
+            with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+                res = shell.run_cell(code, store_history=True)
+            assert res.error_in_exec is None, sink.getvalue()
+            return [l for l in sink.getvalue().splitlines() if l.startswith("gpucleanup")]
+        run("import torch, ctypes\\nx0 = torch.ones(1, device='cuda')\\ntorch.cuda.synchronize()")
+        run("%load_ext gpucleanup")
+        run("y = 1")
+        lines = run("cuda = ctypes.CDLL('libcuda.so.1')\\nptrs = [ctypes.c_uint64() for _ in range(5)]\\n"
+                    "codes = [cuda.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(64 << 20)) for p in ptrs]")
+        codes = shell.user_ns["codes"]
+        for l in lines:
+            figure(l)
+        result(lines=lines, codes=codes)
+    ''')
+    assert r["codes"] == [0] * 5
+    assert any("+320 MiB outside every pool in this cell (raw allocations, or another process on GPU0)" in l
+               for l in r["lines"]), r["lines"]

@@ -415,13 +415,13 @@ def test_show_auto_prints_when_the_cell_touched_gpu_memory_stand_in(shell, stand
     _run(shell, "x = 1", capsys)
     stand_in.native.device(0).used += 256 * MiB  # the cell allocated and keeps it
     shell.user_ns["grow"] = lambda: None
-    stand_in.cupy.live[0] += 256 * MiB
+    stand_in.cupy.live[0] += 512 * MiB  # both allocations are cupy's: nothing outside the pools
     ext = _ext(shell)
     ext.pre_run_cell(None)
     stand_in.native.device(0).used += 256 * MiB
     ext.post_run_cell(None)
     out = capsys.readouterr().out
-    assert _lines(out) == ["gpucleanup · GPU0 H100 · freed 0 B · kept 2.2 GiB live (cupy) · device 3.5/80.0 GiB · <t>"]
+    assert _lines(out) == ["gpucleanup · GPU0 H100 · freed 0 B · kept 2.5 GiB live (cupy) · device 3.5/80.0 GiB · <t>"]
 
 
 def test_show_always_and_never_stand_in(shell, stand_in, capsys):
@@ -1488,3 +1488,32 @@ def test_a_cache_its_drain_cannot_empty_is_not_drained_again_until_it_changes_st
     stuck.cached = {0: MiB + GiB}  # a tensor freed into the cache
     _run(shell, "x += 1", capsys)
     assert stuck.calls["drain"] == 2
+
+
+def test_memory_outside_every_pool_that_grows_in_a_cell_is_said_with_the_cell_stand_in(shell, stand_in, capsys):
+    # a raw allocation (cuMemAlloc through ctypes, say): no framework, no pool accounts for it
+    shell.run_line_magic("load_ext", "gpucleanup")
+    shell.run_line_magic("config", "GPUCleanup.outside_warning_mib = 512")
+    _run(shell, "x = 1", capsys)
+    _wait_pinned(shell)
+    stand_in.native.device(0).used += 320 * MiB
+    _, out = _run(shell, "x = 2", capsys)
+    [line] = _lines(out.out)
+    assert "+320 MiB outside every pool in this cell (raw allocations, or another process on GPU0)" in line
+    record = _ext(shell).history.last(1)[0]["devices"][0]
+    assert record["outside_growth_bytes"] == 320 * MiB
+    first_outside = record["outside_bytes"]
+    stand_in.native.device(0).used += 320 * MiB  # 640 MiB since load: past the 512 MiB warning, said once
+    _, out = _run(shell, "x = 3", capsys)
+    lines = _lines(out.out)
+    assert lines[1:] == ["gpucleanup · GPU0: 640 MiB outside every pool have appeared since gpucleanup loaded: raw "
+                         "allocations (cuMemAlloc through ctypes, cuda-python, CUDA libraries) that nothing frees, or "
+                         "another process on this GPU; %gpumem shows the total"]
+    assert _ext(shell).history.last(1)[0]["devices"][0]["outside_bytes"] == first_outside + 320 * MiB
+    stand_in.native.device(0).used += 320 * MiB
+    _, out = _run(shell, "x = 4", capsys)
+    assert not any("appeared since gpucleanup loaded" in l for l in _lines(out.out))
+    assert _ext(shell).status()["devices"][0]["outside_since_load_bytes"] == 960 * MiB
+    # a cell that changes nothing outside the pools says nothing of it
+    _, out = _run(shell, "x = 5", capsys)
+    assert not any("outside every pool" in l for l in _lines(out.out))
