@@ -966,8 +966,8 @@ class AfterCell:
         if self._outside_warning_bytes and outside - base >= self._outside_warning_bytes and self.note_once(f"outside:{i}"):
             self._outside_notes.append((f"outside:{i}", (
                 f"GPU{i}: {report.format_bytes(outside - base)} outside every pool have appeared since gpucleanup "
-                "loaded: raw allocations (cuMemAlloc through ctypes, cuda-python, CUDA libraries) that nothing frees, "
-                "or another process on this GPU; %gpumem shows the total")))
+                "loaded: CUDA libraries' code and handles, raw allocations (cuMemAlloc through ctypes or cuda-python) "
+                "that nothing frees, or another process on this GPU; %gpumem shows the total")))
         return outside, (None if before is None else outside - before)
 
     def outside_since_load(self, i: int) -> Optional[int]:

@@ -208,8 +208,8 @@ def _device_line(dev: dict, record: dict, pinned: Optional[str]) -> str:
         segs.append(pinned)
     growth = dev.get("outside_growth_bytes")
     if growth is not None and growth >= OUTSIDE_NOTICE_BYTES:
-        segs.append(f"+{format_bytes(growth)} outside every pool in this cell (raw allocations, or another process "
-                    f"on GPU{dev.get('index')})")
+        segs.append(f"+{format_bytes(growth)} outside every pool in this cell (library code and handles, raw "
+                    f"allocations, or another process on GPU{dev.get('index')})")
     live = dev.get("live_bytes") or {}
     live_total = _sum(live)
     if live:

@@ -115,5 +115,5 @@ def test_raw_allocations_are_said_as_growth_outside_every_pool():
         result(lines=lines, codes=codes)
     ''')
     assert r["codes"] == [0] * 5
-    assert any("+320 MiB outside every pool in this cell (raw allocations, or another process on GPU0)" in l
+    assert any("+320 MiB outside every pool in this cell (library code and handles, raw allocations, or another process on GPU0)" in l
                for l in r["lines"]), r["lines"]

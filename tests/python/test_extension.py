@@ -1499,16 +1499,16 @@ def test_memory_outside_every_pool_that_grows_in_a_cell_is_said_with_the_cell_st
     stand_in.native.device(0).used += 320 * MiB
     _, out = _run(shell, "x = 2", capsys)
     [line] = _lines(out.out)
-    assert "+320 MiB outside every pool in this cell (raw allocations, or another process on GPU0)" in line
+    assert "+320 MiB outside every pool in this cell (library code and handles, raw allocations, or another process on GPU0)" in line
     record = _ext(shell).history.last(1)[0]["devices"][0]
     assert record["outside_growth_bytes"] == 320 * MiB
     first_outside = record["outside_bytes"]
     stand_in.native.device(0).used += 320 * MiB  # 640 MiB since load: past the 512 MiB warning, said once
     _, out = _run(shell, "x = 3", capsys)
     lines = _lines(out.out)
-    assert lines[1:] == ["gpucleanup · GPU0: 640 MiB outside every pool have appeared since gpucleanup loaded: raw "
-                         "allocations (cuMemAlloc through ctypes, cuda-python, CUDA libraries) that nothing frees, or "
-                         "another process on this GPU; %gpumem shows the total"]
+    assert lines[1:] == ["gpucleanup · GPU0: 640 MiB outside every pool have appeared since gpucleanup loaded: CUDA "
+                         "libraries' code and handles, raw allocations (cuMemAlloc through ctypes or cuda-python) that "
+                         "nothing frees, or another process on this GPU; %gpumem shows the total"]
     assert _ext(shell).history.last(1)[0]["devices"][0]["outside_bytes"] == first_outside + 320 * MiB
     stand_in.native.device(0).used += 320 * MiB
     _, out = _run(shell, "x = 4", capsys)
