@@ -339,8 +339,6 @@ class AfterCell:
         self._last_cached: Optional[int] = None  # and the bytes they kept cached
         self._last_outside: Dict[int, int] = {}  # per device: outside every pool after the last cleanup
         self._outside_base: Dict[int, int] = {}  # ... after the first cleanup
-        self._outside_warning_bytes = 0
-        self._outside_notes: List[Note] = []
         self._kept: Dict[str, Dict[int, int]] = {}  # per framework and device: cached bytes its last drain left
         self._drained_now: List[str] = []  # frameworks drained by this cleanup
         self._last_used: Dict[int, int] = {}
@@ -889,8 +887,7 @@ class AfterCell:
                 captured: List[dict]) -> CellRecord:
         """Step 7: the record. ``touched``: device memory changed since the last cleanup."""
         devices = []
-        self._outside_warning_bytes = int(settings.outside_warning_mib) << 20
-        self._outside_notes = []
+        warn_bytes = int(settings.outside_warning_mib) << 20
         touched = False
         for i in all_devices:
             fig = figures.get(i, {})
@@ -915,7 +912,7 @@ class AfterCell:
                     quiet=i in quiet,
                 )
             )
-            outside, growth = self._outside(i, fig, settled, stats_after, quiet)
+            outside, growth = self._outside(i, fig, settled, stats_after, quiet, warn_bytes, notes)
             devices[-1].outside_bytes = outside
             devices[-1].outside_growth_bytes = growth
             if fig.get("free_bytes") is not None:
@@ -923,8 +920,6 @@ class AfterCell:
             if fig.get("used_bytes") is not None:
                 self._last_used[i] = int(fig["used_bytes"])
         shown_notes = [text for kind, text in notes if self.note_once(kind)]
-        shown_notes += [text for _, text in self._outside_notes]  # said once already (note_once in _outside)
-        notes = notes + self._outside_notes
         return CellRecord(
             cell=cell,
             time_ns=time.time_ns(),
@@ -945,8 +940,8 @@ class AfterCell:
             touched=touched,
         )
 
-    def _outside(self, i: int, fig: dict, settled: _Settled, stats_after: Dict[str, dict],
-                 quiet: set) -> Tuple[Optional[int], Optional[int]]:
+    def _outside(self, i: int, fig: dict, settled: _Settled, stats_after: Dict[str, dict], quiet: set,
+                 warn_bytes: int, notes: List[Note]) -> Tuple[Optional[int], Optional[int]]:
         """Device memory no framework, no framework cache and no driver pool accounts for,
         after the cleanup, and how much it grew since the last cleanup (None: not known).
 
@@ -963,8 +958,8 @@ class AfterCell:
         before = self._last_outside.get(i)
         self._last_outside[i] = outside
         base = self._outside_base.setdefault(i, outside)
-        if self._outside_warning_bytes and outside - base >= self._outside_warning_bytes and self.note_once(f"outside:{i}"):
-            self._outside_notes.append((f"outside:{i}", (
+        if warn_bytes and outside - base >= warn_bytes and f"outside:{i}" not in self._warned:  # said once
+            notes.append((f"outside:{i}", (
                 f"GPU{i}: {report.format_bytes(outside - base)} outside every pool have appeared since gpucleanup "
                 "loaded: CUDA libraries' code and handles, raw allocations (cuMemAlloc through ctypes or cuda-python) "
                 "that nothing frees, or another process on this GPU; %gpumem shows the total")))

@@ -132,16 +132,17 @@ class TorchAdapter(Adapter):
         cuda = torch.cuda
         before = {i: self._reserved(cuda, i) for i in devices}
         drained: list[int] = []
-        self._clear_library_caches(torch, devices, result)
+        capturing = self._capturing(cuda, devices)
+        if not capturing:
+            self._clear_library_caches(torch, devices, result)
         for i in devices:
             try:
+                if i in capturing:
+                    # empty_cache during graph capture trips an internal assert
+                    result["notes"].append(self._note("drain", (
+                        f"GPU{i}: a CUDA graph is being captured; torch's cache left as is"), 204))
+                    continue
                 with cuda.device(i):
-                    capturing = getattr(cuda, "is_current_stream_capturing", None)
-                    if capturing is not None and capturing():
-                        # empty_cache during graph capture trips an internal assert
-                        result["notes"].append(self._note("drain", (
-                            f"GPU{i}: a CUDA graph is being captured; torch's cache left as is"), 204))
-                        continue
                     cuda.empty_cache()
                     drained.append(i)
             except Exception as exc:
@@ -157,21 +158,30 @@ class TorchAdapter(Adapter):
             if before[i] is not None and after is not None:
                 result["freed_bytes"][i] = max(before[i] - after, 0)
 
+    @staticmethod
+    def _capturing(cuda: Any, devices: list[int]) -> set:
+        """The devices whose current stream is capturing a CUDA graph. A device that cannot be
+        switched to is left to the drain, which says so."""
+        check = getattr(cuda, "is_current_stream_capturing", None)
+        if check is None:
+            return set()
+        found = set()
+        for i in devices:
+            try:
+                with cuda.device(i):
+                    if check():
+                        found.add(i)
+            except Exception:
+                continue
+        return found
+
     def _clear_library_caches(self, torch: Any, devices: list[int], result: dict) -> None:
         """What torch keeps for its libraries, allocated through its caching allocator (so it
         shows as live): the cuBLAS/cuBLASLt workspaces (one per handle and stream, all devices
         at once) and each device's cuFFT plan cache. Given back before ``empty_cache`` so that
-        their blocks go with the rest; the next matmul or FFT makes them again. Left alone
-        while a CUDA graph is being captured on any device (the capture uses them)."""
-        cuda = torch.cuda
-        capturing = getattr(cuda, "is_current_stream_capturing", None)
-        for i in devices:
-            try:
-                with cuda.device(i):
-                    if capturing is not None and capturing():
-                        return
-            except Exception:
-                return
+        their blocks go with the rest; the next matmul or FFT makes them again. The caller
+        leaves them alone while a CUDA graph is being captured on any device (the capture
+        uses them)."""
         clear_workspaces = getattr(getattr(torch, "_C", None), "_cuda_clearCublasWorkspaces", None)
         try:
             if clear_workspaces is not None:
