@@ -1,4 +1,5 @@
 #include "accounting.hpp"
+#include "trace.hpp"
 
 #include <chrono>
 #include <cstdio>
@@ -97,6 +98,11 @@ std::vector<PoolRef> device_pools(const Driver& driver, CUdevice device) {
   if (api.cuDeviceGetMemPool != nullptr && api.cuDeviceGetMemPool(&current_pool, device) == CUDA_SUCCESS &&
       current_pool != nullptr && current_pool != default_pool) {
     pools.push_back({"current", current_pool});
+  }
+  // Pools the program made with cuMemPoolCreate, known only while allocations
+  // are traced (no driver call lists a process's pools).
+  for (CUmemoryPool created : trace::pools_of(device)) {
+    if (created != default_pool && created != current_pool) pools.push_back({"created", created});
   }
   return pools;
 }

@@ -23,7 +23,7 @@ enum class SnapshotKind { probe, snapshot };
 nlohmann::json report_header(const char* kind);
 
 struct PoolRef {
-  const char* which;  // "default" or "current"
+  const char* which;  // "default", "current" or "created" (cuMemPoolCreate, seen while tracing)
   CUmemoryPool handle;
 };
 

@@ -2,6 +2,7 @@
 // Nothing may escape as an exception; every entry point ends in a catch(...).
 #include "gpucleanup/gpucleanup.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -22,6 +23,7 @@
 #include "gil.hpp"
 #include "process_state.hpp"
 #include "status_server.hpp"
+#include "trace.hpp"
 
 namespace gpucleanup {
 namespace {
@@ -424,6 +426,39 @@ gpucleanup_status gpucleanup_server_publish(const char* record_json) {
   return guarded([&] {
     std::string text = checked_object_text(record_json, "record_json");
     on_server([&](StatusServer& server) { server.publish_text(std::move(text)); });
+  });
+}
+
+gpucleanup_status gpucleanup_trace_start(const char* candidates_json, gpucleanup_trace_site_fn site,
+                                         char** json_out) {
+  return guarded([&] {
+    require_out(json_out);
+    require_running();
+    const nlohmann::json candidates =
+        candidates_json == nullptr ? nlohmann::json() : nlohmann::json::parse(candidates_json, nullptr, false);
+    if (!candidates.is_array() ||
+        !std::all_of(candidates.begin(), candidates.end(), [](const nlohmann::json& c) { return c.is_string(); })) {
+      fail(GPUCLEANUP_ERR_INVALID_ARGUMENT,
+           "[gpucleanup.api.113] candidates_json is not a JSON array of strings: pass the paths of libcupti to try, "
+           "such as [\"libcupti.so.13\"]");
+    }
+    hand_out(trace::start(candidates.get<std::vector<std::string>>(), site), json_out);
+  });
+}
+
+gpucleanup_status gpucleanup_trace_stop(char** json_out) {
+  return guarded([&] {
+    require_out(json_out);
+    hand_out(trace::stop(), json_out);
+  });
+}
+
+void gpucleanup_trace_set_cell(long long cell) { trace::set_cell(cell); }
+
+gpucleanup_status gpucleanup_trace_report(long long cell, char** json_out) {
+  return guarded([&] {
+    require_out(json_out);
+    hand_out(trace::report(cell), json_out);
   });
 }
 

@@ -29,6 +29,12 @@ void set_hooks(CheckFn check, SaveFn save, RestoreFn restore) noexcept {
   g_hooks.store(new (std::nothrow) Hooks{check, save, restore});
 }
 
+int held() noexcept {
+  const Hooks* hooks = g_hooks.load();
+  if (hooks == nullptr) return -1;
+  return hooks->check() != 0 ? 1 : 0;
+}
+
 Released::Released() noexcept {
   const Hooks* hooks = g_hooks.load();
   if (hooks == nullptr || hooks->check() == 0) return;

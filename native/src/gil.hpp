@@ -25,6 +25,10 @@ using RestoreFn = void (*)(void*);
 // All three, or none (nullptrs) to forget them.
 void set_hooks(CheckFn check, SaveFn save, RestoreFn restore) noexcept;
 
+// 1 when the calling thread holds the interpreter lock, 0 when it does not,
+// -1 when the hooks were never set (not called from a Python process).
+int held() noexcept;
+
 // While alive, the calling thread does not hold the interpreter lock: released
 // on construction if it was held, taken back on destruction.
 class Released {

@@ -225,6 +225,39 @@ GPUCLEANUP_API gpucleanup_status gpucleanup_server_connections(char** json_out);
  * history and published to subscribers. */
 GPUCLEANUP_API gpucleanup_status gpucleanup_server_publish(const char* record_json);
 
+/* Raw allocations traced to their caller through CUPTI's callback API (opt-in).
+ *
+ * gpucleanup_trace_start loads libcupti from the first path of candidates_json
+ * (a JSON array of strings) that loads, subscribes, and from then on records
+ * every successful cuMemAlloc_v2, cuMemAllocPitch_v2, cuMemAllocManaged,
+ * cuMemCreate, cuMemAllocAsync and cuMemAllocFromPoolAsync (and their frees,
+ * cuMemPoolCreate and cuMemPoolDestroy) with size, device, calling thread, the
+ * cell set by gpucleanup_trace_set_cell, the shared object that called the
+ * driver and, on a thread holding the interpreter lock (the hooks of
+ * gpucleanup_set_gil_hooks tell), the id that site() returns (site may be
+ * NULL). Refused, with the reason in the reply, when CUDA is not initialised,
+ * when no libcupti loads, or when another tool holds CUPTI's subscription
+ * (CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED). Pools made with
+ * cuMemPoolCreate while tracing are trimmed with the default pools and listed
+ * with "which": "created". Reply: {"active", "library", "error",
+ * "cupti_result", "tried": [{"path", "error"}]}. */
+typedef long long (*gpucleanup_trace_site_fn)(void);
+GPUCLEANUP_API gpucleanup_status gpucleanup_trace_start(const char* candidates_json, gpucleanup_trace_site_fn site,
+                                                        char** json_out);
+
+/* Unsubscribes; what was recorded stays readable. Reply: {"active": false, "stopped"}. */
+GPUCLEANUP_API gpucleanup_status gpucleanup_trace_stop(char** json_out);
+
+/* The cell now running, recorded with each traced allocation (-1: none). */
+GPUCLEANUP_API void gpucleanup_trace_set_cell(long long cell);
+
+/* The live traced allocations, grouped by site, caller, device, kind and cell,
+ * largest first; cell >= 0 keeps those made during that cell only. Reply:
+ * {"active", "library", "live_bytes", "live_allocations", "dropped",
+ *  "groups": [{"site", "caller", "device", "kind", "cell", "bytes", "count",
+ *              "threads", "thread_count"}], "pools": [{"handle", "device"}]}. */
+GPUCLEANUP_API gpucleanup_status gpucleanup_trace_report(long long cell, char** json_out);
+
 #ifdef __cplusplus
 }
 #endif
