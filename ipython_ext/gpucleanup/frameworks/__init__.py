@@ -24,6 +24,10 @@ for reuse (for frameworks that cannot release, what they hold beyond live object
 ``drain_pinned`` may take about 130 ms per GiB; it may run on another thread while
 ``stats`` runs: ``stats`` never waits for it and reports the figures read before
 that release began.
+
+``install()`` / ``uninstall()`` (the extension's load and unload) put in place and remove
+what an adapter needs to see objects as they are made: PyCUDA keeps no registry of its
+memory pools, so ``frameworks/pycuda.py`` watches their making from PyCUDA's import on.
 """
 
 from __future__ import annotations
@@ -35,13 +39,16 @@ from .numba import NumbaAdapter
 from .jax import JaxAdapter
 from .rmm import RmmAdapter
 from .tensorflow import TensorflowAdapter
+from .pycuda import PycudaAdapter
+from . import pycuda as _pycuda
 
-__all__ = ["Adapter", "ADAPTERS", "active"]
+__all__ = ["Adapter", "ADAPTERS", "active", "install", "uninstall"]
 
 ADAPTERS: tuple[Adapter, ...] = (
     CupyAdapter(),
     TorchAdapter(),
     NumbaAdapter(),
+    PycudaAdapter(),
     JaxAdapter(),
     RmmAdapter(),
     TensorflowAdapter(),
@@ -58,3 +65,15 @@ def active() -> list[Adapter]:
         except Exception:
             continue
     return found
+
+
+def install() -> None:
+    """At the extension's load: from now on, PyCUDA's pools are seen as they are made (a
+    ``sys.meta_path`` finder that reacts only to PyCUDA's driver modules; nothing else is
+    imported or touched). Counted: each ``install`` needs one ``uninstall``."""
+    _pycuda.install()
+
+
+def uninstall() -> None:
+    """At the extension's unload: undoes ``install``."""
+    _pycuda.uninstall()

@@ -1,9 +1,14 @@
-"""GPU arrays and tensors in the user's namespace: CuPy, PyTorch, Numba, JAX.
+"""GPU arrays and tensors in the user's namespace: CuPy, PyTorch, Numba, JAX, PyCUDA.
 
 Objects are recognised by type name and module, and only through frameworks that
 are already in ``sys.modules``: nothing here imports a framework or initialises
 CUDA. Types are checked with ``type()``, never ``isinstance()`` on the object, which
 asks the object's own ``__class__`` (user code can make that raise).
+
+PyCUDA's objects tell no device (finding it would take a driver call per object): they show
+as ``GPU?``. A ``pycuda.driver.DeviceAllocation`` (``mem_alloc``) does not tell its size in
+Python either: its bytes are None (shown as ``?``); a ``PooledDeviceAllocation`` does
+(``len()``), and a ``GPUArray`` has ``nbytes``.
 """
 
 from __future__ import annotations
@@ -35,6 +40,15 @@ def _kind_of_type(tp: type) -> Optional[str]:
     return kind
 
 
+# PyCUDA 2026.1: pycuda.gpuarray.GPUArray; pycuda._driver.DeviceAllocation (mem_alloc) and
+# PooledDeviceAllocation (DeviceMemoryPool.allocate), Boost.Python classes
+_PYCUDA_KINDS = {
+    "GPUArray": "pycuda.GPUArray",
+    "DeviceAllocation": "pycuda.DeviceAllocation",
+    "PooledDeviceAllocation": "pycuda.PooledDeviceAllocation",
+}
+
+
 def _classify(tp: type) -> Optional[str]:
     kind = None
     module = getattr(tp, "__module__", "") or ""
@@ -49,6 +63,8 @@ def _classify(tp: type) -> Optional[str]:
             kind = "torch.Tensor"
     elif root in ("numba", "numba_cuda") and name in ("DeviceNDArray", "DeviceRecord"):
         kind = "numba.DeviceNDArray"
+    elif root == "pycuda" and name in _PYCUDA_KINDS:
+        kind = _PYCUDA_KINDS[name]
     elif root in ("jax", "jaxlib") and "jax" in sys.modules:
         array = getattr(sys.modules["jax"], "Array", None)
         try:
@@ -86,6 +102,8 @@ def gpu_object_info(obj: Any) -> Optional[dict]:
             device = ",".join(str(getattr(d, "id", "?")) for d in devs)
             nbytes = int(obj.nbytes)
             dtype = str(obj.dtype)
+        elif kind.startswith("pycuda."):
+            return _pycuda_info(obj, kind)
         elif kind == "cupy.ndarray":
             device = getattr(getattr(obj, "device", None), "id", None)
             nbytes = int(obj.nbytes)
@@ -104,6 +122,19 @@ def gpu_object_info(obj: Any) -> Optional[dict]:
         "device": f"GPU{device}" if device is not None else "GPU?",
         "bytes": nbytes,
     }
+
+
+def _pycuda_info(obj: Any, kind: str) -> Optional[dict]:
+    nbytes: Optional[int]
+    if kind == "pycuda.GPUArray":
+        nbytes = int(obj.nbytes)
+        shape = [int(s) for s in getattr(obj, "shape", ()) or ()]
+        dtype = str(obj.dtype)
+    elif kind == "pycuda.PooledDeviceAllocation":
+        nbytes, shape, dtype = int(len(obj)), [], ""
+    else:  # DeviceAllocation: PyCUDA does not tell its size
+        nbytes, shape, dtype = None, [], ""
+    return {"kind": kind, "shape": shape, "dtype": dtype, "device": "GPU?", "bytes": nbytes}
 
 
 _IPYTHON_NAMES = {"_", "__", "___", "_i", "_ii", "_iii", "In", "Out", "_ih", "_oh", "_dh", "exit", "quit", "get_ipython"}

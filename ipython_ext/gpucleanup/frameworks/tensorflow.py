@@ -1,8 +1,21 @@
-"""TensorFlow: reported, never released.
+"""TensorFlow: reported, never released by gpucleanup's adapter.
 
-TensorFlow's allocator keeps GPU memory for the life of the process;
-``clear_session()`` frees graph state, not memory (tensorflow#17048, #36465). The
-adapter reads ``tf.config.experimental.get_memory_info`` only when TensorFlow's
+TensorFlow's default allocator (BFC) never gives GPU memory back until the process
+ends (TensorFlow's GPU guide; tensorflow#36465 and #48545, open); ``clear_session()``
+frees graph state, not memory (tensorflow#17048). No API reports how much the BFC
+allocator caches: ``tf.config.experimental.get_memory_info(dev)`` gives only the bytes
+in use now and at peak, which the adapter reports as live; the rest shows as memory
+outside every pool.
+
+With ``TF_GPU_ALLOCATOR=cuda_malloc_async`` set before TensorFlow starts, XLA's
+allocator takes memory from each device's default stream-ordered pool (with its
+release threshold raised): that memory is the driver pool's, and gpucleanup's trim of
+the driver's pools (``cuMemPoolTrimTo``) gives back what TensorFlow freed after each
+cell. The adapter then reports no bytes of its own (they would be counted twice) and
+says so. It reads the variable from ``os.environ``: set after TensorFlow started, it
+changes nothing in TensorFlow and the note would be wrong.
+
+The adapter reads ``tf.config.experimental.get_memory_info`` only when TensorFlow's
 eager context already exists (listing GPUs otherwise creates a context on every
 GPU); where it cannot tell safely it reports nothing but what TensorFlow does.
 TensorFlow's logical GPU i is taken to be CUDA device i (true unless
@@ -26,6 +39,10 @@ def _context_ready() -> bool:
     return ctx is not None and getattr(ctx, "_context_handle", None) is not None
 
 
+def _async_allocator() -> bool:
+    return os.environ.get("TF_GPU_ALLOCATOR") == "cuda_malloc_async"
+
+
 class TensorflowAdapter(Adapter):
     name = "tensorflow"
     can_release = False
@@ -37,6 +54,12 @@ class TensorflowAdapter(Adapter):
         tf = _module("tensorflow")
         for i in devices:
             result["devices"][i] = _figures()
+        if _async_allocator():
+            result["notes"].append(self._note("stats", (
+                "tensorflow allocates from each device's default stream-ordered pool "
+                "(TF_GPU_ALLOCATOR=cuda_malloc_async): its memory is counted as the driver pool's, "
+                "and what it frees is trimmed after each cell"), 202))
+            return
         config = getattr(tf, "config", None)
         logical = [d.name for d in config.list_logical_devices("GPU")]
         get_info = config.experimental.get_memory_info
@@ -49,13 +72,16 @@ class TensorflowAdapter(Adapter):
             except Exception as exc:
                 result["notes"].append(self._note("stats", f"could not read tensorflow's memory on GPU{i}: {_fault(exc)}"))
         result["notes"].append(self._note("stats", (
-            "tensorflow does not say how much it keeps beyond live tensors; "
-            "the device figures show it as memory outside known pools"), 201))
+            "tensorflow's default (BFC) allocator gives no memory back until the process ends, and no API "
+            "says how much it caches: its tensors are counted as live (get_memory_info), the rest shows as "
+            "memory outside every pool; TF_GPU_ALLOCATOR=cuda_malloc_async, set before tensorflow starts, "
+            "lets gpucleanup's driver-pool trim give back what it frees"), 201))
 
     def _describe(self, devices: dict[int, Figures], pinned: Optional[Figures]) -> str:
+        if _async_allocator():
+            return ("tensorflow holds its memory in the driver's default pool (TF_GPU_ALLOCATOR=cuda_malloc_async): "
+                    "it is counted there, and gpucleanup trims what tensorflow frees after every cell")
         live, _ = self._held(devices)
         text = (f"tensorflow holds {_bytes_text(live)} in tensors and keeps the rest of its memory until the "
                 "process exits: restart the kernel to release it")
-        if os.environ.get("TF_GPU_ALLOCATOR", "") != "cuda_malloc_async":
-            text += "; with TF_GPU_ALLOCATOR=cuda_malloc_async, gpucleanup's driver-pool trim reaches what it frees"
-        return text
+        return text + "; with TF_GPU_ALLOCATOR=cuda_malloc_async, gpucleanup's driver-pool trim reaches what it frees"

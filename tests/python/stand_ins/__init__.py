@@ -14,3 +14,4 @@ from .numba import install_numba  # noqa: F401
 from .jax import install_jax  # noqa: F401
 from .rmm import install_rmm  # noqa: F401
 from .tensorflow import install_tensorflow  # noqa: F401
+from .pycuda import install_pycuda  # noqa: F401
