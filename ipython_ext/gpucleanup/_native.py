@@ -138,6 +138,16 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gpucleanup_set_gil_hooks.restype = None
     lib.gpucleanup_server_connections.argtypes = [c_char_pp]
     lib.gpucleanup_server_connections.restype = ctypes.c_int
+    # The allocation trace (a later addition to ABI version 2: an older build has none of it).
+    if getattr(lib, "gpucleanup_trace_start", None) is not None:
+        lib.gpucleanup_trace_start.argtypes = [ctypes.c_char_p, ctypes.c_void_p, c_char_pp]
+        lib.gpucleanup_trace_start.restype = ctypes.c_int
+        lib.gpucleanup_trace_stop.argtypes = [c_char_pp]
+        lib.gpucleanup_trace_stop.restype = ctypes.c_int
+        lib.gpucleanup_trace_set_cell.argtypes = [ctypes.c_longlong]
+        lib.gpucleanup_trace_set_cell.restype = None
+        lib.gpucleanup_trace_report.argtypes = [ctypes.c_longlong, c_char_pp]
+        lib.gpucleanup_trace_report.restype = ctypes.c_int
 
 
 def library() -> ctypes.CDLL:
@@ -376,3 +386,30 @@ def server_state(state: str, cell: Optional[int] = None, since_ns: Optional[int]
 
 def server_publish(record: dict) -> None:
     _call_status(held().gpucleanup_server_publish, json.dumps(record, separators=(",", ":")).encode())
+
+
+def trace_start(candidates: list, site: Any = None) -> dict:
+    """Start tracing raw allocations through CUPTI (gpucleanup_trace_start).
+
+    ``candidates``: the paths of libcupti to try, in order; ``site``: a
+    ``ctypes.CFUNCTYPE(c_longlong)`` the library calls on an allocating thread that holds
+    the interpreter lock (keep it alive while tracing). The reply says whether it is
+    ``active`` and, when not, the ``error`` in words. Never initialises CUDA.
+    """
+    text = json.dumps([str(c) for c in candidates]).encode()
+    pointer = None if site is None else ctypes.cast(site, ctypes.c_void_p)
+    return _call_json(_entry("gpucleanup_trace_start"), text, pointer)
+
+
+def trace_stop() -> dict:
+    return _call_json(_entry("gpucleanup_trace_stop"))
+
+
+def trace_set_cell(cell: int) -> None:
+    _entry("gpucleanup_trace_set_cell")(int(cell))
+
+
+def trace_report(cell: int = -1) -> dict:
+    """The live traced allocations, grouped (cell >= 0: those made during that cell)."""
+    return _call_json(_entry("gpucleanup_trace_report"), int(cell))
+

@@ -325,6 +325,8 @@ class AfterCell:
         self.unraisables = CAPTURE
         self.ctrl_c = CtrlC()
         self.holders = GpuHolders()
+        #: the allocation trace's entries of a cell (``Tracer.cell_entries``), None: no trace
+        self.traced: Optional[Callable[[int], List[dict]]] = None
         self.exiting = False
         self.last_driver_state: Optional[str] = None
         self.pinned_job: Optional[PinnedRelease] = None
@@ -586,6 +588,14 @@ class AfterCell:
         record.release = settings.release
         record.deferred = deferred
         record.hidden = list(hidden or [])
+        if self.traced is not None and cell is not None:
+            try:  # the allocation trace (opt-in): the raw allocations this cell made and kept
+                record.traced = self.traced(cell)
+            except Exception as exc:
+                text = f"the allocation trace could not be read ({type(exc).__name__}: {exc})"
+                record.notes.append(text)
+                if self.note_once("trace-failed"):
+                    record.shown_notes.append(text)
         record.idle = [job.result() for job in idle_done]
         for name in self._drained_now:  # what each drain could not give back, until it changes
             if name in stats_after:
@@ -991,7 +1001,10 @@ class AfterCell:
         elif settings.show == "never":
             shown = False
         else:
-            shown = bool(record.touched or anything_freed or trouble)
+            # the allocation trace found raw allocations the cell kept: worth a line even when the
+            # device's figure did not move (another process may have freed as much meanwhile)
+            traced = sum(int(e.get("bytes") or 0) for e in record.traced) >= report.OUTSIDE_NOTICE_BYTES
+            shown = bool(record.touched or anything_freed or trouble or traced)
         # a progress line was written: the summary closes it, whatever the policy
         shown = shown or self.progress_opened
         data = record.to_dict()

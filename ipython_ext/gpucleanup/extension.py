@@ -21,13 +21,14 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from traitlets import observe
 
-from . import holders, report
+from . import frameworks, holders, report
 from .after_cell import AfterCell, Settings
 from .config import GPUCleanupOptions
 from .frameworks.objects import find_gpu_objects
 from .history import History
 from .magics import gpumem_arguments, parse_gpumem
 from .record import CellRecord, Outcome
+from .tracing import Tracer
 
 __all__ = ["GPUCleanup", "load_ipython_extension", "unload_ipython_extension", "DEFAULTS"]
 
@@ -121,6 +122,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         else:
             adapters_fn = adapters
         self.engine = AfterCell(native, adapters=adapters_fn, status=self._status)
+        self.tracer = Tracer(native, shell)
+        self.engine.traced = self.tracer.cell_entries
         self._endpoint_factory = status_endpoint
         self.history = History(self.history_size)
         self._endpoint = None
@@ -183,11 +186,15 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         self.shell.events.register("pre_run_cell", self.pre_run_cell)
         self.shell.events.register("post_run_cell", self.post_run_cell)
         self._hooks_registered = True
+        with contextlib.suppress(Exception):  # PyCUDA's pools are seen as they are made from now on
+            frameworks.install()
         self._start_status_endpoint()
         atexit.register(self._at_exit)
 
     def unload(self) -> None:
         """Undo ``load``: the same bound methods are unregistered, the magic and %config entry removed."""
+        with contextlib.suppress(Exception):
+            self._stop_trace()
         self.engine.stop()
         if self._hooks_registered:
             for event, fn in (("pre_run_cell", self.pre_run_cell), ("post_run_cell", self.post_run_cell)):
@@ -195,6 +202,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                     self.shell.events.unregister(event, fn)
             with contextlib.suppress(ValueError):
                 self.shell.ast_transformers.remove(self._interrupt_the_cell)
+            with contextlib.suppress(Exception):
+                frameworks.uninstall()
             self._hooks_registered = False
         if self._magics_registered:
             manager = self.shell.magics_manager
@@ -212,7 +221,9 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         self._loaded = False
 
     def _at_exit(self) -> None:
-        # no driver call may happen while the process exits
+        # no driver call may happen while the process exits, and no callback into Python
+        with contextlib.suppress(Exception):
+            self._stop_trace()
         self.engine.exiting = True
         self.engine.stop()
         self._close_status_endpoint()
@@ -296,6 +307,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             if info is not None and getattr(info, "silent", False):
                 return  # a frontend's silent request (no cleanup follows it) leaves a pending release alone
             self.engine.cell_starts()  # a release waiting for the kernel to be idle is not wanted now
+            if self.tracer.active:
+                self.tracer.set_cell(running_cell_number(self.shell, info))
             if not self.enabled or self.engine.exiting:
                 return
             self._status("set_state", {"state": "running", "cell": running_cell_number(self.shell, info), "since_ns": time.time_ns()})
@@ -324,6 +337,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             if outcome is not None:
                 for line in outcome.lines:
                     print(line)
+            if self.trace_allocations and not self.tracer.active and outcome is not None:
+                self._start_trace(automatic=True)
         except KeyboardInterrupt:
             with contextlib.suppress(Exception):
                 print(f"{report.PREFIX}{report.SEP}interrupted (Ctrl-C): cleanup stopped")
@@ -425,6 +440,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             notes.extend((f"stats-note:{n}", n) for n in s.get("notes") or [])
         out["notes"] = [text for _, text in notes]
         out["history"] = self.history.last(5)
+        out["trace"] = {"active": self.tracer.active, "library": self.tracer.library, "refused": self.tracer.refused}
         return out
 
     @gpumem_arguments
@@ -465,6 +481,19 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         elif args.on:
             self.enabled = True
             print(f"{report.PREFIX}{report.SEP}automatic cleanup resumed")
+        if args.trace in ("on", "off"):
+            if args.trace == "on":
+                self._start_trace(automatic=False)
+            else:
+                stopped = self._stop_trace()
+                print(f"{report.PREFIX}{report.SEP}" + ("allocation trace stopped (what it found stays in %gpumem --trace)"
+                                                        if stopped else "the allocation trace was not running"))
+            return None
+        if args.trace == "show":
+            if args.json:
+                return report.JSONReport(self._trace_status())
+            display(report.trace_report(self._trace_status()))
+            return None
         if args.release is not None:
             self._release(args.release)
         elif args.drain:
@@ -491,6 +520,45 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         if wants_table and not shown:
             display(report.memory_report(self.status()))
         return None
+
+    # ------------------------------------------------------------ allocation trace
+
+    def _start_trace(self, automatic: bool) -> None:
+        """Start tracing raw allocations; say that it runs, or why not (automatic: once per reason)."""
+        if self.tracer.active:
+            if not automatic:
+                print(f"{report.PREFIX}{report.SEP}the allocation trace is already running ({self.tracer.library})")
+            return
+        if automatic and self.engine.last_driver_state != "ready":
+            return
+        try:
+            reply = self.tracer.start()
+        except Exception as exc:
+            reply = {"active": False, "error": f"{type(exc).__name__}: {exc}"}
+            self.tracer.refused = reply["error"]
+        if reply.get("active"):
+            self.tracer.set_cell(running_cell_number(self.shell) if not automatic else None)
+            print(f"{report.PREFIX}{report.SEP}tracing raw GPU allocations to their line (CUPTI: {reply.get('library')}); "
+                  "each cell's line names what it allocated and kept; %gpumem --trace shows all, --trace off stops")
+            return
+        error = reply.get("error") or "the trace could not start"
+        if automatic:
+            if "not initialised" in error:
+                return  # tried again after the next cell that uses the GPU
+            self._warn_once_now(f"trace:{error}", f"allocation trace (trace_allocations) is off: {error}")
+        else:
+            print(f"{report.PREFIX}{report.SEP}allocation trace not started: {error}")
+
+    def _stop_trace(self) -> bool:
+        return self.tracer.stop()
+
+    def _trace_status(self) -> dict:
+        if not self.tracer.active and self.tracer.library is None:
+            return {"active": False, "library": None, "refused": self.tracer.refused, "groups": [], "pools": [],
+                    "live_bytes": 0, "live_allocations": 0, "dropped": 0}
+        data = self.tracer.report()
+        data["refused"] = self.tracer.refused
+        return data
 
     def _why_no_hooks(self) -> str:
         state = self.engine.last_driver_state

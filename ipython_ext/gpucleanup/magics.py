@@ -16,8 +16,9 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 __all__ = ["gpumem_arguments", "parse_gpumem", "OPTIONS"]
 
-OPTIONS = ("--json", "--drain", "--history", "--vars", "--release", "--off", "--on")
-USAGE = "%gpumem [--json] [--drain] [--history [N]] [--vars [N]] [--release out|traceback|NAME] [--off | --on]"
+OPTIONS = ("--json", "--drain", "--history", "--vars", "--release", "--trace", "--off", "--on")
+USAGE = ("%gpumem [--json] [--drain] [--history [N]] [--vars [N]] [--release out|traceback|NAME] "
+         "[--trace [on|off]] [--off | --on]")
 
 _ARGUMENTS = [
     magic_arguments(),
@@ -56,6 +57,20 @@ _ARGUMENTS = [
             "longer show those variables); NAME: a variable and every reference IPython keeps to it (as %%xdel)."
         ),
     ),
+    argument(
+        "--trace",
+        nargs="?",
+        const="show",
+        default=None,
+        metavar="on|off",
+        help=(
+            "Raw GPU allocations traced to their Python line through CUPTI. 'on' starts tracing (CUDA must "
+            "already be in use; CUPTI is loaded from $GPUCLEANUP_CUPTI, the nvidia-cuda-cupti wheel or the CUDA "
+            "Toolkit), 'off' stops it; alone, the live traced allocations by site, thread and library. Only "
+            "allocation and free calls are traced. CUPTI before 13.3 allows one subscriber per process: with "
+            "torch.profiler or Nsight running, the trace cannot start, and says so."
+        ),
+    ),
     argument("--off", action="store_true", help="Pause the automatic cleanup after each cell."),
     argument("--on", action="store_true", help="Resume the automatic cleanup after each cell."),
 ]
@@ -82,6 +97,11 @@ def parse_gpumem(method: Callable, line: str):
         raise UsageError(f"%gpumem: --off and --on contradict each other: pass one of them. Usage: {USAGE}")
     if args.release is not None and (args.drain or args.off or args.on):
         raise UsageError(f"%gpumem: --release cleans up by itself: pass it alone. Usage: {USAGE}")
+    if args.trace is not None and args.trace not in ("on", "off", "show"):
+        raise UsageError(f"%gpumem: --trace takes on or off (or nothing, to show the trace), got {args.trace!r}. "
+                         f"Usage: {USAGE}")
+    if args.trace is not None and (args.drain or args.off or args.on or args.release is not None):
+        raise UsageError(f"%gpumem: --trace goes alone (or with --json). Usage: {USAGE}")
     for flag in ("history", "vars"):
         value = getattr(args, flag)
         if value is not None and value < 1:

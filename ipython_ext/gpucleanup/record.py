@@ -104,6 +104,9 @@ class CellRecord:
     #: GPU objects the cell left where no variable names them: its Out[N], its traceback's
     #: frames: {"held_by", "name", "device", "bytes"}
     hidden: List[dict] = field(default_factory=list)
+    #: raw allocations the cell made and kept, from the allocation trace (%gpumem --trace on):
+    #: {"device", "bytes", "count", "threads", "site", "caller", "kind"}
+    traced: List[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         """The JSON shape of share/schema/cell_record.schema.json.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import html
 import json
+import os
 import re
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
@@ -207,9 +208,12 @@ def _device_line(dev: dict, record: dict, pinned: Optional[str]) -> str:
     if pinned:
         segs.append(pinned)
     growth = dev.get("outside_growth_bytes")
+    traced = traced_text(record.get("traced"), dev.get("index"))
     if growth is not None and growth >= OUTSIDE_NOTICE_BYTES:
-        segs.append(f"+{format_bytes(growth)} outside every pool in this cell (library code and handles, raw "
-                    f"allocations, or another process on GPU{dev.get('index')})")
+        why = traced or (f"library code and handles, raw allocations, or another process on GPU{dev.get('index')}")
+        segs.append(f"+{format_bytes(growth)} outside every pool in this cell ({why})")
+    elif traced and sum(int(e.get("bytes") or 0) for e in record.get("traced") or []) >= OUTSIDE_NOTICE_BYTES:
+        segs.append(f"traced {traced}")
     live = dev.get("live_bytes") or {}
     live_total = _sum(live)
     if live:
@@ -248,6 +252,27 @@ def _hidden_text(hidden: Optional[Sequence[dict]], index: Any) -> str:
             text += f" ({', '.join(names[:2])}{', …' if len(names) > 2 else ''})"
         parts.append(text)
     return ": " + ", ".join(parts)
+
+
+def traced_text(entries: List[dict], index: Any) -> Optional[str]:
+    """``320 MiB in 5 allocations from <cell 3>:2 worker() on 5 threads, never freed``: the largest
+    raw allocations of a cell on one device that are still alive (at most two sites)."""
+    mine = [e for e in entries or [] if e.get("device") in (index, -1, None)]
+    if not mine:
+        return None
+    mine.sort(key=lambda e: -int(e.get("bytes") or 0))
+    parts = []
+    for e in mine[:2]:
+        count = int(e.get("count") or 0)
+        threads = int(e.get("threads") or 0)
+        where = (f"from {e['site']}" if e.get("site")
+                 else f"by {e.get('caller') or 'unknown code'} (no Python line: the call released the interpreter lock)")
+        text = f"{format_bytes(int(e.get('bytes') or 0))} in {count} allocation{'s' if count != 1 else ''} {where}"
+        if threads > 1:
+            text += f" on {threads} threads"
+        parts.append(text)
+    more = len(mine) - 2
+    return ", ".join(parts) + (f" and {more} more site{'s' if more != 1 else ''}" if more > 0 else "") + ", never freed"
 
 
 def unusable_sentence(dev: dict) -> str:
@@ -444,6 +469,8 @@ def history_table(records: Sequence[dict], title: str = "history") -> Table:
             f"GPU{d.get('index')} {format_pair(d.get('used_after_bytes'), d.get('total_bytes'))}" for d in devices
         )
         states = sorted({d.get("state") for d in devices if d.get("state") not in (None, "drained")})
+        growths = [d.get("outside_growth_bytes") for d in devices if d.get("outside_growth_bytes") is not None]
+        outside = _signed_bytes(sum(growths)) if growths else "-"
         rows.append(
             [
                 f"[{rec.get('cell') if rec.get('cell') is not None else '-'}]",
@@ -451,11 +478,54 @@ def history_table(records: Sequence[dict], title: str = "history") -> Table:
                 format_bytes(pinned_freed),
                 (rec.get("gc") or {}).get("ran") or "-",
                 used or "-",
+                outside,
                 ", ".join(states) or "ok",
                 format_duration(rec.get("elapsed_s")),
             ]
         )
-    return Table(title, ["cell", "freed", "pinned", "gc", "device used", "state", "time"], rows, align="lrrllll")
+    return Table(title, ["cell", "freed", "pinned", "gc", "device used", "outside pools", "state", "time"], rows,
+                 align="lrrllrll")
+
+
+def _signed_bytes(n: int) -> str:
+    """A growth: ``+320 MiB``, ``-64 MiB``, ``0 B``."""
+    if n > 0:
+        return "+" + format_bytes(n)
+    if n < 0:
+        return "-" + format_bytes(-n)
+    return format_bytes(0)
+
+
+def trace_report(data: dict) -> Report:
+    """``%gpumem --trace``: the live traced allocations, largest first, by site."""
+    groups = data.get("groups") or []
+    if not data.get("active") and not groups:
+        why = data.get("refused")
+        return Report([], [f"{PREFIX}{SEP}the allocation trace is off" + (f" ({why})" if why else "")
+                           + ": %gpumem --trace on starts it"])
+    rows = []
+    for g in groups:
+        threads = int(g.get("thread_count") or 0)
+        rows.append([
+            g.get("site") or "(no Python line)",
+            os.path.basename(g.get("caller") or "") or "?",
+            "raw" if g.get("raw") else f"{g.get('framework') or 'driver'} pool",
+            f"GPU{g.get('device')}" if (g.get("device") or 0) >= 0 else "?",
+            str(g.get("kind") or ""),
+            f"[{g.get('cell')}]" if (g.get("cell") if g.get("cell") is not None else -1) >= 0 else "-",
+            str(g.get("count") or 0),
+            str(threads),
+            format_bytes(int(g.get("bytes") or 0)),
+        ])
+    state = "on" if data.get("active") else "off (what it recorded before it stopped)"
+    lines = [f"{PREFIX}{SEP}allocation trace {state}: {format_bytes(int(data.get('live_bytes') or 0))} live in "
+             f"{data.get('live_allocations') or 0} traced allocations"]
+    if data.get("dropped"):
+        lines.append(f"{PREFIX}{SEP}{data['dropped']} allocations were not recorded (over a million live at once)")
+    table = Table("traced allocations still alive",
+                  ["site", "library", "memory of", "device", "call", "cell", "allocations", "threads", "bytes"],
+                  rows, align="llllllrrr")
+    return Report([table], lines)
 
 
 def history_report(records: Sequence[dict]) -> Report:

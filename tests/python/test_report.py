@@ -201,9 +201,22 @@ def test_history_table_from_records():
     text = report.history_report([_record()]).text()
     assert text.splitlines() == [
         "last 1 cells",
-        "cell    freed   pinned  gc  device used        state  time",
-        "----  -------  -------  --  -----------------  -----  -----",
-        "[3]   6.0 GiB  1.0 GiB  -   GPU0 2.7/79.6 GiB  ok     12 ms",
+        "cell    freed   pinned  gc  device used        outside pools  state  time",
+        "----  -------  -------  --  -----------------  -------------  -----  -----",
+        "[3]   6.0 GiB  1.0 GiB  -   GPU0 2.7/79.6 GiB              -  ok     12 ms",
+    ]
+
+
+def test_history_table_shows_each_cells_growth_outside_every_pool():
+    grew, shrank = _record(), _record()
+    grew["cell"], shrank["cell"] = 4, 5
+    grew["devices"][0]["outside_growth_bytes"] = 320 * MiB
+    shrank["devices"][0]["outside_growth_bytes"] = -64 * MiB
+    rows = report.history_report([_record(), grew, shrank]).text().splitlines()[3:]
+    assert rows == [
+        "[3]   6.0 GiB  1.0 GiB  -   GPU0 2.7/79.6 GiB              -  ok     12 ms",
+        "[4]   6.0 GiB  1.0 GiB  -   GPU0 2.7/79.6 GiB       +320 MiB  ok     12 ms",
+        "[5]   6.0 GiB  1.0 GiB  -   GPU0 2.7/79.6 GiB        -64 MiB  ok     12 ms",
     ]
 
 

@@ -1,0 +1,235 @@
+"""Raw allocations traced to their line (opt-in): ``%gpumem --trace on`` or ``trace_allocations``.
+
+The native library subscribes to CUPTI's driver-API callbacks for the allocation and
+free calls only (``native/src/trace.hpp``) and keeps every live allocation with its
+size, device, thread, cell and the shared object that called the driver. When the
+allocating thread holds the interpreter lock, it also calls :meth:`Tracer._site`,
+which names the Python line: the innermost frame, and the frame of a notebook cell
+when the call came from one. A raw leak then reads
+``320 MiB in 5 allocations from <cell 3>:2 worker() on 5 threads, never freed``.
+
+What is raw: an allocation whose caller is not a framework's pool (PyTorch's caching
+allocator, CuPy's pool, RMM, XLA) and that was not taken from a stream-ordered pool
+(``cuMemAllocAsync``, whose memory the driver pools' figures already count).
+
+libcupti is loaded at run time (never linked), from the first of: ``$GPUCLEANUP_CUPTI``,
+the ``nvidia-cuda-cupti`` wheel's folder, the CUDA Toolkit (``$CUDA_HOME``,
+``/usr/local/cuda``), then the loader's own search (``libcupti.so.13``, ``.12``).
+CUPTI before 13.3 allows one subscriber per process; when a profiler holds it the
+trace stays off and says so (FACTS in README's "Limits").
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import re
+import sys
+import threading
+from typing import Any, Dict, List, Optional, Tuple
+
+__all__ = ["Tracer", "cupti_candidates", "framework_of", "SITE_FN"]
+
+SITE_FN = ctypes.CFUNCTYPE(ctypes.c_longlong)
+
+#: distinct Python sites kept; beyond, allocations are recorded without a site
+MAX_SITES = 4096
+
+# The shared object that called the driver, by its file name: which framework's pool
+# the memory belongs to (then it is not raw). Matched on the path's lower-case text.
+_FRAMEWORK_CALLERS: Tuple[Tuple[str, str], ...] = (
+    ("libc10_cuda", "torch"),
+    ("libtorch", "torch"),
+    ("/torch/", "torch"),
+    ("cupy_backends", "cupy"),
+    ("/cupy/", "cupy"),
+    ("librmm", "rmm"),
+    ("/rmm/", "rmm"),
+    ("xla", "jax"),
+    ("jaxlib", "jax"),
+    ("pjrt", "jax"),
+    ("tensorflow", "tensorflow"),
+)
+# Calls the driver's stream-ordered pools serve: counted with the driver pools.
+_POOLED_KINDS = frozenset({"cuMemAllocAsync", "cuMemAllocFromPoolAsync"})
+
+_IPYTHON_INPUT = re.compile(r"^<ipython-input-(\d+)-")
+
+
+def framework_of(caller: Optional[str]) -> Optional[str]:
+    """The framework whose pool a driver allocation made by ``caller`` (a library path) belongs to."""
+    text = (caller or "").lower()
+    for needle, name in _FRAMEWORK_CALLERS:
+        if needle in text:
+            return name
+    return None
+
+
+def cupti_candidates(environ: Optional[dict] = None) -> List[str]:
+    """The paths of libcupti to try, in order (see the module's text)."""
+    env = os.environ if environ is None else environ
+    found: List[str] = []
+
+    def add(path: str) -> None:
+        if path and path not in found:
+            found.append(path)
+
+    for path in (env.get("GPUCLEANUP_CUPTI") or "").split(os.pathsep):
+        add(path.strip())
+    for entry in sys.path:
+        for pattern in ("nvidia/cuda_cupti/lib/libcupti.so*", "nvidia/cu1*/lib/libcupti.so*"):
+            for path in sorted(glob.glob(os.path.join(entry or ".", pattern)), reverse=True):
+                add(path)
+    roots = [env.get("CUDA_HOME"), env.get("CUDA_PATH"), "/usr/local/cuda"]
+    for root in filter(None, roots):
+        for sub in ("lib64", "lib", "extras/CUPTI/lib64", "targets/x86_64-linux/lib", "targets/sbsa-linux/lib"):
+            for name in ("libcupti.so.13", "libcupti.so.12", "libcupti.so"):
+                path = os.path.join(root, sub, name)
+                if os.path.exists(path):
+                    add(path)
+    for name in ("libcupti.so.13", "libcupti.so.12", "libcupti.so"):
+        add(name)
+    return found
+
+
+class Tracer:
+    """The extension's side of the trace: starting and stopping it, the cell it is in,
+    and turning the library's groups back into sites people can read."""
+
+    def __init__(self, native: Any, shell: Any = None):
+        self.native = native
+        self.shell = shell
+        self.active = False
+        self.library: Optional[str] = None
+        #: why the last start did not trace (said once per kind by the caller)
+        self.refused: Optional[str] = None
+        self._sites: List[Optional[Tuple[str, ...]]] = [None]
+        self._site_ids: Dict[Tuple[str, ...], int] = {}
+        self._site_lock = threading.Lock()
+        self._hook = SITE_FN(self._site)  # kept alive while the library may call it
+
+    # -- on and off ----------------------------------------------------------
+
+    def start(self) -> dict:
+        """Subscribe; returns the library's reply (``active``, ``library``, ``error``)."""
+        reply = self.native.trace_start(cupti_candidates(), self._hook)
+        self.active = bool(reply.get("active"))
+        self.library = reply.get("library")
+        self.refused = None if self.active else (reply.get("error") or "the trace could not start")
+        return reply
+
+    def stop(self) -> bool:
+        """Unsubscribe; True when a trace was running."""
+        if not self.active:
+            return False
+        reply = self.native.trace_stop()
+        self.active = False
+        return bool(reply.get("stopped"))
+
+    def set_cell(self, cell: Optional[int]) -> None:
+        if self.active:
+            self.native.trace_set_cell(-1 if cell is None else int(cell))
+
+    # -- what it found ----------------------------------------------------------
+
+    def groups(self, cell: Optional[int] = None) -> List[dict]:
+        """The live traced allocations (of one cell, or all), readable: each group with
+        ``site`` (text or None), ``framework`` (whose pool, None: raw) and ``raw``."""
+        reply = self.native.trace_report(-1 if cell is None else int(cell))
+        out = []
+        for group in reply.get("groups") or []:
+            entry = dict(group)
+            entry["site"] = self.site_text(int(group.get("site") or 0))
+            entry["framework"] = framework_of(group.get("caller"))
+            entry["raw"] = entry["framework"] is None and group.get("kind") not in _POOLED_KINDS
+            out.append(entry)
+        return out
+
+    def report(self) -> dict:
+        """The library's whole reply, groups made readable (for ``%gpumem --trace`` and ``--json``)."""
+        reply = self.native.trace_report(-1)
+        reply["groups"] = self.groups(None)
+        return reply
+
+    def cell_entries(self, cell: Optional[int]) -> List[dict]:
+        """What the cell's record keeps: the raw allocations it made that are still alive."""
+        if not self.active or cell is None:
+            return []
+        entries = []
+        for g in self.groups(cell):
+            if not g["raw"]:
+                continue
+            entries.append({
+                "device": g.get("device"),
+                "bytes": int(g.get("bytes") or 0),
+                "count": int(g.get("count") or 0),
+                "threads": int(g.get("thread_count") or 0),
+                "site": g.get("site"),
+                "caller": os.path.basename(g.get("caller") or "") or None,
+                "kind": g.get("kind"),
+            })
+        return entries
+
+    def site_text(self, site: int) -> Optional[str]:
+        """``<cell 3>:2 worker()``, or ``file.py:12 f()`` when no cell frame was on the stack."""
+        if site <= 0 or site >= len(self._sites):
+            return None
+        key = self._sites[site]
+        if key is None:
+            return None
+        cell_label, inner = key[0], key[1]
+        return cell_label or inner
+
+    # -- called by the library, on the allocating thread, holding the interpreter lock --
+
+    def _site(self) -> int:
+        try:
+            frame = sys._getframe(1)
+        except ValueError:
+            return 0
+        try:
+            inner = _frame_text(frame, None)
+            cell_label = None
+            f = frame
+            depth = 0
+            while f is not None and depth < 64:
+                number = self._cell_number(f.f_code.co_filename)
+                if number is not None:
+                    cell_label = _frame_text(f, number)
+                    break
+                f = f.f_back
+                depth += 1
+            key = (cell_label or "", inner)
+            with self._site_lock:
+                found = self._site_ids.get(key)
+                if found is not None:
+                    return found
+                if len(self._sites) > MAX_SITES:
+                    return 0
+                self._sites.append(key)
+                self._site_ids[key] = len(self._sites) - 1
+                return len(self._sites) - 1
+        except Exception:
+            return 0
+        finally:
+            del frame
+
+    def _cell_number(self, filename: str) -> Optional[int]:
+        compiler = getattr(self.shell, "compile", None)
+        mapping = getattr(compiler, "_filename_map", None)
+        if isinstance(mapping, dict):
+            number = mapping.get(filename)
+            if isinstance(number, int):
+                return number
+        match = _IPYTHON_INPUT.match(filename or "")
+        return int(match.group(1)) if match else None
+
+
+def _frame_text(frame: Any, cell: Optional[int]) -> str:
+    code = frame.f_code
+    where = f"<cell {cell}>" if cell is not None else os.path.basename(code.co_filename or "?")
+    name = code.co_name
+    func = "" if name == "<module>" else f" {name}()"
+    return f"{where}:{frame.f_lineno}{func}"
+
