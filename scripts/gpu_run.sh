@@ -4,8 +4,9 @@
 # jupyter_client and their dependencies, made by scripts/build_wheels.sh),
 # then the real-GPU tests, the benchmarks and the demo, in one go.
 # Results land in $OUT (or ./gpu-out): machine.log, gpu-tests.log, facts.log, bench.json, bench.log, demo.log,
+# for the stage trace: trace-tests.log, trace-bench.json, trace-bench.log;
 # and for the stage kernels: kernels.json, kernels.log, kernel-calls.json, kernel-calls.log.
-# Usage: scripts/gpu_run.sh [STAGE ...]   stages: tests facts bench demo kernels kernels-focus stages
+# Usage: scripts/gpu_run.sh [STAGE ...]   stages: tests facts bench demo kernels kernels-focus stages trace
 #        (default: tests facts bench demo)
 # The stage stages (tests/bench/profile_cell.py --stages --primitives, in-process, about a minute) writes
 # stages.log: where the per-cell time goes, step by step, with CUDA unused and PyTorch or CuPy idle; and
@@ -20,7 +21,19 @@ out=${OUT:-$PWD/gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 
+# PyCUDA has no wheel on PyPI: built here from the carried source when no wheel of it is carried
+# (about 90 s), and written to $OUT so that a later run can carry it in .whl/.
+if ! ls .whl/pycuda-*.whl >/dev/null 2>&1 && ls .whl/src/pycuda-*.tar.gz >/dev/null 2>&1; then
+  start=$SECONDS
+  rm -rf /tmp/pycuda-build && mkdir -p /tmp/pycuda-build
+  tar -xzf "$(ls .whl/src/pycuda-*.tar.gz | tail -1)" -C /tmp/pycuda-build
+  (cd /tmp/pycuda-build/pycuda-* && python3 configure.py --cuda-root=/usr/local/cuda >/tmp/pycuda-build/log 2>&1 \
+     && python3 setup.py build_ext -j 16 bdist_wheel >>/tmp/pycuda-build/log 2>&1 && cp dist/*.whl "$out"/) \
+    && echo "gpu_run: built $(ls "$out"/pycuda-*.whl) in $((SECONDS - start)) s" \
+    || { echo "gpu_run: building PyCUDA failed (its tests are skipped):"; tail -20 /tmp/pycuda-build/log; }
+fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    $(ls "$out"/pycuda-*.whl 2>/dev/null) \
   || { echo "gpu_run: installing the carried wheels failed"; exit 1; }
 export PYTHONPATH=/tmp/site
 export PATH=/tmp/site/bin:$PATH
@@ -35,6 +48,12 @@ export PATH=/tmp/site/bin:$PATH
 stages=" ${*:-tests facts bench demo} "
 if [[ $stages == *" tests "* ]]; then
   python3 -m pytest tests/gpu -v -s -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.log"
+fi
+if [[ $stages == *" trace "* ]]; then
+  # the allocation trace and PyCUDA: their GPU tests, then what the trace costs per call (bench_trace.py)
+  python3 -m pytest tests/gpu/test_trace_gpu.py tests/gpu/test_pycuda_gpu.py -v -s -p no:cacheprovider 2>&1 \
+    | tee "$out/trace-tests.log"
+  python3 tests/bench/bench_trace.py --json "$out/trace-bench.json" 2>&1 | tee "$out/trace-bench.log"
 fi
 if [[ $stages == *" facts "* ]]; then
   python3 scripts/gpu_facts.py 2>&1 | tee "$out/facts.log"

@@ -7,7 +7,10 @@ and checks, after each cell, that the pools hold nothing freeable; a cell's meta
 ``gpucleanup.expect_summary`` says whether its summary line must appear: ``"same-or-next"``
 for a cell that only frees pinned host memory, whose release (on a background thread) may be
 reported by the next cell's line ("freed in background"); ``gpucleanup.expect_text``, text the
-line must contain (a cell that leaves work queued: "waited ... for queued work").
+line must contain (a cell that leaves work queued: "waited ... for queued work");
+``gpucleanup.keeps_outside_bytes``, raw memory a cell keeps (or, negative, frees) on purpose.
+A notebook's own ``metadata.gpucleanup.requires`` lists modules without which the test skips it.
+pycuda_threads_and_pool.ipynb and tensorflow_allocators.ipynb are written by hand, not by this script.
 """
 
 from __future__ import annotations
