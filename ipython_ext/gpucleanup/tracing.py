@@ -38,18 +38,24 @@ MAX_SITES = 4096
 
 # The shared object that called the driver, by its file name: which framework's pool
 # the memory belongs to (then it is not raw). Matched on the path's lower-case text.
-_FRAMEWORK_CALLERS: Tuple[Tuple[str, str], ...] = (
+_FRAMEWORK_PACKAGES = {
+    "torch": "torch",
+    "cupy": "cupy",
+    "cupy_backends": "cupy",
+    "rmm": "rmm",
+    "librmm": "rmm",
+    "jaxlib": "jax",
+    "jax_plugins": "jax",
+    "tensorflow": "tensorflow",
+}
+# Shared objects named like a framework's allocator wherever they are installed.
+_FRAMEWORK_LIBRARIES: Tuple[Tuple[str, str], ...] = (
     ("libc10_cuda", "torch"),
     ("libtorch", "torch"),
-    ("/torch/", "torch"),
-    ("cupy_backends", "cupy"),
-    ("/cupy/", "cupy"),
     ("librmm", "rmm"),
-    ("/rmm/", "rmm"),
-    ("xla", "jax"),
-    ("jaxlib", "jax"),
+    ("xla_extension", "jax"),
     ("pjrt", "jax"),
-    ("tensorflow", "tensorflow"),
+    ("libtensorflow", "tensorflow"),
 )
 # Calls the driver's stream-ordered pools serve: counted with the driver pools.
 _POOLED_KINDS = frozenset({"cuMemAllocAsync", "cuMemAllocFromPoolAsync"})
@@ -58,11 +64,20 @@ _IPYTHON_INPUT = re.compile(r"^<ipython-input-(\d+)-")
 
 
 def framework_of(caller: Optional[str]) -> Optional[str]:
-    """The framework whose pool a driver allocation made by ``caller`` (a library path) belongs to."""
-    text = (caller or "").lower()
-    for needle, name in _FRAMEWORK_CALLERS:
-        if needle in text:
-            return name
+    """The framework whose pool a driver allocation made by ``caller`` (a library path) belongs to:
+    by the package folder it is installed in (the first folder under site-packages), else by the
+    library's own name. A virtual environment's own path (``/opt/torch/.venv``) does not count."""
+    text = (caller or "").replace("\\", "/")
+    for marker in ("/site-packages/", "/dist-packages/"):
+        if marker in text:
+            package = text.rsplit(marker, 1)[1].split("/", 1)[0].lower()
+            found = _FRAMEWORK_PACKAGES.get(package)
+            if found or package.startswith("jax_cuda"):
+                return found or "jax"
+    name = os.path.basename(text).lower()
+    for needle, framework in _FRAMEWORK_LIBRARIES:
+        if needle in name:
+            return framework
     return None
 
 
@@ -111,9 +126,10 @@ class Tracer:
 
     # -- on and off ----------------------------------------------------------
 
-    def start(self) -> dict:
-        """Subscribe; returns the library's reply (``active``, ``library``, ``error``)."""
-        reply = self.native.trace_start(cupti_candidates(), self._hook)
+    def start(self, lines: bool = True) -> dict:
+        """Subscribe; returns the library's reply (``active``, ``library``, ``error``).
+        ``lines=False``: no Python line is asked for (to measure what asking costs)."""
+        reply = self.native.trace_start(cupti_candidates(), self._hook if lines else None)
         self.active = bool(reply.get("active"))
         self.library = reply.get("library")
         self.refused = None if self.active else (reply.get("error") or "the trace could not start")

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <set>
@@ -53,7 +54,8 @@ using ResultStringFn = CUptiResult (*)(CUptiResult, const char**);
 // as dropped (a program making millions of raw allocations is not what this is for).
 constexpr std::size_t kMaxLive = 1u << 20;
 constexpr std::size_t kMaxThreadsListed = 16;
-constexpr int kMaxNativeFrames = 32;
+// The caller is within the first frames: the callback, CUPTI's and the driver's own.
+constexpr int kMaxNativeFrames = 16;
 
 enum class Kind : std::uint8_t { alloc, pitch, managed, create, async, from_pool };
 
@@ -121,6 +123,9 @@ State& state() {
 std::atomic<bool> g_active{false};
 std::atomic<std::int64_t> g_cell{-1};
 std::atomic<SiteFn> g_site{nullptr};
+// GPUCLEANUP_TRACE_CALLER=0 at start: no native stack walk, so no caller library (to
+// measure what the walk costs; the frameworks' pools then read as raw).
+std::atomic<bool> g_callers{true};
 
 std::int64_t thread_id() { return static_cast<std::int64_t>(::syscall(SYS_gettid)); }
 
@@ -337,7 +342,7 @@ void on_callback(void*, int domain, std::uint32_t cbid, const void* data) noexce
     std::int64_t site = 0;
     if (const SiteFn hook = g_site.load(); hook != nullptr && gil::held() == 1) site = hook();
     void* frames[kMaxNativeFrames];
-    const int count = ::backtrace(frames, kMaxNativeFrames);
+    const int count = g_callers.load(std::memory_order_relaxed) ? ::backtrace(frames, kMaxNativeFrames) : 0;
     const int device = made.device >= 0 ? made.device : made.device == -1 ? device_of_current_context(s, call->context) : -1;
     std::lock_guard<std::mutex> lock(s.mutex);
     if (s.live.size() >= kMaxLive && s.live.find(made.key) == s.live.end()) {
@@ -375,6 +380,8 @@ nlohmann::json start(const std::vector<std::string>& candidates, SiteFn site) {
   } else {
     tried.push_back({{"path", s.cupti.path}, {"error", nullptr}});
   }
+  const char* callers = std::getenv("GPUCLEANUP_TRACE_CALLER");
+  g_callers.store(callers == nullptr || std::string(callers) != "0");
   // The first backtrace() loads the unwinder: do it here, not inside a driver call.
   void* frames[4];
   (void)::backtrace(frames, 4);

@@ -6,6 +6,9 @@ Workloads:
                   the interpreter lock: the trace records size, thread and caller library)
   alloc-pycuda    pycuda.driver.mem_alloc + free of 1 MiB (calls that keep the interpreter
                   lock: the trace also asks Python for the line), when PyCUDA is installed
+  alloc-pycuda/no-line, alloc-pycuda/no-caller
+                  the same with one part of the trace left out: the Python line, the native
+                  stack walk that names the calling library (GPUCLEANUP_TRACE_CALLER=0)
   torch-launch    x.add_(1) on a one-element CUDA tensor: no allocation, so the trace must
                   cost nothing here (only memory callbacks are enabled)
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -65,6 +69,9 @@ def main() -> int:
                 drv.mem_alloc(1 << 20).free()
 
         workloads["alloc-pycuda"] = (pycuda_alloc, 2000)
+        # the same with the trace's two parts apart: no Python line asked for, no native stack walked
+        workloads["alloc-pycuda/no-line"] = (pycuda_alloc, 2000)
+        workloads["alloc-pycuda/no-caller"] = (pycuda_alloc, 2000)
     except Exception as exc:  # noqa: BLE001 - PyCUDA is optional here
         print(f"bench_trace: no PyCUDA workload ({type(exc).__name__}: {exc})")
         pycuda_ctx = None
@@ -77,7 +84,8 @@ def main() -> int:
         off, on = [], []
         for _ in range(args.rounds):
             off.append(_per_call_us(fn, n))
-            reply = tracer.start()
+            os.environ["GPUCLEANUP_TRACE_CALLER"] = "0" if name.endswith("/no-caller") else "1"
+            reply = tracer.start(lines=not name.endswith("/no-line"))
             if not reply.get("active"):
                 print(f"bench_trace: the trace did not start: {reply.get('error')}")
                 return 1

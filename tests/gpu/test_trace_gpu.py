@@ -107,6 +107,7 @@ def test_a_pool_made_with_cu_mem_pool_create_is_trimmed_while_tracing():
         run("import torch\\nfrom cuda.bindings import driver as cu\\nx = torch.ones(1, device='cuda')\\n"
             "torch.cuda.synchronize()")
         run("%gpumem --trace on")
+        torch = shell.user_ns["torch"]
         free_before = torch.cuda.mem_get_info(0)[0]
         cell, lines = run(
             "props = cu.CUmemPoolProps()\\n"

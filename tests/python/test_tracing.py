@@ -182,6 +182,10 @@ def test_cupti_candidates_put_the_users_path_first_and_end_with_the_loaders_sear
     ("/site-packages/jaxlib/xla_extension.so", "jax"),
     ("/site-packages/pycuda/_driver.cpython-312-x86_64-linux-gnu.so", None),
     ("/site-packages/cuda/bindings/cydriver.cpython-312-x86_64-linux-gnu.so", None),
+    ("/opt/torch/.venv/lib/python3.12/site-packages/cuda/bindings/cydriver.cpython-312-x86_64-linux-gnu.so", None),
+    ("/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib/libcublas.so.13", None),
+    ("/usr/lib/x86_64-linux-gnu/librmm.so", "rmm"),
+    ("/site-packages/jax_cuda13_plugin/xla_cuda_plugin.so", "jax"),
     (None, None),
 ])
 def test_allocations_of_a_frameworks_pool_are_not_raw(caller, framework):
