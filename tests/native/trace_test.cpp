@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "gpucleanup/gpucleanup.h"
+#include "gil.hpp"
 #include "test_support.hpp"
 
 using gpucleanup::testing::FakeCuda;
@@ -220,4 +221,28 @@ TEST_F(Trace, TheCApiRejectsCandidatesThatAreNotAnArrayOfStrings) {
   EXPECT_NE(std::string(gpucleanup_last_error()).find("[gpucleanup.api.113]"), std::string::npos);
   EXPECT_EQ(gpucleanup_trace_start("[1]", nullptr, &out), GPUCLEANUP_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(cupti.subscribe_calls(), 0);
+}
+
+namespace {
+int holds_lock() { return 1; }
+void* save_nothing() { return nullptr; }
+void restore_nothing(void*) {}
+int site_calls = 0;
+long long the_site() { return ++site_calls > 0 ? 5 : 0; }
+}  // namespace
+
+TEST_F(Trace, AThreadHoldingTheInterpreterLockIsAskedForItsSiteAtEachAllocation) {
+  gpucleanup::gil::set_hooks(&holds_lock, &save_nothing, &restore_nothing);
+  site_calls = 0;
+  ASSERT_EQ(gpucleanup::trace::start({FAKE_CUPTI_PATH}, &the_site)["active"], true);
+  EXPECT_EQ(cupti.alloc(0x1000, 1 * MiB, 0), 1);
+  EXPECT_EQ(cupti.alloc(0x2000, 1 * MiB, 0), 1);
+  EXPECT_EQ(cupti.free(0x1000), 1);  // frees ask nothing
+  gpucleanup::gil::set_hooks(nullptr, nullptr, nullptr);
+  EXPECT_EQ(site_calls, 2);
+  const json report = gpucleanup::trace::report(-1);
+  ASSERT_EQ(report["groups"].size(), 1u);
+  EXPECT_EQ(report["groups"][0]["site"], 5);
+  EXPECT_EQ(report["groups"][0]["count"], 1);
+  EXPECT_TRUE(report["groups"][0]["caller"].is_string());  // walked once for the site, kept for the next
 }
