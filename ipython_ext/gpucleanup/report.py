@@ -254,6 +254,10 @@ def _hidden_text(hidden: Optional[Sequence[dict]], index: Any) -> str:
     return ": " + ", ".join(parts)
 
 
+#: NVIDIA's libraries whose own allocations (workspaces, handles) a trace names by library
+CUDA_LIBRARIES = ("libcublas", "libcudnn", "libcufft", "libcusolver", "libcusparse", "libcurand", "libnccl", "libnvrtc")
+
+
 def traced_text(entries: List[dict], index: Any) -> Optional[str]:
     """``320 MiB in 5 allocations from <cell 3>:2 worker() on 5 threads, never freed``: the largest
     raw allocations of a cell on one device that are still alive (at most two sites)."""
@@ -267,6 +271,8 @@ def traced_text(entries: List[dict], index: Any) -> Optional[str]:
         threads = int(e.get("threads") or 0)
         where = (f"from {e['site']}" if e.get("site")
                  else f"by {e.get('caller') or 'unknown code'} (no Python line: the call released the interpreter lock)")
+        if e.get("site") and str(e.get("caller") or "").startswith(CUDA_LIBRARIES):
+            where += f" through {e['caller']} (the library's own workspace or handle)"
         text = f"{format_bytes(int(e.get('bytes') or 0))} in {count} allocation{'s' if count != 1 else ''} {where}"
         if threads > 1:
             text += f" on {threads} threads"

@@ -135,3 +135,23 @@ def test_a_pool_made_with_cu_mem_pool_create_is_trimmed_while_tracing():
     assert r["reserved_later"] == 0, r
     assert abs(r["free_after"] - r["free_before"]) <= 16 * MiB, r
     assert any("freed 512 MiB" in l for l in r["lines"]), r["lines"]
+
+
+def test_a_cuda_librarys_own_allocations_are_named_by_library():
+    # CuPy's first matrix product makes cuBLAS's handle and workspace: memory outside every pool
+    # that no CuPy call gives back; the trace names the library that allocated it
+    require("cupy")
+    r = run_script(SHELL, '''
+        run("%load_ext gpucleanup")
+        run("import cupy as cp\\nx = cp.ones(4)")
+        run("%gpumem --trace on")
+        cell, lines = run("a = cp.ones((256, 256), dtype=cp.float32)\\nb = a @ a\\ncp.cuda.Device().synchronize()")
+        _, _ = run("t = %gpumem --trace --json")
+        groups = [(g["caller"], g["bytes"], g["raw"], g["site"]) for g in shell.user_ns["t"]["groups"]]
+        for g in groups:
+            figure(f"traced: {g}")
+        result(cell=cell, lines=lines, groups=groups)
+    ''')
+    libraries = [caller for caller, _, raw, _ in r["groups"] if raw and caller and "libcublas" in caller]
+    assert libraries, r["groups"]
+    assert any("libcublas" in l for l in r["lines"]), r["lines"]

@@ -203,3 +203,11 @@ def test_traced_text_names_the_two_largest_sites_and_counts_the_rest():
         "320 MiB in 5 allocations from <cell 3>:2 worker() on 5 threads, 64 MiB in 1 allocation by cydriver.so "
         "(no Python line: the call released the interpreter lock) and 1 more site, never freed")
     assert report.traced_text(entries, 2) is None
+
+
+def test_traced_text_names_a_cuda_librarys_own_allocations_by_library():
+    entries = [{"device": 0, "bytes": 32 * MiB, "count": 1, "threads": 1, "site": "<cell 2>:1",
+                "caller": "libcublasLt.so.13"}]
+    assert report.traced_text(entries, 0) == (
+        "32 MiB in 1 allocation from <cell 2>:1 through libcublasLt.so.13 (the library's own workspace or handle), "
+        "never freed")
