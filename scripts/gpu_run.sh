@@ -68,7 +68,7 @@ if [[ $stages == *" stages "* ]]; then
   # the driver's own cost per call (a C++ program: carried prebuilt in .bin/, else built here)
   [[ -x .bin/driver_costs ]] || bash tests/bench/build_driver_costs.sh .bin/driver_costs
   .bin/driver_costs 2000 1000 2>&1 | tee "$out/driver-costs.log"
-  for scenario in unused cupy_idle torch_idle; do
+  for scenario in unused cupy_idle torch_idle torch_out; do
     echo "== $scenario"
     python3 tests/bench/profile_cell.py "$scenario" --stages --primitives --cells 300
   done 2>&1 | tee "$out/stages.log"

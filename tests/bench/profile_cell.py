@@ -39,6 +39,9 @@ SCENARIOS.update({
         cell="x = 1"),
     "cupy_idle": dict(needs="cupy", setup=(
         "import cupy as cp\nw = cp.ones(1 << 20)\ncp.cuda.Device(0).synchronize()"), cell="x = 1"),
+    # each cell's last expression is a CUDA tensor: it stays in Out[N], and the holder check reads it
+    "torch_out": dict(needs="torch", setup=(
+        "import torch\nw = torch.ones(1 << 20, device='cuda')\ntorch.cuda.synchronize()"), cell="w"),
 })
 
 # (module, attribute path) of what --stages times, outermost first.
@@ -60,6 +63,7 @@ STAGES = [
     ("gpucleanup.after_cell", "AfterCell._record"),
     ("gpucleanup.after_cell", "AfterCell._outcome"),
     ("gpucleanup.after_cell", "GpuHolders.update"),
+    ("gpucleanup.holders", "held_after_cell"),
     ("gpucleanup.record", "CellRecord.to_dict"),
     ("gpucleanup.report", "summary_lines"),
     ("gpucleanup.history", "History.append"),
