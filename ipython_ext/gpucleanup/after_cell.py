@@ -412,6 +412,9 @@ class AfterCell:
             else:
                 pinned = None
             out[adapter.name] = {"devices": per_device, "pinned": pinned, "notes": list(result.get("notes") or [])}
+            pools = result.get("pools")  # pools of the user's making (PyCUDA), one entry each
+            if isinstance(pools, list) and pools:
+                out[adapter.name]["pools"] = [dict(p) for p in pools if isinstance(p, dict)]
         return out
 
     @staticmethod

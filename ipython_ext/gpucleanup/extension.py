@@ -436,6 +436,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                 }
             )
         out["pinned"] = {name: s["pinned"] for name, s in stats.items() if s.get("pinned")}
+        # pools of the user's own making, per framework (PyCUDA's DeviceMemoryPool and PageLockedMemoryPool)
+        out["framework_pools"] = {name: s["pools"] for name, s in stats.items() if s.get("pools")}
         for s in stats.values():
             notes.extend((f"stats-note:{n}", n) for n in s.get("notes") or [])
         out["notes"] = [text for _, text in notes]

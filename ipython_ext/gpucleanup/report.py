@@ -422,6 +422,13 @@ def memory_report(status: dict, history_rows: int = 5) -> Report:
         rows = [["total", format_bytes(total), ""], ["used (device, all processes)", format_bytes(dev.get("used_bytes")), ""]]
         for name, entry in sorted((dev.get("frameworks") or {}).items()):
             rows.append([f"{name}", format_bytes(entry.get("live_bytes")), format_bytes(entry.get("cached_bytes"))])
+            # a framework with pools of its users' own (PyCUDA): one row each, under it
+            for pool in (status.get("framework_pools") or {}).get(name, []):
+                if pool.get("device") != dev.get("index"):
+                    continue
+                where = "" if pool.get("drained_here") else f", thread {pool.get('thread')}: not drained here"
+                rows.append([f"  {pool.get('pool')}{where}", format_bytes(pool.get("live_bytes")),
+                             format_bytes(pool.get("cached_bytes"))])
         for pool in dev.get("pools") or []:
             rows.append(
                 [f"driver pool ({pool.get('which')})", format_bytes(pool.get("used_bytes")), format_bytes(pool.get("reserved_bytes"))]

@@ -244,3 +244,22 @@ def test_json_report_is_a_dict_shown_as_json():
     data = report.JSONReport({"a": 1 << 40})
     assert data["a"] == 1099511627776
     assert json.loads(repr(data)) == {"a": 1099511627776}
+
+
+def test_memory_report_lists_each_pycuda_pool_under_pycuda_and_says_which_is_not_drained_here():
+    status = _status()
+    status["devices"][0]["frameworks"]["pycuda"] = {"live_bytes": 64 * MiB, "cached_bytes": 136 * MiB}
+    status["framework_pools"] = {"pycuda": [
+        {"pool": "DeviceMemoryPool #1", "kind": "device", "device": 0, "thread": "MainThread",
+         "live_bytes": 64 * MiB, "cached_bytes": 0, "drained_here": True},
+        {"pool": "DeviceMemoryPool #2", "kind": "device", "device": 0, "thread": "loader",
+         "live_bytes": 0, "cached_bytes": 136 * MiB, "drained_here": False},
+        {"pool": "PageLockedMemoryPool #1", "kind": "pinned", "device": None, "thread": "MainThread",
+         "live_bytes": 0, "cached_bytes": 0, "drained_here": True},
+    ]}
+    rows = report.memory_report(status).text().splitlines()
+    start = rows.index(next(r for r in rows if r.startswith("pycuda")))
+    width = rows[2].index("  ")  # the first column's width, from the table's rule
+    assert [r[:width].rstrip() for r in rows[start:start + 3]] == [
+        "pycuda", "  DeviceMemoryPool #1", "  DeviceMemoryPool #2, thread loader: not drained here"]
+    assert rows[start + 2].endswith("136 MiB")
