@@ -157,3 +157,25 @@ def test_a_pool_made_in_the_cell_that_imports_pycuda_is_drained():
     ''')
     assert r["watching"], "gpucleanup.frameworks.install() was not called when the extension loaded"
     assert r["held_later"] == 0, r
+
+
+def test_a_page_locked_pool_is_released_after_the_cell_without_a_warning():
+    # gpucleanup releases pinned pools on a background thread that has no context current:
+    # PyCUDA's page-locked frees (cuMemFreeHost) must work there, and print nothing
+    require("pycuda")
+    r = run_script(SHELL, '''
+        run("%load_ext gpucleanup")
+        run("import time\\nimport pycuda.autoinit\\nimport pycuda.tools\\nimport numpy as np")
+        lines, err = run("pinned = pycuda.tools.PageLockedMemoryPool()\\n"
+                         "blocks = [pinned.allocate((16 << 20,), np.uint8) for _ in range(4)]\\n"
+                         "del blocks\\n"
+                         "held_in_cell = pinned.held_blocks")
+        run("for _ in range(200):\\n    if pinned.held_blocks == 0:\\n        break\\n    time.sleep(0.05)\\n"
+            "held_later = pinned.held_blocks")
+        more, err2 = run("y = 1")
+        result(lines=lines + more, err=err + err2, held_in_cell=shell.user_ns["held_in_cell"],
+               held_later=shell.user_ns["held_later"])
+    ''')
+    assert r["held_in_cell"] == 4, r
+    assert r["held_later"] == 0, r
+    assert "could not be cleaned up" not in r["err"] and "cuMemFreeHost failed" not in r["err"], r["err"]
