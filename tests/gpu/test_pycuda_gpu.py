@@ -125,12 +125,13 @@ def test_a_pool_made_on_another_thread_is_named_and_left_alone():
             "t = threading.Thread(target=work, name='loader')\\n"
             "t.start()\\n"
             "t.join()")
-        run("held_later = box['pool'].held_blocks")
+        run("held_later = box['pool'].held_blocks\nd = %gpumem --json")
         held_later = shell.user_ns["held_later"]
+        pools = shell.user_ns["d"].get("framework_pools", {}).get("pycuda", [])
         # the user's way: free it on a thread where its context is current
         run("def tidy():\\n    ctx.push()\\n    try:\\n        box['pool'].free_held()\\n    finally:\\n        ctx.pop()\\n"
             "t = threading.Thread(target=tidy)\\nt.start()\\nt.join()\\nheld_tidied = box['pool'].held_blocks")
-        result(lines=lines, err=err, held_later=held_later, held_tidied=shell.user_ns["held_tidied"])
+        result(lines=lines, err=err, held_later=held_later, held_tidied=shell.user_ns["held_tidied"], pools=pools)
     ''')
     assert r["held_later"] == 2, r  # not drained: it belongs to the thread 'loader'
     # two 64 MiB blocks: the pool rounds each up to its bin (136 MiB held on an H100)
@@ -138,6 +139,10 @@ def test_a_pool_made_on_another_thread_is_named_and_left_alone():
                for l in r["lines"]), r["lines"]
     assert "out-of-thread" not in r["err"], r["err"]
     assert r["held_tidied"] == 0
+    [pool] = r["pools"]  # %gpumem --json names it, with its thread and what it holds
+    assert (pool["pool"], pool["thread"], pool["drained_here"], pool["kind"]) == (
+        "DeviceMemoryPool #1", "loader", False, "device"), pool
+    assert pool["cached_bytes"] >= 128 * MiB, pool
 
 
 def test_a_pool_made_in_the_cell_that_imports_pycuda_is_drained():
