@@ -125,7 +125,7 @@ def test_a_pool_made_on_another_thread_is_named_and_left_alone():
             "t = threading.Thread(target=work, name='loader')\\n"
             "t.start()\\n"
             "t.join()")
-        run("held_later = box['pool'].held_blocks\nd = %gpumem --json")
+        run("held_later = box['pool'].held_blocks\\nd = %gpumem --json")
         held_later = shell.user_ns["held_later"]
         pools = shell.user_ns["d"].get("framework_pools", {}).get("pycuda", [])
         # the user's way: free it on a thread where its context is current
