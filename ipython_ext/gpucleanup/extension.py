@@ -391,56 +391,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
 
     def status(self) -> dict:
         """What %gpumem shows, as data with exact bytes."""
-        notes: List[tuple] = []
-        out: dict = {"kind": "gpumem", "time_ns": time.time_ns(), "enabled": bool(self.enabled), "devices": [], "pinned": {}}
-        try:
-            snap = self.native.snapshot()
-        except Exception as exc:
-            out["driver"] = {"state": "unusable", "message": str(exc)}
-            out["notes"] = [f"snapshot failed: {exc}"]
-            out["history"] = self.history.last(5)
-            return out
-        driver = snap.get("driver") or {}
-        out["driver"] = driver
-        in_use = [d for d in snap.get("devices") or [] if d.get("in_use")]
-        adapters = self.engine.adapters(self.settings(), notes) if driver.get("state") == "ready" and in_use else []
-        indices = [int(d["index"]) for d in in_use if not self.engine.is_unusable(int(d["index"]))]
-        stats = self.engine.stats(adapters, indices, notes) if adapters else {}
-        out["frameworks"] = {}
-        for adapter in adapters:
-            desc, note = self.engine.guarded(adapter, "describe")
-            out["frameworks"][adapter.name] = desc if isinstance(desc, str) else None
-        for dev in in_use:
-            i = int(dev["index"])
-            fws = {name: s["devices"][i] for name, s in stats.items() if i in s["devices"]}
-            pools = [
-                {"which": p.get("which"), "reserved_bytes": p.get("reserved_bytes"), "used_bytes": p.get("used_bytes")}
-                for p in dev.get("pools") or []
-            ]
-            used = dev.get("used_bytes")
-            known = sum(e["live_bytes"] + e["cached_bytes"] for e in fws.values()) + sum(int(p["reserved_bytes"] or 0) for p in pools)
-            out["devices"].append(
-                {
-                    "index": i,
-                    "name": dev.get("name"),
-                    "state": "unusable" if self.engine.is_unusable(i) else dev.get("state"),
-                    "total_bytes": dev.get("total_bytes"),
-                    "used_bytes": used,
-                    "free_bytes": dev.get("free_bytes"),
-                    "frameworks": fws,
-                    "pools": pools,
-                    "known_bytes": known,
-                    "outside_bytes": max(0, used - known) if used is not None else None,
-                    "outside_since_load_bytes": self.engine.outside_since_load(i),
-                    "message": (dev.get("error") or {}).get("message"),
-                }
-            )
-        out["pinned"] = {name: s["pinned"] for name, s in stats.items() if s.get("pinned")}
-        # pools of the user's own making, per framework (PyCUDA's DeviceMemoryPool and PageLockedMemoryPool)
-        out["framework_pools"] = {name: s["pools"] for name, s in stats.items() if s.get("pools")}
-        for s in stats.values():
-            notes.extend((f"stats-note:{n}", n) for n in s.get("notes") or [])
-        out["notes"] = [text for _, text in notes]
+        out = self.engine.memory_status(self.settings())
+        out["enabled"] = bool(self.enabled)
         out["history"] = self.history.last(5)
         out["trace"] = {"active": self.tracer.active, "library": self.tracer.library, "refused": self.tracer.refused}
         return out
