@@ -435,6 +435,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         elif args.on:
             self.enabled = True
             print(f"{report.PREFIX}{report.SEP}automatic cleanup resumed")
+        if args.dask is not None:
+            return self._dask(args, display)
         if args.trace in ("on", "off"):
             if args.trace == "on":
                 self._start_trace(automatic=False)
@@ -473,6 +475,45 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             shown = True
         if wants_table and not shown:
             display(report.memory_report(self.status()))
+        return None
+
+    # ------------------------------------------------------------ Dask workers
+
+    def _dask(self, args: Any, display: Any):
+        """``%gpumem --dask [on|off] [--drain] [--json]``: the workers of the kernel's Dask client."""
+        import sys
+
+        if "distributed" not in sys.modules:
+            raise UsageError("%gpumem --dask: Dask's distributed is not imported in this kernel: create a client "
+                             "first (from dask.distributed import Client; client = Client(...))")
+        try:
+            client = sys.modules["distributed"].get_client()
+        except ValueError:
+            raise UsageError("%gpumem --dask: this kernel has no Dask client: create one first "
+                             "(from dask.distributed import Client; client = Client(...))") from None
+        from . import dask as gpucleanup_dask
+
+        if args.dask == "on":
+            gpucleanup_dask.register(client)
+            print(f"{report.PREFIX}{report.SEP}gpucleanup's plugin registered on {len(client.scheduler_info().get('workers', {}))} "
+                  "Dask workers: each cleans its GPU memory once idle after its tasks (%gpumem --dask shows them)")
+            return None
+        if args.dask == "off":
+            gpucleanup_dask.unregister(client)
+            print(f"{report.PREFIX}{report.SEP}gpucleanup's plugin removed from the Dask workers")
+            return None
+        drained = gpucleanup_dask.drain_cluster(client) if args.drain else None
+        workers = gpucleanup_dask.cluster_memory(client)
+        if args.json:
+            data = {"kind": "gpumem-dask", "workers": workers}
+            if drained is not None:
+                data["drained"] = drained
+            return report.JSONReport(data)
+        if drained is not None:
+            for text in report.dask_drain_lines(drained):
+                print(text)
+        display(report.memory_report(self.status()))
+        display(report.dask_report(workers))
         return None
 
     # ------------------------------------------------------------ allocation trace

@@ -16,9 +16,9 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 __all__ = ["gpumem_arguments", "parse_gpumem", "OPTIONS"]
 
-OPTIONS = ("--json", "--drain", "--history", "--vars", "--release", "--trace", "--off", "--on")
+OPTIONS = ("--json", "--drain", "--history", "--vars", "--release", "--trace", "--dask", "--off", "--on")
 USAGE = ("%gpumem [--json] [--drain] [--history [N]] [--vars [N]] [--release out|traceback|NAME] "
-         "[--trace [on|off]] [--off | --on]")
+         "[--trace [on|off]] [--dask [on|off]] [--off | --on]")
 
 _ARGUMENTS = [
     magic_arguments(),
@@ -71,6 +71,19 @@ _ARGUMENTS = [
             "torch.profiler or Nsight running, the trace cannot start, and says so."
         ),
     ),
+    argument(
+        "--dask",
+        nargs="?",
+        const="show",
+        default=None,
+        metavar="on|off",
+        help=(
+            "The Dask workers of this kernel's client (distributed's default client). 'on' registers "
+            "gpucleanup's worker plugin (each worker cleans its GPU memory once idle after its tasks), 'off' "
+            "removes it; alone, per worker: GPU, live, cached, outside every pool, freed since the last look, "
+            "state. With --drain: clean every idle worker now (busy ones are skipped and say so)."
+        ),
+    ),
     argument("--off", action="store_true", help="Pause the automatic cleanup after each cell."),
     argument("--on", action="store_true", help="Resume the automatic cleanup after each cell."),
 ]
@@ -99,6 +112,13 @@ def parse_gpumem(method: Callable, line: str):
         raise UsageError(f"%gpumem: --release cleans up by itself: pass it alone. Usage: {USAGE}")
     if args.trace is not None and args.trace not in ("on", "off", "show"):
         raise UsageError(f"%gpumem: --trace takes on or off (or nothing, to show the trace), got {args.trace!r}. "
+                         f"Usage: {USAGE}")
+    if args.dask is not None and args.dask not in ("on", "off", "show"):
+        raise UsageError(f"%gpumem: --dask takes on or off (or nothing, to show the workers), got {args.dask!r}. "
+                         f"Usage: {USAGE}")
+    if args.dask is not None and (args.off or args.on or args.release is not None or args.trace is not None
+                                  or (args.drain and args.dask != "show")):
+        raise UsageError(f"%gpumem: --dask goes alone, with --json, or (to drain the workers) with --drain. "
                          f"Usage: {USAGE}")
     if args.trace is not None and (args.drain or args.off or args.on or args.release is not None):
         raise UsageError(f"%gpumem: --trace goes alone (or with --json). Usage: {USAGE}")

@@ -541,6 +541,54 @@ def trace_report(data: dict) -> Report:
     return Report([table], lines)
 
 
+def dask_report(workers: Dict[str, dict]) -> Report:
+    """``%gpumem --dask``: one row per worker and GPU in use."""
+    rows = []
+    lines = []
+    for address, w in sorted((workers or {}).items()):
+        memory = w.get("memory") or {}
+        state = ("busy" if w.get("busy") else "idle") if w.get("plugin") else "no plugin"
+        devices = memory.get("devices") or []
+        if not devices:
+            driver = (memory.get("driver") or {}).get("state")
+            rows.append([address, "-", "-", "-", "-", format_bytes(w.get("freed_since_last_look_bytes"))
+                         if w.get("plugin") else "-", str(w.get("cleanups", "-")),
+                         state + ("" if driver in (None, "ready", "not_initialized") else f", driver {driver}")])
+            continue
+        for dev in devices:
+            live = sum(int(e.get("live_bytes") or 0) for e in (dev.get("frameworks") or {}).values())
+            cached = sum(int(e.get("cached_bytes") or 0) for e in (dev.get("frameworks") or {}).values())
+            cached += sum(max(0, int(p.get("reserved_bytes") or 0) - int(p.get("used_bytes") or 0))
+                          for p in dev.get("pools") or [])
+            rows.append([address, f"GPU{dev.get('index')} {short_device_name(dev.get('name'))}".rstrip(),
+                         format_pair(dev.get("used_bytes"), dev.get("total_bytes")), format_bytes(live),
+                         format_bytes(cached), format_bytes(w.get("freed_since_last_look_bytes"))
+                         if w.get("plugin") else "-", str(w.get("cleanups", "-")), state])
+        for note in memory.get("notes") or []:
+            lines.append(f"{PREFIX}{SEP}{address}: {note}")
+    if not rows:
+        return Report([], [f"{PREFIX}{SEP}the Dask client has no workers"])
+    table = Table("Dask workers", ["worker", "GPU", "device used", "live", "cached", "freed since last look",
+                                   "cleanups", "state"], rows, align="llrrrrrl")
+    if any(not w.get("plugin") for w in (workers or {}).values()):
+        lines.append(f"{PREFIX}{SEP}workers without gpucleanup's plugin are only read: %gpumem --dask on registers it")
+    return Report([table], lines)
+
+
+def dask_drain_lines(drained: Dict[str, dict]) -> List[str]:
+    """What ``%gpumem --dask --drain`` did on each worker."""
+    out = []
+    for address, d in sorted((drained or {}).items()):
+        if d.get("skipped"):
+            out.append(f"{PREFIX}{SEP}{address}: skipped ({d['skipped']})")
+        elif d.get("error"):
+            out.append(f"{PREFIX}{SEP}{address}: cleanup failed ({d['error']})")
+        else:
+            out.append(f"{PREFIX}{SEP}{address}: freed {format_bytes(int(d.get('freed_bytes') or 0))} "
+                       f"({format_duration(d.get('elapsed_s'))})")
+    return out
+
+
 def history_report(records: Sequence[dict]) -> Report:
     if not records:
         return Report([], [f"{PREFIX}{SEP}no cell recorded yet"])

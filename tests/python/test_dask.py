@@ -1,0 +1,196 @@
+"""gpucleanup's Dask worker plugin with a real distributed.LocalCluster (worker processes) and
+the fake CUDA driver in each worker (GPUCLEANUP_LIBCUDA is inherited; each worker's scenario is
+set through client.run): it registers, cleans once a worker goes idle, reports, drains on request
+between tasks only, survives a failing task and a worker restart, and unregisters; no task's
+result or exception changes."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import sys
+import time
+
+import pytest
+
+distributed = pytest.importorskip("distributed")
+dask = pytest.importorskip("dask")
+
+from IPython.core.error import UsageError  # noqa: E402
+from IPython.utils.capture import capture_output  # noqa: E402
+
+import gpucleanup.dask as gdask  # noqa: E402
+from gpucleanup import extension, report  # noqa: E402
+from test_extension import GiB, StandInEndpoint, shell  # noqa: E402,F401
+
+# the functions below run in the workers: pickled by value (the workers cannot import this file)
+import cloudpickle  # noqa: E402
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+POOL_1_GIB = {"devices": [{"primary_active": True, "default_pool": {"reserved_bytes": GiB, "used_bytes": 0}}]}
+
+
+def _scenario(scenario: dict) -> int:
+    lib = ctypes.CDLL(os.environ["GPUCLEANUP_LIBCUDA"])
+    lib.fake_cuda_reset.argtypes = [ctypes.c_char_p]
+    return lib.fake_cuda_reset(json.dumps(scenario).encode())
+
+
+def _wait_for(predicate, what: str, limit_s: float = 60.0):
+    """Polls until ``predicate()`` gives a true value (the cleanup runs on the worker's own thread)."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"{what} did not happen within {limit_s} s"
+        time.sleep(0.05)
+
+
+def _only(workers: dict) -> dict:
+    assert len(workers) == 1, workers
+    return next(iter(workers.values()))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    # every task goes to the worker at once (no queueing on the scheduler): a batch keeps the
+    # worker busy from its first task to its last
+    with dask.config.set({"distributed.scheduler.worker-saturation": float("inf")}):
+        with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None,
+                                      silence_logs=40) as c:
+            yield c
+
+
+@pytest.fixture
+def client(cluster):
+    with distributed.Client(cluster) as c:
+        c.run(_scenario, POOL_1_GIB)
+        yield c
+        if gdask.PLUGIN_NAME in _plugins(c):
+            gdask.unregister(c)
+
+
+def _plugins(client) -> set:
+    return {name for names in client.run(lambda dask_worker: list(dask_worker.plugins)).values() for name in names}
+
+
+def _cleanups(client) -> int:
+    return int(_only(gdask.cluster_memory(client)).get("cleanups", 0))
+
+
+def test_a_registered_worker_cleans_up_once_idle_after_a_task_and_reports_it(client):
+    gdask.register(client, idle_s=0)
+    assert client.submit(lambda: 41 + 1, pure=False).result() == 42
+    status = _wait_for(lambda: (s := _only(gdask.cluster_memory(client))) and s["cleanups"] >= 1 and s, "a cleanup")
+    assert status["plugin"] is True and status["busy"] == 0
+    assert status["last"]["reason"] == "idle" and status["last"]["freed_bytes"] == GiB
+    [device] = status["memory"]["devices"]
+    assert device["pools"] == [{"which": "default", "reserved_bytes": 0, "used_bytes": 0}]
+    # "freed since the last look": the 1 GiB once, then nothing
+    assert status["freed_since_last_look_bytes"] == GiB and status["freed_total_bytes"] == GiB
+    assert _only(gdask.cluster_memory(client))["freed_since_last_look_bytes"] == 0
+
+
+def test_a_batch_of_tasks_is_cleaned_once_after_its_last_task(client):
+    gdask.register(client, idle_s=0)
+    assert client.submit(lambda: 0, pure=False).result() == 0
+    _wait_for(lambda: _cleanups(client) >= 1, "the first cleanup")
+    before = _cleanups(client)
+    gate = distributed.Event("gpucleanup-test-gate", client=client)
+    futures = client.map(lambda i: distributed.Event("gpucleanup-test-gate").wait() and i, range(40), pure=False)
+    # all 40 on the worker (one running, 39 ready) before any may finish
+    _wait_for(lambda: sum(len(v) for v in client.processing().values()) == 40, "the batch reaching the worker")
+    _wait_for(lambda: _only(client.run(lambda dask_worker: dask_worker.state.executing_count
+                                       + len(dask_worker.state.ready))) == 40, "the worker holding the batch")
+    gate.set()
+    assert client.gather(futures) == list(range(40))
+    _wait_for(lambda: _cleanups(client) >= before + 1, "the cleanup after the batch")
+    status = _only(gdask.cluster_memory(client))
+    assert status["cleanups"] == before + 1  # one for the whole batch, none between its tasks
+    gate.clear()
+
+
+def test_a_failing_task_keeps_its_exception_and_the_worker_still_cleans(client):
+    gdask.register(client, idle_s=0)
+
+    def fails():
+        raise ValueError("the task's own error")
+
+    future = client.submit(fails, pure=False)
+    with pytest.raises(ValueError, match="the task's own error"):
+        future.result()
+    _wait_for(lambda: _cleanups(client) >= 1, "a cleanup after the failed task")
+    assert client.submit(lambda: "next", pure=False).result() == "next"
+
+
+def test_drain_on_request_cleans_idle_workers_and_skips_busy_ones(client):
+    gdask.register(client, idle_s=3600)  # no cleanup of its own during this test
+    [drained] = gdask.drain_cluster(client).values()
+    assert drained["reason"] == "request" and drained["freed_bytes"] == GiB
+    gate = distributed.Event("gpucleanup-test-hold", client=client)
+    held = client.submit(lambda: distributed.Event("gpucleanup-test-hold").wait(), pure=False)
+    _wait_for(lambda: _only(client.run(lambda dask_worker: dask_worker.state.executing_count)) == 1, "the task running")
+    [skipped] = gdask.drain_cluster(client).values()
+    assert skipped["skipped"] == "busy with 1 task: drained only between tasks"
+    gate.set()
+    assert held.result() is True
+    gate.clear()
+
+
+def test_unregister_stops_the_plugin_and_a_worker_without_it_is_only_read(client):
+    gdask.register(client, idle_s=0)
+    assert gdask.PLUGIN_NAME in _plugins(client)
+    gdask.unregister(client)
+    assert gdask.PLUGIN_NAME not in _plugins(client)
+    assert client.run(lambda: [t.name for t in __import__("threading").enumerate()
+                               if t.name == "gpucleanup-dask"]) == {a: [] for a in client.scheduler_info()["workers"]}
+    status = _only(gdask.cluster_memory(client))
+    assert status["plugin"] is False and status["memory"]["devices"][0]["pools"][0]["reserved_bytes"] == GiB
+
+
+def test_the_plugin_comes_back_on_a_restarted_worker(client):
+    gdask.register(client, idle_s=0)
+    client.restart()
+    client.run(_scenario, POOL_1_GIB)
+    assert gdask.PLUGIN_NAME in _plugins(client)
+    assert client.submit(lambda: 7, pure=False).result() == 7
+    _wait_for(lambda: _cleanups(client) >= 1, "a cleanup on the restarted worker")
+
+
+def test_bad_plugin_options_are_refused_with_what_to_pass():
+    with pytest.raises(ValueError, match="idle_s must be a number of seconds from 0 to 3,600"):
+        gdask.GPUCleanupPlugin(idle_s=-1)
+    with pytest.raises(ValueError, match="history must be a whole number"):
+        gdask.GPUCleanupPlugin(history=0)
+
+
+def test_gpumem_dask_in_a_kernel_registers_shows_and_drains_the_workers(shell, client, monkeypatch):  # noqa: F811
+    monkeypatch.setitem(extension.DEFAULTS, "adapters", lambda: [])
+    monkeypatch.setitem(extension.DEFAULTS, "status_endpoint", lambda: StandInEndpoint())
+    shell.run_line_magic("load_ext", "gpucleanup")
+    with capture_output() as cap:
+        shell.run_line_magic("gpumem", "--dask on")
+    assert cap.stdout.splitlines()[0].startswith("gpucleanup · gpucleanup's plugin registered on 1 Dask workers")
+    data = shell.run_line_magic("gpumem", "--dask --drain --json")
+    [drained] = data["drained"].values()
+    assert drained["freed_bytes"] == GiB
+    [worker] = data["workers"].values()
+    assert worker["plugin"] is True and worker["cleanups"] >= 1
+    table = report.dask_report(data["workers"]).text()
+    assert "Dask workers" in table and worker["address"] in table
+    with capture_output() as cap:
+        shell.run_line_magic("gpumem", "--dask off")
+    assert cap.stdout.strip() == "gpucleanup · gpucleanup's plugin removed from the Dask workers"
+    with pytest.raises(UsageError, match="--dask takes on or off"):
+        shell.run_line_magic("gpumem", "--dask maybe")
+
+
+def test_gpumem_dask_without_a_client_says_how_to_make_one(shell, monkeypatch):  # noqa: F811
+    monkeypatch.setitem(extension.DEFAULTS, "adapters", lambda: [])
+    monkeypatch.setitem(extension.DEFAULTS, "status_endpoint", lambda: StandInEndpoint())
+    shell.run_line_magic("load_ext", "gpucleanup")
+    with pytest.raises(UsageError, match="this kernel has no Dask client: create one first"):
+        shell.run_line_magic("gpumem", "--dask")
