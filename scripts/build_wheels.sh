@@ -201,6 +201,12 @@ if [ "$download" = 1 ]; then
   "$tools/bin/python" -m pip download --no-deps --only-binary=:all: --python-version "$target_python" \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform any -d .whl pytools platformdirs siphash24 mako
+  # Dask for the worker plugin's GPU test: dask-cuda and the dask/distributed it is made for (its
+  # rapids-dask-dependency pins them), with what the GPU machine lacks of their dependencies
+  "$tools/bin/python" -m pip download --no-deps --only-binary=:all: --python-version "$target_python" \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform any -d .whl \
+    "dask==2026.7.1" "distributed==2026.7.1" partd locket tblib zict "dask-cuda==26.10.*" "rapids-dask-dependency==26.10.*"
   mkdir -p .whl/src
   "$tools/bin/python" - .whl/src <<'EOF'
 import json, pathlib, sys, urllib.request

@@ -4,9 +4,9 @@
 # jupyter_client and their dependencies, made by scripts/build_wheels.sh),
 # then the real-GPU tests, the benchmarks and the demo, in one go.
 # Results land in $OUT (or ./gpu-out): machine.log, gpu-tests.log, facts.log, bench.json, bench.log, demo.log,
-# for the stage trace: trace-tests.log, trace-bench.json, trace-bench.log;
+# for the stage trace: trace-tests.log, trace-bench.json, trace-bench.log; for dask: dask-tests.log, dask-bench.*;
 # and for the stage kernels: kernels.json, kernels.log, kernel-calls.json, kernel-calls.log.
-# Usage: scripts/gpu_run.sh [STAGE ...]   stages: tests facts bench demo kernels kernels-focus stages trace
+# Usage: scripts/gpu_run.sh [STAGE ...]   stages: tests facts bench demo kernels kernels-focus stages trace dask
 #        (default: tests facts bench demo)
 # The stage stages (tests/bench/profile_cell.py --stages --primitives, in-process, about a minute) writes
 # stages.log: where the per-cell time goes, step by step, with CUDA unused and PyTorch or CuPy idle; and
@@ -54,6 +54,11 @@ if [[ $stages == *" trace "* ]]; then
   python3 -m pytest tests/gpu/test_trace_gpu.py tests/gpu/test_pycuda_gpu.py -v -s -p no:cacheprovider 2>&1 \
     | tee "$out/trace-tests.log"
   python3 tests/bench/bench_trace.py --json "$out/trace-bench.json" 2>&1 | tee "$out/trace-bench.log"
+fi
+if [[ $stages == *" dask "* ]]; then
+  # the Dask worker plugin on a LocalCUDACluster: its GPU test, then its cost per task and per cleanup
+  python3 -m pytest tests/gpu/test_dask_gpu.py -v -s -p no:cacheprovider 2>&1 | tee "$out/dask-tests.log"
+  python3 tests/bench/bench_dask.py --json "$out/dask-bench.json" 2>&1 | tee "$out/dask-bench.log"
 fi
 if [[ $stages == *" facts "* ]]; then
   python3 scripts/gpu_facts.py 2>&1 | tee "$out/facts.log"
