@@ -194,3 +194,40 @@ def test_gpumem_dask_without_a_client_says_how_to_make_one(shell, monkeypatch): 
     shell.run_line_magic("load_ext", "gpucleanup")
     with pytest.raises(UsageError, match="this kernel has no Dask client: create one first"):
         shell.run_line_magic("gpumem", "--dask")
+
+
+def _stand_in_rmm_pool(pool_bytes: int, current_bytes: int) -> list:
+    """In the worker: a stand-in RMM (tests/python/stand_ins) with a pool on device 0, as dask-cuda's
+    rmm_pool_size sets one up; kept in sys.modules for the worker's life."""
+    import pytest as _pytest
+    from stand_ins import World, install_rmm
+    from stand_ins.rmm import CudaMemoryResource, PoolMemoryResource, StatisticsResourceAdaptor
+
+    world = World(n_devices=1, active=(0,))
+    pool = PoolMemoryResource(CudaMemoryResource(), pool_bytes)
+    install_rmm(_pytest.MonkeyPatch(), world, resources={0: StatisticsResourceAdaptor(pool, current_bytes)})
+    return world.violations
+
+
+def test_an_rmm_pool_set_up_for_the_worker_is_reported_as_rmms_and_left_alone(client):
+    import stand_ins
+    import stand_ins.rmm
+    import stand_ins.world
+
+    for m in (stand_ins, stand_ins.rmm, stand_ins.world):
+        cloudpickle.register_pickle_by_value(m)
+    try:
+        assert client.run(_stand_in_rmm_pool, 2 * GiB, GiB // 2) == {a: [] for a in client.scheduler_info()["workers"]}
+        gdask.register(client, idle_s=0)
+        assert client.submit(lambda: 1, pure=False).result() == 1
+        status = _wait_for(lambda: (s := _only(gdask.cluster_memory(client))) and s["cleanups"] >= 1 and s,
+                           "a cleanup")
+        [device] = status["memory"]["devices"]
+        assert device["frameworks"]["rmm"] == {"live_bytes": GiB // 2, "cached_bytes": 3 * GiB // 2}
+        assert status["memory"]["frameworks"]["rmm"].startswith("rmm holds 2.0 GiB (512 MiB live); RMM pools give "
+                                                                "memory back only when their resource is destroyed")
+        assert status["last"]["freed_bytes"] == GiB  # the driver pool of the scenario; nothing of RMM's
+    finally:
+        client.restart()  # the stand-in leaves with the worker process
+        for m in (stand_ins, stand_ins.rmm, stand_ins.world):
+            cloudpickle.unregister_pickle_by_value(m)
