@@ -71,7 +71,7 @@ class GPUCleanupOptions(Configurable):
         default_value={},
         help=(
             "Framework adapters to switch on or off by name, e.g. {'jax': False}. "
-            "Adapters not named here are on. Known names: cupy, jax, numba, rmm, tensorflow, torch."
+            "Adapters not named here are on. Known names: cupy, jax, numba, pycuda, rmm, tensorflow, torch."
         ),
     ).tag(config=True)
 
