@@ -131,3 +131,25 @@ def require(module: str) -> None:
     proc = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, env=subprocess_env())
     if proc.returncode != 0:
         pytest.skip(f"{module} is not installed here")
+
+
+# A cell's code (escaped to sit inside a run("...") call of a test's script): five threads that each push
+# PyCUDA's autoinit context (ctx), keep a 64 MiB drv.mem_alloc in ``kept`` and pop the context. The
+# allocation is on line 6 of the cell, in work().
+PYCUDA_THREADS = (
+    "kept = []\\n"
+    "lock = threading.Lock()\\n"
+    "def work():\\n"
+    "    ctx.push()\\n"
+    "    try:\\n"
+    "        block = drv.mem_alloc(64 << 20)\\n"
+    "        with lock:\\n"
+    "            kept.append(block)\\n"
+    "    finally:\\n"
+    "        ctx.pop()\\n"
+    "threads = [threading.Thread(target=work) for _ in range(5)]\\n"
+    "for t in threads:\\n"
+    "    t.start()\\n"
+    "for t in threads:\\n"
+    "    t.join()"
+)

@@ -15,7 +15,7 @@ Skipped where PyCUDA cannot be imported.
 
 from __future__ import annotations
 
-from conftest import MiB, require, run_script
+from conftest import PYCUDA_THREADS, MiB, require, run_script
 
 # run(code) -> (gpucleanup's lines, everything written to stderr: Python's and, through file
 # descriptor 2, PyCUDA's C++ warnings such as "out-of-thread context could not be cleaned up")
@@ -78,23 +78,7 @@ def test_raw_allocations_of_five_threads_are_said_as_growth_outside_every_pool()
         run("%load_ext gpucleanup")
         run("import threading\\nimport pycuda.autoinit\\nimport pycuda.driver as drv\\nctx = pycuda.autoinit.context")
         run("y = 1")
-        lines, err = run(
-            "kept = []\\n"
-            "lock = threading.Lock()\\n"
-            "def work():\\n"
-            "    ctx.push()\\n"
-            "    try:\\n"
-            "        block = drv.mem_alloc(64 << 20)\\n"
-            "        with lock:\\n"
-            "            kept.append(block)\\n"
-            "    finally:\\n"
-            "        ctx.pop()\\n"
-            "threads = [threading.Thread(target=work) for _ in range(5)]\\n"
-            "for t in threads:\\n"
-            "    t.start()\\n"
-            "for t in threads:\\n"
-            "    t.join()\\n"
-            "count = len(kept)")
+        lines, err = run("''' + PYCUDA_THREADS + '''\\ncount = len(kept)")
         count = shell.user_ns["count"]
         run("for block in kept:\\n    block.free()\\ndel kept")
         result(lines=lines, err=err, count=count)

@@ -11,7 +11,7 @@ in an in-process IPython shell:
 
 from __future__ import annotations
 
-from conftest import MiB, require, run_script
+from conftest import PYCUDA_THREADS, MiB, require, run_script
 
 SHELL = '''
     import io, contextlib
@@ -28,23 +28,6 @@ SHELL = '''
         return res.execution_count, lines
 '''
 
-PYCUDA_THREADS = (
-    "kept = []\\n"
-    "lock = threading.Lock()\\n"
-    "def work():\\n"
-    "    ctx.push()\\n"
-    "    try:\\n"
-    "        block = drv.mem_alloc(64 << 20)\\n"
-    "        with lock:\\n"
-    "            kept.append(block)\\n"
-    "    finally:\\n"
-    "        ctx.pop()\\n"
-    "threads = [threading.Thread(target=work) for _ in range(5)]\\n"
-    "for t in threads:\\n"
-    "    t.start()\\n"
-    "for t in threads:\\n"
-    "    t.join()"
-)
 
 
 def test_five_pycuda_threads_raw_allocations_are_traced_to_their_line():
