@@ -22,7 +22,8 @@ esac
 started=$SECONDS
 say() { echo "setup: $*"; }
 
-deb_packages=(g++ pkg-config nlohmann-json3-dev libgtest-dev libgmock-dev libzmq3-dev cppzmq-dev libssl-dev patchelf)
+deb_packages=(g++ pkg-config nlohmann-json3-dev libgtest-dev libgmock-dev libzmq3-dev cppzmq-dev libssl-dev patchelf
+  libasan8 libubsan1 libtsan2)
 command -v cmake >/dev/null || deb_packages+=(cmake)
 command -v ninja >/dev/null || deb_packages+=(ninja-build)
 command -v python3 >/dev/null || deb_packages+=(python3 python3-venv)

@@ -9,8 +9,9 @@
 # Usage: scripts/test.sh [--repeat N] [pytest arguments...]
 #   --repeat N   run the pytest suites N times in a row (one set-up and build),
 #                stopping at the first round that fails
+# Then the sanitizer runs (scripts/sanitizers.sh, about 30 minutes on 2 cores the first time).
 # Environment: GPUCLEANUP_BUILD_DIR (default build), GPUCLEANUP_SKIP_LOW_IPYTHON=1 skips the
-#   lowest-IPython run.
+#   lowest-IPython run, GPUCLEANUP_SKIP_SANITIZERS=1 the sanitizer runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -72,9 +73,22 @@ for ((round = 1; round <= repeat; round++)); do
 done
 [ "$repeat" = 1 ] || say "all $repeat rounds passed"
 
+# The sanitizer runs (scripts/sanitizers.sh): the C++ suites under ASan + UBSan and under TSan, the Python
+# suite against the ASan + UBSan library. Skipped when pytest arguments or --repeat select a partial run.
+run_sanitizers() {
+  if [ "${GPUCLEANUP_SKIP_SANITIZERS:-0}" = 1 ]; then
+    say "sanitizer runs skipped (GPUCLEANUP_SKIP_SANITIZERS=1)"
+  elif [ ${#pytest_args[@]} -gt 0 ] || [ "$repeat" != 1 ]; then
+    say "sanitizer runs skipped (a partial or repeated run: bash scripts/sanitizers.sh runs them)"
+  else
+    bash scripts/sanitizers.sh
+  fi
+}
+
 main_ipython=$(.venv/bin/python -c 'import IPython; print(IPython.__version__)')
 if [ "${GPUCLEANUP_SKIP_LOW_IPYTHON:-0}" = 1 ]; then
   say "tested with IPython $main_ipython only (GPUCLEANUP_SKIP_LOW_IPYTHON=1)"
+  run_sanitizers
   say "done in $((SECONDS - started)) s"
   exit 0
 fi
@@ -124,4 +138,5 @@ if [ "$rc" != 0 ]; then
   exit "$rc"
 fi
 say "lowest-IPython suites passed in $((SECONDS - step)) s"
+run_sanitizers
 say "tested with IPython $main_ipython (.venv) and IPython $low_ipython_version ($low); done in $((SECONDS - started)) s"

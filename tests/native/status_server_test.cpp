@@ -15,6 +15,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -131,7 +132,7 @@ class TempDir {
 struct Hooks {
   std::atomic<int> snapshots{0};
   std::atomic<int> drains{0};
-  double last_timeout = -1;
+  std::atomic<double> last_timeout{-1};  // written by the server's worker thread
 
   ServerHooks make() {
     return ServerHooks{[this] {
@@ -439,7 +440,7 @@ TEST_F(SignedServer, DrainRunsOnceWhenIdle) {
   EXPECT_EQ(reply["timeout_s"], 2.5);
   EXPECT_EQ(reply["result"]["kind"], "drain");
   EXPECT_EQ(hooks_.drains.load(), 1);
-  EXPECT_EQ(hooks_.last_timeout, 2.5);
+  EXPECT_EQ(hooks_.last_timeout.load(), 2.5);
 
   json too_long = request("drain");
   too_long["timeout_s"] = 1e9;
@@ -714,8 +715,12 @@ class RawPeers {
 std::size_t accepted_descriptors(const std::string& endpoint) {
   const int port = std::stoi(endpoint.substr(endpoint.rfind(':') + 1));
   std::size_t n = 0;
-  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
-    const int fd = std::atoi(entry.path().filename().c_str());
+  // Every descriptor number up to the open-file limit, asked directly: listing /proc/self/fd would open
+  // (and close) a descriptor of its own while the server's thread inspects the ones it accepted.
+  rlimit limit{};
+  ::getrlimit(RLIMIT_NOFILE, &limit);
+  const int last = static_cast<int>(std::min<rlim_t>(limit.rlim_cur, 65536));
+  for (int fd = 0; fd < last; ++fd) {
     sockaddr_in local{};
     socklen_t length = sizeof local;
     int listening = 0;
