@@ -22,6 +22,7 @@ trace stays off and says so (FACTS in README's "Limits").
 from __future__ import annotations
 
 import ctypes
+import gc
 import glob
 import os
 import re
@@ -200,8 +201,20 @@ class Tracer:
     # -- called by the library, on the allocating thread, holding the interpreter lock --
 
     def _site(self) -> int:
+        # Runs inside a driver call (CUPTI's callback): no garbage collection may start here, since a
+        # finaliser could free GPU memory and call the driver again from within its own call.
+        collecting = gc.isenabled()
+        if collecting:
+            gc.disable()
         try:
-            frame = sys._getframe(1)
+            return self._site_id()
+        finally:
+            if collecting:
+                gc.enable()
+
+    def _site_id(self) -> int:
+        try:
+            frame = sys._getframe(2)
         except ValueError:
             return 0
         try:

@@ -211,3 +211,19 @@ def test_traced_text_names_a_cuda_librarys_own_allocations_by_library():
     assert report.traced_text(entries, 0) == (
         "32 MiB in 1 allocation from <cell 2>:1 through libcublasLt.so.13 (the library's own workspace or handle), "
         "never freed")
+
+
+def test_the_site_hook_runs_with_garbage_collection_off_and_puts_it_back_as_it_was():
+    import gc
+
+    seen = []
+    tracer = tracing.Tracer(native=None, shell=None)
+    tracer._site_id = lambda: seen.append(gc.isenabled()) or 7  # what the hook runs, inside the driver call
+    assert gc.isenabled()
+    assert tracer._site() == 7 and gc.isenabled()
+    gc.disable()
+    try:
+        assert tracer._site() == 7 and not gc.isenabled()  # the user's own choice stays
+    finally:
+        gc.enable()
+    assert seen == [False, False]
