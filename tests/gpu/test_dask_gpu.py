@@ -1,5 +1,5 @@
-"""gpucleanup's Dask worker plugin on a real GPU: a LocalCUDACluster with one worker on the
-machine's GPU, CuPy work mapped over it from a client.
+"""gpucleanup's Dask worker plugin on real GPUs: a LocalCUDACluster with one worker per GPU of the
+machine (one on a one-GPU machine), CuPy work mapped over them from a client.
 
 - after the tasks, once the worker is idle, its CuPy pool holds nothing freeable and its device
   memory is back within 16 MiB of where it was after a warm-up task;
@@ -15,7 +15,7 @@ def test_cupy_tasks_on_a_local_cuda_cluster_leave_the_workers_pool_empty():
     require("cupy")
     require("dask_cuda")
     r = run_script('''
-        import time
+        import os, time
         import dask
         from dask_cuda import LocalCUDACluster
         from distributed import Client
@@ -32,40 +32,50 @@ def test_cupy_tasks_on_a_local_cuda_cluster_leave_the_workers_pool_empty():
             return pool.used_bytes(), pool.free_bytes()
 
         def cleaned(client, after):
+            # every worker has cleaned up more often than ``after`` (address -> count) and is idle
             deadline = time.monotonic() + 60
             while True:
-                status = next(iter(gd.cluster_memory(client).values()))
-                if status["cleanups"] > after and not status["busy"]:
-                    return status
-                assert time.monotonic() < deadline, status
+                statuses = gd.cluster_memory(client)
+                if all(s["cleanups"] > after.get(a, 0) and not s["busy"] for a, s in statuses.items()):
+                    return statuses
+                assert time.monotonic() < deadline, statuses
                 time.sleep(0.05)
 
         # every task goes to the worker at once: the batch keeps it busy from its first task to its last
         dask.config.set({"distributed.scheduler.worker-saturation": float("inf")})
-        with LocalCUDACluster(n_workers=1, dashboard_address=None, silence_logs=40) as cluster, \\
+        with LocalCUDACluster(dashboard_address=None, silence_logs=40) as cluster, \\
                 Client(cluster) as client:
             gd.register(client, idle_s=0.2)
-            client.submit(work, -1, pure=False).result()  # warm-up: CuPy, cuBLAS and cuRAND set up
-            warm = cleaned(client, 0)
-            used_warm = warm["memory"]["devices"][0]["used_bytes"]
+            workers = sorted(client.scheduler_info()["workers"])
+            for w in workers:  # warm-up on each: CuPy, cuBLAS and cuRAND set up
+                client.submit(work, -1, workers=[w], pure=False).result()
+            warm = cleaned(client, {})
             start = time.perf_counter()
-            results = client.gather(client.map(work, range(16), pure=False))
+            results = client.gather(client.map(work, range(16 * len(workers)), pure=False))
             tasks_s = time.perf_counter() - start
-            after = cleaned(client, warm["cleanups"])
-            own = next(iter(client.run(cupy_pool).values()))
-            device = after["memory"]["devices"][0]
-            figure(f"warm-up cleanup: {warm['last']}")
-            figure(f"after 16 tasks ({tasks_s:.2f} s): {after['last']}; cleanups {after['cleanups']}, "
-                   f"skipped while busy {after['skipped_busy']}")
-            figure(f"worker device used {used_warm} -> {device['used_bytes']} B; cupy as reported "
-                   f"{device['frameworks'].get('cupy')}, as the worker reads it {own}")
-            result(count=len(results), used_warm=used_warm, used_after=device["used_bytes"],
-                   reported=device["frameworks"].get("cupy"), own=own, last=after["last"],
-                   cleanups=after["cleanups"] - warm["cleanups"])
+            after = cleaned(client, {a: s["cleanups"] for a, s in warm.items()})
+            own = client.run(cupy_pool)
+            # dask-cuda gives each worker its own GPU first in CUDA_VISIBLE_DEVICES (its device 0)
+            first = client.run(lambda: os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0])
+            out = []
+            for a in workers:
+                device = after[a]["memory"]["devices"][0]
+                figure(f"{a}: GPU{device['index']} used {warm[a]['memory']['devices'][0]['used_bytes']} -> "
+                       f"{device['used_bytes']} B; last cleanup {after[a]['last']}; cupy as reported "
+                       f"{device['frameworks'].get('cupy')}, as the worker reads it {own[a]}")
+                out.append(dict(index=device["index"], gpu=first[a], used_warm=warm[a]["memory"]["devices"][0]["used_bytes"],
+                                used_after=device["used_bytes"], reported=device["frameworks"].get("cupy"),
+                                own=own[a], last=after[a]["last"], devices=len(after[a]["memory"]["devices"]),
+                                cleanups=after[a]["cleanups"] - warm[a]["cleanups"]))
+            figure(f"{len(results)} tasks on {len(workers)} workers in {tasks_s:.2f} s")
+            result(count=len(results), workers=out)
     ''', timeout=600)
-    assert r["count"] == 16
-    assert r["last"]["reason"] == "idle" and r["last"]["freed_bytes"] >= 64 * MiB, r["last"]
-    assert r["cleanups"] == 1, r  # one cleanup for the batch of 16 tasks
-    assert r["reported"] == {"live_bytes": r["own"][0], "cached_bytes": r["own"][1]}, r
-    assert r["own"][1] == 0, r  # nothing freeable left in the worker's CuPy pool
-    assert abs(r["used_after"] - r["used_warm"]) <= 16 * MiB, r
+    assert r["count"] == 16 * len(r["workers"])
+    assert len({w["gpu"] for w in r["workers"]}) == len(r["workers"]), r["workers"]  # one GPU each
+    for w in r["workers"]:
+        assert w["devices"] == 1, w  # a worker touches its own GPU only
+        assert w["last"]["reason"] == "idle" and w["last"]["freed_bytes"] >= 64 * MiB, w
+        assert w["cleanups"] == 1, w  # one cleanup for its share of the batch
+        assert w["reported"] == {"live_bytes": w["own"][0], "cached_bytes": w["own"][1]}, w
+        assert w["own"][1] == 0, w  # nothing freeable left in the worker's CuPy pool
+        assert abs(w["used_after"] - w["used_warm"]) <= 16 * MiB, w
