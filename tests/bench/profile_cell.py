@@ -39,6 +39,10 @@ SCENARIOS.update({
         cell="x = 1"),
     "cupy_idle": dict(needs="cupy", setup=(
         "import cupy as cp\nw = cp.ones(1 << 20)\ncp.cuda.Device(0).synchronize()"), cell="x = 1"),
+    # PyTorch idle on two GPUs (the per-cell cost with two devices in use, against torch_idle's one)
+    "torch_idle_2gpu": dict(needs="torch", setup=(
+        "import torch\nw0 = torch.ones(1 << 20, device='cuda:0')\nw1 = torch.ones(1 << 20, device='cuda:1')\n"
+        "torch.cuda.synchronize(0)\ntorch.cuda.synchronize(1)"), cell="x = 1"),
     # each cell's last expression is a CUDA tensor: it stays in Out[N], and the holder check reads it
     "torch_out": dict(needs="torch", setup=(
         "import torch\nw = torch.ones(1 << 20, device='cuda')\ntorch.cuda.synchronize()"), cell="w"),
