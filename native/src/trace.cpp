@@ -17,6 +17,7 @@
 #include <tuple>
 #include <unordered_map>
 
+#include "accounting.hpp"
 #include "devices.hpp"
 #include "driver.hpp"
 #include "gil.hpp"
@@ -499,9 +500,7 @@ nlohmann::json report(std::int64_t cell) {
                              {"thread_count", g.threads.size()}});
   }
   for (const auto& [pool, device] : s.pools) {
-    char text[32];
-    std::snprintf(text, sizeof text, "%p", static_cast<void*>(pool));
-    out["pools"].push_back({{"handle", text}, {"device", device}});
+    out["pools"].push_back({{"handle", pool_handle_text(pool)}, {"device", device}});
   }
   return out;
 }
