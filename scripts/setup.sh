@@ -24,6 +24,8 @@ say() { echo "setup: $*"; }
 
 deb_packages=(g++ pkg-config nlohmann-json3-dev libgtest-dev libgmock-dev libzmq3-dev cppzmq-dev libssl-dev patchelf
   libasan8 libubsan1 libtsan2)
+# The Jupyter Server page's tests drive Debian's headless Chromium through its chromedriver (Selenium).
+deb_packages+=(chromium chromium-driver)
 command -v cmake >/dev/null || deb_packages+=(cmake)
 command -v ninja >/dev/null || deb_packages+=(ninja-build)
 command -v python3 >/dev/null || deb_packages+=(python3 python3-venv)

@@ -1,0 +1,184 @@
+"""Every kernel with gpucleanup on this machine, asked at once: what ``gpucleanup ps``, the Jupyter
+Server page (``gpucleanup.server``) and the Prometheus metrics (``gpucleanup.metrics``) all read.
+
+:func:`gather` scans the discovery files (``discovery.scan``: stale files of exited kernels are
+removed on the way, kernels of another PID namespace are listed and never asked), reads each
+kernel's key, and sends every kernel the same request at once (``status_client.request_many``), each
+with at most ``timeout`` seconds. Nothing here raises for one kernel's sake: a kernel that cannot be
+asked or does not answer carries its reason in :attr:`KernelView.error`.
+
+:func:`device_rows` turns one status reply into per-device figures: the driver's view (used, total,
+driver pools) from the reply's live snapshot, the frameworks' (live, cached per framework, outside
+every pool) from the last cell's record.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+from . import discovery, status_client
+
+__all__ = ["KernelView", "Gathered", "gather", "device_rows", "total", "target_of", "short_error"]
+
+
+@dataclass
+class KernelView:
+    """One kernel as seen from outside it."""
+
+    kernel: discovery.Kernel
+    #: the kernel's status reply (``share/protocol.md``), None when it could not be had
+    status: Optional[dict] = None
+    #: the records of its last cells, oldest first (only when asked for)
+    history: Optional[List[dict]] = None
+    #: why there is no status: a sentence that says what to do
+    error: Optional[str] = None
+    #: what kind of failure: "no_answer" | "refused" | "bad_key" | "elsewhere"
+    error_kind: Optional[str] = None
+    #: the kernel runs in another PID namespace: listed, never asked
+    elsewhere: Optional[str] = None
+    #: the StatusError behind ``error``, for callers that map it to their own exit codes
+    exception: Optional[Exception] = field(default=None, repr=False)
+
+    @property
+    def pid(self) -> int:
+        return self.kernel.pid
+
+    @property
+    def kernel_id(self) -> Optional[str]:
+        return self.kernel.kernel_id
+
+    @property
+    def notebook(self) -> Optional[str]:
+        status = self.status or {}
+        described = (status.get("kernel") or {}).get("notebook") if isinstance(status.get("kernel"), dict) else None
+        return described or self.kernel.notebook
+
+
+@dataclass
+class Gathered:
+    kernels: List[KernelView]
+    #: discovery files that could not be used: (path, why)
+    skipped: List[discovery.Skipped]
+    #: the runtime directory scanned
+    directory: Path
+
+
+def target_of(kernel: discovery.Kernel) -> status_client.Target:
+    """The kernel's endpoint and key; raises :class:`discovery.UnsafeFile` for a key file that is not a
+    regular file of at most 64 KiB, ``OSError`` for one that cannot be read."""
+    return status_client.Target(kernel.endpoint, kernel.read_key(), kernel.label)
+
+
+def short_error(error: status_client.StatusError, timeout: float) -> tuple:
+    """(kind, sentence) for a failed request."""
+    if isinstance(error, status_client.StatusTimeout):
+        return "no_answer", (f"did not answer within {timeout:g} s: the process may be stopped or overloaded")
+    if isinstance(error, status_client.StatusUnreachable):
+        return "no_answer", str(error)
+    if error.error_id == "gpucleanup.server.403":
+        return "refused", f"refused the request: its key file does not hold the kernel's key ({error})"
+    return "refused", str(error)
+
+
+def gather(
+    directory: Optional[Path] = None,
+    timeout: float = status_client.DEFAULT_TIMEOUT,
+    history: int = 0,
+    clean: bool = True,
+) -> Gathered:
+    """Every kernel of ``directory`` (default: Jupyter's runtime directory) with its status, and with
+    the records of its last ``history`` cells when ``history`` > 0. Kernels elsewhere come last."""
+    found = discovery.scan(directory, clean=clean)
+    views: List[KernelView] = []
+    targets: List[status_client.Target] = []
+    asked: List[KernelView] = []
+    for kernel in found.live:
+        view = KernelView(kernel)
+        views.append(view)
+        try:
+            targets.append(target_of(kernel))
+        except discovery.UnsafeFile as exc:
+            view.error_kind = "bad_key"
+            view.error = f"its key file {kernel.key_file} is {exc.strerror}: restart the kernel"
+            continue
+        except OSError as exc:
+            view.error_kind = "bad_key"
+            view.error = (f"cannot read its key file {kernel.key_file} ({exc.strerror}): "
+                          "run as the user who started the kernel")
+            continue
+        asked.append(view)
+    if asked:
+        for view, result in zip(asked, status_client.request_many(targets, "status", timeout)):
+            _take(view, result, timeout, "status")
+        if history > 0:
+            wanted = [(v, t) for v, t in zip(asked, targets) if v.status is not None]
+            if wanted:
+                results = status_client.request_many([t for _, t in wanted], "history", timeout, limit=int(history))
+                for (view, _), result in zip(wanted, results):
+                    if isinstance(result, dict) and isinstance(result.get("records"), list):
+                        view.history = result["records"]
+    for kernel in found.elsewhere:
+        views.append(KernelView(kernel, elsewhere=kernel.elsewhere, error_kind="elsewhere",
+                                error=f"elsewhere ({kernel.elsewhere}): ask from the kernel's own PID namespace"))
+    return Gathered(views, list(found.skipped), Path(directory) if directory else discovery.runtime_dir())
+
+
+def _take(view: KernelView, result, timeout: float, kind: str) -> None:
+    if isinstance(result, status_client.StatusError):
+        view.error_kind, view.error = short_error(result, timeout)
+        view.exception = result
+    else:
+        view.status = result
+
+
+# ------------------------------------------------------------------ reading replies
+
+
+def total(value) -> int:
+    """The sum of a per-framework dict of bytes (or the int itself)."""
+    if isinstance(value, dict):
+        return sum(v for v in value.values() if isinstance(v, int) and not isinstance(v, bool))
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def device_rows(reply: dict) -> List[dict]:
+    """Per device the kernel uses: ``index``, ``name``, ``uuid``, ``used_bytes``, ``total_bytes`` and the
+    driver pools (``driver_pool_reserved_bytes``, ``driver_pool_used_bytes``) from the live snapshot;
+    ``live_bytes`` and ``cached_bytes`` per framework, ``outside_bytes`` and ``freed_bytes`` (the last
+    cleanup's, per framework) from the last cell's record. Devices by index."""
+    devices = {}
+    snapshot = reply.get("snapshot") or {}
+    for dev in snapshot.get("devices") or []:
+        if not isinstance(dev, dict) or not dev.get("in_use"):
+            continue
+        pools = [p for p in dev.get("pools") or [] if isinstance(p, dict)]
+        devices[dev.get("index")] = {
+            "index": dev.get("index"),
+            "name": dev.get("name"),
+            "uuid": dev.get("uuid"),
+            "used_bytes": dev.get("used_bytes"),
+            "total_bytes": dev.get("total_bytes"),
+            "driver_pool_reserved_bytes": sum(p.get("reserved_bytes") or 0 for p in pools),
+            "driver_pool_used_bytes": sum(p.get("used_bytes") or 0 for p in pools),
+            "live_bytes": {},
+            "cached_bytes": {},
+            "outside_bytes": None,
+            "freed_bytes": {},
+        }
+    record = reply.get("last_record") or {}
+    for dev in record.get("devices") or []:
+        if not isinstance(dev, dict):
+            continue
+        entry = devices.setdefault(
+            dev.get("index"),
+            {"index": dev.get("index"), "name": dev.get("name"), "uuid": None,
+             "used_bytes": dev.get("used_after_bytes"), "total_bytes": dev.get("total_bytes"),
+             "driver_pool_reserved_bytes": None, "driver_pool_used_bytes": None},
+        )
+        entry["live_bytes"] = dev.get("live_bytes") or {}
+        entry["cached_bytes"] = dev.get("cached_bytes") or {}
+        entry["outside_bytes"] = dev.get("outside_bytes")
+        entry["freed_bytes"] = dev.get("freed_bytes") or {}
+    return [devices[k] for k in sorted(devices, key=lambda i: (i is None, i if isinstance(i, int) else 0))]

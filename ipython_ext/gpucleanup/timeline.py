@@ -1,0 +1,86 @@
+"""Device memory per cell over a session, from cell records: the data behind every timeline.
+
+``%gpumem --plot`` draws it (matplotlib, SVG or a text sparkline), ``%gpumem --plot --json``
+returns it, and the Jupyter Server page (``gpucleanup.server``) draws the same data for each
+kernel from the records its status endpoint keeps. One shape for all of them
+(``share/schema/timeline.schema.json``)::
+
+    {
+      "timeline": 1,
+      "cells": 12,                       # records read
+      "devices": [{
+          "index": 0, "name": "NVIDIA H100 80GB HBM3", "total_bytes": 85045460992,
+          "points": [{
+              "cell": 7 | None,          # None: a %gpumem --drain between cells
+              "time_ns": ...,
+              "used_bytes": ...,         # device used after the cleanup (None: unknown)
+              "used_before_bytes": ...,  # ... when the cell ended, before it
+              "live_bytes": ...,         # held by live arrays and tensors, all frameworks
+              "cached_bytes": ...,       # kept by a framework, not freeable now
+              "outside_bytes": ... | None,  # in no pool at all (context, raw allocations, ...)
+              "freed_bytes": ...,        # freed by this cell's cleanup, pools and driver together
+              "state": "drained",
+          }],
+      }],
+    }
+
+Records are plain dicts (``CellRecord.to_dict()``); anything a record lacks is None or 0, so
+old records and records from other versions still draw.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Optional
+
+__all__ = ["series", "VERSION"]
+
+VERSION = 1
+
+
+def _int(value) -> Optional[int]:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _sum(mapping) -> int:
+    if not isinstance(mapping, dict):
+        return 0
+    return sum(v for v in mapping.values() if isinstance(v, int) and not isinstance(v, bool) and v > 0)
+
+
+def series(records: Iterable[dict]) -> dict:
+    """The timeline of ``records`` (oldest first), one series per device, devices by index."""
+    devices: Dict[int, dict] = {}
+    count = 0
+    for record in records:
+        if not isinstance(record, dict):
+            continue
+        count += 1
+        cell = record.get("cell")
+        cell = cell if isinstance(cell, int) and not isinstance(cell, bool) else None
+        time_ns = _int(record.get("time_ns"))
+        for device in record.get("devices") or ():
+            if not isinstance(device, dict) or _int(device.get("index")) is None:
+                continue
+            index = device["index"]
+            entry = devices.get(index)
+            if entry is None:
+                entry = devices[index] = {"index": index, "name": None, "total_bytes": None, "points": []}
+            if isinstance(device.get("name"), str):
+                entry["name"] = device["name"]
+            if _int(device.get("total_bytes")) is not None:
+                entry["total_bytes"] = device["total_bytes"]
+            entry["points"].append(
+                {
+                    "cell": cell,
+                    "time_ns": time_ns,
+                    "used_bytes": _int(device.get("used_after_bytes")),
+                    "used_before_bytes": _int(device.get("used_before_bytes")),
+                    "live_bytes": _sum(device.get("live_bytes")),
+                    "cached_bytes": _sum(device.get("cached_bytes")),
+                    "outside_bytes": _int(device.get("outside_bytes")),
+                    "freed_bytes": _sum(device.get("freed_bytes")),
+                    "state": device.get("state") if isinstance(device.get("state"), str) else None,
+                }
+            )
+    ordered: List[dict] = [devices[i] for i in sorted(devices)]
+    return {"timeline": VERSION, "cells": count, "devices": ordered}
