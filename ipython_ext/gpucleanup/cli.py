@@ -4,6 +4,10 @@
     gpucleanup status KERNEL [--json] one kernel in full (KERNEL: pid, kernel id or a unique prefix, notebook)
     gpucleanup watch [KERNEL]         cell records as they happen, until Ctrl-C
     gpucleanup drain KERNEL           settle and trim the driver pools now (only between cells)
+    gpucleanup exporter [--port N]    Prometheus metrics of every kernel over HTTP, until Ctrl-C
+
+``python -m gpucleanup`` is the same command. Every command takes ``--json``. Colour only on a
+terminal, and never with ``NO_COLOR`` set (https://no-color.org) or ``TERM=dumb``.
 
 Kernels are found through their discovery files in Jupyter's runtime directory;
 files provably left by exited kernels are removed on the way, kernels of another
@@ -34,8 +38,8 @@ import time
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from . import discovery, status_client
-from .report import format_bytes, format_duration
+from . import discovery, kernels as kernels_view, status_client
+from .report import Table, format_bytes, format_duration
 
 EXIT_OK = 0
 EXIT_NOT_FOUND = 1
@@ -64,11 +68,7 @@ def _scan(args) -> discovery.ScanResult:
     """The discovery files; each bad one said once on stderr (``gpucleanup: skipped PATH: WHY``)."""
     directory = Path(args.runtime_dir) if args.runtime_dir else None
     found = discovery.scan(directory, clean=True)
-    said = args.__dict__.setdefault("_skipped_said", set())
-    for path, why in found.skipped:
-        if (path, why) not in said:
-            said.add((path, why))
-            print(f"gpucleanup: skipped {path}: {_safe(why)}", file=sys.stderr, flush=True)
+    _say_skipped(args, found.skipped)
     return found
 
 
@@ -113,14 +113,11 @@ def _resolve(args, query: str) -> discovery.Kernel:
     raise CliError(f"no kernel {query!r}: gpucleanup ps lists the kernels (pid, kernel id or notebook)", EXIT_NOT_FOUND)
 
 
-def _target(kernel: discovery.Kernel, endpoint: Optional[str] = None, unsafe_key: bool = False) -> status_client.Target:
-    """The kernel's endpoint and key; with ``unsafe_key``, a key file that is not a regular file of at most
-    64 KiB raises :class:`discovery.UnsafeFile` (for ``ps`` to skip the kernel) instead of CliError."""
+def _target(kernel: discovery.Kernel, endpoint: Optional[str] = None) -> status_client.Target:
+    """The kernel's endpoint and key; CliError for a key file that cannot be used."""
     try:
         key = kernel.read_key()
     except discovery.UnsafeFile as exc:
-        if unsafe_key:
-            raise
         raise CliError(
             f"kernel {kernel.pid}: its {_bad_key_file(kernel, exc)}: gpucleanup writes a regular file there; "
             "restart the kernel",
@@ -161,10 +158,8 @@ def _bad_key_file(kernel: discovery.Kernel, error: discovery.UnsafeFile) -> str:
 # ------------------------------------------------------------------ reading replies
 
 
-def _total(value) -> int:
-    if isinstance(value, dict):
-        return sum(v for v in value.values() if isinstance(v, int))
-    return value if isinstance(value, int) else 0
+_total = kernels_view.total
+device_rows = kernels_view.device_rows
 
 
 def state_text(state: Optional[dict]) -> str:
@@ -181,39 +176,6 @@ def state_text(state: Optional[dict]) -> str:
     if isinstance(age, (int, float)):
         words += f" for {format_duration(age)}"
     return words
-
-
-def device_rows(reply: dict) -> List[dict]:
-    """Per device: the kernel's framework pools (live, cached) from the last record, driver pools from the snapshot."""
-    devices = {}
-    snapshot = reply.get("snapshot") or {}
-    for dev in snapshot.get("devices") or []:
-        if not isinstance(dev, dict) or not dev.get("in_use"):
-            continue
-        pools = dev.get("pools") or []
-        devices[dev.get("index")] = {
-            "index": dev.get("index"),
-            "name": dev.get("name"),
-            "used_bytes": dev.get("used_bytes"),
-            "total_bytes": dev.get("total_bytes"),
-            "driver_pool_reserved_bytes": sum(p.get("reserved_bytes") or 0 for p in pools),
-            "driver_pool_used_bytes": sum(p.get("used_bytes") or 0 for p in pools),
-            "live_bytes": {},
-            "cached_bytes": {},
-        }
-    record = reply.get("last_record") or {}
-    for dev in record.get("devices") or []:
-        if not isinstance(dev, dict):
-            continue
-        entry = devices.setdefault(
-            dev.get("index"),
-            {"index": dev.get("index"), "name": dev.get("name"), "used_bytes": dev.get("used_after_bytes"),
-             "total_bytes": dev.get("total_bytes"), "driver_pool_reserved_bytes": None,
-             "driver_pool_used_bytes": None},
-        )
-        entry["live_bytes"] = dev.get("live_bytes") or {}
-        entry["cached_bytes"] = dev.get("cached_bytes") or {}
-    return [devices[k] for k in sorted(devices, key=lambda i: (i is None, i))]
 
 
 def memory_text(reply: dict) -> str:
@@ -240,10 +202,50 @@ def last_cell_text(reply: dict) -> str:
     return f"cell {cell} freed {format_bytes(freed)}" if cell is not None else f"freed {format_bytes(freed)}"
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
-    lines = ["  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip() for r in [headers, *rows]]
-    return "\n".join(lines)
+# ------------------------------------------------------------------ colour
+
+_CODES = {"green": "32", "yellow": "33", "red": "31", "magenta": "35", "dim": "2", "bold": "1"}
+
+
+def colour_wanted(stream=None) -> bool:
+    """Colour only on a terminal, never with NO_COLOR set to anything non-empty or TERM=dumb."""
+    stream = stream or sys.stdout
+    if os.environ.get("NO_COLOR") or os.environ.get("TERM") == "dumb":
+        return False
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def _paint(text: str, colour: Optional[str], on: bool) -> str:
+    return f"\033[{_CODES[colour]}m{text}\033[0m" if on and colour else text
+
+
+def state_colour(text: str) -> Optional[str]:
+    """The colour of a state cell: idle green, running yellow, waiting and draining magenta, failures red."""
+    word = text.split(" ", 1)[0]
+    if word == "idle":
+        return "green"
+    if word == "running":
+        return "yellow"
+    if word in ("waiting", "draining"):
+        return "magenta"
+    if word == "elsewhere":
+        return "dim"
+    if word in ("no", "refused:", "?") or text.startswith("kernel "):
+        return "red"
+    return None
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], colour_column: Optional[int] = None,
+           colour: bool = False) -> str:
+    """The command's tables: ``report.Table``, as %gpumem's, without title or rule; the state column coloured."""
+    paint = None
+    if colour and colour_column is not None:
+        def paint(_row: int, column: int, value: str, padded: str) -> str:
+            return _paint(padded, state_colour(value), True) if column == colour_column else padded
+    return Table("", headers, rows, align="l" * len(headers), rule=False).text(paint)
 
 
 def _kernel_name(kernel: discovery.Kernel) -> str:
@@ -255,59 +257,75 @@ def _kernel_name(kernel: discovery.Kernel) -> str:
 # ------------------------------------------------------------------ commands
 
 
+def _say_skipped(args, skipped) -> None:
+    said = args.__dict__.setdefault("_skipped_said", set())
+    for path, why in skipped:
+        if (path, why) not in said:
+            said.add((path, why))
+            print(f"gpucleanup: skipped {path}: {_safe(why)}", file=sys.stderr, flush=True)
+
+
 def cmd_ps(args) -> int:
-    found = _scan(args)
-    kernels, elsewhere = [], found.elsewhere
-    targets, results = [], []
-    for kernel in found.live:
-        try:
-            target = _target(kernel, unsafe_key=True)
-        except discovery.UnsafeFile as exc:
+    directory = Path(args.runtime_dir) if args.runtime_dir else None
+    gathered = kernels_view.gather(directory, args.timeout)
+    _say_skipped(args, gathered.skipped)
+    views = []
+    for view in gathered.kernels:
+        if view.error_kind == "bad_key" and isinstance(view.exception, discovery.UnsafeFile):
             # A FIFO, a device, a link or a huge file as the key: skipped like a bad discovery file.
-            print(f"gpucleanup: skipped {kernel.path}: {_safe(_bad_key_file(kernel, exc))}", file=sys.stderr, flush=True)
+            print(f"gpucleanup: skipped {view.kernel.path}: {_safe(_bad_key_file(view.kernel, view.exception))}",
+                  file=sys.stderr, flush=True)
             continue
-        except CliError as exc:
-            kernels.append(kernel)
-            results.append(exc)
-            continue
-        kernels.append(kernel)
-        results.append(None)
-        targets.append(target)
-    if not kernels and not elsewhere:
+        views.append(view)
+    if not views:
         # For a script no kernel is an answer, not a failure: an empty list.
         if args.json:
             print("[]")
             return EXIT_OK
         raise CliError(_no_kernels_message(args), EXIT_NOT_FOUND)
-    asked = [i for i, result in enumerate(results) if result is None]
-    for i, result in zip(asked, status_client.request_many(targets, "status", args.timeout)):
-        results[i] = _failure(kernels[i], result, args.timeout) if isinstance(result, status_client.StatusError) else result
     if args.json:
         out = []
-        for kernel, result in zip(kernels, results):
+        for view in views:
+            kernel = view.kernel
             entry = {"pid": kernel.pid, "kernel_id": kernel.kernel_id, "notebook": kernel.notebook,
-                     "discovery_file": str(kernel.path), "elsewhere": False}
-            if isinstance(result, CliError):
-                entry["error"] = str(result)
+                     "discovery_file": str(kernel.path), "elsewhere": view.elsewhere is not None}
+            if view.elsewhere is not None:
+                # Not asked: its pid, endpoint and key are another namespace's. Its file is left alone.
+                entry["elsewhere_reason"] = view.elsewhere
+            elif view.status is None:
+                entry["error"] = str(_view_error(view, args.timeout))
             else:
-                entry["status"] = result
+                entry["status"] = view.status
             out.append(entry)
-        for kernel in elsewhere:
-            # Not asked: its pid, endpoint and key are another namespace's. Its file is left alone.
-            out.append({"pid": kernel.pid, "kernel_id": kernel.kernel_id, "notebook": kernel.notebook,
-                        "discovery_file": str(kernel.path), "elsewhere": True, "elsewhere_reason": kernel.elsewhere})
         print(json.dumps(out, indent=1))
         return EXIT_OK
     rows = []
-    for kernel, result in zip(kernels, results):
-        if isinstance(result, CliError):
-            rows.append([str(kernel.pid), _kernel_name(kernel), _short_error(result), "", ""])
+    for view in views:
+        kernel = view.kernel
+        if view.elsewhere is not None:
+            rows.append([str(kernel.pid), _kernel_name(kernel), f"elsewhere ({_safe(view.elsewhere)})", "", ""])
+        elif view.status is None:
+            rows.append([str(kernel.pid), _kernel_name(kernel), _short_error(_view_error(view, args.timeout)), "", ""])
         else:
-            rows.append([str(kernel.pid), _kernel_name(kernel), state_text(result.get("state")), memory_text(result), last_cell_text(result)])
-    for kernel in elsewhere:
-        rows.append([str(kernel.pid), _kernel_name(kernel), f"elsewhere ({_safe(kernel.elsewhere)})", "", ""])
-    print(_table(["PID", "KERNEL", "STATE", "GPU MEMORY", "LAST CELL"], rows))
+            reply = view.status
+            rows.append([str(kernel.pid), _kernel_name(kernel), state_text(reply.get("state")), memory_text(reply),
+                         last_cell_text(reply)])
+    print(_table(["PID", "KERNEL", "STATE", "GPU MEMORY", "LAST CELL"], rows, colour_column=2,
+                 colour=colour_wanted()))
     return EXIT_OK
+
+
+def _view_error(view: kernels_view.KernelView, timeout: float) -> CliError:
+    """The CliError of a kernel that could not be asked, as status and drain would raise it."""
+    if isinstance(view.exception, status_client.StatusError):
+        return _failure(view.kernel, view.exception, timeout)
+    if isinstance(view.exception, OSError):
+        return CliError(
+            f"kernel {view.kernel.pid}: cannot read its key file {view.kernel.key_file} ({view.exception.strerror}): "
+            "run gpucleanup as the user who started the kernel",
+            EXIT_REFUSED,
+        )
+    return CliError(f"kernel {view.kernel.pid}: {view.error}", EXIT_REFUSED)
 
 
 def _short_error(error: CliError) -> str:
@@ -445,12 +463,13 @@ def _drain_problems(result: dict, devices: List[dict], drain_timeout: float) -> 
     return problems
 
 
-def _record_line(target: status_client.Target, message: dict) -> str:
+def _record_line(target: status_client.Target, message: dict, colour: bool = False) -> str:
     record = message.get("record") or {}
     kernel = message.get("kernel") or {}
     who = _safe(f"{kernel.get('pid', '?')} {target.label}")
     stamp = time.strftime("%H:%M:%S", time.localtime((message.get("time_ns") or time.time_ns()) / 1e9))
-    parts = [stamp, who, last_cell_text({"last_record": record})]
+    parts = [_paint(stamp, "dim", colour), _paint(who, "bold", colour),
+             _paint(last_cell_text({"last_record": record}), "green", colour)]
     memory = memory_text({"last_record": record})
     if memory and not memory.startswith("no GPU"):
         parts.append(memory)
@@ -463,6 +482,7 @@ def cmd_watch(args) -> int:
     only = _resolve(args, args.kernel) if args.kernel else None
     subscriber = status_client.Subscriber()
     announced = False
+    colour = colour_wanted()
     try:
         next_scan = 0.0
         while True:
@@ -491,11 +511,50 @@ def cmd_watch(args) -> int:
                 if args.json:
                     print(json.dumps(message), flush=True)
                 else:
-                    print(_record_line(target, message), flush=True)
+                    print(_record_line(target, message, colour), flush=True)
     except KeyboardInterrupt:
         return EXIT_OK
     finally:
         subscriber.close()
+
+
+def cmd_exporter(args) -> int:
+    """Prometheus metrics of every kernel (``gpucleanup.metrics``) on http://HOST:PORT/metrics until Ctrl-C."""
+    try:
+        from . import metrics
+    except ImportError as exc:  # pragma: no cover - metrics imports prometheus_client lazily
+        raise CliError(f"the exporter needs prometheus_client ({exc}): pip install 'gpucleanup[server]'", EXIT_USAGE)
+    directory = Path(args.runtime_dir) if args.runtime_dir else None
+    try:
+        server = metrics.start_exporter(args.port, args.host, runtime_dir=directory, timeout=args.timeout)
+    except metrics.ExporterError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
+    try:
+        url = f"http://{_url_host(args.host)}:{server.port}/metrics"
+        if args.json:
+            print(json.dumps({"url": url, "host": args.host, "port": server.port, "pid": os.getpid()}), flush=True)
+        else:
+            print(f"gpucleanup: Prometheus metrics of every kernel on {url} (Ctrl-C stops)", flush=True)
+        server.wait()
+    except KeyboardInterrupt:
+        return EXIT_OK
+    finally:
+        server.shutdown()
+    return EXIT_OK
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number from 0 (any free port) to 65535, got {text!r}")
+    return value
 
 
 # ------------------------------------------------------------------ entry point
@@ -571,6 +630,14 @@ def _parser() -> argparse.ArgumentParser:
                             f"at most {MAX_DRAIN_TIMEOUT:g})")
     drain.add_argument("--json", action="store_true", help="the drain reply as JSON (exact bytes)")
     drain.set_defaults(run=cmd_drain)
+    exporter = sub.add_parser("exporter", parents=[common],
+                              help="Prometheus metrics of every kernel over HTTP (for hosts without a Jupyter server)")
+    exporter.add_argument("--port", type=_port, default=9445, help="TCP port (default: %(default)s; 0: any free port)")
+    exporter.add_argument("--host", default="127.0.0.1",
+                          help="address to listen on (default: %(default)s, this machine only; the metrics name "
+                               "notebooks and pids: listen on another address only behind your own access control)")
+    exporter.add_argument("--json", action="store_true", help="say where it listens as one JSON line")
+    exporter.set_defaults(run=cmd_exporter)
     return parser
 
 

@@ -38,7 +38,7 @@ class KernelView:
     error_kind: Optional[str] = None
     #: the kernel runs in another PID namespace: listed, never asked
     elsewhere: Optional[str] = None
-    #: the StatusError behind ``error``, for callers that map it to their own exit codes
+    #: the StatusError (or, for a key file, the OSError) behind ``error``, for callers that map it to exit codes
     exception: Optional[Exception] = field(default=None, repr=False)
 
     @property
@@ -100,11 +100,11 @@ def gather(
         try:
             targets.append(target_of(kernel))
         except discovery.UnsafeFile as exc:
-            view.error_kind = "bad_key"
+            view.error_kind, view.exception = "bad_key", exc
             view.error = f"its key file {kernel.key_file} is {exc.strerror}: restart the kernel"
             continue
         except OSError as exc:
-            view.error_kind = "bad_key"
+            view.error_kind, view.exception = "bad_key", exc
             view.error = (f"cannot read its key file {kernel.key_file} ({exc.strerror}): "
                           "run as the user who started the kernel")
             continue

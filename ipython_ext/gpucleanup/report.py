@@ -12,7 +12,7 @@ import html
 import json
 import os
 import re
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 __all__ = [
     "PREFIX",
@@ -317,36 +317,45 @@ class Table:
     """A titled table that renders as aligned text and as HTML."""
 
     def __init__(
-        self, title: str, headers: Sequence[str], rows: Iterable[Sequence[Any]], notes: Sequence[str] = (), align: str = ""
+        self, title: str, headers: Sequence[str], rows: Iterable[Sequence[Any]], notes: Sequence[str] = (), align: str = "",
+        rule: bool = True,
     ):
-        """``align``: one letter per column, ``l`` or ``r``; default: a left label, then numbers on the right."""
+        """``align``: one letter per column, ``l`` or ``r``; default: a left label, then numbers on the right.
+        ``rule``: a dashed line under the headers in the text form. An empty title prints no title line."""
         self.title = title
         self.headers = [str(h) for h in headers]
         self.rows = [[("" if c is None else str(c)) for c in row] for row in rows]
         self.notes = list(notes)
         self.align = align or "l" + "r" * (len(self.headers) - 1)
+        self.rule = rule
 
     def _left(self, i: int) -> bool:
         return i >= len(self.align) or self.align[i] == "l"
 
-    def text(self) -> str:
+    def text(self, paint: Optional[Callable[[int, int, str, str], str]] = None) -> str:
+        """Aligned text. ``paint(row, column, value, padded)`` may wrap a padded body cell in terminal colour
+        codes (the widths are measured before, so colour never shifts a column)."""
         widths = [len(h) for h in self.headers]
         for row in self.rows:
             for i, cell in enumerate(row):
                 widths[i] = max(widths[i], len(cell))
 
-        def fmt(row: Sequence[str]) -> str:
+        def fmt(row: Sequence[str], r: int = -1) -> str:
             cells = []
             for i, cell in enumerate(row):
                 # first column is a label (left), the others are numbers (right)
-                cells.append(cell.ljust(widths[i]) if self._left(i) else cell.rjust(widths[i]))
+                padded = cell.ljust(widths[i]) if self._left(i) else cell.rjust(widths[i])
+                if i == len(row) - 1:
+                    padded = padded.rstrip()
+                cells.append(paint(r, i, cell, padded) if paint is not None and r >= 0 and cell else padded)
             return "  ".join(cells).rstrip()
 
-        lines = [self.title]
+        lines = [self.title] if self.title else []
         if self.headers:
             lines.append(fmt(self.headers))
-            lines.append("  ".join("-" * w for w in widths))
-        lines.extend(fmt(r) for r in self.rows)
+            if self.rule:
+                lines.append("  ".join("-" * w for w in widths))
+        lines.extend(fmt(row, r) for r, row in enumerate(self.rows))
         lines.extend(f"  {n}" for n in self.notes)
         return "\n".join(lines)
 

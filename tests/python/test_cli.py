@@ -647,3 +647,99 @@ def test_kernel_exit_removes_the_discovery_file(kernels, runtime):
     path = runtime / f"gpucleanup-{k.pid}.json"
     k.km.shutdown_kernel(now=False)
     assert not path.exists()
+
+
+# ------------------------------------------------------------------ python -m, colour, tables
+
+
+def test_python_dash_m_gpucleanup_is_the_command(kernel):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "ipython_ext"), env.get("PYTHONPATH")]))
+    result = subprocess.run([sys.executable, "-m", "gpucleanup", "ps", "--json"], capture_output=True, text=True,
+                            env=env, timeout=30)
+    assert result.returncode == 0, result.stderr
+    (entry,) = json.loads(result.stdout)
+    assert entry["pid"] == os.getpid()
+    assert entry["status"]["state"]["cell"] == 12
+
+
+def _ps_on_a_terminal(extra_env: dict) -> str:
+    """``gpucleanup ps`` with its stdout on a pseudo-terminal; what it wrote."""
+    import pty
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "ipython_ext"), env.get("PYTHONPATH")]))
+    env.pop("NO_COLOR", None)
+    env["TERM"] = "xterm-256color"
+    env.update(extra_env)
+    leader, follower = pty.openpty()
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "gpucleanup", "ps"], stdout=follower, stderr=subprocess.PIPE,
+                                env=env)
+        os.close(follower)
+        follower = -1
+        chunks = []
+        while True:
+            try:
+                data = os.read(leader, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+        assert proc.wait(timeout=30) == 0, proc.stderr.read()
+        proc.stderr.close()
+    finally:
+        os.close(leader)
+        if follower >= 0:
+            os.close(follower)
+    return b"".join(chunks).decode()
+
+
+def test_ps_colours_the_state_on_a_terminal_only(kernel):
+    coloured = _ps_on_a_terminal({})
+    assert "\033[33mrunning cell 12 for " in coloured  # running: yellow
+    plain = cli("ps").stdout  # a pipe: no colour
+    assert "\033[" not in plain
+    assert "\033[" not in _ps_on_a_terminal({"NO_COLOR": "1"})
+    assert "\033[" not in _ps_on_a_terminal({"TERM": "dumb"})
+
+
+def test_colour_keeps_the_columns_aligned(kernel):
+    stripped = re.sub(r"\033\[[0-9;]*m", "", _ps_on_a_terminal({})).replace("\r\n", "\n")
+    header, row = stripped.splitlines()
+    assert row.index("running cell 12") == header.index("STATE")
+    assert row.index("GPU0 live") == header.index("GPU MEMORY")
+    assert row.index("cell 11 freed") == header.index("LAST CELL")
+
+
+@pytest.mark.parametrize(
+    "state, colour",
+    [("idle for 3 s", "green"), ("running cell 4 for 2 s", "yellow"), ("waiting for GPU1 for 8 s", "magenta"),
+     ("draining cell 4", "magenta"), ("no answer", "red"), ("refused: bad signature", "red"),
+     ("elsewhere (another PID namespace)", "dim"), ("unknown", None)],
+)
+def test_state_colours(state, colour):
+    assert gpucleanup_cli.state_colour(state) == colour
+
+
+def test_colour_wanted_follows_no_color_and_term(monkeypatch):
+    class Tty:
+        def isatty(self):
+            return True
+
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.setenv("TERM", "xterm")
+    assert gpucleanup_cli.colour_wanted(Tty()) is True
+    monkeypatch.setenv("NO_COLOR", "1")
+    assert gpucleanup_cli.colour_wanted(Tty()) is False
+    monkeypatch.setenv("NO_COLOR", "")  # no-color.org: only a non-empty value turns colour off
+    assert gpucleanup_cli.colour_wanted(Tty()) is True
+    monkeypatch.setenv("TERM", "dumb")
+    assert gpucleanup_cli.colour_wanted(Tty()) is False
+
+
+def test_exporter_port_out_of_range_is_a_usage_error(runtime):
+    result = cli("exporter", "--port", "70000")
+    assert result.returncode == 2
+    assert "must be a port number from 0 (any free port) to 65535, got '70000'" in result.stderr
