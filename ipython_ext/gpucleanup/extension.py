@@ -28,6 +28,7 @@ from .frameworks.objects import find_gpu_objects
 from .history import History
 from .magics import gpumem_arguments, parse_gpumem
 from .record import CellRecord, Outcome
+from .totals import Totals
 from .tracing import Tracer
 
 __all__ = ["GPUCleanup", "load_ipython_extension", "unload_ipython_extension", "DEFAULTS"]
@@ -126,6 +127,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         self.engine.traced = self.tracer.cell_entries
         self._endpoint_factory = status_endpoint
         self.history = History(self.history_size)
+        self.totals = Totals()  # cumulative since load: published beside each record (gpucleanup.metrics)
         self._endpoint = None
         self._hooks_registered = False
         self._magics_registered = False
@@ -384,7 +386,9 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         if outcome is not None and outcome.keep:
             data = outcome.as_dict()
             self.history.append(data)
-            self._status("publish", data)
+            self.totals.add(data)
+            # only the published copy carries the totals: the history and %gpumem --json stay per cell
+            self._status("publish", dict(data, totals=self.totals.as_dict()))
         return outcome
 
     # ------------------------------------------------------------ %gpumem
