@@ -195,6 +195,11 @@ if [ "$download" = 1 ]; then
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform any -d .whl \
     ipython ipykernel jupyter_client jupyter_core pyzmq traitlets tornado nbformat nbclient
+  # Jupyter Server with its dependencies, for the server page's GPU test (tests/gpu/test_server_gpu.py)
+  "$tools/bin/python" -m pip download --only-binary=:all: --python-version "$target_python" --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform any -d .whl \
+    "jupyter_server>=2" prometheus_client
   # PyCUDA (the GPU machine has none, and PyPI has no wheel of it): its run-time dependencies as wheels,
   # its source into .whl/src/, built there by scripts/gpu_run.sh (about 90 s; the wheel it writes to
   # $OUT can be carried in .whl/ next time)

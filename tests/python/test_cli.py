@@ -743,3 +743,38 @@ def test_exporter_port_out_of_range_is_a_usage_error(runtime):
     result = cli("exporter", "--port", "70000")
     assert result.returncode == 2
     assert "must be a port number from 0 (any free port) to 65535, got '70000'" in result.stderr
+
+
+def test_exporter_serves_metrics_until_interrupted(kernel):
+    import urllib.request
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "ipython_ext"), env.get("PYTHONPATH")]))
+    proc = subprocess.Popen([sys.executable, "-m", "gpucleanup", "exporter", "--port", "0", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        where = json.loads(proc.stdout.readline())
+        assert where["host"] == "127.0.0.1" and where["port"] > 0
+        assert where["url"] == f"http://127.0.0.1:{where['port']}/metrics"
+        body = urllib.request.urlopen(where["url"], timeout=30).read().decode()
+        assert f'gpucleanup_kernel_up{{kernel_id="",notebook="/home/me/fit.ipynb",pid="{os.getpid()}"}} 1.0' in body
+        assert "gpucleanup_kernels 1.0" in body
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+def test_exporter_on_a_port_in_use_is_a_usage_error(runtime):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        result = cli("exporter", "--port", str(taken.getsockname()[1]))
+    assert result.returncode == 2
+    assert "the port is in use by another program; choose another port with --port" in result.stderr
