@@ -413,7 +413,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         the same GPU and raw allocations), then the last cells' records.
 
         Rich frontends get HTML tables, terminals aligned text. ``--json`` returns the
-        same data with exact bytes (assign it: ``d = %gpumem --json``).
+        same data with exact bytes (assign it: ``d = %gpumem --json``). ``--plot [N]`` draws
+        device memory over the last N cells (an image in rich frontends, sparklines in terminals).
 
         After every cell, while the kernel uses CUDA, gpucleanup waits (at most
         ``settle_timeout`` s) for queued GPU work, collects garbage when it can release
@@ -441,6 +442,14 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             print(f"{report.PREFIX}{report.SEP}automatic cleanup resumed")
         if args.dask is not None:
             return self._dask(args, display)
+        if args.plot is not None:
+            from . import plot, timeline
+
+            records = self.history.last(args.plot if isinstance(args.plot, int) else None)  # no N: all kept
+            if args.json:
+                return report.JSONReport(timeline.series(records))
+            display(plot.TimelinePlot(records))  # no point yet: its text says so (no empty axes)
+            return None
         if args.trace in ("on", "off"):
             if args.trace == "on":
                 self._start_trace(automatic=False)

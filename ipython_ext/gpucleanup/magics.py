@@ -14,11 +14,21 @@ from typing import Callable
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-__all__ = ["gpumem_arguments", "parse_gpumem", "OPTIONS"]
+__all__ = ["gpumem_arguments", "parse_gpumem", "OPTIONS", "PLOT_ALL"]
 
-OPTIONS = ("--json", "--drain", "--history", "--vars", "--release", "--trace", "--dask", "--off", "--on")
+OPTIONS = ("--json", "--drain", "--history", "--vars", "--release", "--trace", "--dask", "--plot", "--off", "--on")
 USAGE = ("%gpumem [--json] [--drain] [--history [N]] [--vars [N]] [--release out|traceback|NAME] "
-         "[--trace [on|off]] [--dask [on|off]] [--off | --on]")
+         "[--trace [on|off]] [--dask [on|off]] [--plot [N]] [--off | --on]")
+
+
+class _All:
+    """``--plot`` with no N: every record the history keeps (not a str: argparse would convert it as an N)."""
+
+    def __repr__(self) -> str:
+        return "all"
+
+
+PLOT_ALL = _All()
 
 _ARGUMENTS = [
     magic_arguments(),
@@ -84,6 +94,20 @@ _ARGUMENTS = [
             "state. With --drain: clean every idle worker now (busy ones are skipped and say so)."
         ),
     ),
+    argument(
+        "--plot",
+        nargs="?",
+        const=PLOT_ALL,
+        default=None,
+        type=int,
+        metavar="N",
+        help=(
+            "Device memory over the last N cells (default: every record kept, see history_size), per device in "
+            "use: used after the cleanup, live, cached and outside every pool, and what each cleanup freed. "
+            "Rich frontends get an image (PNG with matplotlib, else SVG), terminals one text sparkline per "
+            "series. With --json: the timeline's data with exact bytes."
+        ),
+    ),
     argument("--off", action="store_true", help="Pause the automatic cleanup after each cell."),
     argument("--on", action="store_true", help="Resume the automatic cleanup after each cell."),
 ]
@@ -122,9 +146,15 @@ def parse_gpumem(method: Callable, line: str):
                          f"Usage: {USAGE}")
     if args.trace is not None and (args.drain or args.off or args.on or args.release is not None):
         raise UsageError(f"%gpumem: --trace goes alone (or with --json). Usage: {USAGE}")
-    for flag in ("history", "vars"):
+    if args.plot is not None:
+        others = [f"--{flag}" for flag in ("drain", "off", "on") if getattr(args, flag)]
+        others += [f"--{flag}" for flag in ("release", "trace", "dask", "history", "vars") if getattr(args, flag) is not None]
+        if others:
+            raise UsageError(f"%gpumem: --plot goes alone (or with --json), not with {' or '.join(others)}: run them "
+                             f"one after the other. Usage: {USAGE}")
+    for flag in ("history", "vars", "plot"):
         value = getattr(args, flag)
-        if value is not None and value < 1:
+        if value is not None and value is not PLOT_ALL and value < 1:
             raise UsageError(f"%gpumem: --{flag} N needs N >= 1, got {value}. Usage: {USAGE}")
     return args
 
