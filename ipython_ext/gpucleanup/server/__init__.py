@@ -1,0 +1,67 @@
+"""gpucleanup in Jupyter Server: the page ``/gpucleanup`` and its REST API.
+
+Installed with the package (``pip install gpucleanup[server]``), the extension is enabled by the file
+``etc/jupyter/jupyter_server_config.d/gpucleanup.json`` the wheel puts in the environment; from a
+source tree, start the server with ``--ServerApp.jpserver_extensions='{"gpucleanup.server": true}'``.
+Under the server's base URL, for a logged-in user (token, password or login cookie):
+
+``GET gpucleanup``
+    The page: every kernel (its notebook, its state, each device's used/total, live, cached and
+    outside figures, the last cells, a timeline, a Drain button), refreshed every ``refresh_s``.
+``GET api/gpucleanup/kernels``
+    ``{"time_ns", "runtime_dir", "kernels": [...], "skipped": [...]}``: one entry per kernel the
+    server runs, joined with every kernel that has a gpucleanup discovery file (see ``model.py``).
+``GET api/gpucleanup/kernels/<id>``
+    One entry (``id``: the kernel id, or ``pid-<pid>`` for a kernel without one); 404 if unknown.
+``POST api/gpucleanup/kernels/<id>/drain``
+    A signed drain through the kernel's status endpoint, body ``{"timeout_s": 0 to 60}`` (optional).
+    200: the result; 409: the kernel refused (a cell is running, a drain is running) or has no
+    gpucleanup; 504: no answer. Subject to the server's XSRF check, as every POST.
+
+Settings (``jupyter_server_config.py``)::
+
+    c.GPUCleanupServer.timeout = 1.0        # seconds per kernel's status reply
+    c.GPUCleanupServer.history = 50         # cells per kernel for the timeline
+    c.GPUCleanupServer.refresh_s = 2.0      # the page's refresh period
+    c.GPUCleanupServer.drain_timeout = 10.0 # a drain's wait for queued GPU work, by default
+
+With ``prometheus_client`` installed, the server's own ``/metrics`` also carries every kernel's
+figures (``gpucleanup.metrics``).
+
+The kernel side of gpucleanup never imports this package: jupyter_server is needed only here.
+"""
+
+from __future__ import annotations
+
+from .handlers import GPUCleanupServer, KernelWatch, handlers
+
+__all__ = ["GPUCleanupServer", "_jupyter_server_extension_points", "_load_jupyter_server_extension"]
+
+
+def _jupyter_server_extension_points():
+    return [{"module": "gpucleanup.server"}]
+
+
+def _load_jupyter_server_extension(serverapp) -> None:
+    settings = GPUCleanupServer(parent=serverapp, log=serverapp.log)
+    watch = KernelWatch(serverapp, settings)
+    serverapp.web_app.add_handlers(".*$", handlers(serverapp.base_url, watch))
+    _register_metrics(serverapp)
+    serverapp.log.info("gpucleanup: the page of the kernels' GPU memory is at %sgpucleanup", serverapp.base_url)
+
+
+def _register_metrics(serverapp) -> None:
+    """Every kernel's figures in the server's own /metrics, when prometheus_client is installed."""
+    try:
+        from .. import metrics
+
+        register = getattr(metrics, "register_server_collector", None)
+        if register is None:
+            serverapp.log.info("gpucleanup: this version of gpucleanup.metrics adds nothing to /metrics")
+            return
+        register(serverapp)
+        serverapp.log.info("gpucleanup: the kernels' figures are on %smetrics", serverapp.base_url)
+    except ImportError as exc:
+        serverapp.log.info("gpucleanup: /metrics shows no kernel figures (%s): pip install prometheus_client", exc)
+    except Exception as exc:  # the page and the API work without it
+        serverapp.log.warning("gpucleanup: kernel figures could not be added to /metrics: %s", exc)

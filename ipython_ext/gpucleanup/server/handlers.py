@@ -1,0 +1,291 @@
+"""The REST API, the page and its static files, as tornado handlers of Jupyter Server.
+
+Every handler is authenticated (the server's token, password or login cookie) and authorised on the
+resource ``kernels``: reading it for the lists and the page, writing it for a drain. POST requests go
+through Jupyter Server's XSRF check (a token-authenticated request is exempt, as everywhere in the
+server). Status requests block for up to their timeout, so they run on a small thread pool of
+their own, never on the server's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from jupyter_server.auth.decorator import authorized
+from jupyter_server.base.handlers import APIHandler, AuthenticatedFileHandler, JupyterHandler
+from jupyter_server.utils import ensure_async, url_path_join
+from tornado import template, web
+from traitlets import Float, Int
+from traitlets.config import LoggingConfigurable
+
+from .. import __version__, discovery, kernels, status_client
+from . import model
+
+STATIC = Path(__file__).resolve().parent / "static"
+
+#: the authorisation resource of every handler here: the page and the API are about kernels
+AUTH_RESOURCE = "kernels"
+
+#: status_client's refusals that mean "not now" (409): not idle, another drain running, drain disabled
+_CONFLICTS = {"gpucleanup.server.411", "gpucleanup.server.412", "gpucleanup.server.413"}
+
+
+class GPUCleanupServer(LoggingConfigurable):
+    """Settings of the page and the REST API (``c.GPUCleanupServer.<name>`` in jupyter_server_config.py,
+    or ``--GPUCleanupServer.<name>=<value>`` on the command line)."""
+
+    timeout = Float(
+        1.0, min=0.01, max=60.0,
+        help="Seconds to wait at most for each kernel's status reply (kernels are asked at once).",
+    ).tag(config=True)
+
+    history = Int(
+        50, min=0, max=10000,
+        help=("Cells per kernel to read for the timeline (each kernel keeps its last GPUCleanup.history_size, "
+              "50 by default); 0: the last cell only."),
+    ).tag(config=True)
+
+    refresh_s = Float(
+        2.0, min=0.5, max=3600.0,
+        help="Seconds between two refreshes of the page /gpucleanup while it is open.",
+    ).tag(config=True)
+
+    drain_timeout = Float(
+        10.0, min=0.0, max=60.0,
+        help="Seconds a drain waits at most for the kernel's queued GPU work, when the request names none.",
+    ).tag(config=True)
+
+
+class KernelWatch:
+    """Collects the API's data: the server's kernels and every kernel's status reply.
+
+    Requests that arrive while a collection runs share it: many open pages cost one round of status
+    requests, not one each.
+    """
+
+    def __init__(self, serverapp, settings: GPUCleanupServer):
+        self.serverapp = serverapp
+        self.settings = settings
+        self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="gpucleanup-server")
+        self._pending: Optional[asyncio.Future] = None
+
+    @property
+    def runtime_dir(self) -> Path:
+        # Where the kernels write their discovery files: their JUPYTER_RUNTIME_DIR, which they
+        # inherit from this server's environment.
+        return discovery.runtime_dir()
+
+    def run(self, function, *args, **kwargs):
+        return asyncio.get_running_loop().run_in_executor(self._executor, partial(function, *args, **kwargs))
+
+    async def server_kernels(self) -> List[dict]:
+        """This server's kernels: id, notebook path (its session's), pid, execution state."""
+        app = self.serverapp
+        notebooks: Dict[str, str] = {}
+        session_manager = getattr(app, "session_manager", None)
+        if session_manager is not None:
+            for session in await ensure_async(session_manager.list_sessions()):
+                kernel = session.get("kernel") or {}
+                if kernel.get("id") and session.get("path") and kernel["id"] not in notebooks:
+                    notebooks[kernel["id"]] = session["path"]
+        found = []
+        manager = app.kernel_manager
+        for model_ in await ensure_async(manager.list_kernels()):
+            kernel_id = model_.get("id")
+            pid = None
+            try:
+                provisioner = getattr(manager.get_kernel(kernel_id), "provisioner", None)
+                pid = getattr(provisioner, "pid", None)
+            except KeyError:
+                pass  # shut down meanwhile
+            found.append({
+                "kernel_id": kernel_id,
+                "notebook": notebooks.get(kernel_id),
+                "pid": pid if isinstance(pid, int) else None,
+                "execution_state": model_.get("execution_state"),
+            })
+        return found
+
+    async def _collect(self) -> dict:
+        ours = await self.server_kernels()
+        gathered = await self.run(kernels.gather, self.runtime_dir, self.settings.timeout, self.settings.history)
+        return model.assemble(ours, gathered)
+
+    async def collect(self) -> dict:
+        pending = self._pending
+        if pending is None:
+            pending = self._pending = asyncio.ensure_future(self._collect())
+
+            def done(_future):
+                if self._pending is pending:
+                    self._pending = None
+
+            pending.add_done_callback(done)
+        # shielded: a client that goes away does not cancel the round the others wait for
+        return await asyncio.shield(pending)
+
+    async def find(self, key: str) -> discovery.Kernel:
+        """The discovery record of the kernel ``key`` names (kernel id or ``pid-<pid>``); HTTPError 404 when
+        no kernel has that name, 409 when it has no gpucleanup or cannot be asked from here."""
+        found = await self.run(discovery.scan, self.runtime_dir)
+        ours = {k["kernel_id"]: k for k in await self.server_kernels()}
+        pid = ours[key]["pid"] if key in ours else None
+        for kernel in [*found.live, *found.elsewhere]:
+            if model.entry_id(kernel.kernel_id, kernel.pid) == key or (pid is not None and kernel.pid == pid):
+                if kernel.elsewhere is not None:
+                    raise web.HTTPError(409, "%s", f"kernel {key} runs elsewhere ({kernel.elsewhere}): "
+                                        "ask from the kernel's own PID namespace")
+                return kernel
+        if key in ours:
+            raise web.HTTPError(409, "%s", f"kernel {key}: {model.NOT_LOADED}")
+        raise web.HTTPError(404, "%s", f"no kernel {key}: GET api/gpucleanup/kernels lists the kernels")
+
+
+class _API(APIHandler):
+    auth_resource = AUTH_RESOURCE
+
+    def initialize(self, watch: KernelWatch):
+        self.watch = watch
+
+    def write_error(self, status_code: int, **kwargs) -> None:
+        # APIHandler writes log_message unformatted; ours carry the message as an argument
+        # (a notebook name may hold a '%').
+        exc = (kwargs.get("exc_info") or (None, None, None))[1]
+        if isinstance(exc, web.HTTPError) and exc.log_message and exc.args:
+            self.set_header("Content-Type", "application/json")
+            self.finish({"message": exc.log_message % exc.args, "reason": exc.reason})
+            return
+        super().write_error(status_code, **kwargs)
+
+
+class KernelsHandler(_API):
+    """``GET api/gpucleanup/kernels``: every kernel, with its state, devices, last cells and timeline."""
+
+    @web.authenticated
+    @authorized
+    async def get(self):
+        self.finish(await self.watch.collect())
+
+
+class KernelHandler(_API):
+    """``GET api/gpucleanup/kernels/<id>``: one kernel; 404 for a kernel neither this server nor a discovery
+    file knows."""
+
+    @web.authenticated
+    @authorized
+    async def get(self, key: str):
+        data = await self.watch.collect()
+        for entry in data["kernels"]:
+            if entry["id"] == key or entry["kernel_id"] == key:
+                self.finish(dict(entry, time_ns=data["time_ns"]))
+                return
+        raise web.HTTPError(404, "%s", f"no kernel {key}: GET api/gpucleanup/kernels lists the kernels")
+
+
+class DrainHandler(_API):
+    """``POST api/gpucleanup/kernels/<id>/drain``, body ``{"timeout_s": 0 to 60}`` (optional): a signed drain
+    request to the kernel's status endpoint. 200 with the result when the kernel answered; 409 when it
+    refused (a cell is running, a drain is running); 504 when it did not answer."""
+
+    @web.authenticated
+    @authorized
+    async def post(self, key: str):
+        settings = self.watch.settings
+        body = self.get_json_body() or {}
+        if not isinstance(body, dict):
+            raise web.HTTPError(400, "%s", "the body must be a JSON object, e.g. {\"timeout_s\": 10}")
+        drain_timeout = body.get("timeout_s", settings.drain_timeout)
+        if (not isinstance(drain_timeout, (int, float)) or isinstance(drain_timeout, bool)
+                or not math.isfinite(drain_timeout) or not 0 <= drain_timeout <= 60):
+            raise web.HTTPError(400, "%s", f"timeout_s must be a number of seconds from 0 to 60, got {drain_timeout!r}")
+        kernel = await self.watch.find(key)
+        try:
+            target = kernels.target_of(kernel)
+        except discovery.UnsafeFile as exc:
+            raise web.HTTPError(502, "%s", f"kernel {key}: its key file {kernel.key_file} is {exc.strerror}: "
+                                "restart the kernel") from None
+        except OSError as exc:
+            raise web.HTTPError(502, "%s", f"kernel {key}: cannot read its key file {kernel.key_file} "
+                                f"({exc.strerror}): run the server as the user who started the kernel") from None
+        # The reply comes when the drain ends: wait for as long as the drain may take.
+        wait = settings.timeout + float(drain_timeout)
+        try:
+            reply = await self.watch.run(status_client.request, target, "drain", wait, timeout_s=drain_timeout)
+        except status_client.StatusRejected as exc:
+            status = 409 if exc.error_id in _CONFLICTS else 502
+            raise web.HTTPError(status, "%s", f"kernel {key}: {exc}") from None
+        except (status_client.StatusTimeout, status_client.StatusUnreachable) as exc:
+            _, sentence = kernels.short_error(exc, wait)
+            raise web.HTTPError(504, "%s", f"kernel {key} {sentence}") from None
+        except status_client.StatusError as exc:
+            raise web.HTTPError(502, "%s", f"kernel {key}: {exc}") from None
+        result = reply.get("result") if isinstance(reply.get("result"), dict) else {}
+        devices = [d for d in result.get("devices") or () if isinstance(d, dict)]
+        driver = result.get("driver") if isinstance(result.get("driver"), dict) else {}
+        broken_driver = not devices and driver.get("state") in ("unusable", "exiting")
+        self.finish({
+            "id": key,
+            "kernel_id": kernel.kernel_id,
+            "pid": kernel.pid,
+            "notebook": kernel.notebook,
+            # every device in use drained (none in use: nothing to drain, unless the driver is broken)
+            "drained": not broken_driver and all(d.get("state") == "drained" for d in devices),
+            "lines": model.drain_lines(result, float(drain_timeout)),
+            "result": result,
+        })
+
+
+class PageHandler(JupyterHandler):
+    """``GET gpucleanup``: the page (static/index.html with the server's base URL and the refresh period)."""
+
+    auth_resource = AUTH_RESOURCE
+    _templates = template.Loader(str(STATIC))  # autoescapes every {{ }}
+
+    def initialize(self, watch: KernelWatch):
+        self.watch = watch
+
+    @property
+    def content_security_policy(self) -> str:
+        # The page loads its own script and style and talks to this server only.
+        return "; ".join([
+            super().content_security_policy,
+            "default-src 'none'", "script-src 'self'", "style-src 'self'", "connect-src 'self'",
+            "img-src 'self' data:", "base-uri 'none'", "form-action 'none'",
+        ])
+
+    @web.authenticated
+    @authorized
+    def get(self):
+        # Reading xsrf_token sets the _xsrf cookie, which the page sends back as X-XSRFToken on a drain.
+        self.xsrf_token
+        page = self._templates.load("index.html").generate(
+            base_url=self.base_url,
+            refresh_s=f"{self.watch.settings.refresh_s:g}",
+            version=__version__,
+        )
+        self.set_header("Content-Type", "text/html; charset=UTF-8")
+        self.set_header("Cache-Control", "no-store")
+        self.finish(page)
+
+
+class StaticHandler(AuthenticatedFileHandler):
+    """``GET gpucleanup/static/<file>``: the page's script and style, for logged-in users only."""
+
+    auth_resource = AUTH_RESOURCE
+
+
+def handlers(base_url: str, watch: KernelWatch) -> list:
+    kernel = r"(?P<key>[^/]+)"
+    args = {"watch": watch}
+    return [
+        (url_path_join(base_url, "api/gpucleanup/kernels"), KernelsHandler, args),
+        (url_path_join(base_url, "api/gpucleanup/kernels", kernel), KernelHandler, args),
+        (url_path_join(base_url, "api/gpucleanup/kernels", kernel, "drain"), DrainHandler, args),
+        (url_path_join(base_url, "gpucleanup/?"), PageHandler, args),
+        (url_path_join(base_url, "gpucleanup/static/(.*)"), StaticHandler, {"path": str(STATIC)}),
+    ]

@@ -1,0 +1,680 @@
+"""The Jupyter Server extension (gpucleanup.server): its REST API against a real ``jupyter server``.
+
+The server runs as a subprocess with a random token, a private runtime directory and isolated Jupyter
+config and data directories; its kernels inherit its environment, which points libgpucleanup at the
+fake CUDA driver. Notebook sessions are started through the server's REST API, as a browser does;
+their cells run through jupyter_client on the kernel's connection file in the runtime directory. A
+stand-in CuPy (tests/python/stand_ins) in the kernel gives the devices live memory to report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.cookiejar
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Callable, Optional
+
+import pytest
+
+from conftest import BUILD, FAKE_CUDA
+
+pytest.importorskip("jupyter_server")
+pytest.importorskip("jupyter_client")
+pytest.importorskip("ipykernel")
+
+from gpucleanup import discovery, kernels, status_client  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+LIBRARY = BUILD / "native" / "libgpucleanup.so"
+GiB = 1 << 30
+TIMEOUT = 60
+#: the server's GPUCleanupServer.timeout in these tests (it shows in the messages of kernels that do not answer)
+STATUS_TIMEOUT = 0.5
+
+SCENARIO = {"devices": [{"name": "Fake H100", "primary_active": True,
+                         "default_pool": {"reserved_bytes": GiB, "used_bytes": 0}}]}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Response:
+    def __init__(self, status: int, headers, body: bytes):
+        self.status = status
+        self.headers = headers
+        self.body = body
+
+    def json(self):
+        return json.loads(self.body)
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args, **kwargs):
+        return None  # a redirect comes back as the response itself
+
+
+class Server:
+    """``python -m jupyter_server`` with gpucleanup.server enabled, in private directories under ``base``."""
+
+    def __init__(self, base: Path, *args: str, enable: bool = True, extra_env: Optional[dict] = None):
+        self.token = secrets.token_hex(16)
+        self.runtime = base / "runtime"
+        self.root = base / "root"
+        self.runtime.mkdir(mode=0o700)
+        self.root.mkdir()
+        for name in ("config", "data", "ipython"):
+            (base / name).mkdir()
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("JPY_", "GPUCLEANUP_FAKE_CUDA", "JUPYTER_"))}
+        env.update(
+            PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "ipython_ext"), os.environ.get("PYTHONPATH")])),
+            GPUCLEANUP_LIBRARY=str(LIBRARY),
+            GPUCLEANUP_LIBCUDA=str(FAKE_CUDA),
+            GPUCLEANUP_FAKE_CUDA_SCENARIO=json.dumps(SCENARIO),
+            JUPYTER_RUNTIME_DIR=str(self.runtime),
+            JUPYTER_CONFIG_DIR=str(base / "config"),
+            JUPYTER_DATA_DIR=str(base / "data"),
+            IPYTHONDIR=str(base / "ipython"),
+        )
+        env.update(extra_env or {})
+        argv = [
+            sys.executable, "-m", "jupyter_server", "--no-browser",
+            f"--IdentityProvider.token={self.token}", "--ServerApp.ip=127.0.0.1", f"--port={self.port}",
+            "--ServerApp.port_retries=0", f"--ServerApp.root_dir={self.root}",
+            f"--GPUCleanupServer.timeout={STATUS_TIMEOUT}",
+            *args,
+        ]
+        if enable:
+            # the package comes from PYTHONPATH here, not from an install that enables it
+            argv.append("--ServerApp.jpserver_extensions=gpucleanup.server=True")
+        if os.geteuid() == 0:
+            argv.append("--allow-root")
+        self.log_path = base / "server.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT, cwd=str(self.root))
+        self.jar = http.cookiejar.CookieJar()
+        self._opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(self.jar), _NoRedirect())
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            if self.proc.poll() is not None:
+                pytest.fail(f"jupyter server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if self.request("GET", "/api/status", token=True).status == 200:
+                    return
+            except OSError:
+                pass  # not listening yet
+            if time.monotonic() > deadline:
+                pytest.fail(f"jupyter server not ready within {TIMEOUT} s:\n{self.log()}")
+            time.sleep(0.05)
+
+    def request(self, method: str, path: str, body=None, token: bool = False, cookies: bool = False,
+                headers: Optional[dict] = None) -> Response:
+        """One request; ``token``: with the ``Authorization: token`` header; ``cookies``: with the cookies
+        this client got (the login cookie and ``_xsrf`` after a visit of ``?token=``)."""
+        data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data=data, method=method, headers=dict(headers or {}))
+        if token:
+            request.add_header("Authorization", f"token {self.token}")
+        if data is not None:
+            request.add_header("Content-Type", "application/json")
+        opener = self._opener if cookies else urllib.request.build_opener(_NoRedirect())
+        try:
+            with opener.open(request, timeout=TIMEOUT) as response:
+                return Response(response.status, response.headers, response.read())
+        except urllib.error.HTTPError as error:
+            return Response(error.code, error.headers, error.read())
+
+    def api(self, method: str, path: str, body=None, expect: int = 200):
+        response = self.request(method, path, body, token=True)
+        assert response.status == expect, (response.status, response.body)
+        return response.json() if response.body else None
+
+    def cookie(self, name: str) -> Optional[str]:
+        return next((c.value for c in self.jar if c.name == name), None)
+
+    def kernels(self) -> list:
+        return self.api("GET", "/api/gpucleanup/kernels")["kernels"]
+
+    def entry(self, kernel_id: str) -> dict:
+        return self.api("GET", f"/api/gpucleanup/kernels/{kernel_id}")
+
+    def wait_for(self, kernel_id: str, condition: Callable[[dict], bool], what: str) -> dict:
+        """The kernel's entry once ``condition`` holds for it (polled, at most TIMEOUT seconds)."""
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            entry = self.entry(kernel_id)
+            if condition(entry):
+                return entry
+            assert time.monotonic() < deadline, f"{what}: not within {TIMEOUT} s; last entry {entry}"
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                self.request("POST", "/api/shutdown", token=True)
+            try:
+                self.proc.wait(timeout=TIMEOUT)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+class Notebook:
+    """A notebook session started through the server's REST API, and a jupyter_client client of its kernel."""
+
+    def __init__(self, server: Server, path: str):
+        from jupyter_client import BlockingKernelClient
+
+        self.server = server
+        self.path = path
+        (server.root / path).parent.mkdir(parents=True, exist_ok=True)
+        session = server.api("POST", "/api/sessions", {"path": path, "type": "notebook", "kernel": {"name": "python3"}},
+                             expect=201)
+        self.kernel_id = session["kernel"]["id"]
+        self.kc = BlockingKernelClient(connection_file=str(server.runtime / f"kernel-{self.kernel_id}.json"))
+        self.kc.load_connection_file()
+        # No heartbeat: a client without a manager judges the kernel dead when its heartbeat has not beaten
+        # yet, which a kernel still starting on a busy machine has not; the server watches the kernel.
+        self.kc.start_channels(hb=False)
+        self.kc.wait_for_ready(timeout=TIMEOUT)
+        self.count = 0
+
+    def start(self, code: str) -> str:
+        return self.kc.execute(code)
+
+    def collect(self, msg_id: str) -> str:
+        """The cell's stream output and error, once the kernel is idle after it."""
+        out = []
+        while True:
+            msg = self.kc.get_iopub_msg(timeout=TIMEOUT)
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                out.append(content["text"])
+            elif kind == "error":
+                out.append(f"{content['ename']}: {content['evalue']}\n")
+            elif kind == "execute_input":
+                self.count = content["execution_count"]
+            elif kind == "status" and content["execution_state"] == "idle":
+                return "".join(out)
+
+    def run(self, code: str) -> str:
+        return self.collect(self.start(code))
+
+    def load_gpucleanup(self) -> None:
+        out = self.run("%load_ext gpucleanup")
+        assert "Error" not in out, out
+
+    def discovery(self) -> discovery.Kernel:
+        found = [k for k in discovery.scan(self.server.runtime).live if k.kernel_id == self.kernel_id]
+        assert len(found) == 1, f"no discovery file of kernel {self.kernel_id}"
+        return found[0]
+
+    def status(self) -> dict:
+        return status_client.request(kernels.target_of(self.discovery()), "status", timeout=TIMEOUT)
+
+    def interrupt(self, msg_id: str) -> str:
+        self.server.api("POST", f"/api/kernels/{self.kernel_id}/interrupt", expect=204)
+        return self.collect(msg_id)
+
+    def close(self) -> None:
+        self.kc.stop_channels()
+
+
+def fake_update(patch: dict) -> str:
+    """A cell that changes the fake driver's state (the kernel loaded the same libcuda.so.1 as libgpucleanup)."""
+    return ("import ctypes, os\n"
+            f"assert ctypes.CDLL(os.environ['GPUCLEANUP_LIBCUDA']).fake_cuda_update({json.dumps(patch).encode()!r}) == 0")
+
+
+def device_used(used: int) -> dict:
+    """The fake device with ``used`` bytes in use (80 GiB in all), its default pool holding 2 GiB of them."""
+    return {"devices": [{"free_bytes": 80 * GiB - used, "default_pool": {"reserved_bytes": 2 * GiB}}]}
+
+
+#: the stand-in CuPy with 3 GiB live, 1 GiB cached on GPU0; ``cp.pool`` changes them later
+STAND_IN_CUPY = f"""
+import sys, pytest
+sys.path.insert(0, {str(ROOT / 'tests' / 'python')!r})
+from stand_ins import World, install_cupy
+cp = install_cupy(pytest.MonkeyPatch(), World(n_devices=1, active=(0,)), used={{0: {3 * GiB}}}, free={{0: {GiB}}})
+"""
+
+
+def fill(notebook: Notebook) -> None:
+    """Cells with GPU work: 5 GiB live (stand-in CuPy), 2 GiB outside every pool, 2 GiB freed from the
+    driver pool twice; the device ends at 7.0/80.0 GiB used."""
+    notebook.run(STAND_IN_CUPY)
+    notebook.load_gpucleanup()
+    for code in (fake_update(device_used(6 * GiB)),
+                 f"cp.pool.used[0] = {5 * GiB}; cp.pool.free[0] = {GiB}",
+                 fake_update(device_used(9 * GiB)),
+                 "x = 1"):
+        out = notebook.run(code)
+        assert "Error" not in out, out
+
+
+def _age(entry: dict) -> float:
+    age = entry["state"]["age_s"]
+    assert isinstance(age, (int, float)) and age >= 0
+    return age
+
+
+# ---------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    if not LIBRARY.exists() or not FAKE_CUDA.exists():
+        pytest.fail(f"build libgpucleanup and the fake driver first ({LIBRARY}, {FAKE_CUDA})")
+    srv = Server(tmp_path_factory.mktemp("jupyter-server"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def notebook(server):
+    """A kernel with gpucleanup and a few cells, for a notebook whose name needs escaping."""
+    nb = Notebook(server, "analysis/fit 100% <b>&</b>.ipynb")
+    fill(nb)
+    yield nb
+    nb.close()
+
+
+@pytest.fixture(scope="module")
+def plain(server):
+    """A kernel of the server without gpucleanup."""
+    nb = Notebook(server, "plain.ipynb")
+    yield nb
+    nb.close()
+
+
+# ---------------------------------------------------------------- authentication
+
+
+def test_the_api_and_the_page_need_the_token(server):
+    assert server.request("GET", "/api/gpucleanup/kernels").status == 403
+    assert server.request("GET", "/api/gpucleanup/kernels", headers={"Authorization": "token wrong"}).status == 403
+    assert server.request("POST", "/api/gpucleanup/kernels/x/drain", body={}).status == 403
+    page = server.request("GET", "/gpucleanup")
+    assert page.status == 302
+    assert page.headers["Location"].startswith("/login?next=")
+    assert server.request("GET", "/gpucleanup/static/page.js").status == 302
+    assert server.request("GET", "/api/gpucleanup/kernels", token=True).status == 200
+
+
+def test_the_page_and_its_files_are_served_to_a_logged_in_user(server):
+    page = server.request("GET", f"/gpucleanup?token={server.token}", cookies=True)
+    assert page.status == 200
+    assert page.headers["Content-Type"] == "text/html; charset=UTF-8"
+    text = page.body.decode()
+    assert '<script src="/gpucleanup/static/page.js?v=' in text
+    assert 'data-refresh-s="2"' in text
+    assert "script-src 'self'" in page.headers["Content-Security-Policy"]
+    assert server.cookie("_xsrf"), "the page sets the _xsrf cookie its Drain button sends back"
+    script = server.request("GET", "/gpucleanup/static/page.js", cookies=True,
+                            headers={"Referer": f"{server.url}/gpucleanup"})
+    assert script.status == 200
+    assert b"api/gpucleanup/kernels" in script.body
+
+
+# ---------------------------------------------------------------- the list
+
+
+def test_a_kernel_is_listed_with_its_notebook_and_the_figures_of_its_status_endpoint(server, notebook):
+    # the server learns the kernel's execution state from its messages, on its own time
+    entry = server.wait_for(notebook.kernel_id,
+                            lambda e: (e["last_cells"] or [{}])[0].get("cell") == notebook.count
+                            and e["execution_state"] == "idle", "the last cell's record, and idle for the server")
+    reply = notebook.status()
+    assert entry["notebook"] == notebook.path  # the server's session path
+    assert entry["id"] == entry["kernel_id"] == notebook.kernel_id
+    assert entry["pid"] == reply["kernel"]["pid"] == notebook.discovery().pid
+    assert entry["server_kernel"] is True and entry["gpucleanup"] is True
+    assert entry["error"] is None and entry["hint"] is None
+    assert entry["state"]["state"] == "idle"
+    assert entry["state_text"].startswith("idle for ")
+    assert entry["execution_state"] == "idle"
+    assert entry["snapshot_status"] == "fresh"
+    # the figures are the status endpoint's, device by device
+    assert entry["devices"] == kernels.device_rows(reply)
+    (device,) = entry["devices"]
+    assert (device["index"], device["name"]) == (0, "Fake H100")
+    assert (device["used_bytes"], device["total_bytes"]) == (7 * GiB, 80 * GiB)
+    assert device["live_bytes"] == {"cupy": 5 * GiB}
+    assert device["outside_bytes"] == 2 * GiB
+    # the last cells, newest first: the two cells that grew the driver pool freed 2 GiB each
+    cells = {c["cell"]: c for c in entry["last_cells"]}
+    assert entry["last_cells"][0]["cell"] == notebook.count
+    assert [cells[n]["freed_bytes"] for n in (notebook.count - 3, notebook.count - 1)] == [2 * GiB, 2 * GiB]
+    assert cells[notebook.count]["devices"][0]["used_after_bytes"] == 7 * GiB
+    # the timeline has every cell since the extension loaded
+    history = status_client.request(kernels.target_of(notebook.discovery()), "history", timeout=TIMEOUT)["records"]
+    (series,) = entry["timeline"]["devices"]
+    assert [p["cell"] for p in series["points"]] == [r["cell"] for r in history]
+    assert series["points"][-1]["used_bytes"] == 7 * GiB
+    assert series["points"][-1]["live_bytes"] == 5 * GiB
+    # the whole list holds the same entry
+    listed = server.api("GET", "/api/gpucleanup/kernels")
+    assert listed["runtime_dir"] == str(server.runtime)
+    assert listed["skipped"] == []
+    assert [e["devices"] for e in listed["kernels"] if e["id"] == notebook.kernel_id] == [entry["devices"]]
+
+
+def test_a_kernel_without_gpucleanup_is_listed_with_a_hint(server, plain):
+    entry = server.entry(plain.kernel_id)
+    assert entry["notebook"] == "plain.ipynb"
+    assert entry["gpucleanup"] is False
+    assert entry["server_kernel"] is True
+    assert entry["hint"] == "gpucleanup is not loaded in this kernel: run %load_ext gpucleanup in a cell"
+    assert entry["devices"] == [] and entry["state"] is None
+    drain = server.request("POST", f"/api/gpucleanup/kernels/{plain.kernel_id}/drain", body={}, token=True)
+    assert drain.status == 409
+    assert drain.json()["message"] == f"kernel {plain.kernel_id}: {entry['hint']}"
+
+
+def test_an_unknown_kernel_is_404_with_a_json_message(server):
+    for method, path in (("GET", "/api/gpucleanup/kernels/no-such-kernel"),
+                         ("POST", "/api/gpucleanup/kernels/no-such-kernel/drain")):
+        response = server.request(method, path, body={} if method == "POST" else None, token=True)
+        assert response.status == 404
+        assert response.headers["Content-Type"].startswith("application/json")
+        assert response.json()["message"] == "no kernel no-such-kernel: GET api/gpucleanup/kernels lists the kernels"
+
+
+# ---------------------------------------------------------------- drain
+
+
+def test_drain_is_post_only(server, notebook):
+    response = server.request("GET", f"/api/gpucleanup/kernels/{notebook.kernel_id}/drain", token=True)
+    assert response.status == 405
+
+
+def test_drain_with_the_token_needs_no_xsrf_and_returns_the_result(server, notebook):
+    server.wait_for(notebook.kernel_id, lambda e: e["state"]["state"] == "idle", "idle")
+    response = server.request("POST", f"/api/gpucleanup/kernels/{notebook.kernel_id}/drain",
+                              body={"timeout_s": 5}, token=True)
+    assert response.status == 200, response.body
+    data = response.json()
+    assert data["id"] == data["kernel_id"] == notebook.kernel_id
+    assert data["notebook"] == notebook.path
+    assert data["result"]["kind"] == "drain"
+    assert data["result"]["timeout_s"] == 5
+    assert [d["state"] for d in data["result"]["devices"]] == ["drained"]
+    assert data["drained"] is True
+    assert data["lines"] == ["GPU0: drained, released 0 B"]  # the cells' own cleanups trimmed the pool already
+
+
+def test_drain_from_a_login_cookie_needs_the_xsrf_header(server, notebook):
+    assert server.request("GET", f"/gpucleanup?token={server.token}", cookies=True).status == 200
+    path = f"/api/gpucleanup/kernels/{notebook.kernel_id}/drain"
+    # logged in by cookie: reading works without more
+    assert server.request("GET", f"/api/gpucleanup/kernels/{notebook.kernel_id}", cookies=True).status == 200
+    refused = server.request("POST", path, body={}, cookies=True)
+    assert refused.status == 403
+    assert "_xsrf" in refused.json()["message"]
+    server.wait_for(notebook.kernel_id, lambda e: e["state"]["state"] == "idle", "idle")
+    done = server.request("POST", path, body={}, cookies=True, headers={"X-XSRFToken": server.cookie("_xsrf")})
+    assert done.status == 200, done.body
+    assert done.json()["result"]["kind"] == "drain"
+
+
+def test_bad_drain_requests_say_what_to_send(server, notebook):
+    path = f"/api/gpucleanup/kernels/{notebook.kernel_id}/drain"
+    for body, message in (
+        ({"timeout_s": 61}, "timeout_s must be a number of seconds from 0 to 60, got 61"),
+        ({"timeout_s": "ten"}, "timeout_s must be a number of seconds from 0 to 60, got 'ten'"),
+        ([1], 'the body must be a JSON object, e.g. {"timeout_s": 10}'),
+    ):
+        response = server.request("POST", path, body=body, token=True)
+        assert (response.status, response.json()["message"]) == (400, message)
+
+
+def test_a_kernel_stuck_in_a_cell_shows_as_running_and_refuses_a_drain(server, notebook):
+    cell = notebook.count + 1
+    msg_id = notebook.start("import time\ntime.sleep(600)")
+    try:
+        # gpucleanup's state and the server's own view (from the kernel's iopub status) agree, in time
+        first = server.wait_for(notebook.kernel_id,
+                                lambda e: e["state"]["state"] == "running" and e["execution_state"] == "busy",
+                                "running, and busy for the server")
+        assert first["state"]["cell"] == cell
+        assert first["state_text"].startswith(f"running cell {cell} for ")
+        later = server.entry(notebook.kernel_id)
+        assert later["state"]["cell"] == cell
+        assert _age(later) >= _age(first)  # still the same cell, an age that grows
+        refused = server.request("POST", f"/api/gpucleanup/kernels/{notebook.kernel_id}/drain", body={}, token=True)
+        assert refused.status == 409
+        assert refused.json()["message"] == (
+            f"kernel {notebook.kernel_id}: [gpucleanup.server.411] drain refused: the kernel is running; "
+            "a drain runs only between cells (state idle)"
+        )
+    finally:
+        assert "KeyboardInterrupt" in notebook.interrupt(msg_id)
+    server.wait_for(notebook.kernel_id, lambda e: e["state"]["state"] == "idle", "idle after the interrupt")
+
+
+def test_a_kernel_waiting_for_its_gpu_shows_which(server, notebook):
+    # The cell leaves work on GPU0 that never finishes: its cleanup waits for it (settle_timeout, 30 s).
+    cell = notebook.count + 1
+    msg_id = notebook.start(fake_update({"devices": [{"sync_seconds": -1}]}))
+    try:
+        entry = server.wait_for(notebook.kernel_id, lambda e: e["state"]["state"] == "waiting", "waiting")
+        assert entry["state"]["device"] == 0
+        assert entry["state"]["cell"] == cell
+        assert entry["state_text"].startswith("waiting for GPU0 for ")
+    finally:
+        notebook.interrupt(msg_id)  # Ctrl-C stops the wait
+        out = notebook.run("import ctypes, os\nlib = ctypes.CDLL(os.environ['GPUCLEANUP_LIBCUDA'])\n"
+                           "lib.fake_cuda_release_sync()\n" + fake_update({"devices": [{"sync_seconds": 0}]}))
+        assert "Error" not in out, out
+    server.wait_for(notebook.kernel_id, lambda e: e["state"]["state"] == "idle", "idle after the wait")
+
+
+def test_a_kernel_that_does_not_answer_shows_why_and_its_drain_is_504(server):
+    import zmq
+
+    stuck = zmq.Context.instance().socket(zmq.ROUTER)  # accepts, never answers
+    stuck.setsockopt(zmq.LINGER, 0)
+    port = stuck.bind_to_random_port("tcp://127.0.0.1")
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    path = server.runtime / f"gpucleanup-{sleeper.pid}.json"
+    try:
+        discovery.write(path, {
+            "discovery": 1, "pid": sleeper.pid, "proc_start_ticks": discovery.process_start_ticks(sleeper.pid),
+            "kernel_id": None, "connection_file": None, "notebook": "elsewhere/stuck.ipynb",
+            "endpoint": f"tcp://127.0.0.1:{port}", "pub_endpoint": f"tcp://127.0.0.1:{port}", "transport": "tcp",
+            "key_file": None, "signature_scheme": "hmac-sha256", "protocol": 1, "started_ns": 1, "version": "0.1.0",
+        })
+        key = f"pid-{sleeper.pid}"
+        entry = server.entry(key)
+        assert entry["notebook"] == "elsewhere/stuck.ipynb"
+        assert entry["server_kernel"] is False and entry["gpucleanup"] is True
+        assert entry["error_kind"] == "no_answer"
+        assert entry["error"] == f"did not answer within {STATUS_TIMEOUT:g} s: the process may be stopped or overloaded"
+        assert entry["state"] is None and entry["devices"] == []
+        response = server.request("POST", f"/api/gpucleanup/kernels/{key}/drain", body={"timeout_s": 0}, token=True)
+        assert response.status == 504
+        assert response.json()["message"] == (
+            f"kernel {key} did not answer within {STATUS_TIMEOUT:g} s: the process may be stopped or overloaded")
+    finally:
+        path.unlink(missing_ok=True)
+        sleeper.kill()
+        sleeper.wait()
+        stuck.close()
+
+
+# ---------------------------------------------------------------- enabling, settings
+
+
+def test_the_config_file_a_wheel_installs_enables_the_extension(tmp_path):
+    # what the wheel puts in <prefix>/etc/jupyter/jupyter_server_config.d (CMakeLists.txt installs it)
+    shipped = ROOT / "share" / "jupyter-config" / "gpucleanup.json"
+    assert json.loads(shipped.read_text()) == {"ServerApp": {"jpserver_extensions": {"gpucleanup.server": True}}}
+    config = tmp_path / "etc-jupyter"
+    (config / "jupyter_server_config.d").mkdir(parents=True)
+    shutil.copy(shipped, config / "jupyter_server_config.d")
+    (tmp_path / "server").mkdir()
+    srv = Server(tmp_path / "server", enable=False, extra_env={"JUPYTER_CONFIG_PATH": str(config)})
+    try:
+        listed = srv.api("GET", "/api/gpucleanup/kernels")
+        assert listed["kernels"] == [] and listed["runtime_dir"] == str(srv.runtime)
+        assert "gpucleanup.server | extension was successfully loaded." in srv.log()
+    finally:
+        srv.stop()
+
+
+def test_settings_are_traits_with_documented_defaults_and_bounds():
+    from traitlets import TraitError
+    from traitlets.config import Config
+
+    from gpucleanup.server import GPUCleanupServer
+
+    defaults = GPUCleanupServer()
+    assert (defaults.timeout, defaults.history, defaults.refresh_s, defaults.drain_timeout) == (1.0, 50, 2.0, 10.0)
+    config = Config({"GPUCleanupServer": {"timeout": 2.5, "history": 10, "refresh_s": 5}})
+    assert (GPUCleanupServer(config=config).timeout, GPUCleanupServer(config=config).history) == (2.5, 10)
+    for name, value in (("timeout", 0), ("history", -1), ("refresh_s", 0.1), ("drain_timeout", 61)):
+        with pytest.raises(TraitError, match=f"The value of the '{name}' trait of a GPUCleanupServer instance"):
+            GPUCleanupServer(**{name: value})
+
+
+def test_importing_gpucleanup_does_not_import_jupyter_server():
+    result = subprocess.run(
+        [sys.executable, "-c", "import sys, gpucleanup, gpucleanup.kernels, gpucleanup.extension; "
+                               "print(sorted(m for m in sys.modules if m.startswith(('jupyter_server', 'tornado'))))"],
+        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT / "ipython_ext")), timeout=TIMEOUT,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "[]\n"
+    from gpucleanup.server import _jupyter_server_extension_points
+
+    assert _jupyter_server_extension_points() == [{"module": "gpucleanup.server"}]
+
+
+# ---------------------------------------------------------------- the entries, from plain data
+
+
+def _view(pid, kernel_id=None, notebook=None, status=None, history=None, error=None, error_kind=None, elsewhere=None):
+    info = {"pid": pid, "kernel_id": kernel_id, "notebook": notebook}
+    return kernels.KernelView(discovery.Kernel(Path(f"/run/gpucleanup-{pid}.json"), info, elsewhere=elsewhere),
+                              status=status, history=history, error=error, error_kind=error_kind, elsewhere=elsewhere)
+
+
+def _record(cell, freed, used):
+    return {"cell": cell, "time_ns": cell, "elapsed_s": 0.01, "interrupted": False,
+            "devices": [{"index": 0, "name": "GPU", "total_bytes": 8 * GiB, "used_after_bytes": used,
+                         "freed_bytes": {"torch": freed}, "live_bytes": {"torch": GiB}, "cached_bytes": {},
+                         "outside_bytes": GiB // 2, "state": "drained"}],
+            "pinned": {"freed_bytes": {"torch": 1024}}}
+
+
+def test_entries_join_the_servers_kernels_and_the_discovery_files():
+    from gpucleanup.server import model
+
+    status = {"state": {"state": "running", "cell": 12, "age_s": 63.2}, "snapshot_status": "stale",
+              "snapshot_age_s": 1.5, "snapshot": {"driver": {"state": "ready"}, "devices": []},
+              "last_record": _record(11, 0, 3 * GiB), "kernel": {"notebook": "from-kernel.ipynb"}}
+    history = [_record(n, GiB if n % 2 else 0, n * GiB // 4) for n in range(1, 12)]
+    gathered = kernels.Gathered(
+        kernels=[
+            _view(101, None, None, status=status, history=history),  # the server's kernel, known by pid only
+            _view(202, "other", "theirs.ipynb", error="did not answer within 1 s", error_kind="no_answer"),
+            _view(303, "far", "far.ipynb", error="elsewhere (another PID namespace)", error_kind="elsewhere",
+                  elsewhere="another PID namespace"),
+        ],
+        skipped=[discovery.Skipped(Path("/run/gpucleanup-9.json"), "not JSON")],
+        directory=Path("/run"),
+    )
+    ours = [{"kernel_id": "k-b", "notebook": "b.ipynb", "pid": 101, "execution_state": "busy"},
+            {"kernel_id": "k-a", "notebook": "a.ipynb", "pid": 100, "execution_state": "idle"},
+            {"kernel_id": "k-c", "notebook": None, "pid": None, "execution_state": "starting"}]
+    data = model.assemble(ours, gathered)
+    assert data["runtime_dir"] == "/run"
+    assert data["skipped"] == [{"path": "/run/gpucleanup-9.json", "why": "not JSON"}]
+    # this server's kernels by notebook (none last), then the others by pid
+    assert [e["id"] for e in data["kernels"]] == ["k-a", "k-b", "k-c", "other", "far"]
+    a, b, c, other, far = data["kernels"]
+    assert (a["gpucleanup"], a["hint"], a["execution_state"]) == (False, model.NOT_LOADED, "idle")
+    assert (b["gpucleanup"], b["hint"], b["notebook"], b["pid"]) == (True, None, "b.ipynb", 101)
+    assert b["state_text"] == "running cell 12 for 1 min 3 s"
+    assert (b["snapshot_status"], b["snapshot_age_s"], b["driver_state"]) == ("stale", 1.5, "ready")
+    assert [cell["cell"] for cell in b["last_cells"]] == [11, 10, 9, 8, 7, 6]
+    assert b["last_cells"][0] == {"cell": 11, "time_ns": 11, "elapsed_s": 0.01, "interrupted": False,
+                                  "freed_bytes": GiB, "pinned_freed_bytes": 1024,
+                                  "devices": [{"index": 0, "state": "drained", "freed_bytes": GiB,
+                                               "used_after_bytes": 11 * GiB // 4, "live_bytes": GiB,
+                                               "cached_bytes": 0, "outside_bytes": GiB // 2}]}
+    assert [p["cell"] for p in b["timeline"]["devices"][0]["points"]] == list(range(1, 12))
+    assert b["devices"][0]["outside_bytes"] == GiB // 2
+    assert (c["id"], c["gpucleanup"], c["notebook"]) == ("k-c", False, None)
+    assert (other["server_kernel"], other["notebook"], other["error_kind"]) == (False, "theirs.ipynb", "no_answer")
+    assert other["state"] is None and other["state_text"] is None and other["hint"] is None
+    assert (far["error_kind"], far["pid"]) == ("elsewhere", 303)
+
+
+def test_an_entry_without_a_kernel_id_goes_by_its_pid():
+    from gpucleanup.server import model
+
+    data = model.assemble([], kernels.Gathered([_view(4242, None, "ipython")], [], Path("/run")))
+    assert [(e["id"], e["kernel_id"], e["server_kernel"]) for e in data["kernels"]] == [("pid-4242", None, False)]
+
+
+def test_state_text_reads_like_gpucleanup_ps():
+    from gpucleanup.server.model import state_text
+
+    assert state_text({"state": "idle", "age_s": 3}) == "idle for 3.0 s"
+    assert state_text({"state": "running", "cell": 12, "age_s": 63.2}) == "running cell 12 for 1 min 3 s"
+    assert state_text({"state": "waiting", "device": 1, "cell": 4, "age_s": 8}) == "waiting for GPU1 for 8.0 s"
+    assert state_text({"state": "draining", "cell": 4}) == "draining cell 4"
+    assert state_text(None) is None
+
+
+def test_drain_lines_say_what_was_released_and_why_not():
+    from gpucleanup.server.model import drain_lines
+
+    result = {"driver": {"state": "ready"}, "devices": [
+        {"index": 0, "state": "drained", "released_bytes": GiB, "settle": {"status": "done"}, "message": None},
+        {"index": 1, "state": "busy", "settle": {"status": "timeout"}},
+        {"index": 2, "state": "busy", "settle": {"status": "still_busy"}},
+        {"index": 3, "state": "unusable", "message": "GPU3 is unusable after CUDA_ERROR_ILLEGAL_ADDRESS: restart the kernel"},
+        {"index": 4, "state": "error", "message": "cuMemPoolTrimTo failed on GPU4"},
+    ]}
+    assert drain_lines(result, 2) == [
+        "GPU0: drained, released 1.0 GiB",
+        "GPU1 busy: the work the kernel queued on it did not finish within 2 s, so its memory pools were not "
+        "trimmed; try again later",
+        "GPU2 busy: an earlier drain still waits for its queued work, so its memory pools were not trimmed; "
+        "try again when that work has finished",
+        "GPU3 unusable: GPU3 is unusable after CUDA_ERROR_ILLEGAL_ADDRESS: restart the kernel",
+        "GPU4 error: cuMemPoolTrimTo failed on GPU4; try again",
+    ]
+    assert drain_lines({"driver": {"state": "not_initialized"}, "devices": []}, 10) == ["drained; no GPU in use"]
+    assert drain_lines({"driver": {"state": "unusable", "message": "bad"}, "devices": []}, 10) == [
+        "nothing drained: the CUDA driver is unusable (bad)"]
