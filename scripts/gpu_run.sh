@@ -5,8 +5,9 @@
 # then the real-GPU tests, the benchmarks and the demo, in one go.
 # Results land in $OUT (or ./gpu-out): machine.log, gpu-tests.log, facts.log, bench.json, bench.log, demo.log,
 # for the stage trace: trace-tests.log, trace-bench.json, trace-bench.log; for dask: dask-tests.log, dask-bench.*;
+# for server: server-tests.log and server/ (the page's data, /metrics, the plots);
 # and for the stage kernels: kernels.json, kernels.log, kernel-calls.json, kernel-calls.log.
-# Usage: scripts/gpu_run.sh [STAGE ...]   stages: tests facts bench demo kernels kernels-focus stages trace dask
+# Usage: scripts/gpu_run.sh [STAGE ...]   stages: tests facts bench demo kernels kernels-focus stages trace dask server
 #        (default: tests facts bench demo)
 # The stage stages (tests/bench/profile_cell.py --stages --primitives, in-process, about a minute) writes
 # stages.log: where the per-cell time goes, step by step, with CUDA unused and PyTorch or CuPy idle; and
@@ -59,6 +60,13 @@ if [[ $stages == *" dask "* ]]; then
   # the Dask worker plugin on a LocalCUDACluster: its GPU test, then its cost per task and per cleanup
   python3 -m pytest tests/gpu/test_dask_gpu.py -v -s -p no:cacheprovider 2>&1 | tee "$out/dask-tests.log"
   python3 tests/bench/bench_dask.py --json "$out/dask-bench.json" 2>&1 | tee "$out/dask-bench.log"
+fi
+if [[ $stages == *" server "* ]]; then
+  # the Jupyter Server page's data, /metrics and %gpumem --plot against a CuPy and a PyTorch notebook; what
+  # they showed (server-kernels.json, server-metrics.txt, gpumem-*.json, gpumem-plot-*.png) comes back in
+  # $OUT/server/
+  GPUCLEANUP_ARTIFACTS="$out/server" python3 -m pytest tests/gpu/test_server_gpu.py -v -s -p no:cacheprovider 2>&1 \
+    | tee "$out/server-tests.log"
 fi
 if [[ $stages == *" facts "* ]]; then
   python3 scripts/gpu_facts.py 2>&1 | tee "$out/facts.log"

@@ -194,8 +194,10 @@ class Notebook:
         return self.kc.execute(code)
 
     def collect(self, msg_id: str) -> str:
-        """The cell's stream output and error, once the kernel is idle after it."""
+        """The cell's stream output and error, once the kernel is idle after it; what the cell displayed
+        (display_data and execute_result bundles) goes to ``self.displayed``."""
         out = []
+        self.displayed = []
         while True:
             msg = self.kc.get_iopub_msg(timeout=TIMEOUT)
             if msg["parent_header"].get("msg_id") != msg_id:
@@ -205,6 +207,8 @@ class Notebook:
                 out.append(content["text"])
             elif kind == "error":
                 out.append(f"{content['ename']}: {content['evalue']}\n")
+            elif kind in ("display_data", "execute_result"):
+                self.displayed.append(content["data"])
             elif kind == "execute_input":
                 self.count = content["execution_count"]
             elif kind == "status" and content["execution_state"] == "idle":
