@@ -60,6 +60,7 @@ class Server:
         """``extra_env``: what the server and its kernels get besides the private directories (the CUDA driver
         and library to use); ``status_timeout``: the server's GPUCleanupServer.timeout."""
         self.token = secrets.token_hex(16)
+        base.mkdir(parents=True, exist_ok=True)
         self.runtime = base / "runtime"
         self.root = base / "root"
         self.runtime.mkdir(mode=0o700)
