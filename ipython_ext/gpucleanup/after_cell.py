@@ -613,6 +613,7 @@ class AfterCell:
                         settled_pass.pools[i] = fig.pop("pools_reserved", None)
                     settled_pass.figures.update(trimmed)
                     figures_stale = False
+                ctrl_c.check()  # a Ctrl-C during the trim: said as at every other step, not lost
         except KeyboardInterrupt:
             interrupted = True
             for i in devices:

@@ -357,9 +357,21 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             with contextlib.suppress(Exception):
                 if self._interrupt_the_cell in self.shell.ast_transformers:
                     self.shell.ast_transformers.remove(self._interrupt_the_cell)
-            with contextlib.suppress(Exception):
+            self._say_idle()
+
+    def _say_idle(self) -> None:
+        """The status endpoint's "idle" as a cell's hook ends. A Ctrl-C that lands here comes after
+        the cleanup: it is dropped, as an idle kernel drops one, and "idle" is said again (a state
+        left at "draining" would refuse gpucleanup drain until the next cell)."""
+        for _ in range(3):
+            try:
                 if self._endpoint is not None:
                     self._status("set_state", {"state": "idle", "since_ns": time.time_ns()})
+                return
+            except KeyboardInterrupt:
+                continue
+            except Exception:
+                return
 
     def _release_after_oom(self, result: Any, cell: Optional[int]) -> None:
         """A cell that failed with a GPU out-of-memory error: its traceback's frames let go

@@ -125,7 +125,7 @@ class StatusEndpoint:
 
     def set_state(self, state: dict) -> None:
         """The kernel's state as ``gpucleanup status`` shows it; never raises."""
-        if not self._running:
+        if not self._serving():
             return
         try:
             self._refresh_notebook()
@@ -144,7 +144,7 @@ class StatusEndpoint:
 
     def publish(self, record: dict) -> None:
         """One finished cell's record: kept in the server's history and sent to watchers; never raises."""
-        if not self._running:
+        if not self._serving():
             return
         try:
             try:
@@ -169,6 +169,11 @@ class StatusEndpoint:
         self._teardown()
 
     # ------------------------------------------------------------ internals
+
+    def _serving(self) -> bool:
+        # A forked child has the parent's endpoint but not its server: it must not ask a
+        # server it lacks, nor rewrite the parent's discovery file (a notebook named later).
+        return self._running and self._pid == os.getpid()
 
     def _lib(self):
         if self._native is None:
