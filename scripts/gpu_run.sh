@@ -7,7 +7,7 @@
 # for the stage trace: trace-tests.log, trace-bench.json, trace-bench.log; for dask: dask-tests.log, dask-bench.*;
 # for server: server-tests.log and server/ (the page's data, /metrics, the plots);
 # and for the stage kernels: kernels.json, kernels.log, kernel-calls.json, kernel-calls.log.
-# Usage: scripts/gpu_run.sh [STAGE ...]   stages: tests facts bench demo kernels kernels-focus stages trace dask server
+# Usage: scripts/gpu_run.sh [STAGE ...]   stages: tests facts bench demo kernels kernels-focus stages trace dask server reliability memcheck
 #        (default: tests facts bench demo)
 # The stage stages (tests/bench/profile_cell.py --stages --primitives, in-process, about a minute) writes
 # stages.log: where the per-cell time goes, step by step, with CUDA unused and PyTorch or CuPy idle; and
@@ -67,6 +67,24 @@ if [[ $stages == *" server "* ]]; then
   # $OUT/server/
   GPUCLEANUP_ARTIFACTS="$out/server" python3 -m pytest tests/gpu/test_server_gpu.py -v -s -p no:cacheprovider 2>&1 \
     | tee "$out/server-tests.log"
+fi
+if [[ $stages == *" reliability "* ]]; then
+  # a 500-cell soak with CuPy and PyTorch, and a kernel killed while a drain from outside waits on its GPU
+  python3 -m pytest tests/gpu/test_reliability_gpu.py -v -s -p no:cacheprovider 2>&1 | tee "$out/reliability-tests.log"
+fi
+if [[ $stages == *" memcheck "* ]]; then
+  # the GPU suite under compute-sanitizer's memcheck, every process it starts included (the allocation trace's
+  # tests left out: CUPTI takes one subscriber, and the sanitizer is one); each process's report is gathered into
+  # memcheck.log, and the line "ERROR SUMMARY" of each says how many errors it found. The suite runs at most
+  # GPUCLEANUP_MEMCHECK_S seconds (default 480): under memcheck it is many times slower.
+  sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  mkdir -p /tmp/memcheck && rm -f /tmp/memcheck/*.log
+  timeout "${GPUCLEANUP_MEMCHECK_S:-480}" "$sanitizer" --tool memcheck --target-processes all \
+    --log-file /tmp/memcheck/%p.log python3 -m pytest tests/gpu -k "not trace" -v -p no:cacheprovider 2>&1 \
+    | tee "$out/memcheck-tests.log"
+  for f in /tmp/memcheck/*.log; do echo "== $f"; cat "$f"; done > "$out/memcheck.log" 2>/dev/null
+  echo "memcheck: $(ls /tmp/memcheck/*.log 2>/dev/null | wc -l) processes checked; error summaries:" \
+    "$(grep -h "ERROR SUMMARY" /tmp/memcheck/*.log 2>/dev/null | sort | uniq -c | tr '\n' ';')" | tee -a "$out/memcheck-tests.log"
 fi
 if [[ $stages == *" facts "* ]]; then
   python3 scripts/gpu_facts.py 2>&1 | tee "$out/facts.log"
