@@ -26,6 +26,7 @@ deb_packages=(g++ pkg-config nlohmann-json3-dev libgtest-dev libgmock-dev libzmq
   libasan8 libubsan1 libtsan2)
 # The Jupyter Server page's tests drive Debian's headless Chromium through its chromedriver (Selenium).
 deb_packages+=(chromium chromium-driver)
+deb_packages+=(clang-14 libclang-rt-14-dev)  # scripts/fuzz.sh: clang and its libFuzzer runtime (libclang_rt.fuzzer)
 command -v cmake >/dev/null || deb_packages+=(cmake)
 command -v ninja >/dev/null || deb_packages+=(ninja-build)
 command -v python3 >/dev/null || deb_packages+=(python3 python3-venv)

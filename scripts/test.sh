@@ -9,9 +9,11 @@
 # Usage: scripts/test.sh [--repeat N] [pytest arguments...]
 #   --repeat N   run the pytest suites N times in a row (one set-up and build),
 #                stopping at the first round that fails
-# Then the sanitizer runs (scripts/sanitizers.sh, about 30 minutes on 2 cores the first time).
+# Then the sanitizer runs (scripts/sanitizers.sh, about 30 minutes on 2 cores the first time), and the
+# fuzz runs (scripts/fuzz.sh: each libFuzzer target 60 s, about 5 minutes with the build).
 # Environment: GPUCLEANUP_BUILD_DIR (default build), GPUCLEANUP_SKIP_LOW_IPYTHON=1 skips the
-#   lowest-IPython run, GPUCLEANUP_SKIP_SANITIZERS=1 the sanitizer runs.
+#   lowest-IPython run, GPUCLEANUP_SKIP_SANITIZERS=1 the sanitizer runs, GPUCLEANUP_SKIP_FUZZ=1 the fuzz
+#   runs, GPUCLEANUP_FUZZ_SECONDS (default 60) sets how long each fuzz target runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -85,10 +87,24 @@ run_sanitizers() {
   fi
 }
 
+# The fuzz runs (scripts/fuzz.sh): each libFuzzer target of tests/fuzz for GPUCLEANUP_FUZZ_SECONDS (60 s) on a
+# copy of its seed corpus. Skipped, as the sanitizer runs are, when pytest arguments or --repeat select a
+# partial run.
+run_fuzzers() {
+  if [ "${GPUCLEANUP_SKIP_FUZZ:-0}" = 1 ]; then
+    say "fuzz runs skipped (GPUCLEANUP_SKIP_FUZZ=1)"
+  elif [ ${#pytest_args[@]} -gt 0 ] || [ "$repeat" != 1 ]; then
+    say "fuzz runs skipped (a partial or repeated run: bash scripts/fuzz.sh runs them)"
+  else
+    bash scripts/fuzz.sh
+  fi
+}
+
 main_ipython=$(.venv/bin/python -c 'import IPython; print(IPython.__version__)')
 if [ "${GPUCLEANUP_SKIP_LOW_IPYTHON:-0}" = 1 ]; then
   say "tested with IPython $main_ipython only (GPUCLEANUP_SKIP_LOW_IPYTHON=1)"
   run_sanitizers
+  run_fuzzers
   say "done in $((SECONDS - started)) s"
   exit 0
 fi
@@ -139,4 +155,5 @@ if [ "$rc" != 0 ]; then
 fi
 say "lowest-IPython suites passed in $((SECONDS - step)) s"
 run_sanitizers
+run_fuzzers
 say "tested with IPython $main_ipython (.venv) and IPython $low_ipython_version ($low); done in $((SECONDS - started)) s"

@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "accounting.hpp"
+#include "api_input.hpp"
 #include "devices.hpp"
 #include "drain.hpp"
 #include "driver.hpp"
@@ -49,19 +50,6 @@ PerProcess<ApiState>& api_state() {
   static auto* state = new PerProcess<ApiState>();  // leaked: no destructor at exit
   return *state;
 }
-
-class Failure {
- public:
-  Failure(gpucleanup_status status, std::string message) : status_(status), message_(std::move(message)) {}
-  gpucleanup_status status() const { return status_; }
-  const std::string& message() const { return message_; }
-
- private:
-  gpucleanup_status status_;
-  std::string message_;
-};
-
-[[noreturn]] void fail(gpucleanup_status status, std::string message) { throw Failure(status, std::move(message)); }
 
 template <typename Body>
 gpucleanup_status guarded(Body&& body) noexcept {
@@ -111,36 +99,6 @@ const Driver& usable_driver() {
   const Driver& driver = Driver::process();
   if (driver.loaded() && !driver.usable()) fail(GPUCLEANUP_ERR_DRIVER, driver.message());
   return driver;
-}
-
-nlohmann::json parse_object(const char* text, const char* what) {
-  if (text == nullptr) {
-    fail(GPUCLEANUP_ERR_INVALID_ARGUMENT,
-         std::string("[gpucleanup.api.104] ") + what + " is NULL: pass a JSON object as a UTF-8 string");
-  }
-  nlohmann::json value = nlohmann::json::parse(text, nullptr, false);
-  if (value.is_discarded() || !value.is_object()) {
-    fail(GPUCLEANUP_ERR_INVALID_ARGUMENT,
-         std::string("[gpucleanup.api.104] ") + what + " is not a JSON object: pass a JSON object such as {}");
-  }
-  return value;
-}
-
-// The text of one JSON object, checked without building it (json::accept is a
-// parse without the tree): a cell record is kept and sent as text.
-std::string checked_object_text(const char* text, const char* what) {
-  if (text == nullptr) {
-    fail(GPUCLEANUP_ERR_INVALID_ARGUMENT,
-         std::string("[gpucleanup.api.104] ") + what + " is NULL: pass a JSON object as a UTF-8 string");
-  }
-  std::string_view view(text);
-  const auto first = view.find_first_not_of(" \t\r\n");
-  if (first == std::string_view::npos || view[first] != '{' || !nlohmann::json::accept(view)) {
-    fail(GPUCLEANUP_ERR_INVALID_ARGUMENT,
-         std::string("[gpucleanup.api.104] ") + what + " is not a JSON object: pass a JSON object such as {}");
-  }
-  const auto last = view.find_last_not_of(" \t\r\n");
-  return std::string(view.substr(first, last - first + 1));
 }
 
 // Runs `use` on the running status server under its lock (taken with the
@@ -434,15 +392,7 @@ gpucleanup_status gpucleanup_trace_start(const char* candidates_json, gpucleanup
   return guarded([&] {
     require_out(json_out);
     require_running();
-    const nlohmann::json candidates =
-        candidates_json == nullptr ? nlohmann::json() : nlohmann::json::parse(candidates_json, nullptr, false);
-    if (!candidates.is_array() ||
-        !std::all_of(candidates.begin(), candidates.end(), [](const nlohmann::json& c) { return c.is_string(); })) {
-      fail(GPUCLEANUP_ERR_INVALID_ARGUMENT,
-           "[gpucleanup.api.113] candidates_json is not a JSON array of strings: pass the paths of libcupti to try, "
-           "such as [\"libcupti.so.13\"]");
-    }
-    hand_out(trace::start(candidates.get<std::vector<std::string>>(), site), json_out);
+    hand_out(trace::start(parse_trace_candidates(candidates_json), site), json_out);
   });
 }
 

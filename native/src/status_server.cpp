@@ -35,8 +35,8 @@
 #include <zmq_addon.hpp>
 
 #include "detail/hmac.hpp"
-#include "detail/status_replay_guard.hpp"
 #include "errors.hpp"
+#include "status_protocol.hpp"
 
 namespace gpucleanup {
 namespace {
@@ -44,8 +44,7 @@ namespace {
 using json = nlohmann::json;
 using steady = std::chrono::steady_clock;
 
-constexpr int kProtocol = 1;
-constexpr std::size_t kMaxIdLength = 256;
+constexpr int kProtocol = kStatusProtocol;
 
 std::int64_t now_ns() {
   timespec ts{};
@@ -55,17 +54,7 @@ std::int64_t now_ns() {
 
 // Records come from Python and may carry anything; invalid UTF-8 must not
 // turn a reply into an exception.
-std::string dump(const json& value) { return value.dump(-1, ' ', false, json::error_handler_t::replace); }
-
-// A request the server refuses: answered with an error reply, then it serves on.
-struct Rejection {
-  std::string id;
-  std::string message;
-};
-
-[[noreturn]] void reject(const char* number, std::string message) {
-  throw Rejection{std::string("gpucleanup.server.") + number, std::move(message)};
-}
+std::string dump(const json& value) { return dump_json(value); }
 
 std::string scheme_of(const std::string& endpoint) {
   const auto pos = endpoint.find("://");
@@ -464,8 +453,8 @@ struct StatusServer::Impl {
   Impl(ServerConfig c, ServerHooks h)
       : config(std::move(c)),
         hooks(std::move(h)),
-        replay(static_cast<std::int64_t>(config.replay_window_s * 1e9), config.replay_capacity) {
-    if (scheme_of(config.endpoint) == "tcp") config.require_signature = true;
+        check(config) {
+    config.require_signature = signature_required(config);
     state_since_ns = state_updated_ns = now_ns();
   }
 
@@ -523,7 +512,7 @@ struct StatusServer::Impl {
 
   // Server thread only.
   std::optional<PendingDrain> pending_drain;
-  detail::ReplayGuard replay;
+  RequestCheck check;  // keeps the signatures seen (replay)
   std::int64_t started_ns = 0;
   std::uint64_t requests = 0;
   std::uint64_t errors = 0;
@@ -640,10 +629,7 @@ struct StatusServer::Impl {
 
   void send_error(const std::vector<std::string>& envelope, const json& id, const Rejection& rejection) {
     ++errors;
-    send_reply(envelope, json{{"ok", false},
-                              {"kind", "error"},
-                              {"id", id},
-                              {"error", {{"id", rejection.id}, {"message", "[" + rejection.id + "] " + rejection.message}}}});
+    send_reply(envelope, error_reply(id, rejection));
   }
 
   json state_view(std::int64_t now) {
@@ -678,8 +664,8 @@ struct StatusServer::Impl {
       job_cv.notify_all();
     }
     const std::uint64_t target = snapshot_requested;
-    const auto deadline = snapshot_started + std::chrono::duration_cast<steady::duration>(
-                                                 std::chrono::duration<double>(config.snapshot_timeout_s));
+    // Bounded (to_duration): a timeout of centuries must not overflow the clock.
+    const auto deadline = snapshot_started + to_duration(config.snapshot_timeout_s);
     const bool fresh = snapshot_cv.wait_until(lock, deadline, [&] { return snapshot_done >= target; });
     reply["snapshot"] = last_snapshot;
     if (last_snapshot.is_null()) {
@@ -723,14 +709,8 @@ struct StatusServer::Impl {
     return reply;
   }
 
-  json history_reply(const json& request) {
-    std::size_t limit = config.history_limit;
-    if (const auto it = request.find("limit"); it != request.end() && !it->is_null()) {
-      if (!it->is_number_integer() || it->get<std::int64_t>() < 0) {
-        reject("408", "request is malformed: \"limit\" must be an integer >= 0");
-      }
-      limit = std::min<std::size_t>(limit, it->get<std::size_t>());
-    }
+  json history_reply(std::optional<std::size_t> requested) {
+    const std::size_t limit = std::min<std::size_t>(config.history_limit, requested.value_or(config.history_limit));
     std::lock_guard<std::mutex> lock(state_mutex);
     json records = json::array();
     const std::size_t skip = history.size() > limit ? history.size() - limit : 0;
@@ -743,23 +723,8 @@ struct StatusServer::Impl {
                 {"records_total", published}};
   }
 
-  void accept_drain(const std::vector<std::string>& envelope, const json& id, const json& request, bool is_signed) {
-    if (config.key.empty()) {
-      reject("413", "drain is disabled: this server has no key, and a drain must be signed; start it with a key");
-    }
-    if (!is_signed) {
-      reject("414", "drain needs a signed request: sign it with HMAC-SHA256 under the key from the kernel's key file");
-    }
-    double timeout_s = config.drain_timeout_s;
-    if (const auto it = request.find("timeout_s"); it != request.end() && !it->is_null()) {
-      if (!it->is_number() || !std::isfinite(it->get<double>()) || it->get<double>() < 0 ||
-          it->get<double>() > config.max_drain_timeout_s) {
-        char limit[32];
-        std::snprintf(limit, sizeof limit, "%g", config.max_drain_timeout_s);
-        reject("408", std::string("request is malformed: \"timeout_s\" must be a number of seconds from 0 to ") + limit);
-      }
-      timeout_s = it->get<double>();
-    }
+  // A drain request that passed the check (signed, under a key, timeout_s in bounds).
+  void accept_drain(const std::vector<std::string>& envelope, const json& id, double timeout_s) {
     const std::string state_name = current_state_name();
     if (state_name != "idle") {
       reject("411", "drain refused: the kernel is " + state_name + "; a drain runs only between cells (state idle)");
@@ -816,107 +781,35 @@ struct StatusServer::Impl {
 
   void handle(std::vector<zmq::message_t>& frames) {
     ++requests;
-    // The routing id, then REQ's empty delimiter when the client sent one.
-    std::size_t first = 1;
-    if (frames.size() >= 3 && frames[1].size() == 0) first = 2;
+    std::vector<std::string_view> views;
+    views.reserve(frames.size());
+    for (const auto& frame : frames) views.emplace_back(static_cast<const char*>(frame.data()), frame.size());
+    const CheckedRequest request = check.check(views, now_ns());
     std::vector<std::string> envelope;
-    for (std::size_t i = 0; i < first && i < frames.size(); ++i) envelope.emplace_back(frames[i].to_string());
-    json id = nullptr;
+    for (std::size_t i = 0; i < request.envelope && i < frames.size(); ++i) envelope.emplace_back(frames[i].to_string());
+    // Keeps the peer's connection from being dropped as idle.
+    request_authenticated = request.authenticated;
     try {
-      const std::size_t parts = frames.size() - first;
-      if (parts < 1 || parts > 2) {
-        reject("407", "request must be [signature, body] or [body] after the routing envelope, got " +
-                          std::to_string(parts) + " frames");
-      }
-      std::size_t bytes = 0;
-      for (std::size_t i = first; i < frames.size(); ++i) bytes += frames[i].size();
-      if (bytes > config.max_request_bytes) {
-        reject("406", "request is too large (" + std::to_string(bytes) + " bytes, limit " +
-                          std::to_string(config.max_request_bytes) + "): send one small JSON object");
-      }
-      const std::string signature = parts == 2 ? frames[first].to_string() : std::string();
-      const std::string_view body(static_cast<const char*>(frames.back().data()), frames.back().size());
-      const bool is_signed = !signature.empty();
-      if (is_signed) {
-        if (config.key.empty()) {
-          reject("415", "request is signed but this server has no key: send it unsigned, with an empty signature frame");
-        }
-        if (!detail::hmac_sha256_verify(config.key, body, signature)) {
-          reject("403", "bad signature: sign the body with HMAC-SHA256 (hex digest) under the key from the "
-                        "kernel's key file");
-        }
-      } else if (config.require_signature) {
-        reject("401", "request is not signed: this endpoint needs every request signed with HMAC-SHA256 under the "
-                      "key from the kernel's key file");
-      }
-      // Keeps the peer's connection from being dropped as idle.
-      request_authenticated = true;
-
-      json request;
-      try {
-        request = json::parse(body, [](int depth, json::parse_event_t, json&) {
-          if (depth > 32) throw Rejection{"gpucleanup.server.408", "request is malformed: nested deeper than 32 levels"};
-          return true;
-        });
-      } catch (const json::exception&) {
-        reject("402", "request is not valid JSON: send one JSON object per message");
-      }
-      if (!request.is_object()) reject("408", "request is malformed: the body must be a JSON object");
-      if (const auto it = request.find("id"); it != request.end()) {
-        if (!it->is_null() && !(it->is_string() && it->get_ref<const std::string&>().size() <= kMaxIdLength)) {
-          reject("408", "request is malformed: \"id\" must be a string of at most 256 characters");
-        }
-        id = *it;
-      }
-      const auto protocol = request.find("protocol");
-      if (protocol == request.end() || !protocol->is_number_integer()) {
-        reject("408", "request is malformed: \"protocol\" must be the integer 1");
-      }
-      if (protocol->get<std::int64_t>() != kProtocol) {
-        reject("409", "protocol version " + dump(*protocol) + " is not supported: this server speaks protocol 1");
-      }
-      const auto kind = request.find("kind");
-      if (kind == request.end() || !kind->is_string()) {
-        reject("408", "request is malformed: \"kind\" must be a string (status, history, drain or ping)");
-      }
-      if (is_signed) {
-        const auto time = request.find("time_ns");
-        if (time == request.end() || !time->is_number_integer()) {
-          reject("408", "request is malformed: a signed request needs \"time_ns\", the current time in ns");
-        }
-        switch (replay.admit(signature, time->get<std::int64_t>(), now_ns())) {
-          case detail::ReplayGuard::Verdict::fresh:
-            break;
-          case detail::ReplayGuard::Verdict::duplicate:
-            reject("404", "duplicate signature: a signed request is accepted once; send a new id and time_ns");
-          case detail::ReplayGuard::Verdict::stale:
-          case detail::ReplayGuard::Verdict::future: {
-            char window[32];
-            std::snprintf(window, sizeof window, "%g", config.replay_window_s);
-            reject("405", std::string("request time is outside the replay window of ") + window +
-                              " s: set \"time_ns\" to the current time (CLOCK_REALTIME, ns)");
-          }
-        }
-      }
-
-      const std::string& what = kind->get_ref<const std::string&>();
+      if (request.rejection) throw *request.rejection;
       json reply;
-      if (what == "status") {
-        reply = status_reply(is_signed);
-      } else if (what == "history") {
-        reply = history_reply(request);
-      } else if (what == "ping") {
-        reply = json{{"ok", true}, {"kind", "ping"}, {"kernel", config.kernel}};
-      } else if (what == "drain") {
-        accept_drain(envelope, id, request, is_signed);
-        return;  // answered when the hook is done
-      } else {
-        reject("410", "unknown request kind \"" + what + "\": use status, history, drain or ping");
+      switch (request.kind) {
+        case RequestKind::status:
+          reply = status_reply(request.is_signed);
+          break;
+        case RequestKind::history:
+          reply = history_reply(request.limit);
+          break;
+        case RequestKind::ping:
+          reply = json{{"ok", true}, {"kind", "ping"}, {"kernel", config.kernel}};
+          break;
+        case RequestKind::drain:
+          accept_drain(envelope, request.id, request.timeout_s);
+          return;  // answered when the hook is done
       }
-      reply["id"] = id;
+      reply["id"] = request.id;
       send_reply(envelope, std::move(reply));
     } catch (const Rejection& rejection) {
-      send_error(envelope, id, rejection);
+      send_error(envelope, request.id, rejection);
     }
   }
 
@@ -1142,7 +1035,7 @@ nlohmann::json StatusServer::start() {
   s.refused_connections = 0;
   s.dropped_idle = 0;
   s.next_tick = steady::now();
-  s.replay = detail::ReplayGuard(static_cast<std::int64_t>(s.config.replay_window_s * 1e9), s.config.replay_capacity);
+  s.check = RequestCheck(s.config);
   s.owner_pid = getpid();
   s.worker = std::thread([&s] { s.work(); });
   s.thread = std::thread([&s] { s.serve(); });
@@ -1205,20 +1098,7 @@ void StatusServer::publish_text(std::string record) {
     std::lock_guard<std::mutex> lock(s.state_mutex);
     ++s.published;
     // The message as dump() writes it (keys in order), with the record's text inside.
-    std::string message;
-    message.reserve(record.size() + 160);
-    message += "{\"kernel\":";
-    message += dump(s.config.kernel);
-    message += ",\"kind\":\"record\",\"protocol\":";
-    message += dump(kProtocol);
-    message += ",\"record\":";
-    message += record;
-    message += ",\"seq\":";
-    message += std::to_string(s.published);
-    message += ",\"time_ns\":";
-    message += std::to_string(now_ns());
-    message += '}';
-    s.outbox.push_back(std::move(message));
+    s.outbox.push_back(record_message(s.config.kernel, record, s.published, now_ns()));
     // Nobody reads a stopped server's outbox; the history is what survives.
     while (s.outbox.size() > std::max<std::size_t>(s.config.history_limit, 1)) s.outbox.pop_front();
     s.history.push_back(std::move(record));

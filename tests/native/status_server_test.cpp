@@ -587,6 +587,24 @@ TEST(StatusServer, StuckSnapshotHookGivesAStaleReplyNotALateOne) {
   server.stop();
 }
 
+// The config takes any number of seconds: converted unbounded, 1e300 s overflowed
+// the clock's duration (undefined behaviour; on x86 a deadline in the past, so
+// every reply was stale). It is bounded like the other timeouts now.
+TEST(StatusServer, ASnapshotTimeoutOfCenturiesWaitsForTheSnapshot) {
+  zmq::context_t context;
+  ServerConfig config;
+  config.endpoint = "inproc://centuries";
+  config.context = &context;
+  config.snapshot_timeout_s = 1e300;
+  StatusServer server(config, ServerHooks{[] { return json{{"n", 1}}; }, {}});
+  server.start();
+  Client client(context, config.endpoint);
+  const json reply = client.ask(request("status"));
+  EXPECT_EQ(reply["snapshot_status"], "fresh") << reply.dump();
+  EXPECT_EQ(reply["snapshot"], (json{{"n", 1}}));
+  server.stop();
+}
+
 TEST(StatusServer, StopWhileADrainIsInFlight) {
   zmq::context_t context;
   std::atomic<bool> entered{false};
