@@ -78,6 +78,14 @@ def adapter_note(name: str, text: str) -> str:
     return text if text.startswith(f"[gpucleanup.{name}.") else f"{name}: {text}"
 
 
+def _adapter_failed(adapter: Any, verb: str, exc: BaseException) -> Note:
+    """The note for an adapter's verb that raised: "cupy.drain failed: RuntimeError: text"."""
+    name = getattr(adapter, "name", "?")
+    text = str(exc).strip()
+    what = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return f"adapter:{name}:{verb}:{type(exc).__name__}", f"{name}.{verb} failed: {what}"
+
+
 def _index(key: Any) -> Optional[int]:
     try:
         return int(key)
@@ -189,10 +197,10 @@ class IdleRelease:
                         break
                     with engine.adapter_lock(adapter.name), engine.unraisables.source(adapter.name):
                         if self.device and getattr(adapter, "can_release", True):
-                            result, note = engine.guarded(adapter, "drain", list(self.devices))
+                            result, note = self._guarded(adapter, "drain", list(self.devices))
                             self._take(adapter.name, result, note, pinned=False)
                         if self.pinned and hasattr(adapter, "drain_pinned"):
-                            result, note = engine.guarded(adapter, "drain_pinned")
+                            result, note = self._guarded(adapter, "drain_pinned")
                             self._take(adapter.name, result, note, pinned=True)
                 if self.trim and not engine.exiting:
                     try:
@@ -206,6 +214,15 @@ class IdleRelease:
             self.elapsed_s = time.perf_counter() - start
             self._state = "done"
             self.done.set()
+
+    def _guarded(self, adapter: Any, verb: str, *args: Any):
+        """``engine.guarded`` on this thread, where no Ctrl-C ever arrives (Python runs signal
+        handlers on the main thread only): whatever an adapter raises here, KeyboardInterrupt
+        included, is that adapter's fault, said as any other, and the next adapter still runs."""
+        try:
+            return self.engine.guarded(adapter, verb, *args)
+        except BaseException as exc:
+            return None, _adapter_failed(adapter, verb, exc)
 
     def _take(self, name: str, result: Any, note: Optional[Note], pinned: bool) -> None:
         if note:
@@ -366,11 +383,10 @@ class AfterCell:
 
     def guarded(self, adapter: Any, verb: str, *args: Any):
         """``(result, None)`` or ``(None, (kind, note))``: an adapter's exception becomes one note."""
-        name = getattr(adapter, "name", "?")
         try:
             return getattr(adapter, verb)(*args), None
         except Exception as exc:
-            return None, (f"adapter:{name}:{verb}:{type(exc).__name__}", f"{name}.{verb} failed: {type(exc).__name__}: {exc}")
+            return None, _adapter_failed(adapter, verb, exc)
 
     def adapters(self, settings: Settings, notes: List[Note]) -> list:
         """Enabled adapters whose framework is in use. Only called once the driver is 'ready'."""
@@ -439,6 +455,8 @@ class AfterCell:
         for adapter in adapters:
             desc, note = self.guarded(adapter, "describe")
             out["frameworks"][adapter.name] = desc if isinstance(desc, str) else None
+            if note:
+                notes.append(note)
         for dev in in_use:
             i = int(dev["index"])
             fws = {name: s["devices"][i] for name, s in stats.items() if i in s["devices"]}

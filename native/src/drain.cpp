@@ -686,6 +686,12 @@ nlohmann::json run(Mode mode, const Driver& driver, DeviceRegistry& registry, co
       case Mode::trim: report["devices"].push_back(trim_entry(driver, l)); break;
     }
   }
+  // A device marked unusable is never entered again: its watchdog is let go
+  // (the thread ends once its queue is empty; a wait still blocked in the
+  // driver keeps it until the driver returns).
+  for (Listed& l : listed) {
+    if (l.record->sticky) l.record->watchdog.reset();
+  }
   if (mode != Mode::trim) report["interrupted"] = interrupted;
   report["elapsed_s"] = seconds(Clock::now() - start);
   return report;
