@@ -13,6 +13,7 @@ import json
 import math
 import os
 import signal
+import stat
 import threading
 import time
 from importlib import resources
@@ -93,6 +94,29 @@ def library_path() -> str:
     return str(resources.files("gpucleanup").joinpath("libgpucleanup.so"))
 
 
+def _refuse_special_file(path: str) -> None:
+    """dlopen() of a FIFO blocks until someone writes to it, and a directory or device is no library:
+    a path that is not a regular file (through links) is refused before it is opened, in one sentence
+    that shows the path escaped and shortened. A name without a slash is dlopen's to look up."""
+    if "/" not in path:
+        return
+    try:
+        mode = os.stat(path).st_mode
+        why = None if stat.S_ISREG(mode) else "is not a regular file"
+    except OSError as exc:
+        why = f"cannot be opened ({exc.strerror})"
+    except ValueError as exc:
+        why = f"cannot be opened ({exc})"
+    if why is not None:
+        where = "GPUCLEANUP_LIBRARY" if os.environ.get("GPUCLEANUP_LIBRARY") else "the package's library"
+        shown = ascii(path) if len(path) <= 200 else ascii(path[:200]) + "..."
+        raise NativeError(
+            ERR_INTERNAL,
+            f"[gpucleanup.python.103] {where} {shown} {why}: point GPUCLEANUP_LIBRARY at libgpucleanup.so, "
+            "or unset it",
+        )
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     c_char_pp = ctypes.POINTER(ctypes.c_void_p)
     lib.gpucleanup_version.argtypes = []
@@ -155,6 +179,7 @@ def library() -> ctypes.CDLL:
     global _lib
     with _lock:
         if _lib is None:
+            _refuse_special_file(library_path())
             lib = ctypes.CDLL(library_path(), mode=os.RTLD_LOCAL | os.RTLD_NOW)
             _declare(lib)
             found = lib.gpucleanup_abi_version()

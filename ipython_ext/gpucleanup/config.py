@@ -41,6 +41,30 @@ MAX_HISTORY_SIZE = 100_000
 MAX_SETTLE_TIMEOUT_S = 86_400.0
 
 
+class _Int(Int):
+    """An Int that also refuses True and False (a bool is an int to Python, never a count here)."""
+
+    def validate(self, obj, value):
+        if isinstance(value, bool):
+            self.error(obj, value)
+        return super().validate(obj, value)
+
+
+class _Float(Float):
+    """A Float that also refuses True and False, NaN, and ints too large for a float."""
+
+    def validate(self, obj, value):
+        if isinstance(value, bool):
+            self.error(obj, value)
+        try:
+            value = super().validate(obj, value)
+        except OverflowError:
+            self.error(obj, value)
+        if value != value:
+            raise TraitError(f"The '{self.name}' trait must be a finite number, not {value!r}.")
+        return value
+
+
 def known_frameworks() -> list[str] | None:
     """Names of the framework adapters, or None when the adapters are not importable.
 
@@ -102,7 +126,7 @@ class GPUCleanupOptions(Configurable):
         ),
     ).tag(config=True)
 
-    settle_timeout = Float(
+    settle_timeout = _Float(
         30.0,
         min=0.0,
         max=MAX_SETTLE_TIMEOUT_S,
@@ -121,7 +145,7 @@ class GPUCleanupOptions(Configurable):
         ),
     ).tag(config=True)
 
-    history_size = Int(
+    history_size = _Int(
         100,
         min=1,
         max=MAX_HISTORY_SIZE,
@@ -146,14 +170,14 @@ class GPUCleanupOptions(Configurable):
         ),
     ).tag(config=True)
 
-    idle_release_s = Float(
+    idle_release_s = _Float(
         1.0,
         min=0.05,
         max=3600.0,
         help="Seconds the kernel must stay idle before a release deferred by 'release' runs.",
     ).tag(config=True)
 
-    status_max_peers = Int(
+    status_max_peers = _Int(
         64,
         min=1,
         max=1024,
@@ -185,7 +209,7 @@ class GPUCleanupOptions(Configurable):
         ),
     ).tag(config=True)
 
-    outside_warning_mib = Int(
+    outside_warning_mib = _Int(
         256,
         min=0,
         max=1 << 30,
@@ -239,7 +263,7 @@ class GPUCleanupOptions(Configurable):
                 continue  # unknown names: traitlets warns about them itself
             try:
                 trait._validate(self, copy.deepcopy(value))
-            except TraitError:
+            except Exception:  # TraitError; or a value that cannot even be copied or compared
                 refused.append((name, value, allowed_values(name, trait)))
         return refused
 
@@ -334,6 +358,9 @@ def ignored_sentence(cls: str, name: str, value: Any, allowed: str) -> str:
 
 
 def _short_repr(value: Any) -> str:
-    text = repr(value)
+    try:
+        text = repr(value)
+    except Exception:  # an int too long to convert, a value whose __repr__ raises
+        text = f"<a {type(value).__name__}>"
     return text if len(text) <= 60 else text[:57] + "..."
 

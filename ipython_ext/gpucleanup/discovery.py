@@ -129,7 +129,13 @@ def _refuse_open_dir(path: Path, info: os.stat_result) -> None:
 
 
 def prepare_runtime_dir(path: Path) -> Path:
-    """Creates the runtime directory (0700) if needed; refuses one that every user may write to."""
+    """Creates the runtime directory (0700) if needed; refuses one that every user may write to, and a
+    relative one (it would mean another directory for every working directory, and no socket path)."""
+    if not Path(path).is_absolute():
+        raise ValueError(
+            f"runtime directory {str(path)[:200]!r} is not an absolute path: gpucleanup writes no discovery file, "
+            "key or socket there; set JUPYTER_RUNTIME_DIR to the absolute path of a private directory (yours, mode 0700)"
+        )
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     check_runtime_dir(path)
     return path

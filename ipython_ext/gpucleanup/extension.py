@@ -175,11 +175,11 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         state = driver.get("state")
         self.engine.last_driver_state = state
         if state == "no_driver":
-            where = driver.get("path") or "libcuda.so.1"
+            where = report.printable(driver.get("path") or "libcuda.so.1")
             print(f"{report.PREFIX}{report.SEP}no CUDA driver found ({where}): nothing to clean, no cleanup after cells")
             return
         if state == "unusable":
-            where = driver.get("path") or "libcuda.so.1"
+            where = report.printable(driver.get("path") or "libcuda.so.1")
             print(f"{report.PREFIX}{report.SEP}the CUDA driver {where} is unusable ({driver.get('message')}): no cleanup after cells")
             return
         if state == "ready" and not probe.get("devices"):
@@ -616,9 +616,10 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                     f"{report.format_bytes(sum(int(f.get('bytes') or 0) for f in held))}); %debug no longer shows "
                     "their variables" if error is not None else "there is no last traceback")
         else:
-            if what not in self.shell.user_ns:
-                raise UsageError(f"%gpumem --release: {what!r} is not a variable of this kernel: pass out, traceback or "
-                                 "the name of a variable (see %gpumem --vars)")
+            refused = holders.variable_refusal(self.shell, what)
+            if refused is not None:
+                raise UsageError(f"%gpumem --release: {refused}: pass out, traceback or the name of a variable that "
+                                 "holds GPU memory (see %gpumem --vars)")
             self.shell.del_var(what, by_name=False)
             said = f"deleted {what} and every reference IPython kept to it (as %xdel)"
         print(f"{report.PREFIX}{report.SEP}{said}")

@@ -28,6 +28,7 @@ __all__ = [
     "is_out_of_memory",
     "release_output_cache",
     "release_traceback",
+    "variable_refusal",
 ]
 
 # Bounds of a walk through frames: a deep recursion that failed has thousands.
@@ -212,3 +213,36 @@ def release_traceback(exc: Optional[BaseException]) -> int:
                 pass
             cleared += 1
     return cleared
+
+
+# Values that hold no GPU memory and that many names may share (small ints, interned strings,
+# None, True): deleting "every reference IPython keeps" to one of them deletes unrelated variables.
+_SHARED_VALUES = (bool, int, float, complex, str, bytes, type(None), type(Ellipsis), type(NotImplemented))
+
+
+def variable_refusal(shell: Any, name: str) -> Optional[str]:
+    """Why ``%gpumem --release NAME`` must leave ``name`` alone, or None when it may delete it (as %xdel).
+
+    Refused: a name that is not in the user namespace; Python's own names (``__builtins__``, ...);
+    IPython's own (``In``, ``Out``, ``_oh``, ... while they still hold what IPython put there); a value
+    that holds no GPU memory and may be shared by other names (None, a number, a string), whose
+    deletion by identity would delete those names too.
+    """
+    namespace = getattr(shell, "user_ns", None) or {}
+    if name not in namespace:
+        return f"{name!r} is not a variable of this kernel"
+    if name.startswith("__") and name.endswith("__"):
+        return f"{name} is Python's own, not a variable that holds GPU memory"
+    hidden = getattr(shell, "user_ns_hidden", None) or {}
+    value = namespace[name]
+    if name in hidden and hidden[name] is value:
+        return f"{name} is IPython's own (for GPU arrays in the output cache pass out)"
+    if isinstance(value, _SHARED_VALUES):
+        try:
+            shown = repr(value) if not isinstance(value, (str, bytes)) else repr(value[:40])
+        except ValueError:  # an int too long to convert
+            shown = "..."
+        shown = shown if len(shown) <= 40 else shown[:37] + "..."
+        return (f"{name} is {type(value).__name__} {shown}, which holds no GPU memory (deleting it by identity "
+                "would delete every other name bound to the same object)")
+    return None

@@ -13,6 +13,7 @@ from typing import Callable
 
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.utils.process import arg_split
 
 __all__ = ["gpumem_arguments", "parse_gpumem", "OPTIONS", "PLOT_ALL"]
 
@@ -130,6 +131,11 @@ def parse_gpumem(method: Callable, line: str):
         raise UsageError(_fix_hint(str(exc), line)) from None
     except ValueError as exc:  # shlex: "No closing quotation", "No escaped character"
         raise UsageError(f"%gpumem: cannot read the options ({exc}): check the quotes. Usage: {USAGE}") from None
+    given = [token.split("=", 1)[0] for token in arg_split(line, posix=True)]
+    for option in OPTIONS:
+        if given.count(option) > 1:
+            # argparse would keep the last one silently: "--history 3 --history 30" is a typo either way
+            raise UsageError(f"%gpumem: {option} is given {given.count(option)} times: pass it once. Usage: {USAGE}")
     if args.off and args.on:
         raise UsageError(f"%gpumem: --off and --on contradict each other: pass one of them. Usage: {USAGE}")
     if args.release is not None and (args.drain or args.off or args.on):

@@ -32,6 +32,12 @@ __all__ = [
 PREFIX = "gpucleanup"
 SEP = " · "
 
+
+def printable(text: object) -> str:
+    """``text`` with control characters escaped (``\\n``, ``\\x1b``): a path from the environment stays one line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+
+
 _UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
 
 

@@ -281,7 +281,8 @@ class StatusEndpoint:
     def _notebook(self) -> Optional[str]:
         name = os.environ.get("JPY_SESSION_NAME")
         if name:
-            return name
+            # bytes that are not UTF-8 (surrogate escapes) cannot go into the JSON the server takes
+            return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
         try:
             value = self._shell.user_ns.get("__session__") if self._shell is not None else None
         except Exception:

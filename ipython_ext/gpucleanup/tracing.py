@@ -82,13 +82,22 @@ def framework_of(caller: Optional[str]) -> Optional[str]:
     return None
 
 
+def _utf8(path: str) -> bool:
+    # The paths go to the library as JSON: bytes that are not UTF-8 (surrogate escapes) cannot.
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def cupti_candidates(environ: Optional[dict] = None) -> List[str]:
     """The paths of libcupti to try, in order (see the module's text)."""
     env = os.environ if environ is None else environ
     found: List[str] = []
 
     def add(path: str) -> None:
-        if path and path not in found:
+        if path and path not in found and _utf8(path):
             found.append(path)
 
     for path in (env.get("GPUCLEANUP_CUPTI") or "").split(os.pathsep):

@@ -1,6 +1,7 @@
 #include "driver.hpp"
 
 #include <dlfcn.h>
+#include <sys/stat.h>
 
 #include <atomic>
 #include <cstdlib>
@@ -56,6 +57,11 @@ void* find(const detail::LoadedDriver& d, const char* name, int version, const c
 std::shared_ptr<const detail::LoadedDriver> load(const std::string& path) {
   auto d = std::make_shared<detail::LoadedDriver>();
   d->path = path;
+  if (const std::string why = not_loadable(path); !why.empty()) {
+    d->message = "[gpucleanup.driver.101] no CUDA driver: cannot load " + path + " (" + why +
+                 "): point GPUCLEANUP_LIBCUDA at the NVIDIA driver's libcuda.so.1, or unset it";
+    return d;
+  }
   // RTLD_LOCAL: the driver's symbols must not satisfy anyone else's lookups.
   d->handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (d->handle == nullptr) {
@@ -135,6 +141,15 @@ bool is_sticky(CUresult code) noexcept {
     default:
       return false;
   }
+}
+
+std::string not_loadable(const std::string& path) {
+  if (path.find('/') == std::string::npos) return "";
+  struct stat info {};
+  if (stat(path.c_str(), &info) != 0 || S_ISREG(info.st_mode)) return "";  // dlopen says why it cannot
+  if (S_ISFIFO(info.st_mode)) return "a FIFO, not a library";
+  if (S_ISDIR(info.st_mode)) return "a directory, not a library";
+  return "not a regular file";
 }
 
 Driver::Driver(const std::string& path) : loaded_(load(path)) {}

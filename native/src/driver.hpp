@@ -33,6 +33,11 @@ struct EntryPoints {
 // be used again: CUDA_ERROR_ILLEGAL_ADDRESS and the like.
 bool is_sticky(CUresult code) noexcept;
 
+// dlopen() of a FIFO blocks until something writes to it, and a directory or a device is no
+// library: why a path (a name with a slash; dlopen looks a bare name up itself) that is not a
+// regular file, through links, must not be given to dlopen; empty when it may be.
+std::string not_loadable(const std::string& path);
+
 namespace detail {
 struct LoadedDriver;
 }

@@ -275,6 +275,10 @@ std::string result_text(const Cupti& cupti, CUptiResult result) {
 std::string load_cupti(Cupti& cupti, const std::vector<std::string>& candidates, nlohmann::json& tried) {
   std::string last;
   for (const std::string& path : candidates) {
+    if (const std::string why = not_loadable(path); !why.empty()) {
+      tried.push_back({{"path", path}, {"error", why}});
+      continue;
+    }
     void* handle = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (handle == nullptr) {
       const char* why = ::dlerror();

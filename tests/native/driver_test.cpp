@@ -3,7 +3,10 @@
 #include "driver.hpp"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -65,6 +68,27 @@ TEST(Driver, NoDriverIsAStateNotAnError) {
             0u)
       << driver.message();
   EXPECT_NE(driver.message().find("there is no GPU memory to clean on this machine"), std::string::npos);
+}
+
+TEST(Driver, AFifoOrADirectoryIsNeverOpened) {
+  // dlopen() of a FIFO would block until something writes to it: GPUCLEANUP_LIBCUDA=<a FIFO> must not hang.
+  char made[] = "/tmp/gpucleanup-driver-test-XXXXXX";
+  ASSERT_NE(mkdtemp(made), nullptr);
+  const std::string dir = made;
+  const std::string fifo = dir + "/libcuda.so.1";
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  const Driver from_fifo(fifo);
+  const Driver from_dir(dir);
+  unlink(fifo.c_str());
+  rmdir(dir.c_str());
+  EXPECT_FALSE(from_fifo.loaded());
+  EXPECT_EQ(from_fifo.message(), "[gpucleanup.driver.101] no CUDA driver: cannot load " + fifo +
+                                     " (a FIFO, not a library): point GPUCLEANUP_LIBCUDA at the NVIDIA driver's "
+                                     "libcuda.so.1, or unset it");
+  EXPECT_FALSE(from_dir.loaded());
+  EXPECT_NE(from_dir.message().find(" (a directory, not a library): "), std::string::npos) << from_dir.message();
+  EXPECT_EQ(gpucleanup::not_loadable("libcuda.so.1"), "");  // a bare name is dlopen's to look up
+  EXPECT_EQ(gpucleanup::not_loadable(FAKE_CUDA_PATH), "");
 }
 
 TEST(Driver, MissingRequiredEntryPointNamesItself) {
