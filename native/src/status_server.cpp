@@ -1091,14 +1091,43 @@ void StatusServer::publish(const nlohmann::json& record) {
   publish_text(dump(record));
 }
 
+namespace {
+
+// What a record published on tcp keeps. Any local user can subscribe to a tcp PUB socket (ZeroMQ has no access
+// control there), so what goes out is the memory figures only: not the kernel's description (notebook path,
+// connection file, key file), nor the notes, the variables and output entries that hold memory, the traced
+// allocation sites (file names, lines, functions) or what frameworks printed. The full record stays in the
+// history, which answers signed requests only on tcp.
+const char* const kPrivateRecordFields[] = {"notes", "shown_notes", "hidden", "traced", "unraisable"};
+
+std::string public_record_text(const std::string& record) {
+  json value = json::parse(record, nullptr, false);
+  if (!value.is_object()) return "{}";
+  for (const char* field : kPrivateRecordFields) value.erase(field);
+  return dump(value);
+}
+
+}  // namespace
+
 void StatusServer::publish_text(std::string record) {
   if (!impl_) return;
   Impl& s = *impl_;
+  const bool open_to_others = scheme_of(s.config.endpoint) == "tcp";
+  const std::string public_text = open_to_others ? public_record_text(record) : std::string();
   {
     std::lock_guard<std::mutex> lock(s.state_mutex);
     ++s.published;
-    // The message as dump() writes it (keys in order), with the record's text inside.
-    s.outbox.push_back(record_message(s.config.kernel, record, s.published, now_ns()));
+    // The message as dump() writes it (keys in order), with the record's text inside; on tcp the public copy,
+    // and of the kernel only its pid.
+    if (open_to_others) {
+      json kernel = json::object();
+      if (const auto it = s.config.kernel.find("pid"); s.config.kernel.is_object() && it != s.config.kernel.end()) {
+        kernel["pid"] = *it;
+      }
+      s.outbox.push_back(record_message(kernel, public_text, s.published, now_ns()));
+    } else {
+      s.outbox.push_back(record_message(s.config.kernel, record, s.published, now_ns()));
+    }
     // Nobody reads a stopped server's outbox; the history is what survives.
     while (s.outbox.size() > std::max<std::size_t>(s.config.history_limit, 1)) s.outbox.pop_front();
     s.history.push_back(std::move(record));

@@ -525,6 +525,50 @@ TEST(StatusServer, HistoryIsBoundedAndRecordsArePublished) {
   EXPECT_EQ(client.ask(request("status"))["last_record"], (json{{"cell", cell}}));
 }
 
+TEST(StatusServer, RecordsPublishedOnTcpCarryTheMemoryFiguresOnly) {
+  // Any local user can subscribe to a tcp PUB socket: names, notes and traced sites stay in the signed history.
+  zmq::context_t context;
+  ServerConfig config;
+  config.endpoint = "tcp://127.0.0.1:0";
+  config.key = kKey;
+  config.context = &context;
+  config.kernel = {{"pid", 9}, {"notebook", "/home/me/secret-project.ipynb"}, {"connection_file", "/run/k.json"}};
+  StatusServer server(config, {});
+  const json bound = server.start();
+
+  zmq::socket_t subscriber(context, zmq::socket_type::sub);
+  subscriber.set(zmq::sockopt::linger, 0);
+  subscriber.set(zmq::sockopt::subscribe, "record");
+  subscriber.connect(bound["pub_endpoint"].get<std::string>());
+  const json record = {{"cell", 3},
+                       {"devices", json::array({{{"index", 0}, {"freed_bytes", {{"cupy", 1024}}}}})},
+                       {"notes", json::array({"cupy.drain failed: secret_var"})},
+                       {"shown_notes", json::array({"cupy.drain failed: secret_var"})},
+                       {"hidden", json::array({{{"held_by", "variable"}, {"name", "secret_var"}}})},
+                       {"traced", json::array({{{"site", "/home/me/secret.py:12 fit()"}}})},
+                       {"unraisable", json::array({{{"message", "secret"}}})}};
+  std::vector<zmq::message_t> frames;
+  ASSERT_TRUE(eventually([&] {
+    server.publish(record);
+    zmq::pollitem_t item{subscriber.handle(), 0, ZMQ_POLLIN, 0};
+    if (zmq::poll(&item, 1, 10ms) == 0) return false;
+    frames.clear();
+    return zmq::recv_multipart(subscriber, std::back_inserter(frames)).has_value();
+  }));
+  ASSERT_EQ(frames.size(), 3u);
+  const std::string body = frames[2].to_string();
+  EXPECT_TRUE(detail::hmac_sha256_verify(kKey, body, frames[1].to_string_view()));
+  const json published = json::parse(body);
+  EXPECT_EQ(published["kernel"], (json{{"pid", 9}}));
+  EXPECT_EQ(published["record"], (json{{"cell", 3}, {"devices", record["devices"]}}));
+  EXPECT_EQ(body.find("secret"), std::string::npos) << body;
+
+  Client client(context, bound["endpoint"], kKey);
+  const json history = client.ask(request("history"));
+  ASSERT_FALSE(history["records"].empty());
+  EXPECT_EQ(history["records"].back(), record) << "the owner's signed history keeps the whole record";
+}
+
 TEST(StatusServer, StateAndRecordMustBeObjects) {
   StatusServer server(ServerConfig{}, {});
   try {
