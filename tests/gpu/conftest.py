@@ -153,3 +153,28 @@ PYCUDA_THREADS = (
     "for t in threads:\\n"
     "    t.join()"
 )
+
+
+def execute_cell(kc, code: str, timeout: float = 120) -> str:
+    """Runs a cell in a real kernel through its jupyter_client client, returns its stdout; fails on an error in
+    the cell."""
+    import time
+
+    msg_id = kc.execute(code)
+    out, error = [], None
+    deadline = time.monotonic() + timeout
+    while True:
+        msg = kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "stream" and content["name"] == "stdout":
+            out.append(content["text"])
+        elif kind == "error":
+            error = f"{content['ename']}: {content['evalue']}"
+        elif kind == "status" and content["execution_state"] == "idle":
+            break
+    while kc.get_shell_msg(timeout=timeout)["parent_header"].get("msg_id") != msg_id:
+        pass  # a reply to an earlier request (wait_for_ready's kernel_info) still queued
+    assert error is None, error
+    return "".join(out)

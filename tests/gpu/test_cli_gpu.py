@@ -17,34 +17,12 @@ import time
 
 import pytest
 
-from conftest import require, subprocess_env
+from conftest import execute_cell as _execute, require, subprocess_env
 
 jupyter_client = pytest.importorskip("jupyter_client")
 from jupyter_client.manager import start_new_kernel  # noqa: E402
 
 GiB = 1 << 30
-
-
-def _execute(kc, code: str, timeout: float = 120) -> str:
-    """Runs a cell, returns its stdout; fails on an error in the cell."""
-    msg_id = kc.execute(code)
-    out, error = [], None
-    deadline = time.monotonic() + timeout
-    while True:
-        msg = kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        kind, content = msg["msg_type"], msg["content"]
-        if kind == "stream" and content["name"] == "stdout":
-            out.append(content["text"])
-        elif kind == "error":
-            error = f"{content['ename']}: {content['evalue']}"
-        elif kind == "status" and content["execution_state"] == "idle":
-            break
-    while kc.get_shell_msg(timeout=timeout)["parent_header"].get("msg_id") != msg_id:
-        pass  # a reply to an earlier request (wait_for_ready's kernel_info) still queued
-    assert error is None, error
-    return "".join(out)
 
 
 def _gpumem_json(kc) -> dict:

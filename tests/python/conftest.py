@@ -124,3 +124,14 @@ def schemas(schema_registry):
 
     registry, docs = schema_registry
     return {name: jsonschema.Draft202012Validator(doc, registry=registry) for name, doc in docs.items()}
+
+
+@pytest.fixture
+def runtime(tmp_path, monkeypatch):
+    """A private Jupyter runtime directory (0700) for this test, with no notebook name in the environment:
+    where the kernels and status endpoints a test starts write their discovery files."""
+    directory = tmp_path / "runtime"
+    directory.mkdir(mode=0o700)
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(directory))
+    monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
+    return directory

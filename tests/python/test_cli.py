@@ -33,15 +33,6 @@ ROOT = Path(__file__).resolve().parents[2]
 BUILD = Path(os.environ.get("GPUCLEANUP_BUILD_DIR", ROOT / "build")).resolve()
 
 
-@pytest.fixture
-def runtime(tmp_path, monkeypatch):
-    directory = tmp_path / "runtime"
-    directory.mkdir(mode=0o700)
-    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(directory))
-    monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
-    return directory
-
-
 def cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "ipython_ext"), env.get("PYTHONPATH")]))

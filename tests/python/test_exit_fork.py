@@ -62,15 +62,6 @@ def _built():
         pytest.fail(f"build libgpucleanup and the fake driver first ({LIBRARY}, {FAKE_CUDA})")
 
 
-@pytest.fixture
-def runtime(tmp_path, monkeypatch):
-    directory = tmp_path / "runtime"
-    directory.mkdir(mode=0o700)
-    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(directory))
-    monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
-    return directory
-
-
 def _env(runtime: Path, **extra: str) -> dict:
     env = dict(os.environ)
     for name in list(env):

@@ -35,15 +35,6 @@ RECORD = {
 
 
 @pytest.fixture
-def runtime(tmp_path, monkeypatch):
-    directory = tmp_path / "runtime"
-    directory.mkdir(mode=0o700)
-    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(directory))
-    monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
-    return directory
-
-
-@pytest.fixture
 def endpoint(runtime, fake_cuda):
     ep = StatusEndpoint()
     ep.start(types.SimpleNamespace(user_ns={"__session__": "/home/me/fit.ipynb"}))

@@ -91,15 +91,6 @@ def write_discovery(runtime: Path, pid: int, **fields) -> Path:
     return path
 
 
-@pytest.fixture
-def runtime(tmp_path, monkeypatch):
-    directory = tmp_path / "runtime"
-    directory.mkdir(mode=0o700)
-    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(directory))
-    monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
-    return directory
-
-
 # Two cleanups on two devices, with pinned, background and idle releases.
 FIRST = record(
     11,
