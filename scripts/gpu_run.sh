@@ -77,14 +77,24 @@ if [[ $stages == *" memcheck "* ]]; then
   # tests left out: CUPTI takes one subscriber, and the sanitizer is one); each process's report is gathered into
   # memcheck.log, and the line "ERROR SUMMARY" of each says how many errors it found. The suite runs at most
   # GPUCLEANUP_MEMCHECK_S seconds (default 480): under memcheck it is many times slower.
+  # Then, each in one process of its own under memcheck (no subprocess to follow): 20 cells of CuPy, of CuPy
+  # with its stream-ordered pool, and of PyTorch, with gpucleanup's cleanup after every cell
+  # (tests/bench/profile_cell.py): memcheck-cells.log. GPUCLEANUP_MEMCHECK_SUITE=0 runs only these.
   sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-  mkdir -p /tmp/memcheck && rm -f /tmp/memcheck/*.log
-  timeout "${GPUCLEANUP_MEMCHECK_S:-480}" "$sanitizer" --tool memcheck --target-processes all \
-    --log-file /tmp/memcheck/%p.log python3 -m pytest tests/gpu -k "not trace" -v -p no:cacheprovider 2>&1 \
-    | tee "$out/memcheck-tests.log"
-  for f in /tmp/memcheck/*.log; do echo "== $f"; cat "$f"; done > "$out/memcheck.log" 2>/dev/null
-  echo "memcheck: $(ls /tmp/memcheck/*.log 2>/dev/null | wc -l) processes checked; error summaries:" \
-    "$(grep -h "ERROR SUMMARY" /tmp/memcheck/*.log 2>/dev/null | sort | uniq -c | tr '\n' ';')" | tee -a "$out/memcheck-tests.log"
+  if [ "${GPUCLEANUP_MEMCHECK_SUITE:-1}" = 1 ]; then
+    mkdir -p /tmp/memcheck && rm -f /tmp/memcheck/*.log
+    timeout "${GPUCLEANUP_MEMCHECK_S:-480}" "$sanitizer" --tool memcheck --target-processes all \
+      --log-file /tmp/memcheck/%p.log python3 -m pytest tests/gpu -k "not trace" -v -p no:cacheprovider 2>&1 \
+      | tee "$out/memcheck-tests.log"
+    for f in /tmp/memcheck/*.log; do echo "== $f"; cat "$f"; done > "$out/memcheck.log" 2>/dev/null
+    echo "memcheck: $(ls /tmp/memcheck/*.log 2>/dev/null | wc -l) processes checked; error summaries:" \
+      "$(grep -h "ERROR SUMMARY" /tmp/memcheck/*.log 2>/dev/null | sort | uniq -c | tr '\n' ';')" | tee -a "$out/memcheck-tests.log"
+  fi
+  for scenario in cupy_images cupy_async_pool torch_out; do
+    echo "== $scenario under memcheck"
+    "$sanitizer" --tool memcheck --leak-check full python3 tests/bench/profile_cell.py "$scenario" --stages --cells 20
+    echo "exit status $?"
+  done 2>&1 | tee "$out/memcheck-cells.log"
 fi
 if [[ $stages == *" facts "* ]]; then
   python3 scripts/gpu_facts.py 2>&1 | tee "$out/facts.log"
