@@ -80,7 +80,7 @@ def _safe(text) -> str:
 def _no_kernels_message(args) -> str:
     where = args.runtime_dir or str(discovery.runtime_dir())
     return (
-        f"no kernel with gpucleanup is running (no discovery files in {where}): "
+        f"no kernel with gpucleanup is running (no usable discovery file in {where}): "
         "run %load_ext gpucleanup in a kernel first"
     )
 

@@ -184,7 +184,7 @@ def test_no_kernels(runtime):
     assert result.returncode == 1
     assert result.stdout == ""
     assert result.stderr == (
-        f"gpucleanup: no kernel with gpucleanup is running (no discovery files in {runtime}): "
+        f"gpucleanup: no kernel with gpucleanup is running (no usable discovery file in {runtime}): "
         "run %load_ext gpucleanup in a kernel first\n"
     )
     assert cli("status", "123").returncode == 1

@@ -929,7 +929,7 @@ def test_another_user_cannot_reach_an_ipc_kernel_nor_read_its_files(victim_kerne
     assert ps["stdout"] == ""
     assert ps["stderr"].splitlines() == [
         f"gpucleanup: skipped {k.runtime}/gpucleanup-{pid}.json: cannot be read (Permission denied)",
-        f"gpucleanup: no kernel with gpucleanup is running (no discovery files in {k.runtime}): "
+        f"gpucleanup: no kernel with gpucleanup is running (no usable discovery file in {k.runtime}): "
         "run %load_ext gpucleanup in a kernel first",
     ], ps["stderr"]
     assert json.loads(found["ps_json"]["stdout"]) == []
