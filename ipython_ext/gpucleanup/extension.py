@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import gc
 import time
 import weakref
 from typing import Any, Dict, List, Optional
@@ -666,6 +667,12 @@ def unload_ipython_extension(ipython) -> None:
     ext = _instances.pop(ipython, None)
     if ext is not None:
         ext.unload()
+        del ext
+        # The object and what it held are reference cycles (traitlets, the magic's bound methods): freed
+        # now, not at the interpreter's next full collection, which comes more rarely as a kernel's objects
+        # grow; meanwhile a kernel that reloads the extension piled them up and its memory grew with every
+        # reload (tests/soak/soak.py, reload part).
+        gc.collect()
 
 
 def get_extension(ipython) -> Optional[GPUCleanup]:
