@@ -65,7 +65,10 @@ def browser():
     for argument in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                      f"--window-size={WIDTH},1000", "--force-device-scale-factor=1"):
         options.add_argument(argument)
-    driver = webdriver.Chrome(options=options, service=Service(str(CHROMEDRIVER)))
+    # The browser is not what is under test: under scripts/sanitizers.sh this process runs with the ASan runtime
+    # preloaded, which chromedriver and Chromium must not inherit (ASan aborts them at start).
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "ASAN_OPTIONS", "UBSAN_OPTIONS")}
+    driver = webdriver.Chrome(options=options, service=Service(str(CHROMEDRIVER), env=env))
     yield driver
     driver.quit()
 
