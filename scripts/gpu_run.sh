@@ -79,11 +79,13 @@ if [[ $stages == *" memcheck "* ]]; then
   # GPUCLEANUP_MEMCHECK_S seconds (default 480): under memcheck it is many times slower.
   # Then, each in one process of its own under memcheck (no subprocess to follow): 20 cells of CuPy, of CuPy
   # with its stream-ordered pool, and of PyTorch, with gpucleanup's cleanup after every cell
-  # (tests/bench/profile_cell.py): memcheck-cells.log. GPUCLEANUP_MEMCHECK_SUITE=0 runs only these.
+  # (tests/bench/profile_cell.py), each cell's gpucleanup line and the pool at the end printed: memcheck-cells.log.
+  # GPUCLEANUP_MEMCHECK_SUITE=0 runs only these.
   sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
   if [ "${GPUCLEANUP_MEMCHECK_SUITE:-1}" = 1 ]; then
     mkdir -p /tmp/memcheck && rm -f /tmp/memcheck/*.log
-    timeout "${GPUCLEANUP_MEMCHECK_S:-480}" "$sanitizer" --tool memcheck --target-processes all \
+    # kernels are stopped with a shutdown request, the kill only after 120 s: a killed process writes no report
+    GPUCLEANUP_SHUTDOWN_WAIT_S=120 timeout "${GPUCLEANUP_MEMCHECK_S:-480}" "$sanitizer" --tool memcheck --target-processes all \
       --log-file /tmp/memcheck/%p.log python3 -m pytest tests/gpu -k "not trace" -v -p no:cacheprovider 2>&1 \
       | tee "$out/memcheck-tests.log"
     for f in /tmp/memcheck/*.log; do echo "== $f"; cat "$f"; done > "$out/memcheck.log" 2>/dev/null
@@ -92,7 +94,7 @@ if [[ $stages == *" memcheck "* ]]; then
   fi
   for scenario in cupy_images cupy_async_pool torch_out; do
     echo "== $scenario under memcheck"
-    "$sanitizer" --tool memcheck --leak-check full python3 tests/bench/profile_cell.py "$scenario" --stages --cells 20
+    "$sanitizer" --tool memcheck --leak-check full python3 tests/bench/profile_cell.py "$scenario" --stages --lines --cells 20
     echo "exit status $?"
   done 2>&1 | tee "$out/memcheck-cells.log"
 fi

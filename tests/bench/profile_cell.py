@@ -12,7 +12,10 @@ per cell: inclusive times, so a step's figure contains the steps it calls. With
 ``--primitives`` it times single calls the steps are made of (a framework's memory
 statistics, ``gc.collect``, a native pass) in the cell's namespace after the setup.
 
-Usage: python tests/bench/profile_cell.py SCENARIO [--cells N] [--top K] [--stages] [--primitives]
+With ``--lines`` it prints each timed cell's gpucleanup lines and, at the end, what the
+framework's pool still holds (scripts/gpu_run.sh memcheck: what the cleanup did under the sanitizer).
+
+Usage: python tests/bench/profile_cell.py SCENARIO [--cells N] [--top K] [--stages] [--primitives] [--lines]
 """
 
 from __future__ import annotations
@@ -112,6 +115,13 @@ PRIMITIVES = {
 }
 
 
+# what the framework's pool holds (bytes), for --lines
+POOLS = {
+    "cupy": "cp.get_default_memory_pool().total_bytes()",
+    "torch": "torch.cuda.memory_reserved()",
+}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("scenario", choices=sorted(SCENARIOS))
@@ -122,6 +132,8 @@ def main() -> int:
     parser.add_argument("--bare", action="store_true", help="do not load gpucleanup (the baseline)")
     parser.add_argument("--stages", action="store_true", help="median microseconds per cell of each step, no profiler")
     parser.add_argument("--primitives", action="store_true", help="time single calls the steps are made of")
+    parser.add_argument("--lines", action="store_true",
+                        help="print each timed cell's gpucleanup lines, and the framework's pool at the end")
     args = parser.parse_args()
 
     from IPython.core.interactiveshell import InteractiveShell
@@ -151,9 +163,16 @@ def main() -> int:
     for _ in range(args.cells):  # timed without the profiler (with --stages: with the timers)
         if stage_times is not None:
             stage_times["_counter"]["cell"] += 1
+        seen = len(sink.getvalue())
         t0 = time.perf_counter()
         run(spec["cell"])
         cell_times.append((time.perf_counter() - t0) * 1e3)
+        if args.lines:
+            for line in sink.getvalue()[seen:].splitlines():
+                if line.startswith("gpucleanup"):
+                    print(f"cell {len(cell_times)}: {line}")
+    if args.lines and spec.get("needs") in POOLS:
+        print(f"pool at the end: {POOLS[spec['needs']]} = {shell.ev(POOLS[spec['needs']])}")
     print(f"run_cell: median {statistics.median(cell_times):.3f} ms over {len(cell_times)} cells")
     for name, times in hook_times.items():
         if times:

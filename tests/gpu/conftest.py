@@ -178,3 +178,16 @@ def execute_cell(kc, code: str, timeout: float = 120) -> str:
         pass  # a reply to an earlier request (wait_for_ready's kernel_info) still queued
     assert error is None, error
     return "".join(out)
+
+
+def stop_kernel(km, kc=None) -> None:
+    """Stops a kernel as Jupyter does: a shutdown request, and a kill only if it has not ended within
+    ``km.shutdown_wait_time`` (5 s). ``GPUCLEANUP_SHUTDOWN_WAIT_S`` lengthens that wait: under
+    compute-sanitizer a kernel ends slowly, and a killed process writes no sanitizer report
+    (``scripts/gpu_run.sh memcheck`` sets it)."""
+    if kc is not None:
+        kc.stop_channels()
+    wait = os.environ.get("GPUCLEANUP_SHUTDOWN_WAIT_S")
+    if wait:
+        km.shutdown_wait_time = float(wait)
+    km.shutdown_kernel(now=False)

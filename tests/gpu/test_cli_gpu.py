@@ -8,8 +8,6 @@ waiting for the GPU while its settle waits; `status` latency is measured idle an
 from __future__ import annotations
 
 import json
-import os
-import queue
 import statistics
 import subprocess
 import sys
@@ -17,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import execute_cell as _execute, require, subprocess_env
+from conftest import execute_cell as _execute, require, stop_kernel, subprocess_env
 
 jupyter_client = pytest.importorskip("jupyter_client")
 from jupyter_client.manager import start_new_kernel  # noqa: E402
@@ -134,5 +132,4 @@ def test_two_kernels_ps_matches_each_kernels_gpumem_and_shows_a_kernel_waiting_f
               f"max {max(busy):.3f} ms (n={len(busy)})")
     finally:
         for km, kc in kernels:
-            kc.stop_channels()
-            km.shutdown_kernel(now=True)
+            stop_kernel(km, kc)

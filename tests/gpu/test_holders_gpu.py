@@ -47,7 +47,7 @@ def test_out_and_an_out_of_memory_traceback_are_named_and_given_back():
                after_oom_free=after_oom_free, again_ok=again_ok)
     ''')
     assert r["held_alloc"] - r["base_alloc"] == GiB
-    assert any(f"kept " in l and f": Out[{r['out_cell']}] 1.0 GiB" in l for l in r["out_lines"]), r["out_lines"]
+    assert any("kept " in l and f": Out[{r['out_cell']}] 1.0 GiB" in l for l in r["out_lines"]), r["out_lines"]
     assert r["release_lines"][0] == f"gpucleanup · released Out[{r['out_cell']}] from the output cache"
     assert r["after_out_alloc"] == r["base_alloc"]
     assert r["oom_type"] == "OutOfMemoryError"

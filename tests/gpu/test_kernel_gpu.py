@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MiB, ROOT, TOLERANCE, require, subprocess_env
+from conftest import MiB, ROOT, TOLERANCE, require, stop_kernel, subprocess_env
 
 EXAMPLES = ROOT / "share" / "examples"
 TIMEOUT = 180
@@ -87,8 +87,7 @@ class Kernel:
         self.kc.wait_for_ready(timeout=TIMEOUT)
 
     def close(self):
-        self.kc.stop_channels()
-        self.km.shutdown_kernel(now=True)
+        stop_kernel(self.km, self.kc)
 
     def execute(self, code: str, silent: bool = False, user_expressions=None) -> dict:
         msg_id = self.kc.execute(code, silent=silent, store_history=not silent,

@@ -3,7 +3,7 @@ and a drain gives the stream-ordered pool's memory back to the device."""
 
 from __future__ import annotations
 
-from conftest import GiB, MiB, TOLERANCE, require, run_script
+from conftest import GiB, TOLERANCE, require, run_script
 
 
 def test_snapshot_free_agrees_with_cupy_memgetinfo_while_cupy_holds_memory():

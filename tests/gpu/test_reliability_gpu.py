@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from conftest import execute_cell as _execute, MiB, require, subprocess_env
+from conftest import execute_cell as _execute, MiB, require, stop_kernel, subprocess_env
 
 jupyter_client = pytest.importorskip("jupyter_client")
 from jupyter_client.manager import start_new_kernel  # noqa: E402
@@ -81,8 +81,7 @@ def test_500_cells_with_cupy_and_pytorch_leave_device_memory_where_it_was():
         # one record per cell that used the GPU: the soak's cells, the import cell and the probes' own cells
         assert last["n"] >= CELLS
     finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
+        stop_kernel(km, kc)
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
