@@ -183,8 +183,9 @@ def execute_cell(kc, code: str, timeout: float = 120) -> str:
 def stop_kernel(km, kc=None) -> None:
     """Stops a kernel as Jupyter does: a shutdown request, and a kill only if it has not ended within
     ``km.shutdown_wait_time`` (5 s). ``GPUCLEANUP_SHUTDOWN_WAIT_S`` lengthens that wait: under
-    compute-sanitizer a kernel ends slowly, and a killed process writes no sanitizer report
-    (``scripts/gpu_run.sh memcheck`` sets it)."""
+    compute-sanitizer a kernel ends slowly, and a killed process cannot write its sanitizer report
+    (``scripts/gpu_run.sh memcheck`` sets it; on the H100 this did not bring back the kernels' missing
+    reports, see BENCHMARKS.md)."""
     if kc is not None:
         kc.stop_channels()
     wait = os.environ.get("GPUCLEANUP_SHUTDOWN_WAIT_S")
