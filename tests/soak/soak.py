@@ -194,6 +194,21 @@ def growth(part: dict, problems: List[str], rss_limit: Optional[int], name: str)
         problems.append(f"{name}: {key} {warm[key]} after the warm-up, {end[key]} at the end")
 
 
+def missing(part: dict, problems: List[str], name: str, exc: Missing) -> None:
+    """A reply that did not come is a problem of the part, kept with the kernel's threads' stacks
+    where they were read."""
+    problems.append(f"{name}: {exc}")
+    if exc.stacks:
+        part["stacks"] = exc.stacks
+
+
+def unanswered(part: dict, problems: List[str], name: str) -> None:
+    """Each kind of request of the part with fewer replies than requests is a problem."""
+    for key, sent in part["sent"].items():
+        if part["received"][key] != sent:
+            problems.append(f"{name}: {sent} {key} requests, {part['received'][key]} replies")
+
+
 def runtime_listing(runtime: Path) -> List[str]:
     """What the runtime directory holds: files, and the files of its gpucleanup/ directory."""
     out = []
@@ -446,15 +461,11 @@ def part_cells(n: int, every: int, seed: int, env: dict, runtime: Path, rss_limi
                             f"{part['stalls_said_busy']} of them said GPU0 was busy")
         growth(part, problems, rss_limit, "cells")
     except Missing as exc:
-        problems.append(f"cells: {exc}")
-        if exc.stacks:
-            part["stacks"] = exc.stacks
+        missing(part, problems, "cells", exc)
     finally:
         kernel.stop()
         part["duration_s"] = round(time.monotonic() - started, 1)
-    for key, sent in part["sent"].items():
-        if part["received"][key] != sent:
-            problems.append(f"cells: {sent} {key} requests, {part['received'][key]} replies")
+    unanswered(part, problems, "cells")
     return part
 
 
@@ -500,9 +511,7 @@ def part_baseline(n: int, seed: int, env: dict, log) -> dict:
         warm, end = part["resources"]["warm_up"], part["resources"]["end"]
         part["growth_after_warm_up"] = {k: end[k] - warm[k] for k in ("rss_bytes",) + COUNTS}
     except Missing as exc:
-        problems.append(f"baseline: {exc}")
-        if exc.stacks:
-            part["stacks"] = exc.stacks
+        missing(part, problems, "baseline", exc)
     finally:
         kernel.stop()
         part["duration_s"] = round(time.monotonic() - started, 1)
@@ -562,15 +571,11 @@ def part_reload(n: int, env: dict, runtime: Path, rss_limit: Optional[int], log)
         part["resources"]["end"] = settled(pid, part["resources"]["warm_up"])
         growth(part, problems, rss_limit, "reload")
     except Missing as exc:
-        problems.append(f"reload: {exc}")
-        if exc.stacks:
-            part["stacks"] = exc.stacks
+        missing(part, problems, "reload", exc)
     finally:
         kernel.stop()
         part["duration_s"] = round(time.monotonic() - started, 1)
-    for key, sent in part["sent"].items():
-        if part["received"][key] != sent:
-            problems.append(f"reload: {sent} {key} requests, {part['received'][key]} replies")
+    unanswered(part, problems, "reload")
     return part
 
 
@@ -667,9 +672,7 @@ def part_kernels(n: int, batch: int, env: dict, runtime: Path, log) -> dict:
         ps.start()
         churn(n - done)
     except Missing as exc:
-        problems.append(f"kernels: {exc}")
-        if exc.stacks:
-            part["stacks"] = exc.stacks
+        missing(part, problems, "kernels", exc)
     finally:
         if ps.is_alive():
             ps.stopping.set()
@@ -693,9 +696,7 @@ def part_kernels(n: int, batch: int, env: dict, runtime: Path, log) -> dict:
         problems.append(f"kernels: {len(ps.failures)} of {ps.runs} gpucleanup ps runs failed: {ps.failures[0]}")
     if ps.stderr_lines:
         problems.append(f"kernels: gpucleanup ps said on stderr: {ps.stderr_lines[0]}")
-    for key, sent in part["sent"].items():
-        if part["received"][key] != sent:
-            problems.append(f"kernels: {sent} {key} requests, {part['received'][key]} replies")
+    unanswered(part, problems, "kernels")
     part["duration_s"] = round(time.monotonic() - started, 1)
     return part
 
