@@ -801,6 +801,13 @@ def why(call):
     except OSError as exc:
         return errno.errorcode.get(exc.errno, str(exc.errno))
 
+def connect(path):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(path)
+    finally:
+        s.close()
+
 def cli(*argv):
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -891,13 +898,6 @@ def test_another_user_cannot_reach_an_ipc_kernel_nor_read_its_files(victim_kerne
         discovery_file, key_file = {str(k.ep.discovery_path)!r}, {info["key_file"]!r}
         socks = [{info["endpoint"][6:]!r}, {info["pub_endpoint"][6:]!r}]
 
-        def connect(path):
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                s.connect(path)
-            finally:
-                s.close()
-
         def read(path):
             with open(path, "rb") as f:
                 f.read()
@@ -954,12 +954,6 @@ def test_a_0600_socket_and_key_keep_another_user_out_even_in_a_directory_opened_
     try:
         found = _as_nobody(
             f"""
-            def connect(path):
-                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                try:
-                    s.connect(path)
-                finally:
-                    s.close()
             print(json.dumps({{"connect": [why(lambda p=p: connect(p)) for p in
                                            ({k.ep.info["endpoint"][6:]!r}, {k.ep.info["pub_endpoint"][6:]!r})],
                               "key": why(lambda: open({k.ep.info["key_file"]!r}, "rb").read())}}))
