@@ -19,7 +19,10 @@ import pathlib
 import subprocess
 import sys
 
+import tempfile
+
 import nbformat
+from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -64,7 +67,11 @@ def show(nb_path: pathlib.Path, env: dict) -> int:
     old_env = dict(os.environ)
     os.environ.update(env)
     try:
-        NotebookClient(nb, timeout=600, kernel_name="python3", allow_errors=True).execute()
+        # The kernel talks to this process over ipc sockets in a private directory: over TCP, ipykernel warns
+        # on its stderr (which is this terminal) that the channel is not encrypted.
+        with tempfile.TemporaryDirectory(prefix="gpucleanup-demo-") as sockets:
+            km = KernelManager(kernel_name="python3", transport="ipc", ip=os.path.join(sockets, "kernel"))
+            NotebookClient(nb, km=km, timeout=600, allow_errors=True).execute()
     finally:
         os.environ.clear()
         os.environ.update(old_env)

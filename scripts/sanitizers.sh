@@ -11,8 +11,8 @@
 # life of the process on purpose (the interpreter-lock hooks, the trace's state, the fake driver's retired
 # contexts), which LeakSanitizer reports at exit. The one suppression file, tests/sanitizers/tsan.supp, names
 # third-party code only (libzmq), with its reason.
-# Each build takes about 13 minutes on 2 cores the first time (the GoogleTest suites dominate); later runs
-# rebuild only what changed.
+# The first build of each takes longest (the GoogleTest suites dominate); later runs rebuild only what changed.
+# How long a measured run took: tests/timings.json (the sanitizers stage of scripts/test.sh).
 # Usage: scripts/sanitizers.sh [asan] [tsan]   (default: both)
 # Needs what scripts/setup.sh installs (it runs it when .venv is missing).
 set -euo pipefail

@@ -95,7 +95,7 @@ if [ "${GPUCLEANUP_REBUILD:-0}" != 1 ] && [ -n "$wheel" ] && [ "$(cat "$stamp" 2
   && .venv/bin/python -c 'import importlib.metadata as m; m.distribution("gpucleanup")' 2>/dev/null; then
   say "gpucleanup in .venv is built from the current sources (${hash:0:12}): not rebuilding"
 else
-  say "building gpucleanup's wheel: the C++ library with CMake through scikit-build-core (about 1 min on 2 cores)"
+  say "building gpucleanup's wheel: the C++ library with CMake through scikit-build-core"
   step=$SECONDS
   rm -f "$stamp"
   rm -rf "$built_dir.new"

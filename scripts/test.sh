@@ -9,11 +9,14 @@
 # Usage: scripts/test.sh [--repeat N] [pytest arguments...]
 #   --repeat N   run the pytest suites N times in a row (one set-up and build),
 #                stopping at the first round that fails
-# Then the sanitizer runs (scripts/sanitizers.sh, about 30 minutes on 2 cores the first time), and the
-# fuzz runs (scripts/fuzz.sh: each libFuzzer target 60 s, about 5 minutes with the build).
+# Then the sanitizer runs (scripts/sanitizers.sh) and the fuzz runs (scripts/fuzz.sh: each libFuzzer target 60 s).
+# Every stage prints a line as it starts and its duration as it ends (scripts/lib/stages.sh); how long each took
+# on a measured run is in tests/timings.json and the README's table, and nowhere else.
 # Environment: GPUCLEANUP_BUILD_DIR (default build), GPUCLEANUP_SKIP_LOW_IPYTHON=1 skips the
 #   lowest-IPython run, GPUCLEANUP_SKIP_SANITIZERS=1 the sanitizer runs, GPUCLEANUP_SKIP_FUZZ=1 the fuzz
-#   runs, GPUCLEANUP_FUZZ_SECONDS (default 60) sets how long each fuzz target runs.
+#   runs, GPUCLEANUP_FUZZ_SECONDS (default 60) sets how long each fuzz target runs,
+#   GPUCLEANUP_RECORD_TIMINGS=1 stores a whole run's stage times in tests/timings.json and the README's table
+#   (scripts/timings.py) once it passed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,16 +37,28 @@ esac
 
 started=$SECONDS
 say() { echo "test.sh: $*"; }
-
-bash scripts/setup.sh
+source scripts/lib/stages.sh
 
 build=${GPUCLEANUP_BUILD_DIR:-build}
-say "building the C++ tests and the fake CUDA driver in $build/"
-step=$SECONDS
+# The first test run of this clone, or a run again over kept builds (what the timings are recorded as); the
+# set-up may have been done already by scripts/demo.sh, which the recorded timings then say.
+if [ -e "$build/timings-test.tsv" ]; then run_kind=again; else run_kind=fresh; fi
+if [ -e .venv ]; then timing_note=(--note "set-up already done"); else timing_note=(); fi
+mkdir -p "$build"
+export GPUCLEANUP_TIMINGS="$PWD/$build/timings-test.tsv"
+: >"$GPUCLEANUP_TIMINGS"
+
+stage_begin "set-up"
+bash scripts/setup.sh
+stage_end "set-up"
+
+stage_begin "C++ build"
 cmake -S . -B "$build" -G Ninja -DGPUCLEANUP_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 cmake --build "$build" -j"$(nproc)"
-say "built in $((SECONDS - step)) s"
+stage_end "C++ build"
+stage_begin "C++ tests"
 ctest --test-dir "$build" --output-on-failure -j"$(nproc)"
+stage_end "C++ tests"
 
 # pytest "$@" with the arguments given to test.sh; a selection of those (-k ...) that leaves one suite without
 # a test (pytest's exit 5) is no failure.
@@ -58,19 +73,21 @@ pytest_run() {
 }
 # The installed package (with its own libgpucleanup.so) is what is tested; the
 # build tree provides only the fake driver.
-# Two runs: each suite has a conftest of its own that its modules import.
+# Two runs: each suite has a conftest of its own that its modules import. -rs: every skip says why.
 run_suites() {
-  pytest_run .venv/bin/python -m pytest tests/python && pytest_run .venv/bin/python -m pytest tests/gpu -rs
+  pytest_run .venv/bin/python -m pytest tests/python -rs && pytest_run .venv/bin/python -m pytest tests/gpu -rs
 }
 for ((round = 1; round <= repeat; round++)); do
   [ "$repeat" = 1 ] || say "round $round of $repeat"
   step=$SECONDS
   rc=0
+  stage_begin "Python suites"
   run_suites || rc=$?
   if [ "$rc" != 0 ]; then
     if [ "$repeat" = 1 ]; then say "the pytest suites failed"; else say "round $round of $repeat failed"; fi
     exit "$rc"
   fi
+  stage_end "Python suites"
   [ "$repeat" = 1 ] || say "round $round of $repeat passed in $((SECONDS - step)) s"
 done
 [ "$repeat" = 1 ] || say "all $repeat rounds passed"
@@ -83,7 +100,9 @@ run_sanitizers() {
   elif [ ${#pytest_args[@]} -gt 0 ] || [ "$repeat" != 1 ]; then
     say "sanitizer runs skipped (a partial or repeated run: bash scripts/sanitizers.sh runs them)"
   else
+    stage_begin "sanitizers"
     bash scripts/sanitizers.sh
+    stage_end "sanitizers"
   fi
 }
 
@@ -96,8 +115,22 @@ run_fuzzers() {
   elif [ ${#pytest_args[@]} -gt 0 ] || [ "$repeat" != 1 ]; then
     say "fuzz runs skipped (a partial or repeated run: bash scripts/fuzz.sh runs them)"
   else
+    stage_begin "fuzzing"
     bash scripts/fuzz.sh
+    stage_end "fuzzing"
   fi
+}
+
+# GPUCLEANUP_RECORD_TIMINGS=1: a whole run that passed stores its stages (scripts/timings.py).
+record_timings() {
+  if [ "${GPUCLEANUP_RECORD_TIMINGS:-0}" != 1 ]; then return 0; fi
+  if [ ${#pytest_args[@]} -gt 0 ] || [ "$repeat" != 1 ] || [ "${GPUCLEANUP_SKIP_SANITIZERS:-0}" = 1 ] \
+    || [ "${GPUCLEANUP_SKIP_FUZZ:-0}" = 1 ] || [ "${GPUCLEANUP_SKIP_LOW_IPYTHON:-0}" = 1 ]; then
+    say "timings not recorded: only a whole run is (no pytest arguments, --repeat or GPUCLEANUP_SKIP_*)"
+    return 0
+  fi
+  python3 scripts/timings.py record --command test --run "$run_kind" --stages "$GPUCLEANUP_TIMINGS" \
+    --total "$((SECONDS - started))" ${timing_note[@]+"${timing_note[@]}"}
 }
 
 main_ipython=$(.venv/bin/python -c 'import IPython; print(IPython.__version__)')
@@ -126,15 +159,15 @@ EOF
 then
   say "using $low (IPython $low_ipython, jupyter_core $low_jupyter_core)"
 else
+  stage_begin "lowest-IPython venv"
   say "creating $low with IPython $low_ipython.* and jupyter_core $low_jupyter_core.*"
-  step=$SECONDS
   rm -rf "$low"
   python3 -m venv "$low"
   printf '*\n' >"$low/.gitignore"  # keeps git (and `git add -A`) away from it
   "$low/bin/python" -m pip install -q --upgrade "pip>=23" >/dev/null
   "$low/bin/python" -m pip install -q "$wheel[test]" "ipython==$low_ipython.*" "jupyter_core==$low_jupyter_core.*"
   echo "$want" >"$stamp"
-  say "created in $((SECONDS - step)) s"
+  stage_end "lowest-IPython venv"
 fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   say "installing the new gpucleanup wheel into $low"
@@ -145,15 +178,16 @@ fi
 low_versions=$("$low/bin/python" -c 'import IPython, jupyter_core; print(IPython.__version__, jupyter_core.__version__)')
 low_ipython_version=${low_versions% *}
 say "the IPython suites with IPython $low_ipython_version and jupyter_core ${low_versions#* }"
-step=$SECONDS
+stage_begin "lowest-IPython suites"
 rc=0
-pytest_run "$low/bin/python" -m pytest \
+pytest_run "$low/bin/python" -m pytest -rs \
   tests/python/test_extension.py tests/python/test_magics.py tests/python/test_config.py tests/python/test_kernel.py || rc=$?
 if [ "$rc" != 0 ]; then
   say "the IPython suites failed with IPython $low_ipython_version ($low); they passed with IPython $main_ipython (.venv)"
   exit "$rc"
 fi
-say "lowest-IPython suites passed in $((SECONDS - step)) s"
+stage_end "lowest-IPython suites"
 run_sanitizers
 run_fuzzers
+record_timings
 say "tested with IPython $main_ipython (.venv) and IPython $low_ipython_version ($low); done in $((SECONDS - started)) s"

@@ -466,7 +466,9 @@ def _drain_problems(result: dict, devices: List[dict], drain_timeout: float) -> 
 def _record_line(target: status_client.Target, message: dict, colour: bool = False) -> str:
     record = message.get("record") or {}
     kernel = message.get("kernel") or {}
-    who = _safe(f"{kernel.get('pid', '?')} {target.label}")
+    pid = str(kernel.get("pid", "?"))
+    # a terminal IPython has no kernel id or notebook: its label is the pid, said once
+    who = _safe(pid if target.label in ("", pid) else f"{pid} {target.label}")
     stamp = time.strftime("%H:%M:%S", time.localtime((message.get("time_ns") or time.time_ns()) / 1e9))
     parts = [_paint(stamp, "dim", colour), _paint(who, "bold", colour),
              _paint(last_cell_text({"last_record": record}), "green", colour)]
@@ -609,8 +611,8 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"gpucleanup {_version()}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")  # none: the help (main)
+    parser.set_defaults(commands={})
     ps = sub.add_parser("ps", parents=[common], help="one line per kernel")
     ps.add_argument("--json", action="store_true", help="every kernel's full status as JSON (exact bytes)")
     ps.set_defaults(run=cmd_ps)
@@ -638,11 +640,21 @@ def _parser() -> argparse.ArgumentParser:
                                "notebooks and pids: listen on another address only behind your own access control)")
     exporter.add_argument("--json", action="store_true", help="say where it listens as one JSON line")
     exporter.set_defaults(run=cmd_exporter)
+    parser.set_defaults(commands=dict(sub.choices))
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, unknown = parser.parse_known_args(argv)
+    if args.command is None:
+        if unknown:  # an option before any command: the top level's usage says what exists
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        parser.print_help()
+        return EXIT_OK
+    if unknown:
+        # argparse would report it with the top level's usage; the command's own usage is what helps
+        args.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.run(args)
     except CliError as exc:

@@ -14,8 +14,8 @@ checked by traitlets, and a refused value raises ``TraitError`` naming the trait
 Config is read in two ways, and a bad value is handled differently in each:
 
 - ``%config GPUCleanup.gc = "sometimes"`` (``update_config``): every value of the
-  statement is checked before any is set; a refused one raises one ``TraitError``
-  paragraph that says which values are allowed, nothing changes, and the value is
+  statement is checked before any is set; a refused one is said in one paragraph on
+  stderr that says which values are allowed, nothing changes, and the value is
   taken out of the statement so that the shell does not keep it in its own config
   (where a later ``%reload_ext gpucleanup`` would meet it again);
 - a config file, or the shell's config at load time: each bad value is ignored (the
@@ -25,10 +25,12 @@ Config is read in two ways, and a bad value is handled differently in each:
 from __future__ import annotations
 
 import copy
+import sys
 from typing import Any, List, Tuple
 
 from traitlets import Bool, Dict, Enum, Float, Int, TraitError, validate
 from traitlets.config import Configurable
+from traitlets.config.loader import DeferredConfigString
 
 __all__ = ["GPUCleanupOptions", "GC_POLICIES", "SHOW_POLICIES", "known_frameworks", "allowed_values"]
 
@@ -63,6 +65,11 @@ class _Float(Float):
         if value != value:
             raise TraitError(f"The '{self.name}' trait must be a finite number, not {value!r}.")
         return value
+
+
+# %config GPUCleanup names each trait's type: <Int>, <Float>, as for traitlets' own (not the private names).
+_Int.__name__ = _Int.__qualname__ = "Int"
+_Float.__name__ = _Float.__qualname__ = "Float"
 
 
 def known_frameworks() -> list[str] | None:
@@ -245,6 +252,22 @@ class GPUCleanupOptions(Configurable):
 
     # ------------------------------------------------------------ config
 
+    @classmethod
+    def class_get_help(cls, inst=None):
+        """``%config GPUCleanup``: traitlets' help with the section's own name as its title.
+
+        traitlets titles it with the class and its bases (``GPUCleanup(Magics, GPUCleanupOptions)``),
+        which are how the extension is built, not what a user configures.
+        """
+        text = super().class_get_help(inst)
+        first, _, rest = text.partition("\n")
+        if first.endswith(" options") and rest.startswith("-"):
+            title = f"{cls.__name__} options"
+            rest = rest.partition("\n")[2]
+            # underlined with '=': %config strips a leading '--' from every line (the options' prefix)
+            return f"{title}\n{'=' * len(title)}\n{rest}"
+        return text
+
     def _own_sections(self, cfg: Any) -> List[str]:
         names = self.section_names()
         return [name for name in names if dict.__contains__(cfg, name)]
@@ -262,8 +285,14 @@ class GPUCleanupOptions(Configurable):
             if trait is None:
                 continue  # unknown names: traitlets warns about them itself
             try:
-                trait._validate(self, copy.deepcopy(value))
-            except Exception:  # TraitError; or a value that cannot even be copied or compared
+                if isinstance(value, DeferredConfigString):
+                    # from the command line (--GPUCleanup.history_size=50): the trait reads the text, as
+                    # traitlets does when it applies it
+                    value = _Typed(value)
+                    trait._validate(self, trait.from_string(value))
+                else:
+                    trait._validate(self, copy.deepcopy(value))
+            except Exception:  # TraitError; or a value that cannot even be copied, read or compared
                 refused.append((name, value, allowed_values(name, trait)))
         return refused
 
@@ -306,7 +335,10 @@ class GPUCleanupOptions(Configurable):
                 dict.pop(config[section], name, None)
             refused.extend(bad)
         if refused:
-            raise TraitError(" ".join(refused_sentence(type(self).__name__, *entry) for entry in refused))
+            # Said here, on stderr, as the one sentence a user reads: %config would hand an exception to
+            # logging.error, which prints "ERROR:root:" before it.
+            print(" ".join(refused_sentence(type(self).__name__, *entry) for entry in refused), file=sys.stderr)
+            return
         super().update_config(config)
 
     @property
@@ -355,6 +387,13 @@ def ignored_sentence(cls: str, name: str, value: Any, allowed: str) -> str:
         f"ignored {cls}.{name} = {_short_repr(value)} from the configuration: {name} must be {allowed}; "
         "using the default"
     )
+
+
+class _Typed(str):
+    """A value as typed on the command line: said as typed, without the quotes of a str's repr."""
+
+    def __repr__(self) -> str:
+        return str(self)
 
 
 def _short_repr(value: Any) -> str:

@@ -27,7 +27,7 @@ from .after_cell import AfterCell, Settings
 from .config import GPUCleanupOptions
 from .frameworks.objects import find_gpu_objects
 from .history import History
-from .magics import gpumem_arguments, parse_gpumem
+from .magics import gpumem_arguments, parse_gpumem, with_settings
 from .record import CellRecord, Outcome
 from .totals import Totals
 from .tracing import Tracer
@@ -386,7 +386,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         frames = holders.release_traceback(error)
         total = sum(int(f.get("bytes") or 0) for f in held)
         print(f"{report.PREFIX}{report.SEP}out of GPU memory in cell [{cell}]: released {report.format_bytes(total)} "
-              f"held by {len(held)} variable{'s' if len(held) != 1 else ''} of its traceback ({frames} frames; the "
+              f"held by {_count(len(held), 'variable')} of its traceback ({_count(frames, 'frame')}; the "
               "error stays, %debug no longer shows them; %config GPUCleanup.release_after_oom = False keeps them)")
 
     def cleanup(self, cell: Optional[int] = None, forced: bool = False, after_forced: Optional[CellRecord] = None,
@@ -416,6 +416,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
 
     @gpumem_arguments
     @line_magic
+    @with_settings(GPUCleanupOptions)
     def gpumem(self, line: str = ""):
         """GPU memory of this kernel: per device in use, per framework, driver pools, pinned host pools.
 
@@ -435,9 +436,6 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         background), trims the driver's pools and prints one line per device, e.g.
         ``gpucleanup · GPU0 H100 · freed 6.0 GiB (cupy 5.5, torch 0.5) · device 2.7/79.6 GiB · 12 ms``.
 
-        Configure it with ``%config GPUCleanup`` (enabled, frameworks, pinned,
-        driver_pools, gc, settle_timeout, show, history_size, status_server) or
-        ``c.GPUCleanup.<trait>`` in ipython_config.py / ipython_kernel_config.py.
         """
         args = parse_gpumem(self.gpumem, line)
         from IPython.display import display
@@ -455,6 +453,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             print(f"{report.PREFIX}{report.SEP}automatic cleanup resumed")
         if args.dask is not None:
             return self._dask(args, display)
+        if not self._hooks_registered and not args.json and self._say_nothing_here(args):
+            return None
         if args.plot is not None:
             from . import plot, timeline
 
@@ -581,6 +581,24 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         data["refused"] = self.tracer.refused
         return data
 
+    def _say_nothing_here(self, args: Any) -> bool:
+        """Without a usable driver, a GPU or the native library, say so for what can never come (True if said).
+
+        "Run a cell that uses the GPU" would be advice nobody can follow on such a machine.
+        """
+        why = self._why_no_hooks()
+        if args.trace in ("on", "show"):
+            what = "allocation trace not started" if args.trace == "on" else "the allocation trace is off"
+            said = f"{what}: {why} in this kernel, so there are no GPU allocations to trace"
+        elif args.plot is not None:
+            said = f"nothing to plot: {why} in this kernel, so no cell is cleaned up or recorded"
+        elif args.history is not None:
+            said = f"no cell recorded: {why} in this kernel, so no cleanup runs after cells"
+        else:
+            return False
+        print(f"{report.PREFIX}{report.SEP}{said}")
+        return True
+
     def _why_no_hooks(self) -> str:
         state = self.engine.last_driver_state
         if state == "no_driver":
@@ -613,7 +631,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             error = holders.last_exception(self.shell)
             held = holders.traceback_objects(error, None, self.shell.user_ns)
             frames = holders.release_traceback(error) if error is not None else 0
-            said = (f"cleared {frames} frames of the last traceback ({len(held)} GPU objects, "
+            said = (f"cleared {_count(frames, 'frame')} of the last traceback ({_count(len(held), 'GPU object')}, "
                     f"{report.format_bytes(sum(int(f.get('bytes') or 0) for f in held))}); %debug no longer shows "
                     "their variables" if error is not None else "there is no last traceback")
         else:
@@ -678,3 +696,8 @@ def unload_ipython_extension(ipython) -> None:
 def get_extension(ipython) -> Optional[GPUCleanup]:
     """The loaded extension object of a shell, or None."""
     return _instances.get(ipython)
+
+
+def _count(n: int, noun: str) -> str:
+    """``1 frame``, ``2 frames``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

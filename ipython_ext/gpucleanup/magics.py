@@ -9,13 +9,15 @@ knowledge: ``frameworks/objects.py``.
 from __future__ import annotations
 
 import difflib
+import re
+import textwrap
 from typing import Callable
 
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.utils.process import arg_split
 
-__all__ = ["gpumem_arguments", "parse_gpumem", "OPTIONS", "PLOT_ALL"]
+__all__ = ["gpumem_arguments", "parse_gpumem", "settings_help", "with_settings", "OPTIONS", "PLOT_ALL"]
 
 OPTIONS = ("--json", "--drain", "--history", "--vars", "--release", "--trace", "--dask", "--plot", "--off", "--on")
 USAGE = ("%gpumem [--json] [--drain] [--history [N]] [--vars [N]] [--release out|traceback|NAME] "
@@ -112,6 +114,43 @@ _ARGUMENTS = [
     argument("--off", action="store_true", help="Pause the automatic cleanup after each cell."),
     argument("--on", action="store_true", help="Resume the automatic cleanup after each cell."),
 ]
+
+
+def settings_help(options_cls) -> str:
+    """Every configurable trait of ``options_cls``: name, default and the first sentence of its help.
+
+    Made from the traits themselves, so that ``%gpumem?`` names every setting there is.
+    """
+    traits = options_cls.class_traits(config=True)
+    rows = []
+    for name in sorted(traits):
+        trait = traits[name]
+        rows.append((f"{name} = {trait.default()!r}", _first_sentence(trait.help or "")))
+    width = max(len(left) for left, _ in rows)
+    lines = [f"Settings ({len(rows)}): %config GPUCleanup.<name> = value at run time, or c.GPUCleanup.<name> in",
+             "ipython_config.py / ipython_kernel_config.py; %config GPUCleanup describes each in full.",
+             ""]
+    for left, right in rows:
+        wrapped = textwrap.wrap(right, width=max(40, 100 - width - 4)) or [""]
+        lines.append(f"  {left.ljust(width)}  {wrapped[0]}")
+        lines += [" " * (width + 4) + more for more in wrapped[1:]]
+    return "\n".join(lines)
+
+
+def _first_sentence(text: str) -> str:
+    """Up to the first full stop that ends a sentence (not the one of "e.g.")."""
+    match = re.search(r"(?<!e\.g)(?<!i\.e)\.(\s|$)", text)
+    return text[:match.start() + 1] if match else text
+
+
+def with_settings(options_cls) -> Callable:
+    """Append :func:`settings_help` of ``options_cls`` to the decorated function's docstring."""
+
+    def decorate(func: Callable) -> Callable:
+        func.__doc__ = (func.__doc__ or "").rstrip() + "\n\n" + settings_help(options_cls) + "\n"
+        return func
+
+    return decorate
 
 
 def gpumem_arguments(func: Callable) -> Callable:

@@ -621,7 +621,7 @@ def vars_report(found: Sequence[dict], limit: int) -> Report:
         for f in top
     ]
     total = sum(int(f.get("bytes") or 0) for f in found)
-    notes = [f"{len(found)} objects, {format_bytes(total)} in all; views of one buffer each count their own size."]
+    notes = [f"{len(found)} object{'' if len(found) == 1 else 's'}, {format_bytes(total)} in all; views of one buffer each count their own size."]
     hidden = sorted({f["held_by"] for f in found if f.get("held_by") not in (None, "variable")})
     if hidden:
         notes.append("held by " + ", ".join(hidden) + ": %gpumem --release out (the output cache) or --release "

@@ -90,17 +90,18 @@ def test_percent_config_lists_the_class_and_its_help(shell, stand_in, capsys):  
         assert f"GPUCleanup.{trait}=" in text
 
 
-def test_percent_config_sets_and_refuses(shell, stand_in, caplog):  # noqa: F811
+def test_percent_config_sets_and_refuses(shell, stand_in, caplog, capsys):  # noqa: F811
     shell.run_line_magic("load_ext", "gpucleanup")
     ext = extension.get_extension(shell)
     shell.run_line_magic("config", "GPUCleanup.settle_timeout = 2.5")
     assert ext.settle_timeout == 2.5
+    capsys.readouterr()
     shell.run_line_magic("config", "GPUCleanup.gc = 'sometimes'")
-    # %config logs the refusal (IPython's own way): one paragraph, the allowed values
-    assert caplog.messages == [
-        "GPUCleanup.gc = 'sometimes' refused: gc must be one of 'auto', 'always', 'never'. "
-        "Nothing changed; %config GPUCleanup lists every option."
-    ]
+    # one sentence on stderr, the allowed values, no log record (which would print "ERROR:root:" before it)
+    out, err = capsys.readouterr()
+    assert (out, err) == ("", "GPUCleanup.gc = 'sometimes' refused: gc must be one of 'auto', 'always', 'never'. "
+                              "Nothing changed; %config GPUCleanup lists every option.\n")
+    assert caplog.messages == []
     assert (ext.gc, ext.settle_timeout) == ("auto", 2.5)
 
 
@@ -120,7 +121,9 @@ def test_refused_value_leaves_the_extension_working_and_reloadable(shell, stand_
     values = {name: getattr(before, name) for name in before.trait_names(config=True)}
     capsys.readouterr()
     shell.run_line_magic("config", statement)
-    assert len(caplog.messages) == 1 and allowed in caplog.messages[0] and "Nothing changed" in caplog.messages[0]
+    out, err = capsys.readouterr()
+    assert out == "" and caplog.messages == []
+    assert len(err.splitlines()) == 1 and allowed in err and "Nothing changed" in err
     assert {name: getattr(before, name) for name in values} == values
     assert before.history.size == 100
     # the shell did not keep the refused value: a reload meets nothing to ignore

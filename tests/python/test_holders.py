@@ -110,7 +110,7 @@ def test_without_release_after_oom_the_traceback_is_named_then_released_on_reque
         ("fit: batch", f"traceback of cell [{cell}]", 256 * MiB)]
     with capture_output() as cap:
         shell.run_line_magic("gpumem", "--release traceback")
-    assert _lines(cap.stdout)[0] == ("gpucleanup · cleared 2 frames of the last traceback (1 GPU objects, 256 MiB); "
+    assert _lines(cap.stdout)[0] == ("gpucleanup · cleared 2 frames of the last traceback (1 GPU object, 256 MiB); "
                                      "%debug no longer shows their variables")
     gc.collect()
     assert shell.user_ns["probe"][0]() is None

@@ -301,17 +301,20 @@ def _values(ext) -> dict:
 
 
 @pytest.mark.parametrize("name, source, value", CONFIG_CASES, ids=CONFIG_IDS)
-def test_percent_config_refuses_a_wrong_value_in_one_paragraph_and_changes_nothing(stand_in_loaded, caplog, name,
-                                                                                   source, value):
+def test_percent_config_refuses_a_wrong_value_in_one_paragraph_and_changes_nothing(stand_in_loaded, caplog, capsys,
+                                                                                   name, source, value):
     ip = stand_in_loaded
     ip.run_line_magic("load_ext", "gpucleanup")
     ext = extension.get_extension(ip)
     before = _values(ext)
     caplog.clear()
+    capsys.readouterr()
     ip.run_line_magic("config", f"GPUCleanup.{name} = {source}")
     allowed = config.allowed_values(name, TRAITS[name])
-    assert len(caplog.messages) == 1, caplog.messages
-    said = caplog.messages[0]
+    out, err = capsys.readouterr()
+    assert caplog.messages == [] and out == "", (caplog.messages, out)
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    said = err[:-1]
     assert said.startswith(f"GPUCleanup.{name} = "), said
     assert f" refused: {name} must be {allowed}. Nothing changed; %config GPUCleanup lists every option." in said, said
     assert "\n" not in said and len(said) < 400

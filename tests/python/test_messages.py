@@ -1,0 +1,147 @@
+"""What a newcomer reads: help made from the settings themselves, refusals as plain sentences, advice that can be
+followed on the machine at hand, and a command line that helps when called bare or wrongly."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from IPython.core.interactiveshell import InteractiveShell
+from IPython.utils.capture import capture_output
+
+from gpucleanup import cli, extension, status_client
+from gpucleanup.config import GPUCleanupOptions
+
+TRAITS = sorted(GPUCleanupOptions.class_trait_names(config=True))
+
+
+@pytest.fixture
+def no_driver_shell(monkeypatch, tmp_path):
+    """The process's shell with gpucleanup loaded against a driver path that does not exist."""
+    monkeypatch.setenv("GPUCLEANUP_LIBCUDA", str(tmp_path / "no-libcuda.so.1"))
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
+    ip = InteractiveShell.instance()
+    ip.config.pop("GPUCleanup", None)
+    with capture_output():
+        ip.run_line_magic("load_ext", "gpucleanup")
+    yield ip
+    ip.extension_manager.unload_extension("gpucleanup")
+    ip.config.pop("GPUCleanup", None)
+
+
+def test_there_are_fifteen_settings_and_the_gpumem_help_names_each_with_its_default():
+    assert len(TRAITS) == 15
+    doc = extension.GPUCleanup.gpumem.__doc__
+    assert "Settings (15): %config GPUCleanup.<name> = value at run time" in doc
+    defaults = GPUCleanupOptions.class_traits(config=True)
+    for name in TRAITS:
+        assert f"\n  {name} = {defaults[name].default()!r} " in doc, name
+
+
+def test_config_help_uses_the_sections_name_and_public_type_names(no_driver_shell, capsys):
+    no_driver_shell.run_line_magic("config", "GPUCleanup")
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    assert lines[:2] == ["GPUCleanup options", "=" * len("GPUCleanup options")]
+    for name in TRAITS:
+        assert f"GPUCleanup.{name}=" in text
+    for private in ("Magics", "GPUCleanupOptions", "<_Int>", "<_Float>"):
+        assert private not in text
+    assert "GPUCleanup.history_size=<Int>" in text and "GPUCleanup.settle_timeout=<Float>" in text
+
+
+@pytest.mark.parametrize("line, said", [
+    ("--trace on", "allocation trace not started: no CUDA driver in this kernel, so there are no GPU allocations to "
+                   "trace"),
+    ("--trace", "the allocation trace is off: no CUDA driver in this kernel, so there are no GPU allocations to trace"),
+    ("--plot", "nothing to plot: no CUDA driver in this kernel, so no cell is cleaned up or recorded"),
+    ("--plot 5", "nothing to plot: no CUDA driver in this kernel, so no cell is cleaned up or recorded"),
+    ("--history", "no cell recorded: no CUDA driver in this kernel, so no cleanup runs after cells"),
+])
+def test_without_a_driver_the_magic_says_why_there_is_nothing_instead_of_advice(no_driver_shell, line, said):
+    with capture_output() as shown:
+        result = no_driver_shell.run_line_magic("gpumem", line)
+    assert result is None
+    assert shown.stdout == f"gpucleanup · {said}\n" and shown.stderr == ""
+    assert "then try again" not in shown.stdout and "run a cell" not in shown.stdout
+
+
+def test_without_a_driver_json_still_returns_data(no_driver_shell):
+    with capture_output():
+        data = no_driver_shell.run_line_magic("gpumem", "--history --json")
+    assert data["history"] == [] and data["devices"] == [] and data["driver"]["state"] == "no_driver"
+
+
+def test_command_line_config_values_are_read_as_the_trait_reads_them(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUCLEANUP_")}
+    env.update(IPYTHONDIR=str(tmp_path / "ipython"), JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
+               GPUCLEANUP_LIBCUDA=str(tmp_path / "none"))
+    code = ("%load_ext gpucleanup\nfrom gpucleanup.extension import get_extension\n"
+            "x = get_extension(get_ipython())\nprint(x.history_size, x.gc, x.frameworks, x.settle_timeout)")
+    done = subprocess.run([sys.executable, "-m", "IPython", "--quick", "--GPUCleanup.history_size=50",
+                           "--GPUCleanup.gc=never", "--GPUCleanup.frameworks={'jax': False}",
+                           "--GPUCleanup.settle_timeout=2.5", "-c", code],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert done.returncode == 0 and done.stderr == ""
+    assert done.stdout.splitlines()[-1] == "50 never {'jax': False} 2.5"
+    assert "ignored" not in done.stdout
+
+
+def _cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "gpucleanup", *args], capture_output=True, text=True, timeout=60,
+                          env=env)
+
+
+def test_the_cli_with_no_command_prints_its_help_and_exits_0():
+    done = _cli()
+    assert done.returncode == 0 and done.stderr == ""
+    assert done.stdout.startswith("usage: gpucleanup ")
+    for command in ("ps", "status", "watch", "drain", "exporter"):
+        assert f"    {command} " in done.stdout
+    assert "Exit status:" in done.stdout
+
+
+def test_an_unknown_option_of_a_command_gets_that_commands_usage():
+    done = _cli("watch", "--bogus")
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith("usage: gpucleanup watch ")
+    assert done.stderr.rstrip().endswith("gpucleanup watch: error: unrecognized arguments: --bogus")
+
+
+def test_an_unknown_option_before_any_command_gets_the_top_level_usage():
+    done = _cli("--bogus")
+    assert done.returncode == 2
+    assert done.stderr.rstrip().endswith("gpucleanup: error: unrecognized arguments: --bogus")
+
+
+@pytest.mark.parametrize("label, who", [("4242", "4242"), ("", "4242"), ("analysis.ipynb", "4242 analysis.ipynb")])
+def test_watch_names_a_kernel_once(label, who):
+    target = status_client.Target("ipc:///nonexistent", None, label)
+    message = {"kernel": {"pid": 4242}, "time_ns": time.time_ns(), "record": {"cell": 3, "elapsed_s": 0.002}}
+    line = cli._record_line(target, message)
+    stamp, rest = line.split("  ", 1)
+    assert rest.startswith(who + "  ")
+    assert rest.count("4242") == 1
+
+
+def test_counts_are_said_in_the_right_number():
+    assert extension._count(1, "frame") == "1 frame"
+    assert extension._count(2, "frame") == "2 frames"
+    assert extension._count(0, "GPU object") == "0 GPU objects"
+
+
+def test_the_refusal_is_a_plain_sentence_on_stderr_in_a_kernel(tmp_path):
+    from test_kernel import execute, kernel
+
+    with kernel(tmp_path, GPUCLEANUP_LIBCUDA=str(tmp_path / "none")) as kc:
+        execute(kc, "%load_ext gpucleanup")
+        cell = execute(kc, "%config GPUCleanup.gc = 'sometimes'")
+        assert cell["stderr"] == ("GPUCleanup.gc = 'sometimes' refused: gc must be one of 'auto', 'always', 'never'. "
+                                  "Nothing changed; %config GPUCleanup lists every option.\n")
+        assert cell["stdout"] == "" and cell["error"] is None and cell["reply"]["status"] == "ok"
+        after = execute(kc, "from gpucleanup.extension import get_extension; print(get_extension(get_ipython()).gc)")
+        assert after["stdout"] == "auto\n"
