@@ -69,9 +69,13 @@ def show(nb_path: pathlib.Path, env: dict) -> int:
     try:
         # The kernel talks to this process over ipc sockets in a private directory: over TCP, ipykernel warns
         # on its stderr (which is this terminal) that the channel is not encrypted.
-        with tempfile.TemporaryDirectory(prefix="gpucleanup-demo-") as sockets:
+        # Its own stderr (other packages' warnings) is kept apart and shown after the cells, named as such.
+        with tempfile.TemporaryDirectory(prefix="gpucleanup-demo-") as sockets, \
+                tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as kernel_stderr:
             km = KernelManager(kernel_name="python3", transport="ipc", ip=os.path.join(sockets, "kernel"))
-            NotebookClient(nb, km=km, timeout=600, allow_errors=True).execute()
+            NotebookClient(nb, km=km, timeout=600, allow_errors=True).execute(stderr=kernel_stderr)
+            kernel_stderr.seek(0)
+            stray = kernel_stderr.read()
     finally:
         os.environ.clear()
         os.environ.update(old_env)
@@ -86,6 +90,9 @@ def show(nb_path: pathlib.Path, env: dict) -> int:
             elif out.output_type == "error":
                 print(f"{out.ename}: {out.evalue}")
                 failed += out.ename not in ("UsageError",)
+    if stray.strip():
+        print("\n--- the kernel process's own stderr (not a cell's output):")
+        sys.stdout.write(stray if stray.endswith("\n") else stray + "\n")
     print()
     return failed
 

@@ -20,10 +20,9 @@ TRAITS = sorted(GPUCleanupOptions.class_trait_names(config=True))
 
 
 @pytest.fixture
-def no_driver_shell(monkeypatch, tmp_path):
-    """The process's shell with gpucleanup loaded against a driver path that does not exist."""
-    monkeypatch.setenv("GPUCLEANUP_LIBCUDA", str(tmp_path / "no-libcuda.so.1"))
-    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
+def shell(fake_cuda):
+    """The process's shell with gpucleanup loaded on the fake driver (one device in use)."""
+    fake_cuda.reset({"devices": [{"primary_active": True}]})
     ip = InteractiveShell.instance()
     ip.config.pop("GPUCleanup", None)
     with capture_output():
@@ -31,6 +30,14 @@ def no_driver_shell(monkeypatch, tmp_path):
     yield ip
     ip.extension_manager.unload_extension("gpucleanup")
     ip.config.pop("GPUCleanup", None)
+
+
+def _ipython(tmp_path, *args, **env) -> subprocess.CompletedProcess:
+    """``ipython --quick ARGS`` in a process of its own (the driver is loaded once per process)."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("GPUCLEANUP_", "JPY_"))}
+    full.update(IPYTHONDIR=str(tmp_path / "ipython"), JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"), **env)
+    return subprocess.run([sys.executable, "-m", "IPython", "--quick", *args], capture_output=True, text=True,
+                          timeout=120, env=full, cwd=tmp_path)
 
 
 def test_there_are_fifteen_settings_and_the_gpumem_help_names_each_with_its_default():
@@ -42,8 +49,8 @@ def test_there_are_fifteen_settings_and_the_gpumem_help_names_each_with_its_defa
         assert f"\n  {name} = {defaults[name].default()!r} " in doc, name
 
 
-def test_config_help_uses_the_sections_name_and_public_type_names(no_driver_shell, capsys):
-    no_driver_shell.run_line_magic("config", "GPUCleanup")
+def test_config_help_uses_the_sections_name_and_public_type_names(shell, capsys):
+    shell.run_line_magic("config", "GPUCleanup")
     text = capsys.readouterr().out
     lines = text.splitlines()
     assert lines[:2] == ["GPUCleanup options", "=" * len("GPUCleanup options")]
@@ -54,26 +61,31 @@ def test_config_help_uses_the_sections_name_and_public_type_names(no_driver_shel
     assert "GPUCleanup.history_size=<Int>" in text and "GPUCleanup.settle_timeout=<Float>" in text
 
 
-@pytest.mark.parametrize("line, said", [
-    ("--trace on", "allocation trace not started: no CUDA driver in this kernel, so there are no GPU allocations to "
-                   "trace"),
-    ("--trace", "the allocation trace is off: no CUDA driver in this kernel, so there are no GPU allocations to trace"),
-    ("--plot", "nothing to plot: no CUDA driver in this kernel, so no cell is cleaned up or recorded"),
-    ("--plot 5", "nothing to plot: no CUDA driver in this kernel, so no cell is cleaned up or recorded"),
-    ("--history", "no cell recorded: no CUDA driver in this kernel, so no cleanup runs after cells"),
-])
-def test_without_a_driver_the_magic_says_why_there_is_nothing_instead_of_advice(no_driver_shell, line, said):
-    with capture_output() as shown:
-        result = no_driver_shell.run_line_magic("gpumem", line)
-    assert result is None
-    assert shown.stdout == f"gpucleanup · {said}\n" and shown.stderr == ""
-    assert "then try again" not in shown.stdout and "run a cell" not in shown.stdout
+NO_DRIVER_SAYS = {
+    "--trace on": "allocation trace not started: no CUDA driver in this kernel, so there are no GPU allocations to "
+                  "trace",
+    "--trace": "the allocation trace is off: no CUDA driver in this kernel, so there are no GPU allocations to trace",
+    "--plot": "nothing to plot: no CUDA driver in this kernel, so no cell is cleaned up or recorded",
+    "--plot 5": "nothing to plot: no CUDA driver in this kernel, so no cell is cleaned up or recorded",
+    "--history": "no cell recorded: no CUDA driver in this kernel, so no cleanup runs after cells",
+}
 
 
-def test_without_a_driver_json_still_returns_data(no_driver_shell):
-    with capture_output():
-        data = no_driver_shell.run_line_magic("gpumem", "--history --json")
-    assert data["history"] == [] and data["devices"] == [] and data["driver"]["state"] == "no_driver"
+def test_without_a_driver_the_magic_says_why_there_is_nothing_instead_of_advice(tmp_path):
+    code = ["%load_ext gpucleanup"]
+    for line in NO_DRIVER_SAYS:
+        code += ["print('>>>')", f"r = get_ipython().run_line_magic('gpumem', {line!r})", "print('result', r)"]
+    code += ["print('>>>')", "d = %gpumem --history --json", "print(d['history'], d['devices'], d['driver']['state'])"]
+    done = _ipython(tmp_path, "-c", "\n".join(code), GPUCLEANUP_LIBCUDA=str(tmp_path / "no-libcuda.so.1"))
+    assert (done.returncode, done.stderr) == (0, "")
+    blocks = done.stdout.split(">>>\n")
+    assert blocks[0] == f"gpucleanup · no CUDA driver found ({tmp_path / 'no-libcuda.so.1'}): nothing to clean, " \
+                        "no cleanup after cells\n"
+    for said, block in zip(NO_DRIVER_SAYS.values(), blocks[1:]):
+        assert block.splitlines() == [f"gpucleanup · {said}", "result None"]
+    # data is still data: --json answers with an empty history rather than a sentence
+    assert blocks[-1] == "[] [] no_driver\n"
+    assert "then try again" not in done.stdout and "run a cell" not in done.stdout
 
 
 def test_command_line_config_values_are_read_as_the_trait_reads_them(tmp_path):
