@@ -25,8 +25,11 @@ Which kernel a file belongs to is decided by :func:`classify`:
 ``elsewhere``
     written in another PID namespace of this boot (``pid_ns`` differs from
     ``readlink /proc/self/ns/pid``): its pid means nothing here, so the file
-    is listed as such and never touched. So is a file whose process exists
-    but cannot be inspected (``/proc/<pid>/stat`` unreadable).
+    is listed as such and never touched. So is a file whose PID namespace is
+    unknown on either side (written, or read, where ``/proc`` cannot be read:
+    ``pid_ns`` null, or no ``/proc/self/ns/pid`` here), and a file whose
+    process exists but cannot be inspected (``/proc/<pid>/stat`` unreadable).
+    Unknown liveness is never "stale".
 ``live``
     the same process still runs here.
 
@@ -68,6 +71,9 @@ MAX_FILE_BYTES = 64 * 1024
 LIVE = "live"
 STALE = "stale"
 ELSEWHERE = "elsewhere"
+
+UNKNOWN_THEIR_NS = "PID namespace unknown (its file records none): its pid cannot be judged here"
+UNKNOWN_OWN_NS = "this process's PID namespace is unknown (/proc unreadable here): no pid can be judged"
 
 _PID_NS = re.compile(r"pid:\[[0-9]{1,20}\]", re.ASCII)
 _BOOT_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", re.ASCII)
@@ -540,12 +546,16 @@ def _pid_state(pid: int, recorded_ticks: Optional[int]) -> Tuple[str, str]:
 def classify(info: dict, own_pid_ns: Optional[str] = None, own_boot_id: Optional[str] = None) -> Tuple[str, str]:
     """``(LIVE | STALE | ELSEWHERE, why)`` for a validated record.
 
-    The boot id and PID namespace recorded at write time are compared with
-    this process's where both are known: another boot id proves the writer
-    gone (the boot id is the running Linux kernel's, shared by every
-    container and namespace on the host); another PID namespace makes the
-    pid meaningless here, so nothing is proven. Otherwise the pid must be
-    alive, not a zombie, and started at the recorded clock tick.
+    The boot id recorded at write time is compared with this process's where
+    both are known: another boot id proves the writer gone (the boot id is
+    the running Linux kernel's, shared by every container and namespace on
+    the host). The pid is judged only when both PID namespaces are known and
+    the same: another PID namespace makes the pid meaningless here, and so
+    does an unknown one (a file written where ``/proc`` could not be read, or
+    a reader in such a place: the pid may belong to any namespace). Unknown
+    liveness is "elsewhere", never "stale": nothing is removed on a guess.
+    Then the pid must be alive, not a zombie, and started at the recorded
+    clock tick. ``own_pid_ns``: None reads this process's; "" means unknown.
     """
     own_boot_id = own_boot_id if own_boot_id is not None else boot_id()
     theirs = info.get("boot_id")
@@ -553,7 +563,11 @@ def classify(info: dict, own_pid_ns: Optional[str] = None, own_boot_id: Optional
         return STALE, f"written during another boot (boot id {theirs})"
     own_pid_ns = own_pid_ns if own_pid_ns is not None else pid_namespace()
     theirs = info.get("pid_ns")
-    if isinstance(theirs, str) and own_pid_ns and theirs != own_pid_ns:
+    if not isinstance(theirs, str):
+        return ELSEWHERE, UNKNOWN_THEIR_NS
+    if not own_pid_ns:
+        return ELSEWHERE, UNKNOWN_OWN_NS
+    if theirs != own_pid_ns:
         return ELSEWHERE, f"another PID namespace, {theirs}"
     pid = info.get("pid")
     if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < PID_LIMIT:

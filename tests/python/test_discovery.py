@@ -161,10 +161,31 @@ def test_classify_same_namespace(runtime):
     ticks = discovery.process_start_ticks(parent)
     assert discovery.classify(record(runtime, parent, proc_start_ticks=ticks + 1)) == (
         discovery.STALE, f"pid {parent} now belongs to another process (started at tick {ticks}, not {ticks + 1})")
-    # Written before pid_ns and boot_id were recorded: judged by pid and start time alone.
+    # Written before pid_ns was recorded, or where /proc could not be read: the pid cannot be judged.
     legacy = record(runtime, gone)
     del legacy["pid_ns"], legacy["boot_id"]
-    assert discovery.classify(legacy)[0] == discovery.STALE
+    assert discovery.classify(legacy) == (discovery.ELSEWHERE, discovery.UNKNOWN_THEIR_NS)
+
+
+def test_unknown_namespace_on_either_side_is_elsewhere_never_stale(runtime):
+    gone = dead_pid()
+    for pid in (gone, os.getpid()):
+        assert discovery.classify(record(runtime, pid, pid_ns=None)) == (discovery.ELSEWHERE, discovery.UNKNOWN_THEIR_NS)
+        assert discovery.classify(record(runtime, pid), own_pid_ns="") == (discovery.ELSEWHERE, discovery.UNKNOWN_OWN_NS)
+    # another boot is still proof, whatever the namespaces
+    other = str(uuid.uuid4())
+    assert discovery.classify(record(runtime, gone, pid_ns=None, boot_id=other))[0] == discovery.STALE
+
+
+def test_a_reader_without_its_namespace_removes_nothing(runtime, monkeypatch):
+    gone = dead_pid()
+    leftovers = scheme_leftovers(runtime, gone)
+    path = plant(runtime, gone, record(runtime, gone, proc_start_ticks=1))
+    monkeypatch.setattr(discovery, "pid_namespace", lambda: None)  # as where /proc cannot be read
+    found = discovery.scan(runtime)
+    assert (found.live, found.stale) == ([], [])
+    assert [(k.pid, k.elsewhere) for k in found.elsewhere] == [(gone, discovery.UNKNOWN_OWN_NS)]
+    assert path.exists() and all(p.exists() for p in leftovers)
 
 
 def test_classify_another_namespace_is_elsewhere_even_for_a_pid_alive_here(runtime):
@@ -334,6 +355,68 @@ def test_kernel_in_a_real_other_pid_namespace_is_left_alone(kernel, runtime):
     assert result.returncode == 0, result.stderr
     assert "elsewhere" in rows(result.stdout)[pid_text]
     assert all(p.exists() for p in files)
+
+
+NO_PROC_WAYS = (
+    ["unshare", "--pid", "--fork", "--mount"],  # root
+    ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount"],  # unprivileged user namespaces
+)
+#: run "$@" with an empty tmpfs over /proc: no namespace link, no /proc/<pid>/stat
+_EMPTY_PROC = ["sh", "-c", 'mount -t tmpfs none /proc && exec "$@"', "sh"]
+
+
+def unshare_without_proc() -> list:
+    """A command prefix that runs a program in a new PID namespace with /proc unreadable; skips without one."""
+    reasons = []
+    for way in NO_PROC_WAYS:
+        try:
+            probe = subprocess.run([*way, *_EMPTY_PROC, "sh", "-c", "! test -e /proc/self/ns/pid"],
+                                   capture_output=True, text=True, timeout=GUARD)
+        except FileNotFoundError:
+            pytest.skip("unshare (util-linux) is not installed")
+        if probe.returncode == 0:
+            return [*way, *_EMPTY_PROC]
+        reasons.append(f"{' '.join(way)}: {probe.stderr.strip()}")
+    pytest.skip("this machine allows no PID namespace without /proc: " + "; ".join(reasons))
+
+
+def test_a_kernel_started_without_proc_is_elsewhere_and_its_files_stay(kernel, runtime):
+    inner = subprocess.Popen([*unshare_without_proc(), sys.executable, "-c", INNER_KERNEL],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env())
+    try:
+        line = inner.stdout.readline()
+        assert line, "the kernel without /proc did not start"
+        pid_text, ns = line.split()
+        assert ns == "None"
+        files = [runtime / f"gpucleanup-{pid_text}.json"] + [
+            runtime / "gpucleanup" / name for name in (f"{pid_text}.key", f"{pid_text}.sock", f"{pid_text}.sock.pub")]
+        assert json.loads(files[0].read_text())["pid_ns"] is None
+        result = cli("ps", "--json")
+        assert result.returncode == 0, result.stderr
+        entries = {str(e["pid"]): e for e in json.loads(result.stdout)}
+        assert entries[pid_text]["elsewhere"] is True
+        assert entries[pid_text]["elsewhere_reason"] == discovery.UNKNOWN_THEIR_NS
+        assert entries[str(os.getpid())]["status"]["state"]["state"] == "running"
+    finally:
+        inner.stdin.close()
+        inner.wait(timeout=GUARD)
+    # gone now, and still nothing here can prove it: its pid was another namespace's
+    assert cli("ps").returncode == 0
+    assert all(p.exists() for p in files)
+
+
+def test_ps_without_proc_leaves_this_kernel_alone(kernel, runtime):
+    result = subprocess.run([*unshare_without_proc(), sys.executable, "-m", "gpucleanup.cli", "ps", "--json"],
+                            capture_output=True, text=True, env=_env(), timeout=GUARD)
+    assert result.returncode == 0, result.stderr
+    (entry,) = json.loads(result.stdout)
+    assert (entry["pid"], entry["elsewhere"], entry["elsewhere_reason"]) == (
+        os.getpid(), True, discovery.UNKNOWN_OWN_NS)
+    assert kernel.discovery_path.exists()
+    assert Path(kernel.info["key_file"]).exists()
+    assert stat.S_ISSOCK(os.lstat(kernel.info["endpoint"][len("ipc://"):]).st_mode)
+    assert stat.S_ISSOCK(os.lstat(kernel.info["pub_endpoint"][len("ipc://"):]).st_mode)
+    assert "running cell 12" in rows(cli("ps").stdout)[str(os.getpid())]
 
 
 def test_ps_in_another_pid_namespace_leaves_this_kernel_alone(kernel, runtime):

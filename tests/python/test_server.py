@@ -194,6 +194,27 @@ def test_a_kernel_is_listed_with_its_notebook_and_the_figures_of_its_status_endp
     assert [e["devices"] for e in listed["kernels"] if e["id"] == notebook.kernel_id] == [entry["devices"]]
 
 
+def test_reading_the_list_deletes_no_file_not_even_a_stale_one(server):
+    # whoever may read the list (a read-only user included) must not be able to delete files
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    gone = proc.pid
+    path = server.runtime / f"gpucleanup-{gone}.json"
+    discovery.write(path, {
+        "discovery": 1, "pid": gone, "proc_start_ticks": 1, "kernel_id": None, "connection_file": None,
+        "notebook": None, "endpoint": f"ipc://{server.runtime}/gpucleanup/{gone}.sock",
+        "pub_endpoint": f"ipc://{server.runtime}/gpucleanup/{gone}.sock.pub", "transport": "ipc",
+        "key_file": None, "signature_scheme": "hmac-sha256", "protocol": 1, "started_ns": 1, "version": "0.1.0"})
+    try:
+        assert discovery.scan(server.runtime, clean=False).stale == [path]
+        listed = server.api("GET", "/api/gpucleanup/kernels")
+        assert gone not in [e["pid"] for e in listed["kernels"]]
+        assert server.request("GET", f"/api/gpucleanup/kernels/pid-{gone}", token=True).status == 404
+        assert path.exists()
+    finally:
+        discovery.remove(path)
+
+
 def test_a_kernel_without_gpucleanup_is_listed_with_a_hint(server, plain):
     entry = server.entry(plain.kernel_id)
     assert entry["notebook"] == "plain.ipynb"

@@ -113,7 +113,10 @@ class KernelWatch:
 
     async def _collect(self) -> dict:
         ours = await self.server_kernels()
-        gathered = await self.run(kernels.gather, self.runtime_dir, self.settings.timeout, self.settings.history)
+        # A read removes nothing: whoever may read the list (a read-only user included) must not delete
+        # files; stale files are swept by the next kernel that loads gpucleanup, and by gpucleanup ps.
+        gathered = await self.run(kernels.gather, self.runtime_dir, self.settings.timeout, self.settings.history,
+                                  clean=False)
         return model.assemble(ours, gathered)
 
     async def collect(self) -> dict:
@@ -132,7 +135,7 @@ class KernelWatch:
     async def find(self, key: str) -> discovery.Kernel:
         """The discovery record of the kernel ``key`` names (kernel id or ``pid-<pid>``); HTTPError 404 when
         no kernel has that name, 409 when it has no gpucleanup or cannot be asked from here."""
-        found = await self.run(discovery.scan, self.runtime_dir)
+        found = await self.run(discovery.scan, self.runtime_dir, clean=False)
         ours = {k["kernel_id"]: k for k in await self.server_kernels()}
         pid = ours[key]["pid"] if key in ours else None
         for kernel in [*found.live, *found.elsewhere]:
