@@ -23,7 +23,9 @@ Gauges, as of the kernel's last cleanup (its ``last_record``) or its live snapsh
 - ``gpucleanup_kernels``: kernels found in this PID namespace; ``gpucleanup_kernels_elsewhere``: kernels
   of other PID namespaces (containers), listed by their discovery files and never asked;
 - ``gpucleanup_scrape_duration_seconds``, ``gpucleanup_scrape_ok`` (0: the runtime directory could not be
-  scanned; the error is logged on the ``gpucleanup`` logger).
+  scanned; the error is logged on the ``gpucleanup`` logger), ``gpucleanup_collected_timestamp_seconds``
+  (when the kernels were asked: jupyter_server's ``/metrics`` shows the collection the previous scrape
+  started, never asking a kernel on the server's event loop).
 
 Counters, cumulative since the kernel's extension loaded (``last_record.totals``, ``gpucleanup.totals``;
 a reload of the extension is a counter reset, with a new ``_created``):
@@ -43,12 +45,14 @@ which says how to install it.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
 import math
 import socket
 import threading
 import time
+from concurrent.futures import Future, TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
@@ -123,6 +127,10 @@ class KernelCollector:
             raise ValueError(f"timeout must be a number of seconds above 0, got {timeout!r}")
         self.runtime_dir = Path(runtime_dir) if runtime_dir is not None else None
         self.timeout = seconds
+        self._lock = threading.Lock()
+        self._running: Optional[Future] = None  # the collection in progress, shared by every scrape
+        self._latest: Optional[List[Any]] = None  # the families of the last collection that finished
+        self.collections = 0  # how many collections ran (each asked every kernel once)
 
     # ------------------------------------------------------------------ the families
 
@@ -183,6 +191,9 @@ class KernelCollector:
             "scrape_ok": gauge("gpucleanup_scrape_ok",
                                "1 when the runtime directory was scanned, 0 when not (the gpucleanup logger says why)."),
             "duration": gauge("gpucleanup_scrape_duration_seconds", "How long asking the kernels took.", unit="seconds"),
+            "collected": gauge("gpucleanup_collected_timestamp_seconds",
+                               "When these figures were collected (Unix time): on jupyter_server's /metrics they "
+                               "are those of the collection the previous scrape started.", unit="seconds"),
         }
 
     def describe(self) -> Iterable[Any]:
@@ -190,12 +201,57 @@ class KernelCollector:
         return list(self._families(_prometheus()).values())
 
     def collect(self) -> Iterable[Any]:
-        """Ask every kernel now; never raises for one kernel's sake."""
+        """Every kernel's figures; never raises for one kernel's sake.
+
+        Scrapes that come while a collection runs share it: every kernel is asked once, however
+        many scrapes wait. A collection runs on a thread of its own, never on the caller's. Called
+        on a thread that runs an event loop (jupyter_server's ``/metrics`` handler is synchronous,
+        on the server's loop), it never waits: it returns the figures of the last collection that
+        finished (none before the first) and starts the next, so the server's loop never waits on
+        a kernel; its figures are then one scrape old (``gpucleanup_scrape_age_seconds``). Called
+        elsewhere (the exporter's request threads, a test), it waits for the shared collection,
+        which is bounded by ``timeout`` (every kernel is asked at once).
+        """
+        running = self._start()
+        if _on_event_loop():
+            latest = self._latest
+            return latest if latest is not None else list(self._families(_prometheus()).values())
+        try:
+            return running.result(timeout=self.timeout + _COLLECT_MARGIN_S)
+        except FutureTimeout:  # a directory that takes ages to scan: the last figures
+            latest = self._latest
+            return latest if latest is not None else list(self._families(_prometheus()).values())
+
+    def _start(self) -> "Future":
+        """The collection in progress, or a new one started on a thread of its own."""
+        with self._lock:
+            if self._running is not None:
+                return self._running
+            running = self._running = Future()
+        threading.Thread(target=self._run, args=(running,), name="gpucleanup-metrics", daemon=True).start()
+        return running
+
+    def _run(self, running: "Future") -> None:
+        try:
+            families = self.collect_now()
+            self._latest = families
+            running.set_result(families)
+        except BaseException as exc:  # never lost: the waiting scrapes see it
+            running.set_exception(exc)
+        finally:
+            with self._lock:
+                if self._running is running:
+                    self._running = None
+
+    def collect_now(self) -> List[Any]:
+        """Ask every kernel now, on the calling thread (:meth:`collect` shares it between scrapes)."""
         prom = _prometheus()
+        self.collections += 1
         families = self._families(prom)
         start = time.perf_counter()
         try:
-            gathered = kernels.gather(self.runtime_dir, timeout=self.timeout)
+            # a scrape only reads: whoever can scrape must not be able to delete files
+            gathered = kernels.gather(self.runtime_dir, timeout=self.timeout, clean=False)
         except Exception as exc:
             log.warning("gpucleanup metrics: cannot scan %s for kernels (%s: %s)",
                         self.runtime_dir or "Jupyter's runtime directory", type(exc).__name__, exc)
@@ -208,6 +264,7 @@ class KernelCollector:
             for view in here:
                 self._add_kernel(prom, families, view)
         families["duration"].add_metric([], time.perf_counter() - start)
+        families["collected"].add_metric([], time.time())
         return list(families.values())
 
     # ------------------------------------------------------------------ one kernel
@@ -279,6 +336,20 @@ class KernelCollector:
             families["wait"].add_metric(labels, buckets[0], buckets[1])
 
 
+#: how much longer than the kernels' timeout a scrape off the event loop waits for the shared collection
+#: (the scan of the runtime directory, reading the keys)
+_COLLECT_MARGIN_S = 30.0
+
+
+def _on_event_loop() -> bool:
+    """Whether the calling thread is running an asyncio event loop (tornado's, for jupyter_server)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 def _uuids(reply: dict) -> Dict[int, str]:
     """Device index -> UUID, from the kernel's snapshot (every device it lists)."""
     snapshot = reply.get("snapshot")
@@ -325,8 +396,11 @@ def register_server_collector(serverapp: Any = None, timeout: float = 0.5, regis
     = False`` serves it to anyone who can reach the server.
 
     The kernels are those of ``serverapp.runtime_dir`` (Jupyter's runtime directory without a server
-    app). The handler is synchronous on the server's event loop: a scrape holds the loop while the
-    kernels are asked, at most about ``timeout`` seconds (all kernels at once), hence a short default.
+    app). The handler is synchronous, on the server's event loop, so the collector never asks a kernel
+    there: a scrape gets the figures of the last collection at once and starts the next one on a thread
+    of its own (scrapes that come meanwhile share it); the figures a scrape shows are therefore those
+    of the previous scrape's time (``gpucleanup_collected_timestamp_seconds``). A first collection
+    starts when the collector is registered, so the first scrape already has figures.
 
     Registering is done once per registry: a second call returns the collector already there.
     jupyter_server calls no unload hook for a module's ``_load_jupyter_server_extension`` (only an
@@ -342,6 +416,7 @@ def register_server_collector(serverapp: Any = None, timeout: float = 0.5, regis
         collector = KernelCollector(Path(runtime_dir) if runtime_dir else None, timeout=timeout)
         registry.register(collector)
         _server_collectors[id(registry)] = (registry, collector)
+        collector._start()  # the first scrape finds figures
         return collector
 
 

@@ -450,8 +450,7 @@ def _read_line(proc: subprocess.Popen, limit_s: float = 120) -> str:
 
 
 def test_jupyter_servers_metrics_show_the_kernels_behind_its_token(kernel, runtime, tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "ipython_ext"), os.environ.get("PYTHONPATH")])),
-               JUPYTER_CONFIG_DIR=str(tmp_path / "config"), JUPYTER_DATA_DIR=str(tmp_path / "data"))
+    env = _server_env(tmp_path)
     root = tmp_path / "root"
     root.mkdir()
     proc = subprocess.Popen(
@@ -467,13 +466,138 @@ def test_jupyter_servers_metrics_show_the_kernels_behind_its_token(kernel, runti
             urllib.request.urlopen(url, timeout=60)
         assert refused.value.code == 403  # authenticate_prometheus: the token is needed
         request = urllib.request.Request(url, headers={"Authorization": "token s3cret"})
-        with urllib.request.urlopen(request, timeout=60) as response:
-            samples = scrape_text(response.read().decode())
+        # a scrape shows the collection the one before it started (the first: the one registering started)
+        deadline = time.monotonic() + 60
+        while True:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                samples = scrape_text(response.read().decode())
+            if values(samples, "gpucleanup_kernel_up", pid=kernel.pid) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
     finally:
         proc.terminate()
         proc.wait(60)
     assert value(samples, "gpucleanup_kernel_up", pid=kernel.pid, notebook="/home/me/fit.ipynb") == 1
     assert value(samples, "gpucleanup_cells_cleaned_total", pid=kernel.pid) == 2
+
+
+#: a kernel in a process of its own (its status endpoint on the fake driver), stopped by the test with SIGSTOP
+_STOPPABLE_KERNEL = textwrap.dedent("""
+    import sys, types
+    from gpucleanup.status_endpoint import StatusEndpoint
+    ep = StatusEndpoint()
+    ep.start(types.SimpleNamespace(user_ns={"__session__": "/home/me/stopped.ipynb"}))
+    assert ep.error is None, ep.error
+    print("ready", flush=True)
+    sys.stdin.read()
+""")
+
+
+def _server_env(tmp_path: Path) -> dict:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "ipython_ext"), os.environ.get("PYTHONPATH")])),
+                JUPYTER_CONFIG_DIR=str(tmp_path / "config"), JUPYTER_DATA_DIR=str(tmp_path / "data"))
+
+
+def test_scrapes_never_hold_the_servers_event_loop_while_a_kernel_is_stopped(runtime, tmp_path, fake_cuda):
+    env = _server_env(tmp_path)
+    stopped = subprocess.Popen([sys.executable, "-c", _STOPPABLE_KERNEL], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True, env=env)
+    root = tmp_path / "root"
+    root.mkdir()
+    server = None
+    try:
+        assert _read_line(stopped).startswith("ready")
+        os.kill(stopped.pid, signal.SIGSTOP)
+        # authenticate_prometheus off, as the docs say for Prometheus: anyone can scrape
+        server = subprocess.Popen(
+            [sys.executable, "-c", _SERVER, "--ServerApp.port=0", "--ServerApp.ip=127.0.0.1",
+             "--ServerApp.open_browser=False", "--IdentityProvider.token=s3cret", f"--ServerApp.root_dir={root}",
+             "--ServerApp.authenticate_prometheus=False", "--allow-root"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+        )
+        line = _read_line(server)
+        assert line.startswith("ready "), line
+        base = f"http://127.0.0.1:{int(line.split()[1])}"
+
+        def scrape_once() -> list:
+            with urllib.request.urlopen(f"{base}/metrics", timeout=60) as response:
+                return scrape_text(response.read().decode())
+
+        # the stopped kernel is found and shown down (from a collection the scrapes started)
+        deadline = time.monotonic() + 60
+        while not values(scrape_once(), "gpucleanup_kernel_up", pid=stopped.pid):
+            assert time.monotonic() < deadline, "the stopped kernel never showed in /metrics"
+            time.sleep(0.1)
+
+        scraped = []
+        errors = []
+        go = threading.Barrier(11)
+
+        def scraper():
+            try:
+                go.wait(60)
+                for _ in range(3):
+                    scraped.append(scrape_once())
+            except Exception as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=scraper) for _ in range(10)]
+        for t in threads:
+            t.start()
+        go.wait(60)
+        answers = []
+        status = urllib.request.Request(f"{base}/api/status", headers={"Authorization": "token s3cret"})
+        while any(t.is_alive() for t in threads):
+            started = time.monotonic()
+            with urllib.request.urlopen(status, timeout=60) as response:
+                assert response.status == 200
+            answers.append(time.monotonic() - started)
+        for t in threads:
+            t.join(60)
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(60)
+        os.kill(stopped.pid, signal.SIGCONT)
+        stopped.stdin.close()
+        stopped.wait(60)
+    assert errors == []
+    assert len(scraped) == 30
+    assert answers and max(answers) < 1.0, answers  # the issue's bound: within a second, every time
+    for samples in scraped:
+        assert value(samples, "gpucleanup_kernel_up", pid=stopped.pid) == 0
+        assert value(samples, "gpucleanup_kernel_error", pid=stopped.pid, kind="no_answer") == 1
+
+
+def test_concurrent_scrapes_share_one_collection(runtime, monkeypatch):
+    collector = metrics.KernelCollector(runtime, timeout=5.0)
+    registry = prometheus_client.CollectorRegistry()
+    registry.register(collector)
+    release = threading.Event()
+    gathered = []
+    real = kernels.gather
+
+    def slow_gather(*args, **kwargs):
+        gathered.append(threading.current_thread().name)
+        assert release.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "gather", slow_gather)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(scrape(registry))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while not gathered:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    release.set()
+    for t in threads:
+        t.join(60)
+    assert len(results) == 8
+    assert gathered == ["gpucleanup-metrics"]  # one collection, on a thread of its own
+    assert collector.collections == 1
+    assert all(value(r, "gpucleanup_kernels") == 0 for r in results)
 
 
 # ------------------------------------------------------------------ the exporter
