@@ -100,13 +100,15 @@ class GPUCleanupPlugin(WorkerPlugin):  # type: ignore[misc,valid-type]
         self._thread.start()
 
     def teardown(self, worker: Any) -> None:
+        # On the worker's event loop (unregister, Worker.close, a plugin registered again under the
+        # same name): returns at once. The cleanup thread may be waiting for a stalled GPU for up to
+        # settle_timeout (a day at most); it stops the engine itself once that wait ends, so nothing
+        # here waits on the GPU.
         if self._engine is None:
             return
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        self._thread.join(timeout=self.settle_timeout + 5.0)
-        self._engine.stop()
 
     def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
         # In the worker's event loop: bookkeeping only. A task that leaves the worker busy
@@ -129,17 +131,20 @@ class GPUCleanupPlugin(WorkerPlugin):  # type: ignore[misc,valid-type]
             return 0
 
     def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._stopping and (self._due is None or time.monotonic() < self._due):
-                    self._cond.wait(None if self._due is None else max(0.0, self._due - time.monotonic()))
-                if self._stopping:
-                    return
-                self._due = None
-            if self.busy():
-                self.skipped_busy += 1  # a task started meanwhile: its end schedules the next one
-                continue
-            self.clean("idle")
+        try:
+            while True:
+                with self._cond:
+                    while not self._stopping and (self._due is None or time.monotonic() < self._due):
+                        self._cond.wait(None if self._due is None else max(0.0, self._due - time.monotonic()))
+                    if self._stopping:
+                        return
+                    self._due = None
+                if self.busy():
+                    self.skipped_busy += 1  # a task started meanwhile: its end schedules the next one
+                    continue
+                self.clean("idle")
+        finally:
+            self._engine.stop()  # after the last cleanup, on this thread: teardown never waits for it
 
     def clean(self, reason: str) -> dict:
         """One cleanup now (on the calling thread, never the event loop's): a summary of it."""
