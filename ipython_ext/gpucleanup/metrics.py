@@ -47,16 +47,21 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import hmac
 import logging
 import math
+import os
+import re
+import secrets
 import socket
+import stat
 import threading
 import time
 from concurrent.futures import Future, TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from . import kernels, status_client
+from . import discovery, kernels, status_client
 
 __all__ = [
     "KernelCollector",
@@ -77,6 +82,8 @@ log = logging.getLogger("gpucleanup")
 STATES = ("idle", "running", "draining", "waiting", "unknown")
 
 KERNEL_LABELS = ("kernel_id", "notebook", "pid")
+#: the kernel labels that carry a value in a public exporter's metrics (``--public``); the others are empty
+PUBLIC_KERNEL_LABELS = ("pid",)
 DEVICE_LABELS = KERNEL_LABELS + ("device", "uuid")
 
 
@@ -121,12 +128,16 @@ class KernelCollector:
     about that long).
     """
 
-    def __init__(self, runtime_dir: Optional[Path] = None, timeout: float = status_client.DEFAULT_TIMEOUT):
+    def __init__(self, runtime_dir: Optional[Path] = None, timeout: float = status_client.DEFAULT_TIMEOUT,
+                 public: bool = False):
         seconds = _number(timeout)
         if seconds is None or seconds <= 0:
             raise ValueError(f"timeout must be a number of seconds above 0, got {timeout!r}")
         self.runtime_dir = Path(runtime_dir) if runtime_dir is not None else None
         self.timeout = seconds
+        #: served to whoever asks (``gpucleanup exporter --public``): only the labels of PUBLIC_KERNEL_LABELS
+        #: carry a value, the others are empty
+        self.public = bool(public)
         self._lock = threading.Lock()
         self._running: Optional[Future] = None  # the collection in progress, shared by every scrape
         self._latest: Optional[List[Any]] = None  # the families of the last collection that finished
@@ -269,9 +280,12 @@ class KernelCollector:
 
     # ------------------------------------------------------------------ one kernel
 
-    @staticmethod
-    def _kernel_labels(view: kernels.KernelView) -> List[str]:
-        return [view.kernel_id or "", view.notebook or "", str(view.pid)]
+    def _kernel_labels(self, view: kernels.KernelView) -> List[str]:
+        # Built from an allow-list: a public view names what every local user may see anyway (the pid,
+        # as ps shows it), never the notebook or the kernel id.
+        known = {"kernel_id": view.kernel_id or "", "notebook": view.notebook or "", "pid": str(view.pid)}
+        allowed = PUBLIC_KERNEL_LABELS if self.public else KERNEL_LABELS
+        return [known[name] if name in allowed else "" for name in KERNEL_LABELS]
 
     def _add_kernel(self, prom, families: Dict[str, Any], view: kernels.KernelView) -> None:
         labels = self._kernel_labels(view)
@@ -436,22 +450,64 @@ def unregister_server_collector(registry: Any = None) -> bool:
 # ---------------------------------------------------------------- the standalone exporter
 
 
-def make_registry(runtime_dir: Optional[Path] = None, timeout: float = status_client.DEFAULT_TIMEOUT):
+def make_registry(runtime_dir: Optional[Path] = None, timeout: float = status_client.DEFAULT_TIMEOUT,
+                  public: bool = False):
     """A registry of its own holding only gpucleanup's collector: no process or Python metrics of the
     exporter itself, which say nothing about the GPUs."""
     prom = _prometheus()
     registry = prom.CollectorRegistry()
-    registry.register(KernelCollector(runtime_dir, timeout=timeout))
+    registry.register(KernelCollector(runtime_dir, timeout=timeout, public=public))
     return registry
+
+
+#: the token file's name in ``<runtime dir>/gpucleanup/`` (the directory of the kernels' keys, 0700)
+TOKEN_FILE = "exporter.token"
+_TOKEN = re.compile(r"[A-Za-z0-9._~+/=-]{16,512}", re.ASCII)
+
+
+def token_path(runtime_dir: Optional[Path] = None) -> Path:
+    """Where the exporter keeps its token by default: ``<runtime dir>/gpucleanup/exporter.token``."""
+    return (Path(runtime_dir) if runtime_dir is not None else discovery.runtime_dir()) / discovery.KEY_DIR / TOKEN_FILE
+
+
+def read_token(path: Path) -> str:
+    """The bearer token in ``path``: a regular file of yours that no one else may read; ExporterError if not."""
+    try:
+        data, info = discovery.read_bounded(path, owners={os.geteuid()})
+    except discovery.UnsafeFile as exc:
+        raise ExporterError(f"token file {path} is {exc.strerror}: give a regular file of yours") from None
+    except OSError as exc:
+        raise ExporterError(f"cannot read the token file {path} ({exc.strerror or exc})") from None
+    if stat.S_IMODE(info.st_mode) & 0o077:
+        raise ExporterError(f"token file {path} may be read by others (mode {stat.S_IMODE(info.st_mode):o}): "
+                            "chmod 600 it")
+    token = data.decode("ascii", "replace").strip()
+    if not _TOKEN.fullmatch(token):
+        raise ExporterError(f"token file {path} does not hold a token (16 to 512 characters of A-Z a-z 0-9 ._~+/=-)")
+    return token
+
+
+def ensure_token(path: Path) -> str:
+    """The token in ``path``, written there first (0600, a new random token) when the file does not exist."""
+    path = Path(path)
+    if not path.exists() and not path.is_symlink():
+        try:
+            discovery.ensure_private_dir(path.parent)
+            discovery.write_private(path, (secrets.token_urlsafe(32) + "\n").encode("ascii"))
+        except OSError as exc:
+            raise ExporterError(f"cannot write the token file {path} ({exc.strerror or exc})") from None
+    return read_token(path)
 
 
 class Exporter:
     """A running exporter: ``url`` is where its metrics are; ``wait()`` blocks while it serves;
     ``shutdown()`` stops it (idempotent; from any thread)."""
 
-    def __init__(self, server: Any, thread: threading.Thread):
+    def __init__(self, server: Any, thread: threading.Thread, token_file: Optional[Path] = None):
         self.server = server
         self.thread = thread
+        #: the file holding the bearer token scrapes must send; None for a public exporter
+        self.token_file = token_file
         self._closed = False
         self._close_lock = threading.Lock()
 
@@ -489,12 +545,18 @@ class Exporter:
         self.shutdown()
 
 
-def _wsgi_app(registry):
+def _wsgi_app(registry, token: Optional[str]):
     metrics = _prometheus().make_wsgi_app(registry)
+    expected = f"Bearer {token}".encode("ascii") if token is not None else None
 
     def app(environ, start_response):
         path = environ.get("PATH_INFO") or "/"
         if path == "/metrics":
+            given = (environ.get("HTTP_AUTHORIZATION") or "").encode("latin-1", "replace")
+            if expected is not None and not hmac.compare_digest(given, expected):
+                start_response("401 Unauthorized", [("Content-Type", "text/plain; charset=utf-8"),
+                                                    ("WWW-Authenticate", 'Bearer realm="gpucleanup"')])
+                return [b"the metrics need the exporter's token: Authorization: Bearer <token>\n"]
             return metrics(environ, start_response)
         if path == "/":
             start_response("200 OK", [("Content-Type", "text/plain; charset=utf-8")])
@@ -505,7 +567,7 @@ def _wsgi_app(registry):
     return app
 
 
-def _bind(port: int, host: str, registry) -> Any:
+def _bind(port: int, host: str, registry, token: Optional[str] = None) -> Any:
     """The HTTP server bound to (host, port), not yet serving; :class:`ExporterError` when it cannot be."""
     import socketserver
     from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
@@ -542,28 +604,39 @@ def _bind(port: int, host: str, registry) -> Any:
             raise ExporterError(f"cannot listen on {where}: {host} is not an address of this machine; "
                                 "give one of its addresses with --host") from None
         raise ExporterError(f"cannot listen on {where}: {exc.strerror or exc}") from None
-    server.set_app(_wsgi_app(registry))
+    server.set_app(_wsgi_app(registry, token))
     return server
 
 
 def start_exporter(port: int, host: str = "127.0.0.1", runtime_dir: Optional[Path] = None,
-                   timeout: float = status_client.DEFAULT_TIMEOUT) -> Exporter:
+                   timeout: float = status_client.DEFAULT_TIMEOUT, token_file: Optional[Path] = None,
+                   public: bool = False) -> Exporter:
     """Serve gpucleanup's metrics at ``http://host:port/metrics`` on a thread of its own; returns the
     :class:`Exporter` (``.url``, ``.shutdown()``). ``port`` 0 takes any free port (``.port`` says which).
+
+    Private to its owner by default: a scrape must send ``Authorization: Bearer <token>``, the token in
+    ``token_file`` (default :func:`token_path`, created 0600 with a random token when missing; a file
+    others may read is refused); other requests get 401 and no figure. ``public``: no token, and the
+    metrics carry only what every local user may see (the labels of :data:`PUBLIC_KERNEL_LABELS`; the
+    notebook and kernel id labels are empty).
 
     Raises :class:`ExporterError` (a sentence to print; exit status 2) when the port is in use, not
     allowed, or the host is not an address of this machine, and without prometheus_client.
     """
     try:
-        registry = make_registry(runtime_dir, timeout)
+        registry = make_registry(runtime_dir, timeout, public=public)
     except MetricsUnavailable as exc:
         raise ExporterError(str(exc)) from exc
     except ValueError as exc:  # the timeout
         raise ExporterError(str(exc)) from None
-    server = _bind(port, host, registry)
+    token = None
+    if not public:
+        token_file = Path(token_file) if token_file is not None else token_path(runtime_dir)
+        token = ensure_token(token_file)
+    server = _bind(port, host, registry, token)
     thread = threading.Thread(target=server.serve_forever, name="gpucleanup-exporter", daemon=True)
     thread.start()
-    return Exporter(server, thread)
+    return Exporter(server, thread, None if public else token_file)
 
 
 def run_exporter(port: int, host: str = "127.0.0.1", runtime_dir: Optional[Path] = None,
@@ -576,9 +649,9 @@ def run_exporter(port: int, host: str = "127.0.0.1", runtime_dir: Optional[Path]
     no process metrics of the exporter. Each scrape asks every kernel of ``runtime_dir`` (default:
     Jupyter's runtime directory, as ``gpucleanup ps``), each at most ``timeout`` seconds.
 
-    It listens on loopback (127.0.0.1) unless ``host`` says otherwise: the metrics name notebooks and
-    kernels, and the exporter has no authentication, so listening on another address (``0.0.0.0``, a
-    LAN address) must be asked for explicitly, where a firewall or a network namespace keeps strangers out.
+    It listens on loopback (127.0.0.1) unless ``host`` says otherwise, and answers only scrapes that send
+    its token (:func:`start_exporter`): every local user can reach a loopback port, and the metrics name
+    notebooks and kernels.
 
     Raises :class:`ExporterError` (print it, exit status 2) when it cannot listen: port in use, not
     allowed, host not an address of this machine, no prometheus_client.
@@ -586,6 +659,8 @@ def run_exporter(port: int, host: str = "127.0.0.1", runtime_dir: Optional[Path]
     exporter = start_exporter(port, host, runtime_dir, timeout)
     try:
         print(f"gpucleanup exporter: serving {exporter.url} (Ctrl-C stops)", flush=True)
+        print(f"gpucleanup exporter: scrapes send Authorization: Bearer <the token in {exporter.token_file}>",
+              flush=True)
         exporter.wait()
     except KeyboardInterrupt:
         pass

@@ -1094,17 +1094,44 @@ void StatusServer::publish(const nlohmann::json& record) {
 namespace {
 
 // What a record published on tcp keeps. Any local user can subscribe to a tcp PUB socket (ZeroMQ has no access
-// control there), so what goes out is the memory figures only: not the kernel's description (notebook path,
-// connection file, key file), nor the notes, the variables and output entries that hold memory, the traced
-// allocation sites (file names, lines, functions) or what frameworks printed. The full record stays in the
-// history, which answers signed requests only on tcp.
-const char* const kPrivateRecordFields[] = {"notes", "shown_notes", "hidden", "traced", "unraisable"};
+// control there), so what goes out is built from an allow-list of the memory figures (share/schema/
+// cell_record.schema.json): a field added to the record later stays private until it is named here. Left out:
+// the notes, the variables and output entries that hold memory, the traced allocation sites (file names, lines,
+// functions), what frameworks printed; the kernel's description goes as its pid only (publish_text). The full
+// record stays in the history, which answers signed requests only on tcp.
+const char* const kPublicRecordFields[] = {"cell",    "time_ns",  "elapsed_s", "driver_state", "interrupted",
+                                           "devices", "pinned",   "gc",        "touched",      "shown",
+                                           "release", "deferred", "idle",      "totals"};
+// Of each entry of "devices": its figures. "message" (a driver or framework message) is left out.
+const char* const kPublicDeviceFields[] = {"index",         "name",           "state",
+                                           "settle",        "total_bytes",    "used_at_start_bytes",
+                                           "used_before_bytes", "used_after_bytes", "freed_bytes",
+                                           "live_bytes",    "cached_bytes",   "quiet",
+                                           "outside_bytes", "outside_growth_bytes"};
+
+template <std::size_t N>
+json allowed_fields(const json& from, const char* const (&names)[N]) {
+  json out = json::object();
+  for (const char* name : names) {
+    if (const auto it = from.find(name); it != from.end()) out[name] = *it;
+  }
+  return out;
+}
 
 std::string public_record_text(const std::string& record) {
-  json value = json::parse(record, nullptr, false);
+  const json value = json::parse(record, nullptr, false);
   if (!value.is_object()) return "{}";
-  for (const char* field : kPrivateRecordFields) value.erase(field);
-  return dump(value);
+  json out = allowed_fields(value, kPublicRecordFields);
+  if (const auto devices = out.find("devices"); devices != out.end()) {
+    json kept = json::array();
+    if (devices->is_array()) {
+      for (const json& device : *devices) {
+        if (device.is_object()) kept.push_back(allowed_fields(device, kPublicDeviceFields));
+      }
+    }
+    *devices = std::move(kept);
+  }
+  return dump(out);
 }
 
 }  // namespace

@@ -32,6 +32,7 @@ import tempfile
 import textwrap
 import time
 import types
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -790,7 +791,7 @@ import errno, hashlib, hmac, io, json, os, socket, sys, time, uuid, contextlib
 import zmq
 import gpucleanup, gpucleanup.cli, gpucleanup.kernels, gpucleanup.discovery, gpucleanup.status_client, gpucleanup.report
 import jupyter_core.paths
-import argparse, concurrent.futures, shutil, textwrap, locale, encodings.idna
+import argparse, concurrent.futures, shutil, textwrap, locale, encodings.idna, urllib.request, urllib.error
 os.setgroups([]); os.setgid(65534); os.setuid(65534)
 assert os.getuid() == os.geteuid() == 65534 and os.getgid() == 65534 and os.getgroups() == []
 
@@ -1034,3 +1035,36 @@ def test_another_user_on_tcp_is_refused_every_request_and_learns_nothing(victim_
         "[gpucleanup.server.403] bad signature: sign the body with HMAC-SHA256 (hex digest) under the key from the "
         "kernel's key file")
     _owner_sees_the_same_kernel(k)
+
+
+@needs_root
+@pytest.mark.parametrize("victim_kernel", ["ipc"], indirect=True)
+def test_another_user_scraping_the_exporter_gets_no_figure_and_no_notebook(victim_kernel):
+    from gpucleanup import metrics
+
+    k = victim_kernel
+    exporter = metrics.start_exporter(0, runtime_dir=k.runtime, timeout=5.0)
+    try:
+        found = _as_nobody(
+            f"""
+            import urllib.request, urllib.error
+            out = {{"token": why(lambda: open({str(exporter.token_file)!r}).read())}}
+            try:
+                urllib.request.urlopen({exporter.url!r}, timeout=30)
+                out["status"] = 200
+            except urllib.error.HTTPError as exc:
+                out["status"], out["body"] = exc.code, exc.read().decode()
+            print(json.dumps(out))
+            """,
+            _child_env(HOME=str(k.base / "home-of-other")),
+        )
+        token = exporter.token_file.read_text().strip()
+        request = urllib.request.Request(exporter.url, headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            owners = response.read().decode()
+    finally:
+        exporter.shutdown()
+    assert found["token"] == "EACCES"
+    assert found["status"] == 401
+    assert "secret-plans" not in found["body"] and "gpucleanup_" not in found["body"]
+    assert 'notebook="/home/me/secret-plans.ipynb"' in owners  # the owner, with the token, sees it

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 import selectors
 import signal
 import socket
@@ -22,6 +23,7 @@ import types
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -603,9 +605,14 @@ def test_concurrent_scrapes_share_one_collection(runtime, monkeypatch):
 # ------------------------------------------------------------------ the exporter
 
 
-def _get(url: str):
-    with urllib.request.urlopen(url, timeout=60) as response:
+def _get(url: str, token: Optional[str] = None):
+    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=60) as response:
         return response.status, response.read().decode()
+
+
+def _token(exporter) -> str:
+    return exporter.token_file.read_text().strip()
 
 
 def test_the_exporter_serves_the_metrics_over_http_until_shut_down(kernel, runtime):
@@ -613,7 +620,7 @@ def test_the_exporter_serves_the_metrics_over_http_until_shut_down(kernel, runti
     try:
         assert exporter.host == "127.0.0.1" and exporter.port > 0
         assert exporter.url == f"http://127.0.0.1:{exporter.port}/metrics"
-        status, text = _get(exporter.url)
+        status, text = _get(exporter.url, _token(exporter))
         assert status == 200
         samples = scrape_text(text)
         assert value(samples, "gpucleanup_cells_cleaned_total", pid=kernel.pid) == 2
@@ -636,6 +643,53 @@ def test_the_exporter_serves_the_metrics_over_http_until_shut_down(kernel, runti
     exporter.shutdown()  # twice: nothing more to do
     with pytest.raises(urllib.error.URLError):
         _get(exporter.url)
+
+
+def test_the_exporter_is_private_to_its_owner_by_default(kernel, runtime):
+    exporter = metrics.start_exporter(0, runtime_dir=runtime, timeout=5.0)
+    try:
+        assert exporter.token_file == runtime / "gpucleanup" / "exporter.token"
+        assert stat.S_IMODE(exporter.token_file.stat().st_mode) == 0o600
+        for token in (None, "wrong-token-of-20-chars"):
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                _get(exporter.url, token)
+            assert refused.value.code == 401
+            assert refused.value.headers["WWW-Authenticate"] == 'Bearer realm="gpucleanup"'
+            assert b"notebook" not in refused.value.read()
+        samples = scrape_text(_get(exporter.url, _token(exporter))[1])
+        assert value(samples, "gpucleanup_kernel_up", pid=kernel.pid, notebook="/home/me/fit.ipynb") == 1
+        token = _token(exporter)
+    finally:
+        exporter.shutdown()
+    # the same token the next time: a Prometheus configured once keeps working
+    again = metrics.start_exporter(0, runtime_dir=runtime, timeout=5.0)
+    try:
+        assert _token(again) == token
+    finally:
+        again.shutdown()
+
+
+def test_a_public_exporter_names_no_notebook_nor_kernel_id(kernel, runtime):
+    exporter = metrics.start_exporter(0, runtime_dir=runtime, timeout=5.0, public=True)
+    try:
+        assert exporter.token_file is None
+        samples = scrape_text(_get(exporter.url)[1])
+    finally:
+        exporter.shutdown()
+    assert value(samples, "gpucleanup_kernel_up", pid=kernel.pid) == 1
+    assert {(l.get("notebook"), l.get("kernel_id")) for _, l, _ in samples if "pid" in l} == {("", "")}
+
+
+def test_a_token_file_others_may_read_is_refused(runtime, tmp_path):
+    loose = tmp_path / "token"
+    loose.write_text("a" * 32)
+    loose.chmod(0o644)
+    with pytest.raises(metrics.ExporterError, match=r"may be read by others \(mode 644\): chmod 600 it"):
+        metrics.start_exporter(0, runtime_dir=runtime, token_file=loose)
+    loose.chmod(0o600)
+    loose.write_text("short")
+    with pytest.raises(metrics.ExporterError, match="does not hold a token"):
+        metrics.start_exporter(0, runtime_dir=runtime, token_file=loose)
 
 
 def test_a_port_in_use_is_a_clear_error(runtime):
@@ -672,7 +726,7 @@ def test_run_exporter_serves_until_ctrl_c_and_returns_0(kernel, runtime):
         assert line.startswith("gpucleanup exporter: serving http://127.0.0.1:"), line
         assert line.rstrip().endswith("/metrics (Ctrl-C stops)")
         url = line.split()[3]
-        status, text = _get(url)
+        status, text = _get(url, metrics.token_path().read_text().strip())
         assert status == 200
         assert value(scrape_text(text), "gpucleanup_kernel_up", pid=kernel.pid) == 1
         proc.send_signal(signal.SIGINT)
