@@ -49,6 +49,25 @@ def _require_distributed() -> None:
         raise RuntimeError("gpucleanup.dask needs Dask's distributed scheduler: pip install 'distributed'")
 
 
+def _check_frameworks(frameworks: Any) -> Dict[str, bool]:
+    """``frameworks`` as the plugin keeps it: known framework names to True or False; ValueError otherwise."""
+    from .config import known_frameworks
+
+    if frameworks is None:
+        return {}
+    if not isinstance(frameworks, dict):
+        raise ValueError(f"frameworks must be a dict of framework names to True or False, such as "
+                         f"{{'jax': False}}, got {frameworks!r}")
+    known = known_frameworks() or []
+    unknown = sorted(repr(name) for name in frameworks if name not in known)
+    if unknown:
+        raise ValueError(f"frameworks names unknown framework(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    wrong = [f"{name}={value!r}" for name, value in frameworks.items() if not isinstance(value, bool)]
+    if wrong:
+        raise ValueError(f"frameworks takes True or False per framework, got {', '.join(wrong)}")
+    return dict(frameworks)
+
+
 class GPUCleanupPlugin(WorkerPlugin):  # type: ignore[misc,valid-type]
     """Cleans a worker's GPU memory once it is idle, and reports it (see the module's text).
 
@@ -67,11 +86,14 @@ class GPUCleanupPlugin(WorkerPlugin):  # type: ignore[misc,valid-type]
                 raise ValueError(f"{label} must be a number of seconds from 0 to {high:,.0f}, got {value!r}")
         if not isinstance(history, int) or isinstance(history, bool) or not 1 <= history <= 10_000:
             raise ValueError(f"history must be a whole number from 1 to 10,000, got {history!r}")
+        for label, value in (("pinned", pinned), ("driver_pools", driver_pools)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{label} must be True or False, got {value!r}")
         self.idle_s = float(idle_s)
         self.settle_timeout = float(settle_timeout)
-        self.pinned = bool(pinned)
-        self.driver_pools = bool(driver_pools)
-        self.frameworks = dict(frameworks or {})
+        self.pinned = pinned
+        self.driver_pools = driver_pools
+        self.frameworks = _check_frameworks(frameworks)
         self.history = history
         self._worker: Any = None
         self._engine: Any = None

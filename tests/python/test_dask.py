@@ -216,6 +216,20 @@ def test_bad_plugin_options_are_refused_with_what_to_pass():
         gdask.GPUCleanupPlugin(idle_s=-1)
     with pytest.raises(ValueError, match="history must be a whole number"):
         gdask.GPUCleanupPlugin(history=0)
+    with pytest.raises(ValueError) as error:
+        gdask.GPUCleanupPlugin(pinned="no")
+    assert str(error.value) == "pinned must be True or False, got 'no'"
+    with pytest.raises(ValueError, match="driver_pools must be True or False, got 0"):
+        gdask.GPUCleanupPlugin(driver_pools=0)
+    with pytest.raises(ValueError) as error:
+        gdask.GPUCleanupPlugin(frameworks={"cupi": False})
+    assert str(error.value).startswith("frameworks names unknown framework(s) 'cupi'; known: ")
+    assert "cupy" in str(error.value)
+    with pytest.raises(ValueError, match=r"frameworks takes True or False per framework, got cupy='off'"):
+        gdask.GPUCleanupPlugin(frameworks={"cupy": "off"})
+    with pytest.raises(ValueError, match="frameworks must be a dict"):
+        gdask.GPUCleanupPlugin(frameworks=["cupy"])
+    assert gdask.GPUCleanupPlugin(frameworks={"cupy": False}, pinned=False).frameworks == {"cupy": False}
 
 
 def test_gpumem_dask_in_a_kernel_registers_shows_and_drains_the_workers(shell, client, monkeypatch):  # noqa: F811

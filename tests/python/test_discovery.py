@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from gpucleanup import discovery
+from gpucleanup import cli as cli_module, discovery
 from gpucleanup.status_endpoint import StatusEndpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -484,7 +484,13 @@ def test_every_bad_file_is_one_line_and_the_good_kernel_is_still_listed(kernel, 
         result = cli(*args)
         assert result.returncode == 0, result.stderr
         lines = result.stderr.splitlines()
-        assert sorted(lines) == sorted(f"gpucleanup: skipped {path}: {why}" for path, why in bad.items())
+        # the first few one line each, then one line for the rest
+        said = set(f"gpucleanup: skipped {path}: {why}" for path, why in bad.items())
+        cap = cli_module.MAX_SKIPPED_LINES
+        assert len(bad) > cap
+        assert len(lines) == cap + 1 and set(lines[:cap]) <= said
+        assert lines[cap] == (f"gpucleanup: skipped {len(bad) - cap} more unusable files in {runtime} "
+                              f"(the first {cap} are said above)")
         if "--json" in args:
             assert [e["pid"] for e in json.loads(result.stdout)] == [os.getpid()]
         else:
@@ -493,6 +499,20 @@ def test_every_bad_file_is_one_line_and_the_good_kernel_is_still_listed(kernel, 
     # Nothing proves these stale: they are all still there, for a person to look at.
     assert all(os.path.lexists(path) for path in bad)
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+def test_a_flood_of_bad_files_is_one_summary_line_on_stderr(kernel, runtime):
+    for _ in range(100):
+        plant(runtime, dead_pid(), b"not json")
+    result = cli("ps")
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.splitlines()
+    cap = cli_module.MAX_SKIPPED_LINES
+    assert len(lines) == cap + 1
+    assert all(line.startswith("gpucleanup: skipped ") and line.endswith(": not JSON (Expecting value: line 1 column 1 "
+                                                                       "(char 0))") for line in lines[:cap])
+    assert lines[cap] == f"gpucleanup: skipped {100 - cap} more unusable files in {runtime} (the first {cap} are said above)"
+    assert "running cell 12" in rows(result.stdout)[str(os.getpid())]
 
 
 def test_status_and_drain_report_a_bad_key_file_instead_of_hanging(runtime, sleepers, tmp_path):
