@@ -55,6 +55,7 @@ import re
 import secrets
 import socket
 import stat
+import sys
 import threading
 import time
 from concurrent.futures import Future, TimeoutError as FutureTimeout
@@ -567,6 +568,91 @@ def _wsgi_app(registry, token: Optional[str]):
     return app
 
 
+#: seconds a connection may take to send its request before it is closed
+READ_TIMEOUT_S = 10.0
+#: connections served at once (each a thread and a descriptor); more are closed at once, except the owner's
+MAX_CONNECTIONS = 32
+
+
+def tcp_peer_uid(sock: socket.socket) -> Optional[int]:
+    """The user owning the other end of a loopback tcp connection (``/proc/net/tcp`` or ``tcp6`` of this
+    network namespace, the socket whose local address is our peer's and remote address ours); None when
+    it cannot be told, which is never the owner."""
+    try:
+        local, peer = sock.getsockname(), sock.getpeername()
+    except OSError:
+        return None
+
+    def text(address, family) -> str:
+        packed = socket.inet_pton(family, address[0])
+        # the kernel prints each 32-bit word in host byte order, then the port
+        words = [int.from_bytes(packed[i:i + 4], sys.byteorder) for i in range(0, len(packed), 4)]
+        return "".join(f"{w:08X}" for w in words) + f":{address[1]:04X}"
+
+    family = sock.family
+    try:
+        theirs, ours = text(peer, family), text(local, family)
+        table = "/proc/net/tcp" if family == socket.AF_INET else "/proc/net/tcp6"
+        with open(table, "r", encoding="ascii", errors="replace") as lines:
+            for line in lines:
+                fields = line.split()
+                if len(fields) > 7 and fields[1] == theirs and fields[2] == ours and fields[7].isdigit():
+                    return int(fields[7])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+class _Bounded:
+    """A threading HTTP server with at most MAX_CONNECTIONS connections at once. At the cap a newcomer is
+    closed at once, unless it comes from the exporter's own user: then the oldest connection of another
+    user is closed to make room, so that other local users cannot lock the owner out of its metrics."""
+
+    refused = 0
+
+    def _tracked(self) -> dict:
+        if not hasattr(self, "_open"):
+            self._open: Dict[Any, list] = {}
+            self._open_lock = threading.Lock()
+        return self._open
+
+    def process_request(self, request, client_address):
+        open_ = self._tracked()
+        with self._open_lock:
+            full = len(open_) >= MAX_CONNECTIONS
+        if full:
+            if tcp_peer_uid(request) != os.geteuid() or not self._make_room():
+                self.refused += 1
+                self.shutdown_request(request)
+                return
+        with self._open_lock:
+            open_[request] = [time.monotonic(), os.geteuid() if full else None, full]
+        super().process_request(request, client_address)
+
+    def _make_room(self) -> bool:
+        with self._open_lock:
+            candidates = sorted(self._open.items(), key=lambda item: item[1][0])
+        for sock, entry in candidates:
+            if not entry[2]:  # the peer's user, asked once and only when full
+                entry[1], entry[2] = tcp_peer_uid(sock), True
+            if entry[1] != os.geteuid():
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)  # its thread reads end-of-file and ends
+                except OSError:
+                    pass
+                with self._open_lock:
+                    self._open.pop(sock, None)
+                return True
+        return False
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._open_lock:
+                self._open.pop(request, None)
+
+
 def _bind(port: int, host: str, registry, token: Optional[str] = None) -> Any:
     """The HTTP server bound to (host, port), not yet serving; :class:`ExporterError` when it cannot be."""
     import socketserver
@@ -583,10 +669,12 @@ def _bind(port: int, host: str, registry, token: Optional[str] = None) -> Any:
                             "(127.0.0.1, the default, or ::1)") from None
 
     class Silent(WSGIRequestHandler):
+        timeout = READ_TIMEOUT_S  # a connection that sends nothing is closed, not kept for ever
+
         def log_message(self, format, *args):  # a scrape every few seconds is not news
             pass
 
-    class Server(socketserver.ThreadingMixIn, WSGIServer):
+    class Server(_Bounded, socketserver.ThreadingMixIn, WSGIServer):
         daemon_threads = True
         address_family = family
 

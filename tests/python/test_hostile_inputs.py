@@ -1068,3 +1068,108 @@ def test_another_user_scraping_the_exporter_gets_no_figure_and_no_notebook(victi
     assert found["status"] == 401
     assert "secret-plans" not in found["body"] and "gpucleanup_" not in found["body"]
     assert 'notebook="/home/me/secret-plans.ipynb"' in owners  # the owner, with the token, sees it
+
+
+_FOREIGN_SUBSCRIBERS = """
+n = int(sys.argv[1])
+context = zmq.Context()
+subs = []
+for _ in range(n):
+    s = context.socket(zmq.SUB)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.SUBSCRIBE, b"")
+    s.connect(sys.argv[2])
+    subs.append(s)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+@needs_root
+@pytest.mark.parametrize("victim_kernel", ["tcp"], indirect=True)
+def test_foreign_subscribers_cannot_lock_the_owner_out_of_its_records(victim_kernel):
+    k = victim_kernel
+    pub = k.ep.info["pub_endpoint"]
+    lib = k.ep._lib()
+    foreign = subprocess.Popen([sys.executable, "-c", _AS_NOBODY + _FOREIGN_SUBSCRIBERS, "70", pub],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                               env=_child_env(HOME=str(k.base / "home-of-other")))
+    subscriber = status_client.Subscriber()
+    try:
+        assert foreign.stdout.readline().strip() == "ready"
+        # the records socket is full of the other user's subscribers (and refuses more of them)
+        deadline = time.monotonic() + HANG_S
+        while not (lib.server_connections()["pub_peers"] >= lib.server_connections()["max_peers"]
+                   and lib.server_connections()["refused_connections"] > 0):
+            assert time.monotonic() < deadline, lib.server_connections()
+            time.sleep(0.05)
+        subscriber.add("owner", status_client.Target(pub, k.owner.key, "owner"))
+        got = []
+        deadline = time.monotonic() + HANG_S
+        cell = 100
+        while not got:
+            assert time.monotonic() < deadline, "the owner's subscription got no record"
+            cell += 1
+            k.ep.publish({"cell": cell, "devices": []})
+            got = subscriber.poll(0.2)
+        assert got[0][1]["record"]["cell"] > 100
+    finally:
+        subscriber.close()
+        foreign.stdin.close()
+        foreign.wait(HANG_S)
+
+
+_IDLE_CONNECTIONS = """
+held = []
+for _ in range(int(sys.argv[1])):
+    s = socket.socket()
+    s.connect(("127.0.0.1", int(sys.argv[2])))
+    held.append(s)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+@needs_root
+@pytest.mark.parametrize("victim_kernel", ["ipc"], indirect=True)
+def test_idle_connections_of_another_user_cannot_lock_the_owner_out_of_the_exporter(victim_kernel, monkeypatch):
+    from gpucleanup import metrics
+
+    k = victim_kernel
+    monkeypatch.setattr(metrics, "READ_TIMEOUT_S", 600.0)  # the other user's connections stay as long as it likes
+    exporter = metrics.start_exporter(0, runtime_dir=k.runtime, timeout=5.0)
+    foreign = subprocess.Popen([sys.executable, "-c", _AS_NOBODY + _IDLE_CONNECTIONS, "100", str(exporter.port)],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                               env=_child_env(HOME=str(k.base / "home-of-other")))
+    try:
+        assert foreign.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + HANG_S
+        while exporter.server.refused < 100 - metrics.MAX_CONNECTIONS:
+            assert time.monotonic() < deadline, exporter.server.refused
+            time.sleep(0.05)
+        token = exporter.token_file.read_text().strip()
+        for _ in range(3):
+            request = urllib.request.Request(exporter.url, headers={"Authorization": f"Bearer {token}"})
+            with urllib.request.urlopen(request, timeout=HANG_S) as response:
+                assert 'notebook="/home/me/secret-plans.ipynb"' in response.read().decode()
+        assert len(exporter.server._open) <= metrics.MAX_CONNECTIONS
+    finally:
+        foreign.stdin.close()
+        foreign.wait(HANG_S)
+        exporter.shutdown()
+
+
+def test_the_exporter_closes_a_connection_that_sends_nothing(tmp_path, monkeypatch):
+    import socket
+
+    from gpucleanup import metrics
+
+    runtime = tmp_path / "runtime"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setattr(metrics, "READ_TIMEOUT_S", 0.5)
+    exporter = metrics.start_exporter(0, runtime_dir=runtime, timeout=1.0)
+    try:
+        with socket.create_connection(("127.0.0.1", exporter.port), timeout=HANG_S) as idle:
+            assert idle.recv(1) == b""  # closed by the exporter, well within the guard
+    finally:
+        exporter.shutdown()
