@@ -6,6 +6,11 @@ when the extension is unloaded or the process exits. Its key and ipc sockets
 are named from the same pid: ``<runtime dir>/gpucleanup/<pid>.key``,
 ``<pid>.sock`` and ``<pid>.sock.pub``.
 
+A reader uses the key at ``<runtime dir>/gpucleanup/<pid>.key`` only, the pid
+being the one in the discovery file's name; a file whose ``key_file`` names any
+other path is refused, and the key must belong to the discovery file's owner
+(root reading a user's runtime directory never reads a file of its own there).
+
 The files are read as untrusted input (another container sharing the home
 directory, an older or newer gpucleanup, a hostile neighbour): only regular
 files of at most 64 KiB are opened (``O_NOFOLLOW | O_NONBLOCK``, then
@@ -594,6 +599,8 @@ class Kernel:
     path: Path
     info: dict
     elsewhere: Optional[str] = None
+    #: the uid that owns the discovery file (None: not known, as for a record not read by :func:`scan`)
+    owner: Optional[int] = None
 
     @property
     def pid(self) -> int:
@@ -628,17 +635,33 @@ class Kernel:
     def alive(self) -> bool:
         return self.elsewhere is None and is_alive(self.info)
 
+    def scheme_key_path(self) -> Path:
+        """The only key file this kernel can have: ``<its discovery file's directory>/gpucleanup/<pid>.key``."""
+        return self.path.parent / KEY_DIR / f"{self.pid}.key"
+
     def read_key(self) -> Optional[bytes]:
-        """The HMAC key as bytes, None without a key file; OSError if unreadable, :class:`UnsafeFile` if not a
-        regular file of at most 64 KiB owned by you (or by the runtime directory's owner)."""
+        """The HMAC key as bytes, None without a key file; OSError if unreadable, :class:`UnsafeFile` if the
+        file is not the one the naming scheme gives (:meth:`scheme_key_path`; a discovery file cannot name
+        any other path), not a regular file of at most 64 KiB, or not owned by the discovery file's owner
+        (so root, reading another user's runtime directory, never reads a file that user could not)."""
         if not self.key_file:
             return None
-        owners = {os.geteuid()}
+        expected = self.scheme_key_path()
         try:
-            owners.add(os.stat(self.path.parent).st_uid)
-        except OSError:
-            pass
-        data, _info = read_bounded(self.key_file, owners=owners)
+            same = (os.path.basename(self.key_file) == expected.name
+                    and os.path.realpath(os.path.dirname(self.key_file)) == os.path.realpath(expected.parent))
+        except (OSError, ValueError):
+            same = False
+        if not same:
+            raise UnsafeFile(f"not {expected}, the only key file the naming scheme gives")
+        owner = self.owner if self.owner is not None else os.geteuid()
+        try:
+            data, _info = read_bounded(expected, owners={owner})
+        except UnsafeFile as exc:
+            if owner != os.geteuid() and exc.strerror.startswith("owned by uid"):
+                raise UnsafeFile(f"{exc.strerror.split(', not by')[0]}, not by uid {owner}, who owns the discovery "
+                                 "file") from None
+            raise
         return data.strip()
 
 
@@ -728,9 +751,9 @@ def scan(directory: Optional[Path] = None, clean: bool = True) -> ScanResult:
                 continue
             state, why = classify(info, own_ns or "", own_boot or "")
             if state == LIVE:
-                result.live.append(Kernel(path, info))
+                result.live.append(Kernel(path, info, owner=info_stat.st_uid))
             elif state == ELSEWHERE:
-                result.elsewhere.append(Kernel(path, info, elsewhere=why))
+                result.elsewhere.append(Kernel(path, info, elsewhere=why, owner=info_stat.st_uid))
             else:
                 result.stale.append(path)
                 stale.append((name_pid, name, info_stat))

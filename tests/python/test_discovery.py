@@ -471,14 +471,17 @@ def test_every_bad_file_is_one_line_and_the_good_kernel_is_still_listed(kernel, 
     bad[zero] = "a symbolic link"
 
     # Live processes of this namespace whose key file is a FIFO, a link to /dev/zero, /dev/zero itself.
-    key_fifo = tmp_path / "fifo.key"
-    os.mkfifo(key_fifo, 0o600)
-    key_link = tmp_path / "zero.key"
-    os.symlink("/dev/zero", key_link)
-    for key, why in ((key_fifo, "not a regular file (a FIFO)"), (key_link, "a symbolic link"),
-                     (Path("/dev/zero"), "not a regular file (a character device)")):
-        pid = sleepers()
-        bad[plant(runtime, pid, record(runtime, pid, key_file=str(key)))] = f"key file {key} is {why}"
+    # At the key path of the naming scheme: a FIFO, a link to /dev/zero; elsewhere: /dev/zero itself.
+    private = discovery.ensure_private_dir(runtime / "gpucleanup")
+    pid = sleepers()
+    os.mkfifo(private / f"{pid}.key", 0o600)
+    bad[plant(runtime, pid, record(runtime, pid))] = f"key file {private / f'{pid}.key'} is not a regular file (a FIFO)"
+    pid = sleepers()
+    os.symlink("/dev/zero", private / f"{pid}.key")
+    bad[plant(runtime, pid, record(runtime, pid))] = f"key file {private / f'{pid}.key'} is a symbolic link"
+    pid = sleepers()
+    bad[plant(runtime, pid, record(runtime, pid, key_file="/dev/zero"))] = (
+        f"key file /dev/zero is not {private / f'{pid}.key'}, the only key file the naming scheme gives")
 
     for args in (("ps", "--timeout", "1"), ("ps", "--json", "--timeout", "1")):
         result = cli(*args)
@@ -516,10 +519,10 @@ def test_a_flood_of_bad_files_is_one_summary_line_on_stderr(kernel, runtime):
 
 
 def test_status_and_drain_report_a_bad_key_file_instead_of_hanging(runtime, sleepers, tmp_path):
-    key = tmp_path / "fifo.key"
-    os.mkfifo(key, 0o600)
     pid = sleepers()
-    plant(runtime, pid, record(runtime, pid, key_file=str(key)))
+    key = discovery.ensure_private_dir(runtime / "gpucleanup") / f"{pid}.key"
+    os.mkfifo(key, 0o600)
+    plant(runtime, pid, record(runtime, pid))
     for command in ("status", "drain"):
         result = cli(command, str(pid), "--timeout", "1")
         assert result.returncode == 4
@@ -527,6 +530,40 @@ def test_status_and_drain_report_a_bad_key_file_instead_of_hanging(runtime, slee
             f"gpucleanup: kernel {pid}: its key file {key} is not a regular file (a FIFO): gpucleanup writes a "
             "regular file there; restart the kernel\n"
         )
+
+
+def test_a_key_file_is_only_ever_the_schemes_owned_by_the_discovery_files_owner(runtime, sleepers, tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("only root can give a file away")
+    # root reading a user's runtime directory (--runtime-dir, JUPYTER_RUNTIME_DIR): everything there is the user's
+    os.chown(runtime, 12345, 12345)
+    secret = tmp_path / "root-only"
+    secret.write_text("r" * 64)
+    os.chmod(secret, 0o600)
+    private = discovery.ensure_private_dir(runtime / "gpucleanup")
+    named, planted = sleepers(), sleepers()
+    for pid, fields in ((named, {"key_file": str(secret)}), (planted, {})):
+        path = plant(runtime, pid, record(runtime, pid, **fields))
+        os.chown(path, 12345, 12345)
+    # at the scheme's path, a root-owned key (the user cannot have written it): not the user's either
+    (private / f"{planted}.key").write_text("k" * 64)
+    os.chmod(private / f"{planted}.key", 0o600)
+    os.chown(private, 12345, 12345)
+    found = {k.pid: k for k in discovery.scan(runtime, clean=False).live}
+    assert found[named].owner == found[planted].owner == 12345
+    with pytest.raises(discovery.UnsafeFile) as named_error:
+        found[named].read_key()
+    assert named_error.value.strerror == f"not {private / f'{named}.key'}, the only key file the naming scheme gives"
+    with pytest.raises(discovery.UnsafeFile) as planted_error:
+        found[planted].read_key()
+    assert planted_error.value.strerror == "owned by uid 0, not by uid 12345, who owns the discovery file"
+    result = cli("ps", "--json")
+    assert result.returncode == 0
+    assert f"key file {secret} is not {private / f'{named}.key'}" in result.stderr
+    assert f"key file {private / f'{planted}.key'} is owned by uid 0, not by uid 12345" in result.stderr
+    # a key of the user's own at the scheme's path is read
+    os.chown(private / f"{planted}.key", 12345, 12345)
+    assert found[planted].read_key() == b"k" * 64
 
 
 def test_a_file_owned_by_someone_else_is_skipped(kernel, runtime):

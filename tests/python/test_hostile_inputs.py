@@ -378,7 +378,7 @@ def test_a_profile_config_file_full_of_wrong_values_loads_with_the_defaults(tmp_
 # Variables named in the package's sources (Python and native); each must be swept below.
 _READS = re.compile(r"""(?:environ|env|getenv)(?:\.get)?[\[(]\s*["']([A-Z][A-Z0-9_]+)["']""")
 # Read from a WSGI request's environ, not the process's.
-_NOT_PROCESS_ENV = {"PATH_INFO"}
+_NOT_PROCESS_ENV = {"PATH_INFO", "HTTP_AUTHORIZATION"}  # the WSGI request's environ, not the process's
 
 # How far each variable is reached: paths get the path garbage too.
 PATH_VARIABLES = ("GPUCLEANUP_LIBRARY", "GPUCLEANUP_LIBCUDA", "GPUCLEANUP_CUPTI", "JUPYTER_RUNTIME_DIR",
