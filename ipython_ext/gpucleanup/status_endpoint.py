@@ -30,8 +30,10 @@ import logging
 import os
 import secrets
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -70,6 +72,15 @@ def _state_fields(state: Any) -> Optional[tuple]:
     return (name, *values)
 
 
+def _sweep(runtime: Path) -> None:
+    """Removes what kernels that died without a word left in ``runtime`` (SIGKILL, a crash): only files
+    ``discovery.scan`` proves stale, by the same rules as ``gpucleanup ps``; never raises."""
+    try:
+        discovery.scan(runtime, clean=True)
+    except Exception as exc:  # a kernel loads whatever the directory holds
+        log.debug("gpucleanup: sweeping %s failed: %s", runtime, exc)
+
+
 class StatusEndpoint:
     """The status server of this kernel, found by ``gpucleanup ps`` through a discovery file."""
 
@@ -99,6 +110,7 @@ class StatusEndpoint:
         self._key_file: Optional[Path] = None
         self._temp_dir: Optional[Path] = None
         self._atexit = False
+        self._sigterm = False  # our SIGTERM handler is installed
         self.info: Optional[dict] = None
         self.error: Optional[str] = None
 
@@ -166,6 +178,8 @@ class StatusEndpoint:
             # A forked child must not take its parent's endpoint down.
             self._running = False
             return
+        if threading.current_thread() is threading.main_thread():
+            self._restore_sigterm()
         self._teardown()
 
     # ------------------------------------------------------------ internals
@@ -219,6 +233,7 @@ class StatusEndpoint:
         self._pid = pid = os.getpid()
         runtime = self._runtime_dir or discovery.runtime_dir()
         discovery.prepare_runtime_dir(runtime)  # refuses a directory every user may write to
+        _sweep(runtime)  # before this kernel's own key: a stale file of its pid takes only what is older
         private = discovery.ensure_private_dir(runtime / "gpucleanup")
 
         key = secrets.token_hex(32)
@@ -276,7 +291,41 @@ class StatusEndpoint:
         discovery.write(self._discovery_path, self.info)
         atexit.register(self.close)
         self._atexit = True
+        self._install_sigterm()
         self.error = None
+
+    def _install_sigterm(self) -> None:
+        # SIGTERM (a culler, a restart, jupyter_client's kill after a shutdown request that got no answer)
+        # ends the process without atexit: without a handler every such kernel left its discovery file,
+        # key and sockets behind. Installed only over the default action, so a handler of the user's or
+        # of the kernel's own is never replaced, and only from the main thread (signal's rule).
+        if threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+                signal.signal(signal.SIGTERM, self._on_sigterm)
+                self._sigterm = True
+        except (ValueError, OSError):
+            pass
+
+    def _restore_sigterm(self) -> None:
+        if not getattr(self, "_sigterm", False):
+            return
+        self._sigterm = False
+        try:
+            if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        except (ValueError, OSError):
+            pass
+
+    def _on_sigterm(self, signum, frame) -> None:
+        # What a shutdown request does for these files, then the default action: the process still ends by
+        # SIGTERM, with the same exit status as before.
+        try:
+            self.close()
+        finally:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def _notebook(self) -> Optional[str]:
         name = os.environ.get("JPY_SESSION_NAME")
