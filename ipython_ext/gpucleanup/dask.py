@@ -43,6 +43,10 @@ __all__ = ["GPUCleanupPlugin", "register", "unregister", "cluster_memory", "drai
 
 PLUGIN_NAME = "gpucleanup"
 
+# One cleanup at a time in the worker process, across plugin instances: teardown does not wait for
+# the cleanup thread, so a plugin registered again may start while the old one's last cleanup runs.
+_CLEANING = threading.Lock()
+
 
 def _require_distributed() -> None:
     if WorkerPlugin is object:
@@ -112,7 +116,7 @@ class GPUCleanupPlugin(WorkerPlugin):  # type: ignore[misc,valid-type]
         self._cond = threading.Condition()
         self._due: Optional[float] = None
         self._stopping = False
-        self._clean_lock = threading.Lock()
+        self._clean_lock = _CLEANING
         self._counts_lock = threading.Lock()  # the counters change and are read together
         self.cleanups = 0
         self.skipped_busy = 0
@@ -248,6 +252,11 @@ async def _drain_on_worker(dask_worker: Any) -> dict:
     busy = plugin.busy()
     if busy:
         out["skipped"] = f"busy with {busy} task{'s' if busy != 1 else ''}: drained only between tasks"
+        return out
+    if plugin._clean_lock.locked():
+        # a cleanup is waiting for the GPU (up to settle_timeout, a day at most): the caller's
+        # client.run would wait as long, for a drain that would only do it again
+        out["skipped"] = "a cleanup is already running (waiting for the GPU to finish queued work): try again later"
         return out
     out.update(await asyncio.get_running_loop().run_in_executor(None, plugin.clean, "request"))
     return out

@@ -177,6 +177,10 @@ def test_unregister_while_the_gpu_is_stalled_returns_at_once_and_the_worker_answ
         gdask.register(client, idle_s=0, settle_timeout=86400)
         assert client.submit(lambda: 1, pure=False).result() == 1
         _wait_for(lambda: _only(client.run(_fake_counter, "syncs_in_flight")) >= 1, "the cleanup's stalled synchronize")
+        # a drain on request while that cleanup waits: skipped at once, not queued behind it for a day
+        [skipped] = gdask.drain_cluster(client).values()
+        assert skipped["skipped"] == ("a cleanup is already running (waiting for the GPU to finish queued work): "
+                                      "try again later")
         done = threading.Event()
         failed = []
 
