@@ -30,10 +30,8 @@ import logging
 import os
 import secrets
 import shutil
-import signal
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -110,7 +108,6 @@ class StatusEndpoint:
         self._key_file: Optional[Path] = None
         self._temp_dir: Optional[Path] = None
         self._atexit = False
-        self._sigterm = False  # our SIGTERM handler is installed
         self.info: Optional[dict] = None
         self.error: Optional[str] = None
 
@@ -178,8 +175,6 @@ class StatusEndpoint:
             # A forked child must not take its parent's endpoint down.
             self._running = False
             return
-        if threading.current_thread() is threading.main_thread():
-            self._restore_sigterm()
         self._teardown()
 
     # ------------------------------------------------------------ internals
@@ -291,41 +286,7 @@ class StatusEndpoint:
         discovery.write(self._discovery_path, self.info)
         atexit.register(self.close)
         self._atexit = True
-        self._install_sigterm()
         self.error = None
-
-    def _install_sigterm(self) -> None:
-        # SIGTERM (a culler, a restart, jupyter_client's kill after a shutdown request that got no answer)
-        # ends the process without atexit: without a handler every such kernel left its discovery file,
-        # key and sockets behind. Installed only over the default action, so a handler of the user's or
-        # of the kernel's own is never replaced, and only from the main thread (signal's rule).
-        if threading.current_thread() is not threading.main_thread():
-            return
-        try:
-            if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-                signal.signal(signal.SIGTERM, self._on_sigterm)
-                self._sigterm = True
-        except (ValueError, OSError):
-            pass
-
-    def _restore_sigterm(self) -> None:
-        if not getattr(self, "_sigterm", False):
-            return
-        self._sigterm = False
-        try:
-            if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        except (ValueError, OSError):
-            pass
-
-    def _on_sigterm(self, signum, frame) -> None:
-        # What a shutdown request does for these files, then the default action: the process still ends by
-        # SIGTERM, with the same exit status as before.
-        try:
-            self.close()
-        finally:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
 
     def _notebook(self) -> Optional[str]:
         name = os.environ.get("JPY_SESSION_NAME")

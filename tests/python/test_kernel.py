@@ -236,37 +236,6 @@ def _kernel_files(runtime: Path, pid: int) -> list:
             private / f"{pid}.sock.pub"]
 
 
-def test_sigterm_ends_a_kernel_as_cleanly_as_a_shutdown_request(tmp_path):
-    import signal
-
-    from jupyter_client.manager import KernelManager
-
-    runtime = tmp_path / "runtime"
-    km = KernelManager()
-    km.kernel_spec
-    km.kernel_spec.argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
-    km.start_kernel(env=_kernel_env(tmp_path, GPUCLEANUP_FAKE_CUDA_SCENARIO=json.dumps(SCENARIO)))
-    kc = km.client()
-    kc.start_channels()
-    try:
-        kc.wait_for_ready(timeout=TIMEOUT)
-        execute(kc, "%load_ext gpucleanup")
-        pid = int(execute(kc, "import os; print(os.getpid())")["stdout"])
-        files = _kernel_files(runtime, pid)
-        assert all(os.path.lexists(p) for p in files)
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + TIMEOUT
-        while km.is_alive():
-            assert time.monotonic() < deadline, "the kernel did not end on SIGTERM"
-            time.sleep(0.05)
-        # it still ends by SIGTERM, and leaves nothing behind
-        assert km.provisioner.process.wait(TIMEOUT) == -signal.SIGTERM
-        assert [p for p in files if os.path.lexists(p)] == []
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
-
-
 def test_the_next_kernel_that_loads_sweeps_what_a_killed_kernel_left(tmp_path):
     import socket
 
