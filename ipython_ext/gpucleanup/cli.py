@@ -69,6 +69,7 @@ def _scan(args) -> discovery.ScanResult:
     directory = Path(args.runtime_dir) if args.runtime_dir else None
     found = discovery.scan(directory, clean=True)
     _say_skipped(args, found.skipped)
+    _say_skipped_summary(args)
     return found
 
 
@@ -257,12 +258,32 @@ def _kernel_name(kernel: discovery.Kernel) -> str:
 # ------------------------------------------------------------------ commands
 
 
+#: skipped files said one line each; past that, one line says how many more (a directory of planted files
+#: must not flood the terminal)
+MAX_SKIPPED_LINES = 5
+
+
 def _say_skipped(args, skipped) -> None:
     said = args.__dict__.setdefault("_skipped_said", set())
+    held = args.__dict__.setdefault("_skipped_held", [])
     for path, why in skipped:
-        if (path, why) not in said:
-            said.add((path, why))
+        if (path, why) in said:
+            continue
+        said.add((path, why))
+        if len(said) <= MAX_SKIPPED_LINES:
             print(f"gpucleanup: skipped {path}: {_safe(why)}", file=sys.stderr, flush=True)
+        else:
+            held.append(path)
+
+
+def _say_skipped_summary(args) -> None:
+    """One line for the skipped files not said one by one."""
+    held = args.__dict__.get("_skipped_held") or []
+    if held:
+        where = args.runtime_dir or str(discovery.runtime_dir())
+        print(f"gpucleanup: skipped {len(held)} more unusable file{'s' if len(held) != 1 else ''} in {_safe(where)} "
+              f"(the first {MAX_SKIPPED_LINES} are said above)", file=sys.stderr, flush=True)
+        held.clear()
 
 
 def cmd_ps(args) -> int:
@@ -273,10 +294,10 @@ def cmd_ps(args) -> int:
     for view in gathered.kernels:
         if view.error_kind == "bad_key" and isinstance(view.exception, discovery.UnsafeFile):
             # A FIFO, a device, a link or a huge file as the key: skipped like a bad discovery file.
-            print(f"gpucleanup: skipped {view.kernel.path}: {_safe(_bad_key_file(view.kernel, view.exception))}",
-                  file=sys.stderr, flush=True)
+            _say_skipped(args, [(view.kernel.path, _bad_key_file(view.kernel, view.exception))])
             continue
         views.append(view)
+    _say_skipped_summary(args)
     if not views:
         # For a script no kernel is an answer, not a failure: an empty list.
         if args.json:
@@ -528,15 +549,22 @@ def cmd_exporter(args) -> int:
         raise CliError(f"the exporter needs prometheus_client ({exc}): pip install 'gpucleanup[server]'", EXIT_USAGE)
     directory = Path(args.runtime_dir) if args.runtime_dir else None
     try:
-        server = metrics.start_exporter(args.port, args.host, runtime_dir=directory, timeout=args.timeout)
+        server = metrics.start_exporter(args.port, args.host, runtime_dir=directory, timeout=args.timeout,
+                                        token_file=args.token_file, public=args.public)
     except metrics.ExporterError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
     try:
         url = f"http://{_url_host(args.host)}:{server.port}/metrics"
+        token_file = str(server.token_file) if server.token_file is not None else None
         if args.json:
-            print(json.dumps({"url": url, "host": args.host, "port": server.port, "pid": os.getpid()}), flush=True)
+            print(json.dumps({"url": url, "host": args.host, "port": server.port, "pid": os.getpid(),
+                              "token_file": token_file}), flush=True)
         else:
             print(f"gpucleanup: Prometheus metrics of every kernel on {url} (Ctrl-C stops)", flush=True)
+            if token_file is not None:
+                print(f"gpucleanup: scrapes send Authorization: Bearer <the token in {token_file}>", flush=True)
+            else:
+                print("gpucleanup: public: no token asked; no notebook or kernel id in the labels", flush=True)
         server.wait()
     except KeyboardInterrupt:
         return EXIT_OK
@@ -636,8 +664,12 @@ def _parser() -> argparse.ArgumentParser:
                               help="Prometheus metrics of every kernel over HTTP (for hosts without a Jupyter server)")
     exporter.add_argument("--port", type=_port, default=9445, help="TCP port (default: %(default)s; 0: any free port)")
     exporter.add_argument("--host", default="127.0.0.1",
-                          help="address to listen on (default: %(default)s, this machine only; the metrics name "
-                               "notebooks and pids: listen on another address only behind your own access control)")
+                          help="address to listen on (default: %(default)s, this machine only)")
+    exporter.add_argument("--token-file", default=None, metavar="PATH",
+                          help="the bearer token scrapes must send (default: exporter.token in the runtime "
+                               "directory's gpucleanup/, made 0600 with a random token when missing)")
+    exporter.add_argument("--public", action="store_true",
+                          help="answer every scrape without a token, with no notebook or kernel id in the labels")
     exporter.add_argument("--json", action="store_true", help="say where it listens as one JSON line")
     exporter.set_defaults(run=cmd_exporter)
     parser.set_defaults(commands=dict(sub.choices))

@@ -43,10 +43,33 @@ __all__ = ["GPUCleanupPlugin", "register", "unregister", "cluster_memory", "drai
 
 PLUGIN_NAME = "gpucleanup"
 
+# One cleanup at a time in the worker process, across plugin instances: teardown does not wait for
+# the cleanup thread, so a plugin registered again may start while the old one's last cleanup runs.
+_CLEANING = threading.Lock()
+
 
 def _require_distributed() -> None:
     if WorkerPlugin is object:
         raise RuntimeError("gpucleanup.dask needs Dask's distributed scheduler: pip install 'distributed'")
+
+
+def _check_frameworks(frameworks: Any) -> Dict[str, bool]:
+    """``frameworks`` as the plugin keeps it: known framework names to True or False; ValueError otherwise."""
+    from .config import known_frameworks
+
+    if frameworks is None:
+        return {}
+    if not isinstance(frameworks, dict):
+        raise ValueError(f"frameworks must be a dict of framework names to True or False, such as "
+                         f"{{'jax': False}}, got {frameworks!r}")
+    known = known_frameworks() or []
+    unknown = sorted(repr(name) for name in frameworks if name not in known)
+    if unknown:
+        raise ValueError(f"frameworks names unknown framework(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    wrong = [f"{name}={value!r}" for name, value in frameworks.items() if not isinstance(value, bool)]
+    if wrong:
+        raise ValueError(f"frameworks takes True or False per framework, got {', '.join(wrong)}")
+    return dict(frameworks)
 
 
 class GPUCleanupPlugin(WorkerPlugin):  # type: ignore[misc,valid-type]
@@ -67,11 +90,14 @@ class GPUCleanupPlugin(WorkerPlugin):  # type: ignore[misc,valid-type]
                 raise ValueError(f"{label} must be a number of seconds from 0 to {high:,.0f}, got {value!r}")
         if not isinstance(history, int) or isinstance(history, bool) or not 1 <= history <= 10_000:
             raise ValueError(f"history must be a whole number from 1 to 10,000, got {history!r}")
+        for label, value in (("pinned", pinned), ("driver_pools", driver_pools)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{label} must be True or False, got {value!r}")
         self.idle_s = float(idle_s)
         self.settle_timeout = float(settle_timeout)
-        self.pinned = bool(pinned)
-        self.driver_pools = bool(driver_pools)
-        self.frameworks = dict(frameworks or {})
+        self.pinned = pinned
+        self.driver_pools = driver_pools
+        self.frameworks = _check_frameworks(frameworks)
         self.history = history
         self._worker: Any = None
         self._engine: Any = None
@@ -90,7 +116,7 @@ class GPUCleanupPlugin(WorkerPlugin):  # type: ignore[misc,valid-type]
         self._cond = threading.Condition()
         self._due: Optional[float] = None
         self._stopping = False
-        self._clean_lock = threading.Lock()
+        self._clean_lock = _CLEANING
         self._counts_lock = threading.Lock()  # the counters change and are read together
         self.cleanups = 0
         self.skipped_busy = 0
@@ -100,13 +126,15 @@ class GPUCleanupPlugin(WorkerPlugin):  # type: ignore[misc,valid-type]
         self._thread.start()
 
     def teardown(self, worker: Any) -> None:
+        # On the worker's event loop (unregister, Worker.close, a plugin registered again under the
+        # same name): returns at once. The cleanup thread may be waiting for a stalled GPU for up to
+        # settle_timeout (a day at most); it stops the engine itself once that wait ends, so nothing
+        # here waits on the GPU.
         if self._engine is None:
             return
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        self._thread.join(timeout=self.settle_timeout + 5.0)
-        self._engine.stop()
 
     def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
         # In the worker's event loop: bookkeeping only. A task that leaves the worker busy
@@ -129,17 +157,20 @@ class GPUCleanupPlugin(WorkerPlugin):  # type: ignore[misc,valid-type]
             return 0
 
     def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._stopping and (self._due is None or time.monotonic() < self._due):
-                    self._cond.wait(None if self._due is None else max(0.0, self._due - time.monotonic()))
-                if self._stopping:
-                    return
-                self._due = None
-            if self.busy():
-                self.skipped_busy += 1  # a task started meanwhile: its end schedules the next one
-                continue
-            self.clean("idle")
+        try:
+            while True:
+                with self._cond:
+                    while not self._stopping and (self._due is None or time.monotonic() < self._due):
+                        self._cond.wait(None if self._due is None else max(0.0, self._due - time.monotonic()))
+                    if self._stopping:
+                        return
+                    self._due = None
+                if self.busy():
+                    self.skipped_busy += 1  # a task started meanwhile: its end schedules the next one
+                    continue
+                self.clean("idle")
+        finally:
+            self._engine.stop()  # after the last cleanup, on this thread: teardown never waits for it
 
     def clean(self, reason: str) -> dict:
         """One cleanup now (on the calling thread, never the event loop's): a summary of it."""
@@ -221,6 +252,11 @@ async def _drain_on_worker(dask_worker: Any) -> dict:
     busy = plugin.busy()
     if busy:
         out["skipped"] = f"busy with {busy} task{'s' if busy != 1 else ''}: drained only between tasks"
+        return out
+    if plugin._clean_lock.locked():
+        # a cleanup is waiting for the GPU (up to settle_timeout, a day at most): the caller's
+        # client.run would wait as long, for a drain that would only do it again
+        out["skipped"] = "a cleanup is already running (waiting for the GPU to finish queued work): try again later"
         return out
     out.update(await asyncio.get_running_loop().run_in_executor(None, plugin.clean, "request"))
     return out

@@ -6,6 +6,11 @@ when the extension is unloaded or the process exits. Its key and ipc sockets
 are named from the same pid: ``<runtime dir>/gpucleanup/<pid>.key``,
 ``<pid>.sock`` and ``<pid>.sock.pub``.
 
+A reader uses the key at ``<runtime dir>/gpucleanup/<pid>.key`` only, the pid
+being the one in the discovery file's name; a file whose ``key_file`` names any
+other path is refused, and the key must belong to the discovery file's owner
+(root reading a user's runtime directory never reads a file of its own there).
+
 The files are read as untrusted input (another container sharing the home
 directory, an older or newer gpucleanup, a hostile neighbour): only regular
 files of at most 64 KiB are opened (``O_NOFOLLOW | O_NONBLOCK``, then
@@ -25,8 +30,11 @@ Which kernel a file belongs to is decided by :func:`classify`:
 ``elsewhere``
     written in another PID namespace of this boot (``pid_ns`` differs from
     ``readlink /proc/self/ns/pid``): its pid means nothing here, so the file
-    is listed as such and never touched. So is a file whose process exists
-    but cannot be inspected (``/proc/<pid>/stat`` unreadable).
+    is listed as such and never touched. So is a file whose PID namespace is
+    unknown on either side (written, or read, where ``/proc`` cannot be read:
+    ``pid_ns`` null, or no ``/proc/self/ns/pid`` here), and a file whose
+    process exists but cannot be inspected (``/proc/<pid>/stat`` unreadable).
+    Unknown liveness is never "stale".
 ``live``
     the same process still runs here.
 
@@ -68,6 +76,9 @@ MAX_FILE_BYTES = 64 * 1024
 LIVE = "live"
 STALE = "stale"
 ELSEWHERE = "elsewhere"
+
+UNKNOWN_THEIR_NS = "PID namespace unknown (its file records none): its pid cannot be judged here"
+UNKNOWN_OWN_NS = "this process's PID namespace is unknown (/proc unreadable here): no pid can be judged"
 
 _PID_NS = re.compile(r"pid:\[[0-9]{1,20}\]", re.ASCII)
 _BOOT_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", re.ASCII)
@@ -540,12 +551,16 @@ def _pid_state(pid: int, recorded_ticks: Optional[int]) -> Tuple[str, str]:
 def classify(info: dict, own_pid_ns: Optional[str] = None, own_boot_id: Optional[str] = None) -> Tuple[str, str]:
     """``(LIVE | STALE | ELSEWHERE, why)`` for a validated record.
 
-    The boot id and PID namespace recorded at write time are compared with
-    this process's where both are known: another boot id proves the writer
-    gone (the boot id is the running Linux kernel's, shared by every
-    container and namespace on the host); another PID namespace makes the
-    pid meaningless here, so nothing is proven. Otherwise the pid must be
-    alive, not a zombie, and started at the recorded clock tick.
+    The boot id recorded at write time is compared with this process's where
+    both are known: another boot id proves the writer gone (the boot id is
+    the running Linux kernel's, shared by every container and namespace on
+    the host). The pid is judged only when both PID namespaces are known and
+    the same: another PID namespace makes the pid meaningless here, and so
+    does an unknown one (a file written where ``/proc`` could not be read, or
+    a reader in such a place: the pid may belong to any namespace). Unknown
+    liveness is "elsewhere", never "stale": nothing is removed on a guess.
+    Then the pid must be alive, not a zombie, and started at the recorded
+    clock tick. ``own_pid_ns``: None reads this process's; "" means unknown.
     """
     own_boot_id = own_boot_id if own_boot_id is not None else boot_id()
     theirs = info.get("boot_id")
@@ -553,7 +568,11 @@ def classify(info: dict, own_pid_ns: Optional[str] = None, own_boot_id: Optional
         return STALE, f"written during another boot (boot id {theirs})"
     own_pid_ns = own_pid_ns if own_pid_ns is not None else pid_namespace()
     theirs = info.get("pid_ns")
-    if isinstance(theirs, str) and own_pid_ns and theirs != own_pid_ns:
+    if not isinstance(theirs, str):
+        return ELSEWHERE, UNKNOWN_THEIR_NS
+    if not own_pid_ns:
+        return ELSEWHERE, UNKNOWN_OWN_NS
+    if theirs != own_pid_ns:
         return ELSEWHERE, f"another PID namespace, {theirs}"
     pid = info.get("pid")
     if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < PID_LIMIT:
@@ -580,6 +599,8 @@ class Kernel:
     path: Path
     info: dict
     elsewhere: Optional[str] = None
+    #: the uid that owns the discovery file (None: not known, as for a record not read by :func:`scan`)
+    owner: Optional[int] = None
 
     @property
     def pid(self) -> int:
@@ -614,17 +635,33 @@ class Kernel:
     def alive(self) -> bool:
         return self.elsewhere is None and is_alive(self.info)
 
+    def scheme_key_path(self) -> Path:
+        """The only key file this kernel can have: ``<its discovery file's directory>/gpucleanup/<pid>.key``."""
+        return self.path.parent / KEY_DIR / f"{self.pid}.key"
+
     def read_key(self) -> Optional[bytes]:
-        """The HMAC key as bytes, None without a key file; OSError if unreadable, :class:`UnsafeFile` if not a
-        regular file of at most 64 KiB owned by you (or by the runtime directory's owner)."""
+        """The HMAC key as bytes, None without a key file; OSError if unreadable, :class:`UnsafeFile` if the
+        file is not the one the naming scheme gives (:meth:`scheme_key_path`; a discovery file cannot name
+        any other path), not a regular file of at most 64 KiB, or not owned by the discovery file's owner
+        (so root, reading another user's runtime directory, never reads a file that user could not)."""
         if not self.key_file:
             return None
-        owners = {os.geteuid()}
+        expected = self.scheme_key_path()
         try:
-            owners.add(os.stat(self.path.parent).st_uid)
-        except OSError:
-            pass
-        data, _info = read_bounded(self.key_file, owners=owners)
+            same = (os.path.basename(self.key_file) == expected.name
+                    and os.path.realpath(os.path.dirname(self.key_file)) == os.path.realpath(expected.parent))
+        except (OSError, ValueError):
+            same = False
+        if not same:
+            raise UnsafeFile(f"not {expected}, the only key file the naming scheme gives")
+        owner = self.owner if self.owner is not None else os.geteuid()
+        try:
+            data, _info = read_bounded(expected, owners={owner})
+        except UnsafeFile as exc:
+            if owner != os.geteuid() and exc.strerror.startswith("owned by uid"):
+                raise UnsafeFile(f"{exc.strerror.split(', not by')[0]}, not by uid {owner}, who owns the discovery "
+                                 "file") from None
+            raise
         return data.strip()
 
 
@@ -714,9 +751,9 @@ def scan(directory: Optional[Path] = None, clean: bool = True) -> ScanResult:
                 continue
             state, why = classify(info, own_ns or "", own_boot or "")
             if state == LIVE:
-                result.live.append(Kernel(path, info))
+                result.live.append(Kernel(path, info, owner=info_stat.st_uid))
             elif state == ELSEWHERE:
-                result.elsewhere.append(Kernel(path, info, elsewhere=why))
+                result.elsewhere.append(Kernel(path, info, elsewhere=why, owner=info_stat.st_uid))
             else:
                 result.stale.append(path)
                 stale.append((name_pid, name, info_stat))

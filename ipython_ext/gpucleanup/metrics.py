@@ -23,7 +23,9 @@ Gauges, as of the kernel's last cleanup (its ``last_record``) or its live snapsh
 - ``gpucleanup_kernels``: kernels found in this PID namespace; ``gpucleanup_kernels_elsewhere``: kernels
   of other PID namespaces (containers), listed by their discovery files and never asked;
 - ``gpucleanup_scrape_duration_seconds``, ``gpucleanup_scrape_ok`` (0: the runtime directory could not be
-  scanned; the error is logged on the ``gpucleanup`` logger).
+  scanned; the error is logged on the ``gpucleanup`` logger), ``gpucleanup_collected_timestamp_seconds``
+  (when the kernels were asked: jupyter_server's ``/metrics`` shows the collection the previous scrape
+  started, never asking a kernel on the server's event loop).
 
 Counters, cumulative since the kernel's extension loaded (``last_record.totals``, ``gpucleanup.totals``;
 a reload of the extension is a counter reset, with a new ``_created``):
@@ -43,16 +45,24 @@ which says how to install it.
 
 from __future__ import annotations
 
+import asyncio
 import errno
+import hmac
 import logging
 import math
+import os
+import re
+import secrets
 import socket
+import stat
+import sys
 import threading
 import time
+from concurrent.futures import Future, TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from . import kernels, status_client
+from . import discovery, kernels, status_client
 
 __all__ = [
     "KernelCollector",
@@ -73,6 +83,8 @@ log = logging.getLogger("gpucleanup")
 STATES = ("idle", "running", "draining", "waiting", "unknown")
 
 KERNEL_LABELS = ("kernel_id", "notebook", "pid")
+#: the kernel labels that carry a value in a public exporter's metrics (``--public``); the others are empty
+PUBLIC_KERNEL_LABELS = ("pid",)
 DEVICE_LABELS = KERNEL_LABELS + ("device", "uuid")
 
 
@@ -117,12 +129,20 @@ class KernelCollector:
     about that long).
     """
 
-    def __init__(self, runtime_dir: Optional[Path] = None, timeout: float = status_client.DEFAULT_TIMEOUT):
+    def __init__(self, runtime_dir: Optional[Path] = None, timeout: float = status_client.DEFAULT_TIMEOUT,
+                 public: bool = False):
         seconds = _number(timeout)
         if seconds is None or seconds <= 0:
             raise ValueError(f"timeout must be a number of seconds above 0, got {timeout!r}")
         self.runtime_dir = Path(runtime_dir) if runtime_dir is not None else None
         self.timeout = seconds
+        #: served to whoever asks (``gpucleanup exporter --public``): only the labels of PUBLIC_KERNEL_LABELS
+        #: carry a value, the others are empty
+        self.public = bool(public)
+        self._lock = threading.Lock()
+        self._running: Optional[Future] = None  # the collection in progress, shared by every scrape
+        self._latest: Optional[List[Any]] = None  # the families of the last collection that finished
+        self.collections = 0  # how many collections ran (each asked every kernel once)
 
     # ------------------------------------------------------------------ the families
 
@@ -183,6 +203,9 @@ class KernelCollector:
             "scrape_ok": gauge("gpucleanup_scrape_ok",
                                "1 when the runtime directory was scanned, 0 when not (the gpucleanup logger says why)."),
             "duration": gauge("gpucleanup_scrape_duration_seconds", "How long asking the kernels took.", unit="seconds"),
+            "collected": gauge("gpucleanup_collected_timestamp_seconds",
+                               "When these figures were collected (Unix time): on jupyter_server's /metrics they "
+                               "are those of the collection the previous scrape started.", unit="seconds"),
         }
 
     def describe(self) -> Iterable[Any]:
@@ -190,12 +213,57 @@ class KernelCollector:
         return list(self._families(_prometheus()).values())
 
     def collect(self) -> Iterable[Any]:
-        """Ask every kernel now; never raises for one kernel's sake."""
+        """Every kernel's figures; never raises for one kernel's sake.
+
+        Scrapes that come while a collection runs share it: every kernel is asked once, however
+        many scrapes wait. A collection runs on a thread of its own, never on the caller's. Called
+        on a thread that runs an event loop (jupyter_server's ``/metrics`` handler is synchronous,
+        on the server's loop), it never waits: it returns the figures of the last collection that
+        finished (none before the first) and starts the next, so the server's loop never waits on
+        a kernel; its figures are then one scrape old (``gpucleanup_scrape_age_seconds``). Called
+        elsewhere (the exporter's request threads, a test), it waits for the shared collection,
+        which is bounded by ``timeout`` (every kernel is asked at once).
+        """
+        running = self._start()
+        if _on_event_loop():
+            latest = self._latest
+            return latest if latest is not None else list(self._families(_prometheus()).values())
+        try:
+            return running.result(timeout=self.timeout + _COLLECT_MARGIN_S)
+        except FutureTimeout:  # a directory that takes ages to scan: the last figures
+            latest = self._latest
+            return latest if latest is not None else list(self._families(_prometheus()).values())
+
+    def _start(self) -> "Future":
+        """The collection in progress, or a new one started on a thread of its own."""
+        with self._lock:
+            if self._running is not None:
+                return self._running
+            running = self._running = Future()
+        threading.Thread(target=self._run, args=(running,), name="gpucleanup-metrics", daemon=True).start()
+        return running
+
+    def _run(self, running: "Future") -> None:
+        try:
+            families = self.collect_now()
+            self._latest = families
+            running.set_result(families)
+        except BaseException as exc:  # never lost: the waiting scrapes see it
+            running.set_exception(exc)
+        finally:
+            with self._lock:
+                if self._running is running:
+                    self._running = None
+
+    def collect_now(self) -> List[Any]:
+        """Ask every kernel now, on the calling thread (:meth:`collect` shares it between scrapes)."""
         prom = _prometheus()
+        self.collections += 1
         families = self._families(prom)
         start = time.perf_counter()
         try:
-            gathered = kernels.gather(self.runtime_dir, timeout=self.timeout)
+            # a scrape only reads: whoever can scrape must not be able to delete files
+            gathered = kernels.gather(self.runtime_dir, timeout=self.timeout, clean=False)
         except Exception as exc:
             log.warning("gpucleanup metrics: cannot scan %s for kernels (%s: %s)",
                         self.runtime_dir or "Jupyter's runtime directory", type(exc).__name__, exc)
@@ -208,13 +276,17 @@ class KernelCollector:
             for view in here:
                 self._add_kernel(prom, families, view)
         families["duration"].add_metric([], time.perf_counter() - start)
+        families["collected"].add_metric([], time.time())
         return list(families.values())
 
     # ------------------------------------------------------------------ one kernel
 
-    @staticmethod
-    def _kernel_labels(view: kernels.KernelView) -> List[str]:
-        return [view.kernel_id or "", view.notebook or "", str(view.pid)]
+    def _kernel_labels(self, view: kernels.KernelView) -> List[str]:
+        # Built from an allow-list: a public view names what every local user may see anyway (the pid,
+        # as ps shows it), never the notebook or the kernel id.
+        known = {"kernel_id": view.kernel_id or "", "notebook": view.notebook or "", "pid": str(view.pid)}
+        allowed = PUBLIC_KERNEL_LABELS if self.public else KERNEL_LABELS
+        return [known[name] if name in allowed else "" for name in KERNEL_LABELS]
 
     def _add_kernel(self, prom, families: Dict[str, Any], view: kernels.KernelView) -> None:
         labels = self._kernel_labels(view)
@@ -279,6 +351,20 @@ class KernelCollector:
             families["wait"].add_metric(labels, buckets[0], buckets[1])
 
 
+#: how much longer than the kernels' timeout a scrape off the event loop waits for the shared collection
+#: (the scan of the runtime directory, reading the keys)
+_COLLECT_MARGIN_S = 30.0
+
+
+def _on_event_loop() -> bool:
+    """Whether the calling thread is running an asyncio event loop (tornado's, for jupyter_server)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 def _uuids(reply: dict) -> Dict[int, str]:
     """Device index -> UUID, from the kernel's snapshot (every device it lists)."""
     snapshot = reply.get("snapshot")
@@ -325,8 +411,11 @@ def register_server_collector(serverapp: Any = None, timeout: float = 0.5, regis
     = False`` serves it to anyone who can reach the server.
 
     The kernels are those of ``serverapp.runtime_dir`` (Jupyter's runtime directory without a server
-    app). The handler is synchronous on the server's event loop: a scrape holds the loop while the
-    kernels are asked, at most about ``timeout`` seconds (all kernels at once), hence a short default.
+    app). The handler is synchronous, on the server's event loop, so the collector never asks a kernel
+    there: a scrape gets the figures of the last collection at once and starts the next one on a thread
+    of its own (scrapes that come meanwhile share it); the figures a scrape shows are therefore those
+    of the previous scrape's time (``gpucleanup_collected_timestamp_seconds``). A first collection
+    starts when the collector is registered, so the first scrape already has figures.
 
     Registering is done once per registry: a second call returns the collector already there.
     jupyter_server calls no unload hook for a module's ``_load_jupyter_server_extension`` (only an
@@ -342,6 +431,7 @@ def register_server_collector(serverapp: Any = None, timeout: float = 0.5, regis
         collector = KernelCollector(Path(runtime_dir) if runtime_dir else None, timeout=timeout)
         registry.register(collector)
         _server_collectors[id(registry)] = (registry, collector)
+        collector._start()  # the first scrape finds figures
         return collector
 
 
@@ -361,22 +451,64 @@ def unregister_server_collector(registry: Any = None) -> bool:
 # ---------------------------------------------------------------- the standalone exporter
 
 
-def make_registry(runtime_dir: Optional[Path] = None, timeout: float = status_client.DEFAULT_TIMEOUT):
+def make_registry(runtime_dir: Optional[Path] = None, timeout: float = status_client.DEFAULT_TIMEOUT,
+                  public: bool = False):
     """A registry of its own holding only gpucleanup's collector: no process or Python metrics of the
     exporter itself, which say nothing about the GPUs."""
     prom = _prometheus()
     registry = prom.CollectorRegistry()
-    registry.register(KernelCollector(runtime_dir, timeout=timeout))
+    registry.register(KernelCollector(runtime_dir, timeout=timeout, public=public))
     return registry
+
+
+#: the token file's name in ``<runtime dir>/gpucleanup/`` (the directory of the kernels' keys, 0700)
+TOKEN_FILE = "exporter.token"
+_TOKEN = re.compile(r"[A-Za-z0-9._~+/=-]{16,512}", re.ASCII)
+
+
+def token_path(runtime_dir: Optional[Path] = None) -> Path:
+    """Where the exporter keeps its token by default: ``<runtime dir>/gpucleanup/exporter.token``."""
+    return (Path(runtime_dir) if runtime_dir is not None else discovery.runtime_dir()) / discovery.KEY_DIR / TOKEN_FILE
+
+
+def read_token(path: Path) -> str:
+    """The bearer token in ``path``: a regular file of yours that no one else may read; ExporterError if not."""
+    try:
+        data, info = discovery.read_bounded(path, owners={os.geteuid()})
+    except discovery.UnsafeFile as exc:
+        raise ExporterError(f"token file {path} is {exc.strerror}: give a regular file of yours") from None
+    except OSError as exc:
+        raise ExporterError(f"cannot read the token file {path} ({exc.strerror or exc})") from None
+    if stat.S_IMODE(info.st_mode) & 0o077:
+        raise ExporterError(f"token file {path} may be read by others (mode {stat.S_IMODE(info.st_mode):o}): "
+                            "chmod 600 it")
+    token = data.decode("ascii", "replace").strip()
+    if not _TOKEN.fullmatch(token):
+        raise ExporterError(f"token file {path} does not hold a token (16 to 512 characters of A-Z a-z 0-9 ._~+/=-)")
+    return token
+
+
+def ensure_token(path: Path) -> str:
+    """The token in ``path``, written there first (0600, a new random token) when the file does not exist."""
+    path = Path(path)
+    if not path.exists() and not path.is_symlink():
+        try:
+            discovery.ensure_private_dir(path.parent)
+            discovery.write_private(path, (secrets.token_urlsafe(32) + "\n").encode("ascii"))
+        except OSError as exc:
+            raise ExporterError(f"cannot write the token file {path} ({exc.strerror or exc})") from None
+    return read_token(path)
 
 
 class Exporter:
     """A running exporter: ``url`` is where its metrics are; ``wait()`` blocks while it serves;
     ``shutdown()`` stops it (idempotent; from any thread)."""
 
-    def __init__(self, server: Any, thread: threading.Thread):
+    def __init__(self, server: Any, thread: threading.Thread, token_file: Optional[Path] = None):
         self.server = server
         self.thread = thread
+        #: the file holding the bearer token scrapes must send; None for a public exporter
+        self.token_file = token_file
         self._closed = False
         self._close_lock = threading.Lock()
 
@@ -414,12 +546,18 @@ class Exporter:
         self.shutdown()
 
 
-def _wsgi_app(registry):
+def _wsgi_app(registry, token: Optional[str]):
     metrics = _prometheus().make_wsgi_app(registry)
+    expected = f"Bearer {token}".encode("ascii") if token is not None else None
 
     def app(environ, start_response):
         path = environ.get("PATH_INFO") or "/"
         if path == "/metrics":
+            given = (environ.get("HTTP_AUTHORIZATION") or "").encode("latin-1", "replace")
+            if expected is not None and not hmac.compare_digest(given, expected):
+                start_response("401 Unauthorized", [("Content-Type", "text/plain; charset=utf-8"),
+                                                    ("WWW-Authenticate", 'Bearer realm="gpucleanup"')])
+                return [b"the metrics need the exporter's token: Authorization: Bearer <token>\n"]
             return metrics(environ, start_response)
         if path == "/":
             start_response("200 OK", [("Content-Type", "text/plain; charset=utf-8")])
@@ -430,7 +568,92 @@ def _wsgi_app(registry):
     return app
 
 
-def _bind(port: int, host: str, registry) -> Any:
+#: seconds a connection may take to send its request before it is closed
+READ_TIMEOUT_S = 10.0
+#: connections served at once (each a thread and a descriptor); more are closed at once, except the owner's
+MAX_CONNECTIONS = 32
+
+
+def tcp_peer_uid(sock: socket.socket) -> Optional[int]:
+    """The user owning the other end of a loopback tcp connection (``/proc/net/tcp`` or ``tcp6`` of this
+    network namespace, the socket whose local address is our peer's and remote address ours); None when
+    it cannot be told, which is never the owner."""
+    try:
+        local, peer = sock.getsockname(), sock.getpeername()
+    except OSError:
+        return None
+
+    def text(address, family) -> str:
+        packed = socket.inet_pton(family, address[0])
+        # the kernel prints each 32-bit word in host byte order, then the port
+        words = [int.from_bytes(packed[i:i + 4], sys.byteorder) for i in range(0, len(packed), 4)]
+        return "".join(f"{w:08X}" for w in words) + f":{address[1]:04X}"
+
+    family = sock.family
+    try:
+        theirs, ours = text(peer, family), text(local, family)
+        table = "/proc/net/tcp" if family == socket.AF_INET else "/proc/net/tcp6"
+        with open(table, "r", encoding="ascii", errors="replace") as lines:
+            for line in lines:
+                fields = line.split()
+                if len(fields) > 7 and fields[1] == theirs and fields[2] == ours and fields[7].isdigit():
+                    return int(fields[7])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+class _Bounded:
+    """A threading HTTP server with at most MAX_CONNECTIONS connections at once. At the cap a newcomer is
+    closed at once, unless it comes from the exporter's own user: then the oldest connection of another
+    user is closed to make room, so that other local users cannot lock the owner out of its metrics."""
+
+    refused = 0
+
+    def _tracked(self) -> dict:
+        if not hasattr(self, "_open"):
+            self._open: Dict[Any, list] = {}
+            self._open_lock = threading.Lock()
+        return self._open
+
+    def process_request(self, request, client_address):
+        open_ = self._tracked()
+        with self._open_lock:
+            full = len(open_) >= MAX_CONNECTIONS
+        if full:
+            if tcp_peer_uid(request) != os.geteuid() or not self._make_room():
+                self.refused += 1
+                self.shutdown_request(request)
+                return
+        with self._open_lock:
+            open_[request] = [time.monotonic(), os.geteuid() if full else None, full]
+        super().process_request(request, client_address)
+
+    def _make_room(self) -> bool:
+        with self._open_lock:
+            candidates = sorted(self._open.items(), key=lambda item: item[1][0])
+        for sock, entry in candidates:
+            if not entry[2]:  # the peer's user, asked once and only when full
+                entry[1], entry[2] = tcp_peer_uid(sock), True
+            if entry[1] != os.geteuid():
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)  # its thread reads end-of-file and ends
+                except OSError:
+                    pass
+                with self._open_lock:
+                    self._open.pop(sock, None)
+                return True
+        return False
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._open_lock:
+                self._open.pop(request, None)
+
+
+def _bind(port: int, host: str, registry, token: Optional[str] = None) -> Any:
     """The HTTP server bound to (host, port), not yet serving; :class:`ExporterError` when it cannot be."""
     import socketserver
     from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
@@ -446,10 +669,12 @@ def _bind(port: int, host: str, registry) -> Any:
                             "(127.0.0.1, the default, or ::1)") from None
 
     class Silent(WSGIRequestHandler):
+        timeout = READ_TIMEOUT_S  # a connection that sends nothing is closed, not kept for ever
+
         def log_message(self, format, *args):  # a scrape every few seconds is not news
             pass
 
-    class Server(socketserver.ThreadingMixIn, WSGIServer):
+    class Server(_Bounded, socketserver.ThreadingMixIn, WSGIServer):
         daemon_threads = True
         address_family = family
 
@@ -467,28 +692,39 @@ def _bind(port: int, host: str, registry) -> Any:
             raise ExporterError(f"cannot listen on {where}: {host} is not an address of this machine; "
                                 "give one of its addresses with --host") from None
         raise ExporterError(f"cannot listen on {where}: {exc.strerror or exc}") from None
-    server.set_app(_wsgi_app(registry))
+    server.set_app(_wsgi_app(registry, token))
     return server
 
 
 def start_exporter(port: int, host: str = "127.0.0.1", runtime_dir: Optional[Path] = None,
-                   timeout: float = status_client.DEFAULT_TIMEOUT) -> Exporter:
+                   timeout: float = status_client.DEFAULT_TIMEOUT, token_file: Optional[Path] = None,
+                   public: bool = False) -> Exporter:
     """Serve gpucleanup's metrics at ``http://host:port/metrics`` on a thread of its own; returns the
     :class:`Exporter` (``.url``, ``.shutdown()``). ``port`` 0 takes any free port (``.port`` says which).
+
+    Private to its owner by default: a scrape must send ``Authorization: Bearer <token>``, the token in
+    ``token_file`` (default :func:`token_path`, created 0600 with a random token when missing; a file
+    others may read is refused); other requests get 401 and no figure. ``public``: no token, and the
+    metrics carry only what every local user may see (the labels of :data:`PUBLIC_KERNEL_LABELS`; the
+    notebook and kernel id labels are empty).
 
     Raises :class:`ExporterError` (a sentence to print; exit status 2) when the port is in use, not
     allowed, or the host is not an address of this machine, and without prometheus_client.
     """
     try:
-        registry = make_registry(runtime_dir, timeout)
+        registry = make_registry(runtime_dir, timeout, public=public)
     except MetricsUnavailable as exc:
         raise ExporterError(str(exc)) from exc
     except ValueError as exc:  # the timeout
         raise ExporterError(str(exc)) from None
-    server = _bind(port, host, registry)
+    token = None
+    if not public:
+        token_file = Path(token_file) if token_file is not None else token_path(runtime_dir)
+        token = ensure_token(token_file)
+    server = _bind(port, host, registry, token)
     thread = threading.Thread(target=server.serve_forever, name="gpucleanup-exporter", daemon=True)
     thread.start()
-    return Exporter(server, thread)
+    return Exporter(server, thread, None if public else token_file)
 
 
 def run_exporter(port: int, host: str = "127.0.0.1", runtime_dir: Optional[Path] = None,
@@ -501,9 +737,9 @@ def run_exporter(port: int, host: str = "127.0.0.1", runtime_dir: Optional[Path]
     no process metrics of the exporter. Each scrape asks every kernel of ``runtime_dir`` (default:
     Jupyter's runtime directory, as ``gpucleanup ps``), each at most ``timeout`` seconds.
 
-    It listens on loopback (127.0.0.1) unless ``host`` says otherwise: the metrics name notebooks and
-    kernels, and the exporter has no authentication, so listening on another address (``0.0.0.0``, a
-    LAN address) must be asked for explicitly, where a firewall or a network namespace keeps strangers out.
+    It listens on loopback (127.0.0.1) unless ``host`` says otherwise, and answers only scrapes that send
+    its token (:func:`start_exporter`): every local user can reach a loopback port, and the metrics name
+    notebooks and kernels.
 
     Raises :class:`ExporterError` (print it, exit status 2) when it cannot listen: port in use, not
     allowed, host not an address of this machine, no prometheus_client.
@@ -511,6 +747,8 @@ def run_exporter(port: int, host: str = "127.0.0.1", runtime_dir: Optional[Path]
     exporter = start_exporter(port, host, runtime_dir, timeout)
     try:
         print(f"gpucleanup exporter: serving {exporter.url} (Ctrl-C stops)", flush=True)
+        print(f"gpucleanup exporter: scrapes send Authorization: Bearer <the token in {exporter.token_file}>",
+              flush=True)
         exporter.wait()
     except KeyboardInterrupt:
         pass

@@ -70,6 +70,15 @@ def _state_fields(state: Any) -> Optional[tuple]:
     return (name, *values)
 
 
+def _sweep(runtime: Path) -> None:
+    """Removes what kernels that died without a word left in ``runtime`` (SIGKILL, a crash): only files
+    ``discovery.scan`` proves stale, by the same rules as ``gpucleanup ps``; never raises."""
+    try:
+        discovery.scan(runtime, clean=True)
+    except Exception as exc:  # a kernel loads whatever the directory holds
+        log.debug("gpucleanup: sweeping %s failed: %s", runtime, exc)
+
+
 class StatusEndpoint:
     """The status server of this kernel, found by ``gpucleanup ps`` through a discovery file."""
 
@@ -219,6 +228,7 @@ class StatusEndpoint:
         self._pid = pid = os.getpid()
         runtime = self._runtime_dir or discovery.runtime_dir()
         discovery.prepare_runtime_dir(runtime)  # refuses a directory every user may write to
+        _sweep(runtime)  # before this kernel's own key: a stale file of its pid takes only what is older
         private = discovery.ensure_private_dir(runtime / "gpucleanup")
 
         key = secrets.token_hex(32)

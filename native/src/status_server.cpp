@@ -153,6 +153,64 @@ std::size_t peer_cap(std::size_t max_peers) {
   return std::max<std::size_t>(cap, 1);
 }
 
+// The user owning the other end of a loopback tcp connection: the socket
+// whose local address is this connection's peer address and whose remote
+// address is this connection's local address, in /proc/net/tcp (or tcp6) of
+// this network namespace (its "uid" column, as ss -e shows it). std::nullopt
+// when it cannot be told (no /proc, not found): unknown is never the owner.
+// An ipc peer needs none of this: the socket's 0700 directory keeps others out.
+std::string proc_net_address(const sockaddr_storage& address) {
+  // The kernel prints each 32-bit word of the address in host byte order, then
+  // the port: 127.0.0.1:8080 on x86 is "0100007F:1F90".
+  char text[64] = {};
+  if (address.ss_family == AF_INET) {
+    const auto& in = reinterpret_cast<const sockaddr_in&>(address);
+    std::snprintf(text, sizeof text, "%08X:%04X", static_cast<unsigned>(in.sin_addr.s_addr), ntohs(in.sin_port));
+  } else if (address.ss_family == AF_INET6) {
+    const auto& in6 = reinterpret_cast<const sockaddr_in6&>(address);
+    std::uint32_t words[4];
+    std::memcpy(words, &in6.sin6_addr, sizeof words);
+    std::snprintf(text, sizeof text, "%08X%08X%08X%08X:%04X", static_cast<unsigned>(words[0]),
+                  static_cast<unsigned>(words[1]), static_cast<unsigned>(words[2]), static_cast<unsigned>(words[3]),
+                  ntohs(in6.sin6_port));
+  } else {
+    return {};
+  }
+  return text;
+}
+
+std::optional<uid_t> tcp_peer_uid(int fd) {
+  sockaddr_storage local{};
+  sockaddr_storage peer{};
+  socklen_t local_size = sizeof local;
+  socklen_t peer_size = sizeof peer;
+  if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &local_size) != 0 ||
+      getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &peer_size) != 0 || local.ss_family != peer.ss_family) {
+    return std::nullopt;
+  }
+  const std::string theirs = proc_net_address(peer);
+  const std::string ours = proc_net_address(local);
+  if (theirs.empty()) return std::nullopt;
+  FILE* table = std::fopen(local.ss_family == AF_INET ? "/proc/net/tcp" : "/proc/net/tcp6", "re");
+  if (table == nullptr) return std::nullopt;
+  std::optional<uid_t> uid;
+  char line[512];
+  while (std::fgets(line, sizeof line, table) != nullptr) {
+    char slot[16], local_text[64], remote_text[64], state[8], queues[40], timer[40], retransmits[16];
+    unsigned long owner = 0;
+    if (std::sscanf(line, "%15s %63s %63s %7s %39s %39s %15s %lu", slot, local_text, remote_text, state, queues,
+                    timer, retransmits, &owner) != 8) {
+      continue;  // the header
+    }
+    if (theirs == local_text && ours == remote_text) {
+      uid = static_cast<uid_t>(owner);
+      break;
+    }
+  }
+  std::fclose(table);
+  return uid;
+}
+
 // The connections accepted by one listening socket (tcp or ipc), followed
 // through a libzmq socket monitor: ZMQ_EVENT_ACCEPTED carries the new
 // connection's descriptor, ZMQ_EVENT_DISCONNECTED its end. libzmq keeps a
@@ -282,6 +340,8 @@ class PeerGuard {
     steady::time_point active{};  // accepted, or the last authenticated request
     bool closing = false;         // shut down here; libzmq closes it
     steady::time_point closing_since{};
+    bool uid_known = false;  // asked only when the records socket is full (tcp_peer_uid reads a table)
+    std::optional<uid_t> uid;
   };
 
   static bool same_socket(int fd, ino_t inode) {
@@ -323,8 +383,12 @@ class PeerGuard {
   }
 
   // A new connection: kept while under the cap; at the cap a request socket
-  // drops its peer idle longest (idle for the grace at least) to make room,
-  // and otherwise the newcomer is refused. Returns 1 if one was refused.
+  // drops its peer idle longest (idle for the grace at least) to make room;
+  // the records socket (whose subscribers never send anything to tell them
+  // apart) makes room for a newcomer of this process's own user on tcp by
+  // dropping the oldest peer of another user, so that other local users
+  // cannot lock the owner out of its own records; otherwise the newcomer is
+  // refused. Returns 1 if one was refused.
   std::uint64_t admit(int fd, steady::time_point now, const Limits& limits) {
     const ino_t inode = accepted_here(fd);
     if (inode == 0) return 0;  // already gone; its end is reported next
@@ -332,7 +396,7 @@ class PeerGuard {
       if (it->second.inode == inode) return 0;  // seen by rescan()
       forget(fd);                               // its end was lost
     }
-    Peer peer{inode, now, false, {}};
+    Peer peer{inode, now, false, {}, false, std::nullopt};
     std::uint64_t refused = 0;
     if (live_ >= limits.cap) {
       refused = 1;
@@ -340,6 +404,16 @@ class PeerGuard {
       if (requests_) {
         for (auto it = peers_.begin(); it != peers_.end(); ++it) {
           if (it->second.closing || it->first == limits.busy_fd || now - it->second.active < limits.grace) continue;
+          if (victim == peers_.end() || it->second.active < victim->second.active) victim = it;
+        }
+      } else if (family_ != AF_UNIX && tcp_peer_uid(fd) == geteuid()) {
+        for (auto it = peers_.begin(); it != peers_.end(); ++it) {
+          if (it->second.closing) continue;
+          if (!it->second.uid_known) {
+            it->second.uid = tcp_peer_uid(it->first);
+            it->second.uid_known = true;
+          }
+          if (it->second.uid == geteuid()) continue;
           if (victim == peers_.end() || it->second.active < victim->second.active) victim = it;
         }
       }
@@ -1094,17 +1168,44 @@ void StatusServer::publish(const nlohmann::json& record) {
 namespace {
 
 // What a record published on tcp keeps. Any local user can subscribe to a tcp PUB socket (ZeroMQ has no access
-// control there), so what goes out is the memory figures only: not the kernel's description (notebook path,
-// connection file, key file), nor the notes, the variables and output entries that hold memory, the traced
-// allocation sites (file names, lines, functions) or what frameworks printed. The full record stays in the
-// history, which answers signed requests only on tcp.
-const char* const kPrivateRecordFields[] = {"notes", "shown_notes", "hidden", "traced", "unraisable"};
+// control there), so what goes out is built from an allow-list of the memory figures (share/schema/
+// cell_record.schema.json): a field added to the record later stays private until it is named here. Left out:
+// the notes, the variables and output entries that hold memory, the traced allocation sites (file names, lines,
+// functions), what frameworks printed; the kernel's description goes as its pid only (publish_text). The full
+// record stays in the history, which answers signed requests only on tcp.
+const char* const kPublicRecordFields[] = {"cell",    "time_ns",  "elapsed_s", "driver_state", "interrupted",
+                                           "devices", "pinned",   "gc",        "touched",      "shown",
+                                           "release", "deferred", "idle",      "totals"};
+// Of each entry of "devices": its figures. "message" (a driver or framework message) is left out.
+const char* const kPublicDeviceFields[] = {"index",         "name",           "state",
+                                           "settle",        "total_bytes",    "used_at_start_bytes",
+                                           "used_before_bytes", "used_after_bytes", "freed_bytes",
+                                           "live_bytes",    "cached_bytes",   "quiet",
+                                           "outside_bytes", "outside_growth_bytes"};
+
+template <std::size_t N>
+json allowed_fields(const json& from, const char* const (&names)[N]) {
+  json out = json::object();
+  for (const char* name : names) {
+    if (const auto it = from.find(name); it != from.end()) out[name] = *it;
+  }
+  return out;
+}
 
 std::string public_record_text(const std::string& record) {
-  json value = json::parse(record, nullptr, false);
+  const json value = json::parse(record, nullptr, false);
   if (!value.is_object()) return "{}";
-  for (const char* field : kPrivateRecordFields) value.erase(field);
-  return dump(value);
+  json out = allowed_fields(value, kPublicRecordFields);
+  if (const auto devices = out.find("devices"); devices != out.end()) {
+    json kept = json::array();
+    if (devices->is_array()) {
+      for (const json& device : *devices) {
+        if (device.is_object()) kept.push_back(allowed_fields(device, kPublicDeviceFields));
+      }
+    }
+    *devices = std::move(kept);
+  }
+  return dump(out);
 }
 
 }  // namespace

@@ -747,7 +747,9 @@ def test_exporter_serves_metrics_until_interrupted(kernel):
         where = json.loads(proc.stdout.readline())
         assert where["host"] == "127.0.0.1" and where["port"] > 0
         assert where["url"] == f"http://127.0.0.1:{where['port']}/metrics"
-        body = urllib.request.urlopen(where["url"], timeout=30).read().decode()
+        token = open(where["token_file"]).read().strip()
+        request = urllib.request.Request(where["url"], headers={"Authorization": f"Bearer {token}"})
+        body = urllib.request.urlopen(request, timeout=30).read().decode()
         assert f'gpucleanup_kernel_up{{kernel_id="",notebook="/home/me/fit.ipynb",pid="{os.getpid()}"}} 1.0' in body
         assert "gpucleanup_kernels 1.0" in body
         proc.send_signal(signal.SIGINT)

@@ -145,10 +145,65 @@ def test_unregister_stops_the_plugin_and_a_worker_without_it_is_only_read(client
     assert gdask.PLUGIN_NAME in _plugins(client)
     gdask.unregister(client)
     assert gdask.PLUGIN_NAME not in _plugins(client)
-    assert client.run(lambda: [t.name for t in __import__("threading").enumerate()
-                               if t.name == "gpucleanup-dask"]) == {a: [] for a in client.scheduler_info()["workers"]}
+    # the cleanup thread ends on its own (teardown does not wait for it)
+    _wait_for(lambda: _only(_cleanup_threads(client)) == [], "the cleanup thread's end")
     status = _only(gdask.cluster_memory(client))
     assert status["plugin"] is False and status["memory"]["devices"][0]["pools"][0]["reserved_bytes"] == GiB
+
+
+def _cleanup_threads(client) -> dict:
+    return client.run(lambda: [t.name for t in __import__("threading").enumerate() if t.name == "gpucleanup-dask"])
+
+
+def _fake_counter(name: str) -> int:
+    lib = ctypes.CDLL(os.environ["GPUCLEANUP_LIBCUDA"])
+    lib.fake_cuda_counter.argtypes = [ctypes.c_char_p]
+    lib.fake_cuda_counter.restype = ctypes.c_longlong
+    return lib.fake_cuda_counter(name.encode())
+
+
+def _release_sync() -> None:
+    ctypes.CDLL(os.environ["GPUCLEANUP_LIBCUDA"]).fake_cuda_release_sync()
+
+
+def test_unregister_while_the_gpu_is_stalled_returns_at_once_and_the_worker_answers(client):
+    import threading
+
+    stalled = {"devices": [{"primary_active": True, "sync_seconds": -1,
+                            "default_pool": {"reserved_bytes": GiB, "used_bytes": 0}}]}
+    client.run(_scenario, stalled)
+    try:
+        # a settle limit of a day: a teardown that waited for the cleanup would hold the worker that long
+        gdask.register(client, idle_s=0, settle_timeout=86400)
+        assert client.submit(lambda: 1, pure=False).result() == 1
+        _wait_for(lambda: _only(client.run(_fake_counter, "syncs_in_flight")) >= 1, "the cleanup's stalled synchronize")
+        # a drain on request while that cleanup waits: skipped at once, not queued behind it for a day
+        [skipped] = gdask.drain_cluster(client).values()
+        assert skipped["skipped"] == ("a cleanup is already running (waiting for the GPU to finish queued work): "
+                                      "try again later")
+        done = threading.Event()
+        failed = []
+
+        def remove():
+            try:
+                gdask.unregister(client)
+            except Exception as exc:  # reported below
+                failed.append(exc)
+            done.set()
+
+        threading.Thread(target=remove, daemon=True).start()
+        answered = _only(client.run(lambda: "here"))  # the worker's event loop answers meanwhile
+        assert answered == "here"
+        assert done.wait(60), "unregister waited on the stalled GPU"  # generous: it returns at once
+        assert failed == []
+        assert gdask.PLUGIN_NAME not in _plugins(client)
+        # the GPU is still stalled: the cleanup thread still waits, the worker does not
+        assert _only(client.run(_fake_counter, "syncs_in_flight")) >= 1
+        assert client.submit(lambda: 2, pure=False).result() == 2
+    finally:
+        client.run(_release_sync)
+    _wait_for(lambda: _only(_cleanup_threads(client)) == [], "the cleanup thread's end once the GPU answers")
+    client.run(_scenario, POOL_1_GIB)
 
 
 def test_the_plugin_comes_back_on_a_restarted_worker(client):
@@ -165,6 +220,20 @@ def test_bad_plugin_options_are_refused_with_what_to_pass():
         gdask.GPUCleanupPlugin(idle_s=-1)
     with pytest.raises(ValueError, match="history must be a whole number"):
         gdask.GPUCleanupPlugin(history=0)
+    with pytest.raises(ValueError) as error:
+        gdask.GPUCleanupPlugin(pinned="no")
+    assert str(error.value) == "pinned must be True or False, got 'no'"
+    with pytest.raises(ValueError, match="driver_pools must be True or False, got 0"):
+        gdask.GPUCleanupPlugin(driver_pools=0)
+    with pytest.raises(ValueError) as error:
+        gdask.GPUCleanupPlugin(frameworks={"cupi": False})
+    assert str(error.value).startswith("frameworks names unknown framework(s) 'cupi'; known: ")
+    assert "cupy" in str(error.value)
+    with pytest.raises(ValueError, match=r"frameworks takes True or False per framework, got cupy='off'"):
+        gdask.GPUCleanupPlugin(frameworks={"cupy": "off"})
+    with pytest.raises(ValueError, match="frameworks must be a dict"):
+        gdask.GPUCleanupPlugin(frameworks=["cupy"])
+    assert gdask.GPUCleanupPlugin(frameworks={"cupy": False}, pinned=False).frameworks == {"cupy": False}
 
 
 def test_gpumem_dask_in_a_kernel_registers_shows_and_drains_the_workers(shell, client, monkeypatch):  # noqa: F811

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from gpucleanup import discovery
+from gpucleanup import cli as cli_module, discovery
 from gpucleanup.status_endpoint import StatusEndpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -161,10 +161,31 @@ def test_classify_same_namespace(runtime):
     ticks = discovery.process_start_ticks(parent)
     assert discovery.classify(record(runtime, parent, proc_start_ticks=ticks + 1)) == (
         discovery.STALE, f"pid {parent} now belongs to another process (started at tick {ticks}, not {ticks + 1})")
-    # Written before pid_ns and boot_id were recorded: judged by pid and start time alone.
+    # Written before pid_ns was recorded, or where /proc could not be read: the pid cannot be judged.
     legacy = record(runtime, gone)
     del legacy["pid_ns"], legacy["boot_id"]
-    assert discovery.classify(legacy)[0] == discovery.STALE
+    assert discovery.classify(legacy) == (discovery.ELSEWHERE, discovery.UNKNOWN_THEIR_NS)
+
+
+def test_unknown_namespace_on_either_side_is_elsewhere_never_stale(runtime):
+    gone = dead_pid()
+    for pid in (gone, os.getpid()):
+        assert discovery.classify(record(runtime, pid, pid_ns=None)) == (discovery.ELSEWHERE, discovery.UNKNOWN_THEIR_NS)
+        assert discovery.classify(record(runtime, pid), own_pid_ns="") == (discovery.ELSEWHERE, discovery.UNKNOWN_OWN_NS)
+    # another boot is still proof, whatever the namespaces
+    other = str(uuid.uuid4())
+    assert discovery.classify(record(runtime, gone, pid_ns=None, boot_id=other))[0] == discovery.STALE
+
+
+def test_a_reader_without_its_namespace_removes_nothing(runtime, monkeypatch):
+    gone = dead_pid()
+    leftovers = scheme_leftovers(runtime, gone)
+    path = plant(runtime, gone, record(runtime, gone, proc_start_ticks=1))
+    monkeypatch.setattr(discovery, "pid_namespace", lambda: None)  # as where /proc cannot be read
+    found = discovery.scan(runtime)
+    assert (found.live, found.stale) == ([], [])
+    assert [(k.pid, k.elsewhere) for k in found.elsewhere] == [(gone, discovery.UNKNOWN_OWN_NS)]
+    assert path.exists() and all(p.exists() for p in leftovers)
 
 
 def test_classify_another_namespace_is_elsewhere_even_for_a_pid_alive_here(runtime):
@@ -336,6 +357,68 @@ def test_kernel_in_a_real_other_pid_namespace_is_left_alone(kernel, runtime):
     assert all(p.exists() for p in files)
 
 
+NO_PROC_WAYS = (
+    ["unshare", "--pid", "--fork", "--mount"],  # root
+    ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount"],  # unprivileged user namespaces
+)
+#: run "$@" with an empty tmpfs over /proc: no namespace link, no /proc/<pid>/stat
+_EMPTY_PROC = ["sh", "-c", 'mount -t tmpfs none /proc && exec "$@"', "sh"]
+
+
+def unshare_without_proc() -> list:
+    """A command prefix that runs a program in a new PID namespace with /proc unreadable; skips without one."""
+    reasons = []
+    for way in NO_PROC_WAYS:
+        try:
+            probe = subprocess.run([*way, *_EMPTY_PROC, "sh", "-c", "! test -e /proc/self/ns/pid"],
+                                   capture_output=True, text=True, timeout=GUARD)
+        except FileNotFoundError:
+            pytest.skip("unshare (util-linux) is not installed")
+        if probe.returncode == 0:
+            return [*way, *_EMPTY_PROC]
+        reasons.append(f"{' '.join(way)}: {probe.stderr.strip()}")
+    pytest.skip("this machine allows no PID namespace without /proc: " + "; ".join(reasons))
+
+
+def test_a_kernel_started_without_proc_is_elsewhere_and_its_files_stay(kernel, runtime):
+    inner = subprocess.Popen([*unshare_without_proc(), sys.executable, "-c", INNER_KERNEL],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env())
+    try:
+        line = inner.stdout.readline()
+        assert line, "the kernel without /proc did not start"
+        pid_text, ns = line.split()
+        assert ns == "None"
+        files = [runtime / f"gpucleanup-{pid_text}.json"] + [
+            runtime / "gpucleanup" / name for name in (f"{pid_text}.key", f"{pid_text}.sock", f"{pid_text}.sock.pub")]
+        assert json.loads(files[0].read_text())["pid_ns"] is None
+        result = cli("ps", "--json")
+        assert result.returncode == 0, result.stderr
+        entries = {str(e["pid"]): e for e in json.loads(result.stdout)}
+        assert entries[pid_text]["elsewhere"] is True
+        assert entries[pid_text]["elsewhere_reason"] == discovery.UNKNOWN_THEIR_NS
+        assert entries[str(os.getpid())]["status"]["state"]["state"] == "running"
+    finally:
+        inner.stdin.close()
+        inner.wait(timeout=GUARD)
+    # gone now, and still nothing here can prove it: its pid was another namespace's
+    assert cli("ps").returncode == 0
+    assert all(p.exists() for p in files)
+
+
+def test_ps_without_proc_leaves_this_kernel_alone(kernel, runtime):
+    result = subprocess.run([*unshare_without_proc(), sys.executable, "-m", "gpucleanup.cli", "ps", "--json"],
+                            capture_output=True, text=True, env=_env(), timeout=GUARD)
+    assert result.returncode == 0, result.stderr
+    (entry,) = json.loads(result.stdout)
+    assert (entry["pid"], entry["elsewhere"], entry["elsewhere_reason"]) == (
+        os.getpid(), True, discovery.UNKNOWN_OWN_NS)
+    assert kernel.discovery_path.exists()
+    assert Path(kernel.info["key_file"]).exists()
+    assert stat.S_ISSOCK(os.lstat(kernel.info["endpoint"][len("ipc://"):]).st_mode)
+    assert stat.S_ISSOCK(os.lstat(kernel.info["pub_endpoint"][len("ipc://"):]).st_mode)
+    assert "running cell 12" in rows(cli("ps").stdout)[str(os.getpid())]
+
+
 def test_ps_in_another_pid_namespace_leaves_this_kernel_alone(kernel, runtime):
     result = subprocess.run(
         [*unshare(), sys.executable, "-m", "gpucleanup.cli", "ps", "--json"],
@@ -388,20 +471,29 @@ def test_every_bad_file_is_one_line_and_the_good_kernel_is_still_listed(kernel, 
     bad[zero] = "a symbolic link"
 
     # Live processes of this namespace whose key file is a FIFO, a link to /dev/zero, /dev/zero itself.
-    key_fifo = tmp_path / "fifo.key"
-    os.mkfifo(key_fifo, 0o600)
-    key_link = tmp_path / "zero.key"
-    os.symlink("/dev/zero", key_link)
-    for key, why in ((key_fifo, "not a regular file (a FIFO)"), (key_link, "a symbolic link"),
-                     (Path("/dev/zero"), "not a regular file (a character device)")):
-        pid = sleepers()
-        bad[plant(runtime, pid, record(runtime, pid, key_file=str(key)))] = f"key file {key} is {why}"
+    # At the key path of the naming scheme: a FIFO, a link to /dev/zero; elsewhere: /dev/zero itself.
+    private = discovery.ensure_private_dir(runtime / "gpucleanup")
+    pid = sleepers()
+    os.mkfifo(private / f"{pid}.key", 0o600)
+    bad[plant(runtime, pid, record(runtime, pid))] = f"key file {private / f'{pid}.key'} is not a regular file (a FIFO)"
+    pid = sleepers()
+    os.symlink("/dev/zero", private / f"{pid}.key")
+    bad[plant(runtime, pid, record(runtime, pid))] = f"key file {private / f'{pid}.key'} is a symbolic link"
+    pid = sleepers()
+    bad[plant(runtime, pid, record(runtime, pid, key_file="/dev/zero"))] = (
+        f"key file /dev/zero is not {private / f'{pid}.key'}, the only key file the naming scheme gives")
 
     for args in (("ps", "--timeout", "1"), ("ps", "--json", "--timeout", "1")):
         result = cli(*args)
         assert result.returncode == 0, result.stderr
         lines = result.stderr.splitlines()
-        assert sorted(lines) == sorted(f"gpucleanup: skipped {path}: {why}" for path, why in bad.items())
+        # the first few one line each, then one line for the rest
+        said = set(f"gpucleanup: skipped {path}: {why}" for path, why in bad.items())
+        cap = cli_module.MAX_SKIPPED_LINES
+        assert len(bad) > cap
+        assert len(lines) == cap + 1 and set(lines[:cap]) <= said
+        assert lines[cap] == (f"gpucleanup: skipped {len(bad) - cap} more unusable files in {runtime} "
+                              f"(the first {cap} are said above)")
         if "--json" in args:
             assert [e["pid"] for e in json.loads(result.stdout)] == [os.getpid()]
         else:
@@ -412,11 +504,25 @@ def test_every_bad_file_is_one_line_and_the_good_kernel_is_still_listed(kernel, 
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
 
 
+def test_a_flood_of_bad_files_is_one_summary_line_on_stderr(kernel, runtime):
+    for _ in range(100):
+        plant(runtime, dead_pid(), b"not json")
+    result = cli("ps")
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.splitlines()
+    cap = cli_module.MAX_SKIPPED_LINES
+    assert len(lines) == cap + 1
+    assert all(line.startswith("gpucleanup: skipped ") and line.endswith(": not JSON (Expecting value: line 1 column 1 "
+                                                                       "(char 0))") for line in lines[:cap])
+    assert lines[cap] == f"gpucleanup: skipped {100 - cap} more unusable files in {runtime} (the first {cap} are said above)"
+    assert "running cell 12" in rows(result.stdout)[str(os.getpid())]
+
+
 def test_status_and_drain_report_a_bad_key_file_instead_of_hanging(runtime, sleepers, tmp_path):
-    key = tmp_path / "fifo.key"
-    os.mkfifo(key, 0o600)
     pid = sleepers()
-    plant(runtime, pid, record(runtime, pid, key_file=str(key)))
+    key = discovery.ensure_private_dir(runtime / "gpucleanup") / f"{pid}.key"
+    os.mkfifo(key, 0o600)
+    plant(runtime, pid, record(runtime, pid))
     for command in ("status", "drain"):
         result = cli(command, str(pid), "--timeout", "1")
         assert result.returncode == 4
@@ -424,6 +530,40 @@ def test_status_and_drain_report_a_bad_key_file_instead_of_hanging(runtime, slee
             f"gpucleanup: kernel {pid}: its key file {key} is not a regular file (a FIFO): gpucleanup writes a "
             "regular file there; restart the kernel\n"
         )
+
+
+def test_a_key_file_is_only_ever_the_schemes_owned_by_the_discovery_files_owner(runtime, sleepers, tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("only root can give a file away")
+    # root reading a user's runtime directory (--runtime-dir, JUPYTER_RUNTIME_DIR): everything there is the user's
+    os.chown(runtime, 12345, 12345)
+    secret = tmp_path / "root-only"
+    secret.write_text("r" * 64)
+    os.chmod(secret, 0o600)
+    private = discovery.ensure_private_dir(runtime / "gpucleanup")
+    named, planted = sleepers(), sleepers()
+    for pid, fields in ((named, {"key_file": str(secret)}), (planted, {})):
+        path = plant(runtime, pid, record(runtime, pid, **fields))
+        os.chown(path, 12345, 12345)
+    # at the scheme's path, a root-owned key (the user cannot have written it): not the user's either
+    (private / f"{planted}.key").write_text("k" * 64)
+    os.chmod(private / f"{planted}.key", 0o600)
+    os.chown(private, 12345, 12345)
+    found = {k.pid: k for k in discovery.scan(runtime, clean=False).live}
+    assert found[named].owner == found[planted].owner == 12345
+    with pytest.raises(discovery.UnsafeFile) as named_error:
+        found[named].read_key()
+    assert named_error.value.strerror == f"not {private / f'{named}.key'}, the only key file the naming scheme gives"
+    with pytest.raises(discovery.UnsafeFile) as planted_error:
+        found[planted].read_key()
+    assert planted_error.value.strerror == "owned by uid 0, not by uid 12345, who owns the discovery file"
+    result = cli("ps", "--json")
+    assert result.returncode == 0
+    assert f"key file {secret} is not {private / f'{named}.key'}" in result.stderr
+    assert f"key file {private / f'{planted}.key'} is owned by uid 0, not by uid 12345" in result.stderr
+    # a key of the user's own at the scheme's path is read
+    os.chown(private / f"{planted}.key", 12345, 12345)
+    assert found[planted].read_key() == b"k" * 64
 
 
 def test_a_file_owned_by_someone_else_is_skipped(kernel, runtime):

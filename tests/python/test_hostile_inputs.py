@@ -32,6 +32,7 @@ import tempfile
 import textwrap
 import time
 import types
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -380,7 +381,7 @@ def test_a_profile_config_file_full_of_wrong_values_loads_with_the_defaults(tmp_
 # Variables named in the package's sources (Python and native); each must be swept below.
 _READS = re.compile(r"""(?:environ|env|getenv)(?:\.get)?[\[(]\s*["']([A-Z][A-Z0-9_]+)["']""")
 # Read from a WSGI request's environ, not the process's.
-_NOT_PROCESS_ENV = {"PATH_INFO"}
+_NOT_PROCESS_ENV = {"PATH_INFO", "HTTP_AUTHORIZATION"}  # the WSGI request's environ, not the process's
 
 # How far each variable is reached: paths get the path garbage too.
 PATH_VARIABLES = ("GPUCLEANUP_LIBRARY", "GPUCLEANUP_LIBCUDA", "GPUCLEANUP_CUPTI", "JUPYTER_RUNTIME_DIR",
@@ -793,7 +794,7 @@ import errno, hashlib, hmac, io, json, os, socket, sys, time, uuid, contextlib
 import zmq
 import gpucleanup, gpucleanup.cli, gpucleanup.kernels, gpucleanup.discovery, gpucleanup.status_client, gpucleanup.report
 import jupyter_core.paths
-import argparse, concurrent.futures, shutil, textwrap, locale, encodings.idna
+import argparse, concurrent.futures, shutil, textwrap, locale, encodings.idna, urllib.request, urllib.error
 os.setgroups([]); os.setgid(65534); os.setuid(65534)
 assert os.getuid() == os.geteuid() == 65534 and os.getgid() == 65534 and os.getgroups() == []
 
@@ -1037,3 +1038,141 @@ def test_another_user_on_tcp_is_refused_every_request_and_learns_nothing(victim_
         "[gpucleanup.server.403] bad signature: sign the body with HMAC-SHA256 (hex digest) under the key from the "
         "kernel's key file")
     _owner_sees_the_same_kernel(k)
+
+
+@needs_root
+@pytest.mark.parametrize("victim_kernel", ["ipc"], indirect=True)
+def test_another_user_scraping_the_exporter_gets_no_figure_and_no_notebook(victim_kernel):
+    from gpucleanup import metrics
+
+    k = victim_kernel
+    exporter = metrics.start_exporter(0, runtime_dir=k.runtime, timeout=5.0)
+    try:
+        found = _as_nobody(
+            f"""
+            import urllib.request, urllib.error
+            out = {{"token": why(lambda: open({str(exporter.token_file)!r}).read())}}
+            try:
+                urllib.request.urlopen({exporter.url!r}, timeout=30)
+                out["status"] = 200
+            except urllib.error.HTTPError as exc:
+                out["status"], out["body"] = exc.code, exc.read().decode()
+            print(json.dumps(out))
+            """,
+            _child_env(HOME=str(k.base / "home-of-other")),
+        )
+        token = exporter.token_file.read_text().strip()
+        request = urllib.request.Request(exporter.url, headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            owners = response.read().decode()
+    finally:
+        exporter.shutdown()
+    assert found["token"] == "EACCES"
+    assert found["status"] == 401
+    assert "secret-plans" not in found["body"] and "gpucleanup_" not in found["body"]
+    assert 'notebook="/home/me/secret-plans.ipynb"' in owners  # the owner, with the token, sees it
+
+
+_FOREIGN_SUBSCRIBERS = """
+n = int(sys.argv[1])
+context = zmq.Context()
+subs = []
+for _ in range(n):
+    s = context.socket(zmq.SUB)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.SUBSCRIBE, b"")
+    s.connect(sys.argv[2])
+    subs.append(s)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+@needs_root
+@pytest.mark.parametrize("victim_kernel", ["tcp"], indirect=True)
+def test_foreign_subscribers_cannot_lock_the_owner_out_of_its_records(victim_kernel):
+    k = victim_kernel
+    pub = k.ep.info["pub_endpoint"]
+    lib = k.ep._lib()
+    foreign = subprocess.Popen([sys.executable, "-c", _AS_NOBODY + _FOREIGN_SUBSCRIBERS, "70", pub],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                               env=_child_env(HOME=str(k.base / "home-of-other")))
+    subscriber = status_client.Subscriber()
+    try:
+        assert foreign.stdout.readline().strip() == "ready"
+        # the records socket is full of the other user's subscribers (and refuses more of them)
+        deadline = time.monotonic() + HANG_S
+        while not (lib.server_connections()["pub_peers"] >= lib.server_connections()["max_peers"]
+                   and lib.server_connections()["refused_connections"] > 0):
+            assert time.monotonic() < deadline, lib.server_connections()
+            time.sleep(0.05)
+        subscriber.add("owner", status_client.Target(pub, k.owner.key, "owner"))
+        got = []
+        deadline = time.monotonic() + HANG_S
+        cell = 100
+        while not got:
+            assert time.monotonic() < deadline, "the owner's subscription got no record"
+            cell += 1
+            k.ep.publish({"cell": cell, "devices": []})
+            got = subscriber.poll(0.2)
+        assert got[0][1]["record"]["cell"] > 100
+    finally:
+        subscriber.close()
+        foreign.stdin.close()
+        foreign.wait(HANG_S)
+
+
+_IDLE_CONNECTIONS = """
+held = []
+for _ in range(int(sys.argv[1])):
+    s = socket.socket()
+    s.connect(("127.0.0.1", int(sys.argv[2])))
+    held.append(s)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+@needs_root
+@pytest.mark.parametrize("victim_kernel", ["ipc"], indirect=True)
+def test_idle_connections_of_another_user_cannot_lock_the_owner_out_of_the_exporter(victim_kernel, monkeypatch):
+    from gpucleanup import metrics
+
+    k = victim_kernel
+    monkeypatch.setattr(metrics, "READ_TIMEOUT_S", 600.0)  # the other user's connections stay as long as it likes
+    exporter = metrics.start_exporter(0, runtime_dir=k.runtime, timeout=5.0)
+    foreign = subprocess.Popen([sys.executable, "-c", _AS_NOBODY + _IDLE_CONNECTIONS, "100", str(exporter.port)],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                               env=_child_env(HOME=str(k.base / "home-of-other")))
+    try:
+        assert foreign.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + HANG_S
+        while exporter.server.refused < 100 - metrics.MAX_CONNECTIONS:
+            assert time.monotonic() < deadline, exporter.server.refused
+            time.sleep(0.05)
+        token = exporter.token_file.read_text().strip()
+        for _ in range(3):
+            request = urllib.request.Request(exporter.url, headers={"Authorization": f"Bearer {token}"})
+            with urllib.request.urlopen(request, timeout=HANG_S) as response:
+                assert 'notebook="/home/me/secret-plans.ipynb"' in response.read().decode()
+        assert len(exporter.server._open) <= metrics.MAX_CONNECTIONS
+    finally:
+        foreign.stdin.close()
+        foreign.wait(HANG_S)
+        exporter.shutdown()
+
+
+def test_the_exporter_closes_a_connection_that_sends_nothing(tmp_path, monkeypatch):
+    import socket
+
+    from gpucleanup import metrics
+
+    runtime = tmp_path / "runtime"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setattr(metrics, "READ_TIMEOUT_S", 0.5)
+    exporter = metrics.start_exporter(0, runtime_dir=runtime, timeout=1.0)
+    try:
+        with socket.create_connection(("127.0.0.1", exporter.port), timeout=HANG_S) as idle:
+            assert idle.recv(1) == b""  # closed by the exporter, well within the guard
+    finally:
+        exporter.shutdown()

@@ -13,8 +13,10 @@ import importlib.util
 import json
 import os
 import re
+import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 import pytest
@@ -226,3 +228,47 @@ def test_torch_imported_in_the_kernel_stays_uninitialised(tmp_path, scenario):
             assert execute(kc, magic)["reply"]["status"] == "ok"
         state = execute(kc, "print(torch.cuda.is_initialized())")
         assert state["stdout"] == "False\n"
+
+
+def _kernel_files(runtime: Path, pid: int) -> list:
+    private = runtime / "gpucleanup"
+    return [runtime / f"gpucleanup-{pid}.json", private / f"{pid}.key", private / f"{pid}.sock",
+            private / f"{pid}.sock.pub"]
+
+
+def test_the_next_kernel_that_loads_sweeps_what_a_killed_kernel_left(tmp_path):
+    import socket
+
+    from gpucleanup import discovery
+
+    runtime = tmp_path / "runtime"
+    private = discovery.ensure_private_dir(runtime / "gpucleanup")
+    os.chmod(runtime, 0o700)
+
+    def leave(pid: int, **fields) -> list:
+        """A killed kernel's four files (its process is gone)."""
+        (private / f"{pid}.key").write_text("0" * 64)
+        for name in (f"{pid}.sock", f"{pid}.sock.pub"):
+            s = socket.socket(socket.AF_UNIX)
+            s.bind(str(private / name))
+            s.close()
+        info = {"discovery": 1, "pid": pid, "proc_start_ticks": 1, "kernel_id": None, "connection_file": None,
+                "notebook": None, "endpoint": f"ipc://{private}/{pid}.sock", "pub_endpoint": f"ipc://{private}/{pid}.sock.pub",
+                "transport": "ipc", "key_file": str(private / f"{pid}.key"), "signature_scheme": "hmac-sha256",
+                "protocol": 1, "started_ns": 1, "version": "0.1.0", **fields}
+        discovery.write(discovery.discovery_path(pid, runtime), info)
+        return _kernel_files(runtime, pid)
+
+    def gone() -> int:
+        proc = subprocess.Popen([sys.executable, "-c", "pass"])
+        proc.wait()
+        return proc.pid
+
+    stale = leave(gone())
+    unknown = leave(gone(), pid_ns=None)  # liveness unknown: elsewhere, left alone
+    with kernel(tmp_path, GPUCLEANUP_FAKE_CUDA_SCENARIO=json.dumps(SCENARIO)) as kc:
+        execute(kc, "%load_ext gpucleanup")
+        pid = int(execute(kc, "import os; print(os.getpid())")["stdout"])
+        assert [p for p in stale if os.path.lexists(p)] == []
+        assert all(os.path.lexists(p) for p in unknown)
+        assert all(os.path.lexists(p) for p in _kernel_files(runtime, pid))

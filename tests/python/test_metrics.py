@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 import selectors
 import signal
 import socket
@@ -22,6 +23,7 @@ import types
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -450,8 +452,7 @@ def _read_line(proc: subprocess.Popen, limit_s: float = 120) -> str:
 
 
 def test_jupyter_servers_metrics_show_the_kernels_behind_its_token(kernel, runtime, tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "ipython_ext"), os.environ.get("PYTHONPATH")])),
-               JUPYTER_CONFIG_DIR=str(tmp_path / "config"), JUPYTER_DATA_DIR=str(tmp_path / "data"))
+    env = _server_env(tmp_path)
     root = tmp_path / "root"
     root.mkdir()
     proc = subprocess.Popen(
@@ -467,8 +468,14 @@ def test_jupyter_servers_metrics_show_the_kernels_behind_its_token(kernel, runti
             urllib.request.urlopen(url, timeout=60)
         assert refused.value.code == 403  # authenticate_prometheus: the token is needed
         request = urllib.request.Request(url, headers={"Authorization": "token s3cret"})
-        with urllib.request.urlopen(request, timeout=60) as response:
-            samples = scrape_text(response.read().decode())
+        # a scrape shows the collection the one before it started (the first: the one registering started)
+        deadline = time.monotonic() + 60
+        while True:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                samples = scrape_text(response.read().decode())
+            if values(samples, "gpucleanup_kernel_up", pid=kernel.pid) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
     finally:
         proc.terminate()
         proc.wait(60)
@@ -476,12 +483,136 @@ def test_jupyter_servers_metrics_show_the_kernels_behind_its_token(kernel, runti
     assert value(samples, "gpucleanup_cells_cleaned_total", pid=kernel.pid) == 2
 
 
+#: a kernel in a process of its own (its status endpoint on the fake driver), stopped by the test with SIGSTOP
+_STOPPABLE_KERNEL = textwrap.dedent("""
+    import sys, types
+    from gpucleanup.status_endpoint import StatusEndpoint
+    ep = StatusEndpoint()
+    ep.start(types.SimpleNamespace(user_ns={"__session__": "/home/me/stopped.ipynb"}))
+    assert ep.error is None, ep.error
+    print("ready", flush=True)
+    sys.stdin.read()
+""")
+
+
+def _server_env(tmp_path: Path) -> dict:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "ipython_ext"), os.environ.get("PYTHONPATH")])),
+                JUPYTER_CONFIG_DIR=str(tmp_path / "config"), JUPYTER_DATA_DIR=str(tmp_path / "data"))
+
+
+def test_scrapes_never_hold_the_servers_event_loop_while_a_kernel_is_stopped(runtime, tmp_path, fake_cuda):
+    env = _server_env(tmp_path)
+    stopped = subprocess.Popen([sys.executable, "-c", _STOPPABLE_KERNEL], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True, env=env)
+    root = tmp_path / "root"
+    root.mkdir()
+    server = None
+    try:
+        assert _read_line(stopped).startswith("ready")
+        os.kill(stopped.pid, signal.SIGSTOP)
+        # authenticate_prometheus off, as the docs say for Prometheus: anyone can scrape
+        server = subprocess.Popen(
+            [sys.executable, "-c", _SERVER, "--ServerApp.port=0", "--ServerApp.ip=127.0.0.1",
+             "--ServerApp.open_browser=False", "--IdentityProvider.token=s3cret", f"--ServerApp.root_dir={root}",
+             "--ServerApp.authenticate_prometheus=False", "--allow-root"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+        )
+        line = _read_line(server)
+        assert line.startswith("ready "), line
+        base = f"http://127.0.0.1:{int(line.split()[1])}"
+
+        def scrape_once() -> list:
+            with urllib.request.urlopen(f"{base}/metrics", timeout=60) as response:
+                return scrape_text(response.read().decode())
+
+        # the stopped kernel is found and shown down (from a collection the scrapes started)
+        deadline = time.monotonic() + 60
+        while not values(scrape_once(), "gpucleanup_kernel_up", pid=stopped.pid):
+            assert time.monotonic() < deadline, "the stopped kernel never showed in /metrics"
+            time.sleep(0.1)
+
+        scraped = []
+        errors = []
+        go = threading.Barrier(11)
+
+        def scraper():
+            try:
+                go.wait(60)
+                for _ in range(3):
+                    scraped.append(scrape_once())
+            except Exception as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=scraper) for _ in range(10)]
+        for t in threads:
+            t.start()
+        go.wait(60)
+        answers = []
+        status = urllib.request.Request(f"{base}/api/status", headers={"Authorization": "token s3cret"})
+        while any(t.is_alive() for t in threads):
+            started = time.monotonic()
+            with urllib.request.urlopen(status, timeout=60) as response:
+                assert response.status == 200
+            answers.append(time.monotonic() - started)
+        for t in threads:
+            t.join(60)
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(60)
+        os.kill(stopped.pid, signal.SIGCONT)
+        stopped.stdin.close()
+        stopped.wait(60)
+    assert errors == []
+    assert len(scraped) == 30
+    assert answers and max(answers) < 1.0, answers  # the issue's bound: within a second, every time
+    for samples in scraped:
+        assert value(samples, "gpucleanup_kernel_up", pid=stopped.pid) == 0
+        assert value(samples, "gpucleanup_kernel_error", pid=stopped.pid, kind="no_answer") == 1
+
+
+def test_concurrent_scrapes_share_one_collection(runtime, monkeypatch):
+    collector = metrics.KernelCollector(runtime, timeout=5.0)
+    registry = prometheus_client.CollectorRegistry()
+    registry.register(collector)
+    release = threading.Event()
+    gathered = []
+    real = kernels.gather
+
+    def slow_gather(*args, **kwargs):
+        gathered.append(threading.current_thread().name)
+        assert release.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "gather", slow_gather)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(scrape(registry))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while not gathered:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    release.set()
+    for t in threads:
+        t.join(60)
+    assert len(results) == 8
+    assert gathered == ["gpucleanup-metrics"]  # one collection, on a thread of its own
+    assert collector.collections == 1
+    assert all(value(r, "gpucleanup_kernels") == 0 for r in results)
+
+
 # ------------------------------------------------------------------ the exporter
 
 
-def _get(url: str):
-    with urllib.request.urlopen(url, timeout=60) as response:
+def _get(url: str, token: Optional[str] = None):
+    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=60) as response:
         return response.status, response.read().decode()
+
+
+def _token(exporter) -> str:
+    return exporter.token_file.read_text().strip()
 
 
 def test_the_exporter_serves_the_metrics_over_http_until_shut_down(kernel, runtime):
@@ -489,7 +620,7 @@ def test_the_exporter_serves_the_metrics_over_http_until_shut_down(kernel, runti
     try:
         assert exporter.host == "127.0.0.1" and exporter.port > 0
         assert exporter.url == f"http://127.0.0.1:{exporter.port}/metrics"
-        status, text = _get(exporter.url)
+        status, text = _get(exporter.url, _token(exporter))
         assert status == 200
         samples = scrape_text(text)
         assert value(samples, "gpucleanup_cells_cleaned_total", pid=kernel.pid) == 2
@@ -512,6 +643,53 @@ def test_the_exporter_serves_the_metrics_over_http_until_shut_down(kernel, runti
     exporter.shutdown()  # twice: nothing more to do
     with pytest.raises(urllib.error.URLError):
         _get(exporter.url)
+
+
+def test_the_exporter_is_private_to_its_owner_by_default(kernel, runtime):
+    exporter = metrics.start_exporter(0, runtime_dir=runtime, timeout=5.0)
+    try:
+        assert exporter.token_file == runtime / "gpucleanup" / "exporter.token"
+        assert stat.S_IMODE(exporter.token_file.stat().st_mode) == 0o600
+        for token in (None, "wrong-token-of-20-chars"):
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                _get(exporter.url, token)
+            assert refused.value.code == 401
+            assert refused.value.headers["WWW-Authenticate"] == 'Bearer realm="gpucleanup"'
+            assert b"notebook" not in refused.value.read()
+        samples = scrape_text(_get(exporter.url, _token(exporter))[1])
+        assert value(samples, "gpucleanup_kernel_up", pid=kernel.pid, notebook="/home/me/fit.ipynb") == 1
+        token = _token(exporter)
+    finally:
+        exporter.shutdown()
+    # the same token the next time: a Prometheus configured once keeps working
+    again = metrics.start_exporter(0, runtime_dir=runtime, timeout=5.0)
+    try:
+        assert _token(again) == token
+    finally:
+        again.shutdown()
+
+
+def test_a_public_exporter_names_no_notebook_nor_kernel_id(kernel, runtime):
+    exporter = metrics.start_exporter(0, runtime_dir=runtime, timeout=5.0, public=True)
+    try:
+        assert exporter.token_file is None
+        samples = scrape_text(_get(exporter.url)[1])
+    finally:
+        exporter.shutdown()
+    assert value(samples, "gpucleanup_kernel_up", pid=kernel.pid) == 1
+    assert {(l.get("notebook"), l.get("kernel_id")) for _, l, _ in samples if "pid" in l} == {("", "")}
+
+
+def test_a_token_file_others_may_read_is_refused(runtime, tmp_path):
+    loose = tmp_path / "token"
+    loose.write_text("a" * 32)
+    loose.chmod(0o644)
+    with pytest.raises(metrics.ExporterError, match=r"may be read by others \(mode 644\): chmod 600 it"):
+        metrics.start_exporter(0, runtime_dir=runtime, token_file=loose)
+    loose.chmod(0o600)
+    loose.write_text("short")
+    with pytest.raises(metrics.ExporterError, match="does not hold a token"):
+        metrics.start_exporter(0, runtime_dir=runtime, token_file=loose)
 
 
 def test_a_port_in_use_is_a_clear_error(runtime):
@@ -548,7 +726,7 @@ def test_run_exporter_serves_until_ctrl_c_and_returns_0(kernel, runtime):
         assert line.startswith("gpucleanup exporter: serving http://127.0.0.1:"), line
         assert line.rstrip().endswith("/metrics (Ctrl-C stops)")
         url = line.split()[3]
-        status, text = _get(url)
+        status, text = _get(url, metrics.token_path().read_text().strip())
         assert status == 200
         assert value(scrape_text(text), "gpucleanup_kernel_up", pid=kernel.pid) == 1
         proc.send_signal(signal.SIGINT)

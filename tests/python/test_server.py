@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -194,6 +195,27 @@ def test_a_kernel_is_listed_with_its_notebook_and_the_figures_of_its_status_endp
     assert [e["devices"] for e in listed["kernels"] if e["id"] == notebook.kernel_id] == [entry["devices"]]
 
 
+def test_reading_the_list_deletes_no_file_not_even_a_stale_one(server):
+    # whoever may read the list (a read-only user included) must not be able to delete files
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    gone = proc.pid
+    path = server.runtime / f"gpucleanup-{gone}.json"
+    discovery.write(path, {
+        "discovery": 1, "pid": gone, "proc_start_ticks": 1, "kernel_id": None, "connection_file": None,
+        "notebook": None, "endpoint": f"ipc://{server.runtime}/gpucleanup/{gone}.sock",
+        "pub_endpoint": f"ipc://{server.runtime}/gpucleanup/{gone}.sock.pub", "transport": "ipc",
+        "key_file": None, "signature_scheme": "hmac-sha256", "protocol": 1, "started_ns": 1, "version": "0.1.0"})
+    try:
+        assert discovery.scan(server.runtime, clean=False).stale == [path]
+        listed = server.api("GET", "/api/gpucleanup/kernels")
+        assert gone not in [e["pid"] for e in listed["kernels"]]
+        assert server.request("GET", f"/api/gpucleanup/kernels/pid-{gone}", token=True).status == 404
+        assert path.exists()
+    finally:
+        discovery.remove(path)
+
+
 def test_a_kernel_without_gpucleanup_is_listed_with_a_hint(server, plain):
     entry = server.entry(plain.kernel_id)
     assert entry["notebook"] == "plain.ipynb"
@@ -330,6 +352,56 @@ def test_a_kernel_that_does_not_answer_shows_why_and_its_drain_is_504(server):
         assert response.status == 504
         assert response.json()["message"] == (
             f"kernel {key} did not answer within {STATUS_TIMEOUT:g} s: the process may be stopped or overloaded")
+    finally:
+        path.unlink(missing_ok=True)
+        sleeper.kill()
+        sleeper.wait()
+        stuck.close()
+
+
+def test_drains_to_kernels_that_do_not_answer_never_hold_up_the_list(server):
+    import threading
+
+    import zmq
+
+    stuck = zmq.Context.instance().socket(zmq.ROUTER)  # accepts, never answers
+    stuck.setsockopt(zmq.LINGER, 0)
+    port = stuck.bind_to_random_port("tcp://127.0.0.1")
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    path = server.runtime / f"gpucleanup-{sleeper.pid}.json"
+    key = f"pid-{sleeper.pid}"
+    statuses = []
+    try:
+        discovery.write(path, {
+            "discovery": 1, "pid": sleeper.pid, "proc_start_ticks": discovery.process_start_ticks(sleeper.pid),
+            "kernel_id": None, "connection_file": None, "notebook": "elsewhere/stuck.ipynb",
+            "endpoint": f"tcp://127.0.0.1:{port}", "pub_endpoint": f"tcp://127.0.0.1:{port}", "transport": "tcp",
+            "key_file": None, "signature_scheme": "hmac-sha256", "protocol": 1, "started_ns": 1, "version": "0.1.0",
+        })
+        assert server.entry(key)["error_kind"] == "no_answer"
+
+        def drain():  # each waits 20 s for an answer that never comes
+            statuses.append(server.request("POST", f"/api/gpucleanup/kernels/{key}/drain", body={"timeout_s": 20},
+                                           token=True).status)
+
+        drains = [threading.Thread(target=drain) for _ in range(4)]
+        for t in drains:
+            t.start()
+        # every drain has reached the kernel (and holds a thread of the server) before the list is asked
+        seen = 0
+        while seen < 4:
+            assert stuck.poll(TIMEOUT * 1000), "the drains did not reach the kernel"
+            seen += sum(b'"drain"' in frame for frame in stuck.recv_multipart())
+        # the list answers, every time, while every drain still waits (generous bound: half the drains' wait)
+        started = time.monotonic()
+        for _ in range(3):
+            listed = server.api("GET", "/api/gpucleanup/kernels")
+            assert key in [e["id"] for e in listed["kernels"]]
+        assert time.monotonic() - started < 10
+        assert statuses == [] and all(t.is_alive() for t in drains)
+        for t in drains:
+            t.join(120)
+        assert statuses == [504] * 4
     finally:
         path.unlink(missing_ok=True)
         sleeper.kill()

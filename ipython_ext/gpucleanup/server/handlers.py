@@ -4,7 +4,8 @@ Every handler is authenticated (the server's token, password or login cookie) an
 resource ``kernels``: reading it for the lists and the page, writing it for a drain. POST requests go
 through Jupyter Server's XSRF check (a token-authenticated request is exempt, as everywhere in the
 server). Status requests block for up to their timeout, so they run on a small thread pool of
-their own, never on the server's event loop.
+their own, never on the server's event loop; drains, which wait for a kernel's GPU, on another, so
+that drains to kernels that do not answer never hold up the list.
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ class KernelWatch:
         self.serverapp = serverapp
         self.settings = settings
         self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="gpucleanup-server")
+        # Drains wait for a kernel's GPU (up to a minute each): a pool of their own, so that drains to kernels
+        # that do not answer never hold the threads the list and the page need.
+        self._drains = ThreadPoolExecutor(max_workers=4, thread_name_prefix="gpucleanup-drain")
         self._pending: Optional[asyncio.Future] = None
 
     @property
@@ -82,6 +86,11 @@ class KernelWatch:
 
     def run(self, function, *args, **kwargs):
         return asyncio.get_running_loop().run_in_executor(self._executor, partial(function, *args, **kwargs))
+
+    def drain(self, target: status_client.Target, wait: float, drain_timeout: float):
+        """A drain request to ``target``, on the drains' own pool (never the list's)."""
+        return asyncio.get_running_loop().run_in_executor(
+            self._drains, partial(status_client.request, target, "drain", wait, timeout_s=drain_timeout))
 
     async def server_kernels(self) -> List[dict]:
         """This server's kernels: id, notebook path (its session's), pid, execution state."""
@@ -113,7 +122,10 @@ class KernelWatch:
 
     async def _collect(self) -> dict:
         ours = await self.server_kernels()
-        gathered = await self.run(kernels.gather, self.runtime_dir, self.settings.timeout, self.settings.history)
+        # A read removes nothing: whoever may read the list (a read-only user included) must not delete
+        # files; stale files are swept by the next kernel that loads gpucleanup, and by gpucleanup ps.
+        gathered = await self.run(kernels.gather, self.runtime_dir, self.settings.timeout, self.settings.history,
+                                  clean=False)
         return model.assemble(ours, gathered)
 
     async def collect(self) -> dict:
@@ -132,7 +144,7 @@ class KernelWatch:
     async def find(self, key: str) -> discovery.Kernel:
         """The discovery record of the kernel ``key`` names (kernel id or ``pid-<pid>``); HTTPError 404 when
         no kernel has that name, 409 when it has no gpucleanup or cannot be asked from here."""
-        found = await self.run(discovery.scan, self.runtime_dir)
+        found = await self.run(discovery.scan, self.runtime_dir, clean=False)
         ours = {k["kernel_id"]: k for k in await self.server_kernels()}
         pid = ours[key]["pid"] if key in ours else None
         for kernel in [*found.live, *found.elsewhere]:
@@ -215,7 +227,7 @@ class DrainHandler(_API):
         # The reply comes when the drain ends: wait for as long as the drain may take.
         wait = settings.timeout + float(drain_timeout)
         try:
-            reply = await self.watch.run(status_client.request, target, "drain", wait, timeout_s=drain_timeout)
+            reply = await self.watch.drain(target, wait, drain_timeout)
         except status_client.StatusRejected as exc:
             status = 409 if exc.error_id in _CONFLICTS else 502
             raise web.HTTPError(status, "%s", f"kernel {key}: {exc}") from None
