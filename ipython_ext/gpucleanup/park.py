@@ -82,6 +82,7 @@ class Outcome:
     steps: List[Step] = field(default_factory=list)
     seconds: float = 0.0
     changed: bool = False            # the process was parked (park) or brought back (resume)
+    parked_bytes: Optional[int] = None  # its device memory before the park (nvidia-smi), when known
 
     def as_dict(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if k != "steps"}
@@ -189,23 +190,31 @@ def _refusal_for_state(pid: int, found: Step) -> str:
             "save what you can and restart it")
 
 
-def park(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = None) -> Outcome:
+def park(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = None,
+         parked_bytes: Optional[int] = None) -> Outcome:
     """Lock, then checkpoint process ``pid``; on any failure leave it running (or say exactly where it is).
 
     Raises :class:`ParkRefused` when nothing was done (the process is not running, the driver
-    has no checkpoint calls, ...). Otherwise returns an :class:`Outcome` whose ``state`` is
-    ``checkpointed`` when the park worked.
+    has no checkpoint calls, host memory cannot hold its device memory, ...). Otherwise returns
+    an :class:`Outcome` whose ``state`` is ``checkpointed`` when the park worked.
+    ``parked_bytes``: the process's device memory when the caller knows it; else it is read
+    from ``nvidia-smi`` where there is one.
     """
     started = time.monotonic()
     steps: List[Step] = []
+    if parked_bytes is None:
+        parked_bytes = process_gpu_bytes(pid)
 
     def outcome(ok: bool, now: Optional[str], message: str, changed: bool = False) -> Outcome:
-        return Outcome("park", pid, ok, now, message, steps, time.monotonic() - started, changed)
+        return Outcome("park", pid, ok, now, message, steps, time.monotonic() - started, changed, parked_bytes)
 
     found = state(pid, limits, env)
     steps.append(found)
     if found.refused or found.hung or found.state != RUNNING:
         raise ParkRefused(_refusal_for_state(pid, found))
+    too_much = host_memory_refusal(parked_bytes)
+    if too_much:
+        raise ParkRefused(too_much)
 
     locked = step(pid, "lock", limits, env=env)
     steps.append(locked)

@@ -237,6 +237,16 @@ def test_host_memory_that_cannot_hold_the_device_state_is_a_refusal(tmp_path):
     assert park.host_memory_refusal(None, str(meminfo)) is None
 
 
+def test_park_refuses_when_host_memory_cannot_hold_the_device_state(target, env, checkpoints):
+    with pytest.raises(park.ParkRefused) as refused:
+        park.park(target.pid, FAST, env=env, parked_bytes=1 << 60)
+    assert str(refused.value).startswith("[gpucleanup.park.621] host memory cannot hold this kernel's GPU memory: "
+                                         "parking needs 1048576.0 TiB plus a margin of ")
+    assert str(refused.value).endswith(": free host memory (or park a smaller kernel)")
+    assert record(checkpoints, target.pid)["calls"].get("cuCheckpointProcessLock") is None
+    assert record(checkpoints, target.pid)["state"] == "running"
+
+
 def test_the_helper_refuses_bad_arguments_with_its_usage():
     done = subprocess.run([sys.executable, "-m", "gpucleanup.park_step", "suspend", "12"], capture_output=True,
                           text=True)
