@@ -169,7 +169,7 @@ def host_memory_refusal(parked_bytes: Optional[int], meminfo: str = "/proc/memin
 
 
 def _resume_hint(pid: int) -> str:
-    return f"gpucleanup resume {pid}"
+    return f"python -m gpucleanup.park resume {pid}"
 
 
 def _refusal_for_state(pid: int, found: Step) -> str:
@@ -332,3 +332,37 @@ def process_gpu_bytes(pid: int, timeout: float = 10.0) -> Optional[int]:
             total += int(parts[1]) << 20
             seen = True
     return total if seen else 0 if os.path.exists(f"/proc/{pid}") else None
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m gpucleanup.park {state,resume} PID``: what a park left behind, and bringing it back.
+
+    Prints the outcome's sentence (``--json``: the whole outcome); exit status 0 when the process
+    runs (or was resumed), 1 when it is still parked or in another state, 2 for bad arguments.
+    Parking itself is not offered here: a kernel is parked through gpucleanup's kernel commands,
+    which keep its own hooks away from the driver meanwhile.
+    """
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m gpucleanup.park", description=main.__doc__.splitlines()[0])
+    parser.add_argument("action", choices=("state", "resume"))
+    parser.add_argument("pid", type=int)
+    parser.add_argument("--json", action="store_true", help="print the whole outcome as JSON")
+    args = parser.parse_args(argv)
+    if args.action == "state":
+        found = state(args.pid)
+        text = found.refused or (f"process {args.pid} is {found.state}" if found.state else
+                                 _refusal_for_state(args.pid, found))
+        print(json.dumps(found.as_dict()) if args.json else text)
+        return 0 if found.state == RUNNING else 1
+    try:
+        outcome = resume(args.pid)
+    except ParkRefused as refused:
+        print(json.dumps({"ok": False, "message": str(refused)}) if args.json else str(refused))
+        return 1
+    print(json.dumps(outcome.as_dict()) if args.json else outcome.message)
+    return 0 if outcome.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

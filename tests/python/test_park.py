@@ -150,7 +150,7 @@ def test_a_failed_restore_leaves_the_process_parked_and_says_how_to_retry(target
     assert (failed.ok, failed.state, failed.changed) == (False, "checkpointed", False)
     assert failed.message == (f"[gpucleanup.park.624] the restore of process {target.pid} failed with "
                               "CUDA_ERROR_INVALID_VALUE: it stays parked, its GPU memory safe in host memory; retry "
-                              f"with gpucleanup resume {target.pid}")
+                              f"with python -m gpucleanup.park resume {target.pid}")
     patch(checkpoints, target.pid, {"errors": {}})
     retried = park.resume(target.pid, FAST, env=env)
     assert (retried.ok, retried.state) == (True, "running")
@@ -177,9 +177,9 @@ def test_a_process_left_locked_is_unlocked_by_resume(target, env, checkpoints):
 def test_park_refuses_a_process_that_is_parked_locked_or_failed(target, env, checkpoints):
     pid = target.pid
     expected = {
-        "checkpointed": f"[gpucleanup.park.613] process {pid} is already parked: resume it with gpucleanup resume {pid}",
+        "checkpointed": f"[gpucleanup.park.613] process {pid} is already parked: resume it with python -m gpucleanup.park resume {pid}",
         "locked": f"[gpucleanup.park.614] process {pid} is locked by an earlier step that did not finish: bring it "
-                  f"back with gpucleanup resume {pid}",
+                  f"back with python -m gpucleanup.park resume {pid}",
         "failed": f"[gpucleanup.park.615] the driver reports process {pid} as failed: it cannot be parked; save what "
                   "you can and restart it",
     }
@@ -253,3 +253,17 @@ def test_the_helper_refuses_bad_arguments_with_its_usage():
     assert done.returncode == 2
     assert done.stderr.strip() == ("usage: python -m gpucleanup.park_step {state,lock,checkpoint,restore,unlock} PID "
                                    "[LOCK_TIMEOUT_MS]")
+
+
+def test_the_command_line_reads_the_state_and_resumes(target, env, checkpoints):
+    def run(*args):
+        done = subprocess.run([sys.executable, "-m", "gpucleanup.park", *args], capture_output=True, text=True, env=env)
+        return done.returncode, done.stdout.strip()
+
+    assert run("state", str(target.pid)) == (0, f"process {target.pid} is running")
+    assert park.park(target.pid, FAST, env=env).ok
+    assert run("state", str(target.pid)) == (1, f"process {target.pid} is checkpointed")
+    assert run("resume", str(target.pid)) == (0, f"resumed process {target.pid}")
+    assert record(checkpoints, target.pid)["state"] == "running"
+    code, out = run("resume", str(target.pid), "--json")
+    assert code == 0 and json.loads(out)["message"] == f"process {target.pid} is not parked: nothing to resume"
