@@ -31,8 +31,11 @@ from test_park_gpu import TARGET, used_mib  # noqa: E402  (the same target proce
 GiB = 1 << 30
 
 
-def env() -> dict:
-    out = dict(os.environ, CUDA_VISIBLE_DEVICES="0", PYTHONUNBUFFERED="1")
+def env(target: bool = True) -> dict:
+    """The targets see GPU0 only; the park helpers every GPU (as measured, share/FACTS.md §10)."""
+    out = dict(os.environ, PYTHONUNBUFFERED="1")
+    if target:
+        out["CUDA_VISIBLE_DEVICES"] = "0"
     out.pop("GPUCLEANUP_LIBCUDA", None)
     if "gpucleanup" not in sys.modules:
         out["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "ipython_ext"), out.get("PYTHONPATH", "")) if p)
@@ -69,11 +72,11 @@ def case(framework: str, size: int, extra: dict, label: str) -> dict:
         before, _ = digest(proc)
         used_before = used_mib(proc.pid)
         rss_before = rss(proc.pid)
-        parked = park.park(proc.pid, env=dict(env(), **extra))
+        parked = park.park(proc.pid, env=env(target=False))
         if not parked.ok:
             return {"case": label, "error": parked.message}
         used_parked, rss_parked = used_mib(proc.pid), rss(proc.pid)
-        resumed = park.resume(proc.pid, env=dict(env(), **extra))
+        resumed = park.resume(proc.pid, env=env(target=False))
         if not resumed.ok:
             return {"case": label, "error": resumed.message}
         after, first_read_s = digest(proc)

@@ -75,12 +75,13 @@ def test_a_framework_process_is_parked_to_zero_device_memory_and_resumed_with_ev
         before = ask(proc)
         used_before = used_mib(proc.pid)
         assert used_before * MiB >= GiB
-        parked = park.park(proc.pid, env=env)
+        helpers = subprocess_env()  # the helpers see every GPU, as in share/FACTS.md §10
+        parked = park.park(proc.pid, env=helpers)
         assert (parked.ok, parked.state) == (True, "checkpointed"), parked.message
         used_parked = used_mib(proc.pid)
         rss_parked = int(next(line.split()[1] for line in open(f"/proc/{proc.pid}/status") if line.startswith("VmRSS"))) * 1024
         assert used_parked == 0
-        resumed = park.resume(proc.pid, env=env)
+        resumed = park.resume(proc.pid, env=helpers)
         assert (resumed.ok, resumed.state) == (True, "running"), resumed.message
         start = time.monotonic()
         after = ask(proc)
@@ -106,14 +107,15 @@ def test_a_call_made_while_parked_waits_and_completes_after_the_resume():
     try:
         assert proc.stdout.readline().strip() == "ready"
         before = ask(proc)
-        assert park.park(proc.pid, env=env).ok
+        helpers = subprocess_env()
+        assert park.park(proc.pid, env=helpers).ok
         proc.stdin.write("digest\n")  # its device-to-host copy blocks in the driver while parked
         proc.stdin.flush()
         # Whether the call has reached the driver yet cannot be observed from here; either way it must
         # finish with the same bytes once resumed (the fake driver's test shows the wait itself).
         time.sleep(2)
-        assert park.state(proc.pid, env=env).state == "checkpointed"
-        assert park.resume(proc.pid, env=env).ok
+        assert park.state(proc.pid, env=helpers).state == "checkpointed"
+        assert park.resume(proc.pid, env=helpers).ok
         assert json.loads(proc.stdout.readline())["sha256"] == before
     finally:
         proc.kill()
