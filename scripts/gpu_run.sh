@@ -71,9 +71,9 @@ fi
 if [[ $stages == *" park "* ]]; then
   # parking: CuPy, PyTorch and JAX (one visible GPU) processes parked to 0 MiB and resumed with every byte equal,
   # then park/resume time against the bytes parked (1, 8, 32 GiB of PyTorch tensors, JAX at its default
-  # preallocation) next to restarting the process and re-running its set-up (park-bench.json); about 6 minutes
-  timeout 200 python3 -m pytest tests/gpu/test_park_gpu.py -v -s -p no:cacheprovider 2>&1 | tee "$out/park-tests.log"
-  timeout 330 python3 tests/bench/bench_park.py --json "$out/park-bench.json" 2>&1 | tee "$out/park-bench.log"
+  # preallocation) next to restarting the process and re-running its set-up (park-bench.json); at most 8 minutes
+  timeout 180 python3 -m pytest tests/gpu/test_park_gpu.py -v -s -p no:cacheprovider 2>&1 | tee "$out/park-tests.log"
+  timeout 300 python3 tests/bench/bench_park.py --json "$out/park-bench.json" 2>&1 | tee "$out/park-bench.log"
 fi
 if [[ $stages == *" reliability "* ]]; then
   # a 500-cell soak with CuPy and PyTorch, and a kernel killed while a drain from outside waits on its GPU
