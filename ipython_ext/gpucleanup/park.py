@@ -26,7 +26,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-__all__ = ["Limits", "Step", "Outcome", "ParkRefused", "step", "state", "park", "resume", "host_memory_refusal"]
+__all__ = ["Limits", "Step", "Outcome", "ParkRefused", "step", "state", "park", "resume", "host_memory_refusal",
+           "unrestorable_refusal", "process_gpu_usage", "loads_jax"]
 
 #: The process states of the driver (CUprocessState), as the helper names them.
 RUNNING, LOCKED, CHECKPOINTED, FAILED = "running", "locked", "checkpointed", "failed"
@@ -202,8 +203,9 @@ def park(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = No
     """
     started = time.monotonic()
     steps: List[Step] = []
-    if parked_bytes is None:
-        parked_bytes = process_gpu_bytes(pid)
+    usage = process_gpu_usage(pid)
+    if parked_bytes is None and usage is not None:
+        parked_bytes = sum(usage.values())
 
     def outcome(ok: bool, now: Optional[str], message: str, changed: bool = False) -> Outcome:
         return Outcome("park", pid, ok, now, message, steps, time.monotonic() - started, changed, parked_bytes)
@@ -212,9 +214,10 @@ def park(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = No
     steps.append(found)
     if found.refused or found.hung or found.state != RUNNING:
         raise ParkRefused(_refusal_for_state(pid, found))
-    too_much = host_memory_refusal(parked_bytes)
-    if too_much:
-        raise ParkRefused(too_much)
+    refusal = (unrestorable_refusal(pid, len(usage or {}), loads_jax(pid) if usage and len(usage) > 1 else False)
+               or host_memory_refusal(parked_bytes))
+    if refusal:
+        raise ParkRefused(refusal)
 
     locked = step(pid, "lock", limits, env=env)
     steps.append(locked)
@@ -316,23 +319,53 @@ def resume(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = 
                    f"{now or 'in a state the driver did not report'}; retry with {_resume_hint(pid)}")
 
 
-def process_gpu_bytes(pid: int, timeout: float = 10.0) -> Optional[int]:
-    """The process's device memory as ``nvidia-smi --query-compute-apps`` reports it (all GPUs), else None."""
+def process_gpu_usage(pid: int, timeout: float = 10.0) -> Optional[Dict[str, int]]:
+    """The process's device memory per GPU (UUID -> bytes) from ``nvidia-smi --query-compute-apps``;
+    ``{}`` when it holds none, None when nvidia-smi cannot say (absent, failed, or the pid unknown here)."""
     try:
-        done = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                              capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        done = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory",
+                               "--format=csv,noheader,nounits"], capture_output=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL)
     except (OSError, subprocess.TimeoutExpired):
         return None
     if done.returncode != 0:
         return None
-    total, seen = 0, False
+    usage: Dict[str, int] = {}
     for line in done.stdout.decode("ascii", "replace").splitlines():
         parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 2 and parts[0] == str(pid) and parts[1].isdigit():
-            total += int(parts[1]) << 20
-            seen = True
-    return total if seen else 0 if os.path.exists(f"/proc/{pid}") else None
+        if len(parts) == 3 and parts[0] == str(pid) and parts[2].isdigit():
+            usage[parts[1]] = usage.get(parts[1], 0) + (int(parts[2]) << 20)
+    return usage if usage or os.path.exists(f"/proc/{pid}") else None
 
+
+def process_gpu_bytes(pid: int, timeout: float = 10.0) -> Optional[int]:
+    """The process's device memory on every GPU (nvidia-smi), else None."""
+    usage = process_gpu_usage(pid, timeout)
+    return None if usage is None else sum(usage.values())
+
+
+def loads_jax(pid: int) -> bool:
+    """Whether process ``pid`` has JAX's XLA runtime mapped (``/proc/<pid>/maps``), read without touching it."""
+    try:
+        with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as fh:
+            return any("jaxlib" in line or "xla_extension" in line for line in fh)
+    except OSError:
+        return False
+
+
+def unrestorable_refusal(pid: int, gpus: int, jax: bool) -> Optional[str]:
+    """A sentence for a process a restore is known not to bring back, else None.
+
+    Measured (share/FACTS.md §10): JAX with contexts on two GPUs was checkpointed, but its restore failed
+    and the process was lost, every time; PyTorch on two GPUs and JAX on one came back. So a process with
+    JAX loaded and device memory on more than one GPU is refused. What else a restore cannot bring back
+    (CUDA IPC, MPS, managed memory, CUDA graphs, NCCL) is not known yet, and is not refused.
+    """
+    if jax and gpus > 1:
+        return (f"[gpucleanup.park.627] process {pid} uses JAX on {gpus} GPUs: a restore of such a process was seen "
+                "to fail and lose it, so it is not parked; give it one GPU (CUDA_VISIBLE_DEVICES) to make it "
+                "parkable, or free its memory with jax.clear_caches() and del")
+    return None
 
 def main(argv: Optional[List[str]] = None) -> int:
     """``python -m gpucleanup.park {state,resume} PID``: what a park left behind, and bringing it back.

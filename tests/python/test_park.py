@@ -58,7 +58,10 @@ def target(env):
 
 
 def record(checkpoints, pid: int) -> dict:
-    return json.loads((checkpoints / f"{pid}.json").read_text())
+    """The process's record, read under the flock the fake takes to rewrite it (never half-written)."""
+    with open(checkpoints / f"{pid}.json") as fh:
+        fcntl.flock(fh, fcntl.LOCK_SH)
+        return json.loads(fh.read())
 
 
 def patch(checkpoints, pid: int, change: dict) -> None:
@@ -267,3 +270,17 @@ def test_the_command_line_reads_the_state_and_resumes(target, env, checkpoints):
     assert record(checkpoints, target.pid)["state"] == "running"
     code, out = run("resume", str(target.pid), "--json")
     assert code == 0 and json.loads(out)["message"] == f"process {target.pid} is not parked: nothing to resume"
+
+
+def test_jax_on_more_than_one_gpu_is_refused_and_one_gpu_or_other_frameworks_are_not():
+    assert park.unrestorable_refusal(4242, 2, True) == (
+        "[gpucleanup.park.627] process 4242 uses JAX on 2 GPUs: a restore of such a process was seen to fail and lose "
+        "it, so it is not parked; give it one GPU (CUDA_VISIBLE_DEVICES) to make it parkable, or free its memory "
+        "with jax.clear_caches() and del")
+    assert park.unrestorable_refusal(4242, 1, True) is None
+    assert park.unrestorable_refusal(4242, 2, False) is None
+
+
+def test_jax_is_seen_in_the_process_maps_without_touching_the_process(target, tmp_path):
+    assert park.loads_jax(target.pid) is False  # the target maps the fake driver, no XLA
+    assert park.loads_jax(2 ** 22 + 1) is False  # no such pid: no maps to read
