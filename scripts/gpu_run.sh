@@ -7,7 +7,7 @@
 # for the stage trace: trace-tests.log, trace-bench.json, trace-bench.log; for dask: dask-tests.log, dask-bench.*;
 # for server: server-tests.log and server/ (the page's data, /metrics, the plots);
 # and for the stage kernels: kernels.json, kernels.log, kernel-calls.json, kernel-calls.log.
-# Usage: scripts/gpu_run.sh [STAGE ...]   stages: tests facts bench demo kernels kernels-focus stages trace dask server reliability memcheck
+# Usage: scripts/gpu_run.sh [STAGE ...]   stages: tests facts bench demo kernels kernels-focus stages trace dask server reliability memcheck park
 #        (default: tests facts bench demo)
 # The stage stages (tests/bench/profile_cell.py --stages --primitives, in-process, about a minute) writes
 # stages.log: where the per-cell time goes, step by step, with CUDA unused and PyTorch or CuPy idle; and
@@ -67,6 +67,13 @@ if [[ $stages == *" server "* ]]; then
   # $OUT/server/
   GPUCLEANUP_ARTIFACTS="$out/server" python3 -m pytest tests/gpu/test_server_gpu.py -v -s -p no:cacheprovider 2>&1 \
     | tee "$out/server-tests.log"
+fi
+if [[ $stages == *" park "* ]]; then
+  # parking: CuPy, PyTorch and JAX (one visible GPU) processes parked to 0 MiB and resumed with every byte equal,
+  # then park/resume time against the bytes parked (1, 8, 32 GiB of PyTorch tensors, JAX at its default
+  # preallocation) next to restarting the process and re-running its set-up (park-bench.json); at most 8 minutes
+  timeout 180 python3 -m pytest tests/gpu/test_park_gpu.py -v -s -p no:cacheprovider 2>&1 | tee "$out/park-tests.log"
+  timeout 300 python3 tests/bench/bench_park.py --json "$out/park-bench.json" 2>&1 | tee "$out/park-bench.log"
 fi
 if [[ $stages == *" reliability "* ]]; then
   # a 500-cell soak with CuPy and PyTorch, and a kernel killed while a drain from outside waits on its GPU

@@ -38,6 +38,7 @@ __all__ = [
     "server_state",
     "server_publish",
     "server_connections",
+    "checkpoint_step",
 ]
 
 ABI_VERSION = 2
@@ -162,6 +163,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gpucleanup_set_gil_hooks.restype = None
     lib.gpucleanup_server_connections.argtypes = [c_char_pp]
     lib.gpucleanup_server_connections.restype = ctypes.c_int
+    # The park helper's step (a later addition to ABI version 2).
+    if getattr(lib, "gpucleanup_checkpoint_step", None) is not None:
+        lib.gpucleanup_checkpoint_step.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint, c_char_pp]
+        lib.gpucleanup_checkpoint_step.restype = ctypes.c_int
     # The allocation trace (a later addition to ABI version 2: an older build has none of it).
     if getattr(lib, "gpucleanup_trace_start", None) is not None:
         lib.gpucleanup_trace_start.argtypes = [ctypes.c_char_p, ctypes.c_void_p, c_char_pp]
@@ -364,6 +369,19 @@ def trim() -> dict:
     busy from an earlier wait is reported busy and not trimmed.
     """
     return _call_json(_entry("gpucleanup_trim"))
+
+
+def checkpoint_step(pid: int, step: str, lock_timeout_ms: int = 0) -> dict:
+    """One step of parking process ``pid`` ("state", "lock", "checkpoint", "restore", "unlock").
+
+    For the park helper process only (``python -m gpucleanup.park_step``): it calls cuInit
+    in *this* process, which a kernel must never do. A step the driver refuses is a value
+    (``"ok": False``, ``"result"``, ``"state"``); a driver without checkpoint calls, a pid
+    that is not another process or a failed cuInit raise :class:`NativeError`.
+    """
+    _entry("gpucleanup_checkpoint_step")
+    fn = library().gpucleanup_checkpoint_step  # may wait for the driver: let other threads run
+    return _call_json(fn, int(pid), step.encode(), int(lock_timeout_ms))
 
 
 def shutdown() -> None:

@@ -10,12 +10,14 @@
 #include <atomic>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <string>
 #include <string_view>
 
 #include <nlohmann/json.hpp>
 
 #include "accounting.hpp"
+#include "checkpoint.hpp"
 #include "api_input.hpp"
 #include "devices.hpp"
 #include "drain.hpp"
@@ -304,6 +306,24 @@ gpucleanup_status gpucleanup_trim(char** json_out) {
     ApiState& state = api_state().get();
     auto lock = kernel_lock(state);
     hand_out(trim_pools(usable_driver(), state.registry), json_out);
+  });
+}
+
+gpucleanup_status gpucleanup_checkpoint_step(int pid, const char* step, unsigned int lock_timeout_ms,
+                                             char** json_out) {
+  return guarded([&] {
+    require_out(json_out);
+    require_running();
+    const auto parsed = step == nullptr ? std::nullopt : parse_checkpoint_step(step);
+    if (!parsed) {
+      fail(GPUCLEANUP_ERR_INVALID_ARGUMENT,
+           "[gpucleanup.park.605] step is not one of state, lock, checkpoint, restore, unlock");
+    }
+    try {
+      hand_out(checkpoint_step(Driver::process(), pid, *parsed, lock_timeout_ms), json_out);
+    } catch (const Error& error) {
+      fail(error.id() == "gpucleanup.park.603" ? GPUCLEANUP_ERR_INVALID_ARGUMENT : GPUCLEANUP_ERR_DRIVER, error.what());
+    }
   });
 }
 

@@ -185,6 +185,11 @@ const std::vector<std::string>& Driver::missing_optional() const noexcept { retu
 const std::string& Driver::message() const noexcept { return loaded_->message; }
 const EntryPoints& Driver::api() const noexcept { return loaded_->api; }
 
+void* Driver::resolve(const char* name, int version, const char* symbol) const noexcept {
+  if (!loaded()) return nullptr;
+  return find(*loaded_, name, version, symbol);
+}
+
 std::string Driver::error_name(CUresult code) const {
   if (loaded_->api.cuGetErrorName != nullptr) {
     const char* name = nullptr;

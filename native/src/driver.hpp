@@ -72,6 +72,10 @@ class Driver {
   // Valid while loaded(); members of missing entry points are null.
   const EntryPoints& api() const noexcept;
 
+  // One entry point outside the table, found the same way (null when absent):
+  // cuInit, which only the park helper process may call (checkpoint.cpp).
+  void* resolve(const char* name, int version, const char* symbol) const noexcept;
+
   // "CUDA_ERROR_ILLEGAL_ADDRESS": from cuGetErrorName when the driver has it,
   // else from the table of cuda.h, else "CUresult <code>".
   std::string error_name(CUresult code) const;

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <string>
 
+#include "checkpoint_state.hpp"
 #include "driver_exports.hpp"
 #include "scenario.hpp"
 
@@ -17,7 +18,10 @@ namespace {
 
 class Call {
  public:
-  explicit Call(const char* entry) : lock_(lock_state()), s_(fake_cuda::state()), entry_(entry) {
+  // A process that a park helper has locked or checkpointed waits here, before
+  // taking the state's lock, until it runs again (checkpoint_state.cpp).
+  explicit Call(const char* entry)
+      : lock_((wait_while_parked(entry), lock_state())), s_(fake_cuda::state()), entry_(entry) {
     ++s_.counters[std::string("calls.") + entry];
     thread_contexts(s_);  // the first thread to call finds the scenario's current context
   }
@@ -111,6 +115,8 @@ FAKE_CUDA_EXPORT CUresult CUDAAPI cuInit(unsigned int flags) {
   if (auto refused = call.refuse(nullptr, /*needs_init=*/false)) return refused;
   if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
   if (s.devices.empty()) return CUDA_ERROR_NO_DEVICE;
+  // From now on the process is a CUDA process that a park helper can act on.
+  if (!s.initialized && !fake_cuda::checkpoint_dir().empty()) fake_cuda::register_process();
   s.initialized = true;
   return CUDA_SUCCESS;
 }

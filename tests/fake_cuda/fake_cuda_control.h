@@ -130,6 +130,27 @@ void fake_cuda_release_sync(void);
  * owned by the fake and valid until the next call of this function. */
 const char* fake_cuda_state_json(void);
 
+/* The checkpoint calls (cuCheckpointProcess*) act on another process, so
+ * their state machine lives in files that every process sees: with
+ * GPUCLEANUP_FAKE_CUDA_CHECKPOINT_DIR set, a process that loads the fake with
+ * the driver initialised (or later calls cuInit) registers in <dir>/<pid>.json
+ * as "running". Lock (running -> locked), Checkpoint (locked -> checkpointed),
+ * Restore (checkpointed -> locked) and Unlock (locked -> running) move it;
+ * a call in the wrong state answers CUDA_ERROR_ILLEGAL_STATE, a pid without
+ * a record (or dead) CUDA_ERROR_INVALID_VALUE, as does the caller's own pid.
+ * While a process is not running, each of its own driver calls is counted in
+ * "calls_while_parked" and waits until it runs again. Record keys a test may
+ * patch: "state", "errors" ({entry: CUresult}: that call fails, state
+ * unchanged), "error_state" ({entry: state}: the state after that injected
+ * failure), "hang" ([entry]: that call blocks while listed), "busy" (a lock
+ * waits for it, up to timeoutMs, then CUDA_ERROR_NOT_READY; with timeoutMs 0
+ * for ever), "device_bytes". Returns 0, or -1 (fake_cuda_last_error()). */
+int fake_cuda_checkpoint_update(int pid, const char* patch_json);
+
+/* <dir>/<pid>.json as JSON text ("null" without one), with "calls" and
+ * "calls_while_parked"; valid until this thread's next call of it. */
+const char* fake_cuda_checkpoint_record(int pid);
+
 /* Message of the last failed control call. */
 const char* fake_cuda_last_error(void);
 

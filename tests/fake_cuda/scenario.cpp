@@ -1,5 +1,7 @@
 #include "scenario.hpp"
 
+#include "checkpoint_state.hpp"
+
 #include <algorithm>
 #include <cctype>
 #include <cstdio>
@@ -342,6 +344,7 @@ void load_from_environment(State& s) {
   }
   try {
     reset(s, text);
+    if (!checkpoint_dir().empty() && s.initialized) register_process();
   } catch (const ScenarioError& e) {
     // A test that meant to script the driver and silently got the default
     // scenario would pass for the wrong reason: stop it here, loudly.

@@ -37,7 +37,11 @@ TEST(Driver, FallsBackToFourArgumentGetProcAddressOnOlderDrivers) {
   const Driver driver(FAKE_CUDA_V1_PATH);
   ASSERT_TRUE(driver.usable()) << driver.message();
   EXPECT_EQ(driver.resolver(), Resolver::proc_address);
-  EXPECT_TRUE(driver.missing_optional().empty());
+  // Everything but the checkpoint calls, which came with CUDA 12.8.
+  EXPECT_EQ(driver.missing_optional(),
+            (std::vector<std::string>{"cuCheckpointProcessGetState", "cuCheckpointProcessLock",
+                                      "cuCheckpointProcessCheckpoint", "cuCheckpointProcessRestore",
+                                      "cuCheckpointProcessUnlock"}));
   EXPECT_GT(fake.counter("calls.cuGetProcAddress"), 0);
   size_t total = 0;
   ASSERT_EQ(driver.api().cuDeviceTotalMem(&total, 0), CUDA_SUCCESS);
@@ -120,7 +124,9 @@ TEST(Driver, OlderDriverVersionLeavesNewerOptionalEntryPointsOut) {
   EXPECT_EQ(driver.version(), 11000);
   EXPECT_EQ(driver.missing_optional(),
             (std::vector<std::string>{"cuDeviceGetUuid", "cuDeviceGetDefaultMemPool", "cuDeviceGetMemPool",
-                                      "cuMemPoolTrimTo", "cuMemPoolGetAttribute"}));
+                                      "cuMemPoolTrimTo", "cuMemPoolGetAttribute", "cuCheckpointProcessGetState",
+                                      "cuCheckpointProcessLock", "cuCheckpointProcessCheckpoint",
+                                      "cuCheckpointProcessRestore", "cuCheckpointProcessUnlock"}));
 }
 
 TEST(Driver, NamesErrorsWithCuGetErrorName) {
@@ -170,4 +176,16 @@ TEST(Driver, ALibraryWithoutTheDriverApiIsNotCalledAnOldDriver) {
             "[gpucleanup.driver.107] libc.so.6 is not a CUDA driver: it exports none of the driver's entry points "
             "(cuDeviceGetCount, cuMemGetInfo, ...): point GPUCLEANUP_LIBCUDA at the NVIDIA driver's libcuda.so.1, "
             "or unset it");
+}
+
+TEST(Driver, ResolvesTheCheckpointCallsFromCuda128AndCuInitOnlyOnRequest) {
+  FakeCuda fake;
+  fake.reset({{"driver_version", 12080}});
+  const Driver driver(FAKE_CUDA_PATH);
+  EXPECT_TRUE(driver.missing_optional().empty());
+  EXPECT_NE(driver.api().cuCheckpointProcessLock, nullptr);
+  EXPECT_NE(driver.api().cuCheckpointProcessRestore, nullptr);
+  EXPECT_NE(driver.resolve("cuInit", 2000, "cuInit"), nullptr);
+  EXPECT_EQ(driver.resolve("cuNoSuchCall", 2000, "cuNoSuchCall"), nullptr);
+  EXPECT_EQ(fake.counter("cuInit"), 0);
 }

@@ -84,10 +84,20 @@ def call_sites() -> Dict[str, List[str]]:
     return dict(found)
 
 
+#: The park helper's step, run in a process of its own (never in a kernel, never in a cell).
+PARK_HELPER_SOURCE = "native/src/checkpoint.cpp"
+
+
 def called_entry_points() -> List[str]:
-    """The resolved entry points the library calls somewhere (the matrix's rows)."""
+    """The resolved entry points the library calls somewhere in a kernel (the matrix's rows)."""
     sites = call_sites()
-    return [name for name in resolved_entry_points() if name in sites]
+    return [name for name in resolved_entry_points() if name in sites and sites[name] != [PARK_HELPER_SOURCE]]
+
+
+def park_helper_entry_points() -> List[str]:
+    """The entry points only the park helper calls (the checkpoint calls): no cell can meet their faults."""
+    sites = call_sites()
+    return [name for name in resolved_entry_points() if sites.get(name) == [PARK_HELPER_SOURCE]]
 
 
 def uuid_for(key: str) -> str:

@@ -156,6 +156,20 @@ GPUCLEANUP_API gpucleanup_status gpucleanup_after_cell(double timeout_s,
  * JSON shape: share/schema/after_cell.schema.json with "kind": "trim". */
 GPUCLEANUP_API gpucleanup_status gpucleanup_trim(char** json_out);
 
+/* One step of parking another process, for the park helper only (a
+ * short-lived process of its own, gpucleanup.park_step): unlike every other
+ * call, this one calls cuInit, in the calling process, and then one of the
+ * driver's checkpoint calls on `pid`. `step` is "state", "lock", "checkpoint",
+ * "restore" or "unlock"; lock_timeout_ms bounds the lock (0: none). A step the
+ * driver refuses is reported in the JSON ("ok": false, "result": the error's
+ * name, "state": the process's state after it), not as an error status.
+ * Errors: GPUCLEANUP_ERR_INVALID_ARGUMENT for an unknown step or a pid that is
+ * not another process (gpucleanup.park.603); GPUCLEANUP_ERR_DRIVER when the
+ * driver is missing or unusable (park.601), has no checkpoint calls (park.602,
+ * drivers before CUDA 12.8), or cuInit fails (park.604). */
+GPUCLEANUP_API gpucleanup_status gpucleanup_checkpoint_step(int pid, const char* step, unsigned int lock_timeout_ms,
+                                                            char** json_out);
+
 /* Marks the process as exiting: stops the status server and makes every later
  * call a no-op returning GPUCLEANUP_ERR_EXITING. Idempotent. Also runs
  * automatically from the library's destructor. */

@@ -1,0 +1,124 @@
+#include "checkpoint.hpp"
+
+#include <unistd.h>
+
+#include <chrono>
+
+#include "errors.hpp"
+
+namespace gpucleanup {
+namespace {
+
+using json = nlohmann::json;
+
+constexpr const char* kStepNames[] = {"state", "lock", "checkpoint", "restore", "unlock"};
+
+json state_of(const Driver& driver, int pid) {
+  CUprocessState state = CU_PROCESS_STATE_RUNNING;
+  if (driver.api().cuCheckpointProcessGetState(pid, &state) != CUDA_SUCCESS) return nullptr;
+  return process_state_name(static_cast<int>(state));
+}
+
+}  // namespace
+
+const char* to_string(CheckpointStep step) noexcept { return kStepNames[static_cast<int>(step)]; }
+
+std::optional<CheckpointStep> parse_checkpoint_step(std::string_view name) noexcept {
+  for (int i = 0; i < 5; ++i) {
+    if (name == kStepNames[i]) return static_cast<CheckpointStep>(i);
+  }
+  return std::nullopt;
+}
+
+std::string process_state_name(int state) {
+  switch (state) {
+    case CU_PROCESS_STATE_RUNNING: return "running";
+    case CU_PROCESS_STATE_LOCKED: return "locked";
+    case CU_PROCESS_STATE_CHECKPOINTED: return "checkpointed";
+    case CU_PROCESS_STATE_FAILED: return "failed";
+    default: return "CUprocessState " + std::to_string(state);
+  }
+}
+
+std::vector<std::string> missing_checkpoint_calls(const Driver& driver) {
+  const EntryPoints& api = driver.api();
+  std::vector<std::string> missing;
+  if (api.cuCheckpointProcessGetState == nullptr) missing.emplace_back("cuCheckpointProcessGetState");
+  if (api.cuCheckpointProcessLock == nullptr) missing.emplace_back("cuCheckpointProcessLock");
+  if (api.cuCheckpointProcessCheckpoint == nullptr) missing.emplace_back("cuCheckpointProcessCheckpoint");
+  if (api.cuCheckpointProcessRestore == nullptr) missing.emplace_back("cuCheckpointProcessRestore");
+  if (api.cuCheckpointProcessUnlock == nullptr) missing.emplace_back("cuCheckpointProcessUnlock");
+  return missing;
+}
+
+json checkpoint_step(const Driver& driver, int pid, CheckpointStep step, unsigned lock_timeout_ms) {
+  if (!driver.usable()) {
+    GPUCLEANUP_FAIL("gpucleanup.park.601",
+                    (driver.message().empty() ? std::string("no usable CUDA driver") : driver.message()) +
+                        ": nothing can be parked on this machine");
+  }
+  if (const auto missing = missing_checkpoint_calls(driver); !missing.empty()) {
+    std::string names;
+    for (const auto& name : missing) names += (names.empty() ? "" : ", ") + name;
+    const std::string version = driver.version() ? " (CUDA " + std::to_string(*driver.version() / 1000) + "." +
+                                                       std::to_string(*driver.version() % 1000 / 10) + ")"
+                                                 : std::string();
+    GPUCLEANUP_FAIL("gpucleanup.park.602",
+                    "the CUDA driver " + driver.path() + version + " has no checkpoint calls (" + names +
+                        "): parking needs a driver for CUDA 12.8 or newer (R570 or later); update the NVIDIA "
+                        "driver, or leave the kernel running");
+  }
+  if (pid <= 0 || pid == static_cast<int>(getpid())) {
+    GPUCLEANUP_FAIL("gpucleanup.park.603", "pid " + std::to_string(pid) +
+                                               " is not another process: a process is parked by a helper "
+                                               "process, never by itself");
+  }
+  // The helper's own initialisation (the restore needs it unless persistence
+  // mode is on); never made in a process that gpucleanup cleans.
+  using Init = CUresult(CUDAAPI*)(unsigned int);
+  auto init = reinterpret_cast<Init>(driver.resolve("cuInit", 2000, "cuInit"));
+  const CUresult initialised = init == nullptr ? CUDA_ERROR_NOT_FOUND : init(0);
+  if (initialised != CUDA_SUCCESS) {
+    GPUCLEANUP_FAIL("gpucleanup.park.604", "cuInit failed in the park helper with " + driver.error_name(initialised) +
+                                               " (" + std::to_string(static_cast<int>(initialised)) +
+                                               "): the driver cannot be used here; check the GPU with nvidia-smi");
+  }
+  const EntryPoints& api = driver.api();
+  json out{{"pid", pid},
+           {"step", to_string(step)},
+           {"state_before", step == CheckpointStep::state ? json(nullptr) : state_of(driver, pid)}};
+  const auto start = std::chrono::steady_clock::now();
+  CUresult result = CUDA_SUCCESS;
+  switch (step) {
+    case CheckpointStep::state: {
+      CUprocessState state = CU_PROCESS_STATE_RUNNING;
+      result = api.cuCheckpointProcessGetState(pid, &state);
+      if (result == CUDA_SUCCESS) out["state_before"] = process_state_name(static_cast<int>(state));
+      break;
+    }
+    case CheckpointStep::lock: {
+      CUcheckpointLockArgs args{};
+      args.timeoutMs = lock_timeout_ms;
+      out["lock_timeout_ms"] = lock_timeout_ms;
+      result = api.cuCheckpointProcessLock(pid, &args);
+      break;
+    }
+    case CheckpointStep::checkpoint:
+      result = api.cuCheckpointProcessCheckpoint(pid, nullptr);
+      break;
+    case CheckpointStep::restore:
+      result = api.cuCheckpointProcessRestore(pid, nullptr);
+      break;
+    case CheckpointStep::unlock:
+      result = api.cuCheckpointProcessUnlock(pid, nullptr);
+      break;
+  }
+  out["seconds"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  out["ok"] = result == CUDA_SUCCESS;
+  out["code"] = static_cast<int>(result);
+  out["result"] = driver.error_name(result);
+  out["state"] = step == CheckpointStep::state ? out["state_before"] : state_of(driver, pid);
+  return out;
+}
+
+}  // namespace gpucleanup

@@ -1,0 +1,286 @@
+"""Parking a process through gpucleanup.park: each step in a helper process of its own, against the
+fake driver's checkpoint state machine (tests/fake_cuda/checkpoint_state.cpp), whose records in
+GPUCLEANUP_FAKE_CUDA_CHECKPOINT_DIR every process sees.
+
+The target is a real process that loaded the fake driver (so it registered as a CUDA process); it
+makes one driver call each time it reads a line, which shows that a call made while parked waits
+and completes after the resume."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import FAKE_CUDA
+
+from gpucleanup import park
+
+TARGET = r"""
+import ctypes, sys
+lib = ctypes.CDLL(sys.argv[1])
+count = ctypes.c_int()
+lib.cuDeviceGetCount(ctypes.byref(count))   # the fake registers this process as it loads
+print("ready", flush=True)
+for line in sys.stdin:
+    print(lib.cuDeviceGetCount(ctypes.byref(count)), flush=True)
+"""
+
+
+@pytest.fixture
+def checkpoints(tmp_path):
+    directory = tmp_path / "checkpoints"
+    directory.mkdir()
+    return directory
+
+
+@pytest.fixture
+def env(checkpoints):
+    out = dict(os.environ, GPUCLEANUP_FAKE_CUDA_CHECKPOINT_DIR=str(checkpoints))
+    out.pop("GPUCLEANUP_FAKE_CUDA_SCENARIO", None)
+    return out
+
+
+@pytest.fixture
+def target(env):
+    proc = subprocess.Popen([sys.executable, "-c", TARGET, str(FAKE_CUDA)], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def record(checkpoints, pid: int) -> dict:
+    """The process's record, read under the flock the fake takes to rewrite it (never half-written)."""
+    with open(checkpoints / f"{pid}.json") as fh:
+        fcntl.flock(fh, fcntl.LOCK_SH)
+        return json.loads(fh.read())
+
+
+def patch(checkpoints, pid: int, change: dict) -> None:
+    """Merges ``change`` into the process's record under the same flock the fake takes."""
+    with open(checkpoints / f"{pid}.json", "r+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        data = json.loads(fh.read())
+        data.update(change)
+        fh.seek(0)
+        fh.truncate()
+        fh.write(json.dumps(data))
+
+
+def names(outcome) -> list:
+    return [s.name for s in outcome.steps]
+
+
+FAST = park.Limits(state_s=30, lock_s=30, lock_timeout_s=5, checkpoint_s=30, restore_s=30, unlock_s=30)
+
+
+def test_park_then_resume_moves_the_process_through_every_state(target, env, checkpoints):
+    parked = park.park(target.pid, FAST, env=env)
+    assert (parked.ok, parked.state, parked.changed, parked.message) == (True, "checkpointed", True,
+                                                                          f"parked process {target.pid}")
+    assert names(parked) == ["state", "lock", "checkpoint"]
+    assert record(checkpoints, target.pid)["state"] == "checkpointed"
+    resumed = park.resume(target.pid, FAST, env=env)
+    assert (resumed.ok, resumed.state, resumed.changed, resumed.message) == (True, "running", True,
+                                                                              f"resumed process {target.pid}")
+    assert names(resumed) == ["state", "restore", "unlock"]
+    assert record(checkpoints, target.pid)["state"] == "running"
+
+
+def test_a_driver_call_made_while_parked_waits_and_completes_after_the_resume(target, env, checkpoints):
+    assert park.park(target.pid, FAST, env=env).ok
+    target.stdin.write("call\n")
+    target.stdin.flush()
+    deadline = time.monotonic() + 30
+    while record(checkpoints, target.pid)["calls_while_parked"].get("cuDeviceGetCount", 0) == 0:
+        assert time.monotonic() < deadline, "the parked process never made its call"
+        time.sleep(0.01)
+    assert select.select([target.stdout], [], [], 0)[0] == []  # still waiting in the driver
+    assert park.resume(target.pid, FAST, env=env).ok
+    assert target.stdout.readline().strip() == "0"  # CUDA_SUCCESS, once running again
+
+
+def test_resuming_a_running_process_does_nothing(target, env):
+    outcome = park.resume(target.pid, FAST, env=env)
+    assert (outcome.ok, outcome.state, outcome.changed) == (True, "running", False)
+    assert outcome.message == f"process {target.pid} is not parked: nothing to resume"
+    assert names(outcome) == ["state"]
+
+
+def test_a_failed_checkpoint_unlocks_and_leaves_the_process_as_it_was(target, env, checkpoints):
+    patch(checkpoints, target.pid, {"errors": {"cuCheckpointProcessCheckpoint": 2}})
+    outcome = park.park(target.pid, FAST, env=env)
+    assert (outcome.ok, outcome.state, outcome.changed) == (False, "running", False)
+    assert outcome.message == (f"[gpucleanup.park.620] the checkpoint failed with CUDA_ERROR_OUT_OF_MEMORY: process "
+                               f"{target.pid} was unlocked and runs as before, nothing was parked")
+    assert names(outcome) == ["state", "lock", "checkpoint", "unlock"]
+    assert record(checkpoints, target.pid)["state"] == "running"
+
+
+def test_a_hung_checkpoint_is_stopped_reported_and_the_process_unlocked(target, env, checkpoints):
+    patch(checkpoints, target.pid, {"hang": ["cuCheckpointProcessCheckpoint"]})
+    limits = park.Limits(state_s=30, lock_s=30, lock_timeout_s=5, checkpoint_s=1, restore_s=30, unlock_s=30)
+    outcome = park.park(target.pid, limits, env=env)
+    assert [(s.name, s.hung) for s in outcome.steps] == [("state", False), ("lock", False), ("checkpoint", True),
+                                                         ("state", False), ("unlock", False)]
+    assert (outcome.ok, outcome.state) == (False, "running")
+    assert outcome.message == (f"[gpucleanup.park.620] the checkpoint outran its limit of 1 s: process {target.pid} "
+                               "was unlocked and runs as before, nothing was parked")
+
+
+def test_a_busy_process_is_not_locked_and_keeps_running(target, env, checkpoints):
+    patch(checkpoints, target.pid, {"busy": True})
+    limits = park.Limits(lock_timeout_s=0.05)
+    outcome = park.park(target.pid, limits, env=env)
+    assert (outcome.ok, outcome.state) == (False, "running")
+    assert outcome.message == (f"[gpucleanup.park.616] process {target.pid} did not stop its GPU work within 0 s: it "
+                               "was not parked and runs as before; park it when it is idle")
+    assert record(checkpoints, target.pid)["calls"].get("cuCheckpointProcessCheckpoint") is None
+
+
+def test_a_failed_restore_leaves_the_process_parked_and_says_how_to_retry(target, env, checkpoints):
+    assert park.park(target.pid, FAST, env=env).ok
+    patch(checkpoints, target.pid, {"errors": {"cuCheckpointProcessRestore": 1}})
+    failed = park.resume(target.pid, FAST, env=env)
+    assert (failed.ok, failed.state, failed.changed) == (False, "checkpointed", False)
+    assert failed.message == (f"[gpucleanup.park.624] the restore of process {target.pid} failed with "
+                              "CUDA_ERROR_INVALID_VALUE: it stays parked, its GPU memory safe in host memory; retry "
+                              f"with python -m gpucleanup.park resume {target.pid}")
+    patch(checkpoints, target.pid, {"errors": {}})
+    retried = park.resume(target.pid, FAST, env=env)
+    assert (retried.ok, retried.state) == (True, "running")
+
+
+def test_a_restore_that_loses_the_process_says_so(target, env, checkpoints):
+    assert park.park(target.pid, FAST, env=env).ok
+    patch(checkpoints, target.pid, {"errors": {"cuCheckpointProcessRestore": 304},
+                                    "error_state": {"cuCheckpointProcessRestore": "failed"}})
+    outcome = park.resume(target.pid, FAST, env=env)
+    assert (outcome.ok, outcome.state) == (False, "failed")
+    assert outcome.message == (f"[gpucleanup.park.625] the restore of process {target.pid} failed with "
+                               "CUDA_ERROR_OPERATING_SYSTEM and left it failed: its GPU state may be lost; save what "
+                               "you can and restart it")
+
+
+def test_a_process_left_locked_is_unlocked_by_resume(target, env, checkpoints):
+    patch(checkpoints, target.pid, {"state": "locked"})
+    outcome = park.resume(target.pid, FAST, env=env)
+    assert (outcome.ok, outcome.state, outcome.changed) == (True, "running", True)
+    assert names(outcome) == ["state", "unlock"]
+
+
+def test_park_refuses_a_process_that_is_parked_locked_or_failed(target, env, checkpoints):
+    pid = target.pid
+    expected = {
+        "checkpointed": f"[gpucleanup.park.613] process {pid} is already parked: resume it with python -m gpucleanup.park resume {pid}",
+        "locked": f"[gpucleanup.park.614] process {pid} is locked by an earlier step that did not finish: bring it "
+                  f"back with python -m gpucleanup.park resume {pid}",
+        "failed": f"[gpucleanup.park.615] the driver reports process {pid} as failed: it cannot be parked; save what "
+                  "you can and restart it",
+    }
+    for state, message in expected.items():
+        patch(checkpoints, pid, {"state": state})
+        with pytest.raises(park.ParkRefused) as refused:
+            park.park(pid, FAST, env=env)
+        assert str(refused.value) == message
+        assert record(checkpoints, pid)["calls"].get("cuCheckpointProcessLock") is None
+
+
+def test_park_refuses_a_process_that_never_used_cuda(env):
+    other = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE, env=env)
+    try:
+        with pytest.raises(park.ParkRefused) as refused:
+            park.park(other.pid, FAST, env=env)
+        assert str(refused.value) == (f"[gpucleanup.park.612] process {other.pid} is not a CUDA process the driver can "
+                                      "park (CUDA_ERROR_INVALID_VALUE): it has not used the GPU, or it has exited")
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_park_refuses_with_a_sentence_on_a_driver_without_checkpoint_calls(target, env, checkpoints):
+    old = dict(env, GPUCLEANUP_FAKE_CUDA_SCENARIO=json.dumps({"driver_version": 12040}))
+    with pytest.raises(park.ParkRefused) as refused:
+        park.park(target.pid, FAST, env=old)
+    assert str(refused.value) == (
+        f"[gpucleanup.park.602] the CUDA driver {env['GPUCLEANUP_LIBCUDA']} (CUDA 12.4) has no checkpoint calls "
+        "(cuCheckpointProcessGetState, cuCheckpointProcessLock, cuCheckpointProcessCheckpoint, "
+        "cuCheckpointProcessRestore, cuCheckpointProcessUnlock): parking needs a driver for CUDA 12.8 or newer "
+        "(R570 or later); update the NVIDIA driver, or leave the kernel running")
+    assert record(checkpoints, target.pid)["state"] == "running"
+
+
+def test_resume_of_a_process_killed_while_parked_says_it_is_gone(target, env):
+    assert park.park(target.pid, FAST, env=env).ok
+    target.kill()
+    target.wait()
+    outcome = park.resume(target.pid, FAST, env=env)
+    assert (outcome.ok, outcome.state, outcome.changed) == (False, None, False)
+    assert outcome.message == (f"[gpucleanup.park.612] process {target.pid} is not a CUDA process the driver can "
+                               "park (CUDA_ERROR_INVALID_VALUE): it has not used the GPU, or it has exited")
+
+
+def test_host_memory_that_cannot_hold_the_device_state_is_a_refusal(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       67108864 kB\nMemFree:        1000 kB\nMemAvailable:   8388608 kB\n")
+    gib = 1 << 30
+    # 64 GiB machine: margin 3.2 GiB; 8 GiB available.
+    assert park.host_memory_refusal(4 * gib, str(meminfo)) is None
+    assert park.host_memory_refusal(6 * gib, str(meminfo)) == (
+        "[gpucleanup.park.621] host memory cannot hold this kernel's GPU memory: parking needs 6.0 GiB plus a margin "
+        "of 3.2 GiB, and only 8.0 GiB is available: free host memory (or park a smaller kernel)")
+    assert park.host_memory_refusal(None, str(meminfo)) is None
+
+
+def test_park_refuses_when_host_memory_cannot_hold_the_device_state(target, env, checkpoints):
+    with pytest.raises(park.ParkRefused) as refused:
+        park.park(target.pid, FAST, env=env, parked_bytes=1 << 60)
+    assert str(refused.value).startswith("[gpucleanup.park.621] host memory cannot hold this kernel's GPU memory: "
+                                         "parking needs 1048576.0 TiB plus a margin of ")
+    assert str(refused.value).endswith(": free host memory (or park a smaller kernel)")
+    assert record(checkpoints, target.pid)["calls"].get("cuCheckpointProcessLock") is None
+    assert record(checkpoints, target.pid)["state"] == "running"
+
+
+def test_the_helper_refuses_bad_arguments_with_its_usage():
+    done = subprocess.run([sys.executable, "-m", "gpucleanup.park_step", "suspend", "12"], capture_output=True,
+                          text=True)
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("usage: python -m gpucleanup.park_step {state,lock,checkpoint,restore,unlock} PID "
+                                   "[LOCK_TIMEOUT_MS]")
+
+
+def test_the_command_line_reads_the_state_and_resumes(target, env, checkpoints):
+    def run(*args):
+        done = subprocess.run([sys.executable, "-m", "gpucleanup.park", *args], capture_output=True, text=True, env=env)
+        return done.returncode, done.stdout.strip()
+
+    assert run("state", str(target.pid)) == (0, f"process {target.pid} is running")
+    assert park.park(target.pid, FAST, env=env).ok
+    assert run("state", str(target.pid)) == (1, f"process {target.pid} is checkpointed")
+    assert run("resume", str(target.pid)) == (0, f"resumed process {target.pid}")
+    assert record(checkpoints, target.pid)["state"] == "running"
+    code, out = run("resume", str(target.pid), "--json")
+    assert code == 0 and json.loads(out)["message"] == f"process {target.pid} is not parked: nothing to resume"
+
+
+def test_jax_on_more_than_one_gpu_is_refused_and_one_gpu_or_other_frameworks_are_not():
+    assert park.unrestorable_refusal(4242, 2, True) == (
+        "[gpucleanup.park.627] process 4242 uses JAX on 2 GPUs: a restore of such a process was seen to fail and lose "
+        "it, so it is not parked; give it one GPU (CUDA_VISIBLE_DEVICES) to make it parkable, or free its memory "
+        "with jax.clear_caches() and del")
+    assert park.unrestorable_refusal(4242, 1, True) is None
+    assert park.unrestorable_refusal(4242, 2, False) is None
+
+
+def test_jax_is_seen_in_the_process_maps_without_touching_the_process(target, tmp_path):
+    assert park.loads_jax(target.pid) is False  # the target maps the fake driver, no XLA
+    assert park.loads_jax(2 ** 22 + 1) is False  # no such pid: no maps to read
