@@ -39,6 +39,7 @@ __all__ = [
     "server_publish",
     "server_connections",
     "checkpoint_step",
+    "sigterm_cleanup",
 ]
 
 ABI_VERSION = 2
@@ -163,6 +164,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gpucleanup_set_gil_hooks.restype = None
     lib.gpucleanup_server_connections.argtypes = [c_char_pp]
     lib.gpucleanup_server_connections.restype = ctypes.c_int
+    # SIGTERM's cleanup of the status endpoint's files (a later addition to ABI version 2).
+    if getattr(lib, "gpucleanup_sigterm_cleanup", None) is not None:
+        lib.gpucleanup_sigterm_cleanup.argtypes = [ctypes.c_char_p]
+        lib.gpucleanup_sigterm_cleanup.restype = ctypes.c_int
     # The park helper's step (a later addition to ABI version 2).
     if getattr(lib, "gpucleanup_checkpoint_step", None) is not None:
         lib.gpucleanup_checkpoint_step.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint, c_char_pp]
@@ -399,6 +404,24 @@ def _call_status(fn: Callable[..., int], *args: Any) -> None:
     status = fn(*args)
     if status != OK:
         _raise(lib, status)
+
+
+def sigterm_cleanup(paths: Optional[dict]) -> bool:
+    """Have a SIGTERM remove ``paths`` ({"files": [...], "dirs": [...]}) before the process ends; None forgets them.
+
+    False where this build of the library lacks the call, or where SIGTERM already has a handler (someone
+    else's, left as it is); raises GPUCleanupError for bad paths.
+    """
+    lib = library()
+    fn = getattr(lib, "gpucleanup_sigterm_cleanup", None)
+    if fn is None:
+        return False
+    status = fn(None if paths is None else json.dumps(paths).encode())
+    if status == ERR_BUSY:
+        return False
+    if status != OK:
+        _raise(lib, status)
+    return True
 
 
 def server_stop() -> None:

@@ -108,6 +108,7 @@ class StatusEndpoint:
         self._key_file: Optional[Path] = None
         self._temp_dir: Optional[Path] = None
         self._atexit = False
+        self._sigterm = False  # the native SIGTERM handler holds our paths
         self.info: Optional[dict] = None
         self.error: Optional[str] = None
 
@@ -286,7 +287,25 @@ class StatusEndpoint:
         discovery.write(self._discovery_path, self.info)
         atexit.register(self.close)
         self._atexit = True
+        self._clean_on_sigterm(bound)
         self.error = None
+
+    def _clean_on_sigterm(self, bound: dict) -> None:
+        """A SIGTERM (a terminated or culled kernel) removes what this endpoint made, as close() does.
+
+        Done by the native library's handler: a Python handler would wait for the main thread, which may be
+        waiting in native code for the GPU (sigterm_cleanup.cpp). The discovery file goes first, so that
+        nobody finds a kernel whose key is already gone.
+        """
+        files = [str(self._discovery_path), str(self._key_file)]
+        for endpoint in (bound.get("endpoint"), bound.get("pub_endpoint")):
+            if isinstance(endpoint, str) and endpoint.startswith("ipc://"):
+                files.append(endpoint[len("ipc://"):])
+        dirs = [str(self._temp_dir)] if self._temp_dir is not None else []
+        try:
+            self._sigterm = bool(self._lib().sigterm_cleanup({"files": files, "dirs": dirs}))
+        except Exception as exc:  # an older library, a path too long: files stay for the next load or ps
+            self._note(exc)
 
     def _notebook(self) -> Optional[str]:
         name = os.environ.get("JPY_SESSION_NAME")
@@ -309,6 +328,12 @@ class StatusEndpoint:
             discovery.write(self._discovery_path, self.info)
 
     def _teardown(self) -> None:
+        if getattr(self, "_sigterm", False):
+            self._sigterm = False
+            try:
+                self._lib().sigterm_cleanup(None)
+            except Exception as exc:
+                self._note(exc)
         if self._running:
             self._running = False
             try:

@@ -1,5 +1,6 @@
 // The C ABI: argument checks, status codes, the thread's last error, JSON out.
 // Nothing may escape as an exception; every entry point ends in a catch(...).
+#include "sigterm_cleanup.hpp"
 #include "gpucleanup/gpucleanup.h"
 
 #include <algorithm>
@@ -325,6 +326,10 @@ gpucleanup_status gpucleanup_checkpoint_step(int pid, const char* step, unsigned
       fail(error.id() == "gpucleanup.park.603" ? GPUCLEANUP_ERR_INVALID_ARGUMENT : GPUCLEANUP_ERR_DRIVER, error.what());
     }
   });
+}
+
+gpucleanup_status gpucleanup_sigterm_cleanup(const char* paths_json) {
+  return guarded([&] { set_sigterm_cleanup(paths_json); });
 }
 
 void gpucleanup_shutdown(void) {

@@ -170,6 +170,15 @@ GPUCLEANUP_API gpucleanup_status gpucleanup_trim(char** json_out);
 GPUCLEANUP_API gpucleanup_status gpucleanup_checkpoint_step(int pid, const char* step, unsigned int lock_timeout_ms,
                                                             char** json_out);
 
+/* SIGTERM ends the process as cleanly as a shutdown: paths_json is
+ * {"files": [...], "dirs": [...]} (absolute paths, 8 of each at most), which a
+ * SIGTERM handler removes (unlink, then rmdir) before the default action ends
+ * the process; only in the process that made this call, never in a forked
+ * child. The handler is set only where SIGTERM has its default action
+ * (GPUCLEANUP_ERR_BUSY otherwise, the other handler left as it is). NULL
+ * forgets the paths and restores the default action if the handler is ours. */
+GPUCLEANUP_API gpucleanup_status gpucleanup_sigterm_cleanup(const char* paths_json);
+
 /* Marks the process as exiting: stops the status server and makes every later
  * call a no-op returning GPUCLEANUP_ERR_EXITING. Idempotent. Also runs
  * automatically from the library's destructor. */
