@@ -363,9 +363,10 @@ class AfterCell:
         self._fixes: Dict[str, str] = {}  # per framework whose pool never gives memory back: what to set  # per framework and device: cached bytes its last drain left
         self._drained_now: List[str] = []  # frameworks drained by this cleanup
         self._last_used: Dict[int, int] = {}
-        #: devices this process had a context on at the last look (None: never looked): a device
-        #: in use now and not then had "no context yet" before the cell, its first GPU cell
-        self._in_use_before: Optional[set] = None
+        #: devices seen with a context of this process, at load or by a cleanup (None: nothing known
+        #: yet): a device in use now and never before had "no context yet" before the cell, its first
+        #: GPU cell. Never emptied: a driver call that fails and lists no device changes nothing here
+        self._seen_in_use: Optional[set] = None
         self._cell: Optional[int] = None
         self._progress_shown = False
         self.progress_opened = False  # a progress line was written during this cleanup
@@ -511,8 +512,13 @@ class AfterCell:
     def baseline(self, probe: dict) -> None:
         """The devices in use before the first cell (the extension's probe at load): a device
         not among them that a cell starts using is that cell's first use of it."""
-        self._in_use_before = {int(d["index"]) for d in probe.get("devices") or []
-                               if d.get("in_use") and _index(d.get("index")) is not None}
+        self._seen_in_use = {int(d["index"]) for d in probe.get("devices") or []
+                             if d.get("in_use") and _index(d.get("index")) is not None}
+
+    def _know_baseline(self) -> None:
+        """Nothing in use now: from here on a device that shows up in use is a first use."""
+        if self._seen_in_use is None:
+            self._seen_in_use = set()
 
     def cell_starts(self) -> None:
         """A cell starts: a release waiting for the kernel to be idle is not wanted now."""
@@ -1019,7 +1025,7 @@ class CellPass:
         if initialised is not False:
             return False
         engine.last_driver_state = "not_initialized"
-        engine._in_use_before = set()  # no context anywhere: the next device in use is new
+        engine._know_baseline()  # no context anywhere: the next device in use is a first use
         self.state = None
         return True
 
@@ -1046,7 +1052,7 @@ class CellPass:
         engine.last_driver_state = self.state
         if self.state != "ready" or not in_use:
             if self.state in ("ready", "not_initialized"):
-                engine._in_use_before = set()
+                engine._know_baseline()
             return False
         self.all_devices = [int(d["index"]) for d in in_use]
         return True
@@ -1054,9 +1060,9 @@ class CellPass:
     def begin(self) -> None:
         """The devices of this cell, its first uses, and what background releases finished since the last."""
         engine = self.engine
-        before = engine._in_use_before
-        self.found.first_use = set() if before is None else {i for i in self.all_devices if i not in before}
-        engine._in_use_before = set(self.all_devices)
+        seen = engine._seen_in_use
+        self.found.first_use = set() if seen is None else {i for i in self.all_devices if i not in seen}
+        engine._seen_in_use = (seen or set()) | set(self.all_devices)
         self.quiet = {i for i in self.all_devices if i in engine._unusable}
         self.devices = [i for i in self.all_devices if i not in engine._unusable]
         engine._status("set_state", {"state": "draining", "cell": self.cell, "since_ns": time.time_ns()})

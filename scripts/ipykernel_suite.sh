@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# ipykernel's own test suite, with gpucleanup loaded into every kernel it starts, on the fake CUDA driver.
+#
+# The best proof that a kernel behaves as before: the suite passes without gpucleanup, so a failure here is
+# something gpucleanup changed in what a kernel says or does (the summary line inside a cell's stdout, say).
+# Every kernel the suite starts reads a private IPYTHONDIR whose profile loads gpucleanup with
+# show = "always" (a line after every cell: the most output it can add) and finds the fake driver with one
+# device in use. A kernel is started first to prove the profile is read and the line arrives as
+# gpucleanup's own display output.
+#
+# The suite is the sdist of the installed ipykernel (its tests/ are not in the wheel), downloaded once with
+# pip into .venv/ipykernel-sdist/; its test dependencies (pytest-timeout, flaky, pytest-asyncio, and hatchling
+# for pip to read the sdist) are installed into .venv when missing. Run after scripts/setup.sh and the CMake build of the fake driver.
+#
+# Usage: scripts/ipykernel_suite.sh [pytest arguments...]
+# Environment: GPUCLEANUP_BUILD_DIR (default build): where the fake driver and libgpucleanup were built.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+say() { printf 'ipykernel_suite: %s\n' "$*"; }
+started=$SECONDS
+py=$root/.venv/bin/python
+build=$root/${GPUCLEANUP_BUILD_DIR:-build}
+fake=$build/tests/fake_cuda/libcuda.so.1
+library=$build/native/libgpucleanup.so
+for needed in "$py" "$fake" "$library"; do
+  [ -e "$needed" ] || { say "missing $needed: run scripts/setup.sh and the CMake build (README, Tests)"; exit 2; }
+done
+
+version=$("$py" -c 'import ipykernel; print(ipykernel.__version__)')
+sdists=$root/.venv/ipykernel-sdist
+sdist=$sdists/ipykernel-$version.tar.gz
+missing=$("$py" - <<'PY'
+import importlib.util
+wanted = {"pytest_timeout": "pytest-timeout", "flaky": "flaky", "pytest_asyncio": "pytest-asyncio>=0.23.5",
+          "hatchling": "hatchling"}  # hatchling: pip reads the sdist's metadata with it (no isolated build env)
+print(" ".join(spec for module, spec in wanted.items() if importlib.util.find_spec(module) is None))
+PY
+)
+if [ -n "$missing" ]; then
+  say "installing ipykernel's test dependencies: $missing"
+  # shellcheck disable=SC2086  # one word per requirement
+  "$py" -m pip install -q $missing
+fi
+if [ ! -f "$sdist" ]; then
+  say "downloading ipykernel $version's sdist (its test suite) with pip"
+  "$py" -m pip download -q --no-deps --no-binary :all: --no-build-isolation -d "$sdists" "ipykernel==$version"
+fi
+
+work=$(mktemp -d "${TMPDIR:-/tmp}/gpucleanup-ipykernel.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+tar -xzf "$sdist" -C "$work"
+# only the tests and their pytest settings: `import ipykernel` must find the installed package, not the sdist's
+mkdir "$work/suite"
+mv "$work/ipykernel-$version/tests" "$work/ipykernel-$version/pyproject.toml" "$work/suite/"
+
+mkdir -p "$work/ipython/profile_default"
+cat >"$work/ipython/profile_default/ipython_kernel_config.py" <<'CONFIG'
+c.InteractiveShellApp.extensions = ["gpucleanup"]
+c.GPUCleanup.show = "always"
+CONFIG
+export IPYTHONDIR=$work/ipython
+export JUPYTER_RUNTIME_DIR=$work/runtime
+export PYTHONPATH=$root/ipython_ext${PYTHONPATH:+:$PYTHONPATH}
+export GPUCLEANUP_LIBRARY=$library
+export GPUCLEANUP_LIBCUDA=$fake
+export GPUCLEANUP_FAKE_CUDA_SCENARIO='{"devices": [{"name": "Fake H100", "primary_active": true, "default_pool": {"reserved_bytes": 1073741824, "used_bytes": 0}}]}'
+
+say "checking that a kernel started with this profile loads gpucleanup"
+"$py" - <<'PY'
+from jupyter_client.manager import start_new_kernel
+
+km, kc = start_new_kernel(kernel_name="python3")
+try:
+    msg_id = kc.execute("print('hi')")
+    stdout, ours = "", []
+    while True:
+        msg = kc.get_iopub_msg(timeout=60)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "stream":
+            stdout += msg["content"]["text"]
+        elif msg["msg_type"] == "display_data" and "gpucleanup" in msg["content"]["metadata"]:
+            ours.append(msg["content"]["data"]["text/plain"])
+        elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            break
+    assert stdout == "hi\n", f"the cell's stdout holds more than the cell printed: {stdout!r}"
+    assert ours and ours[0].startswith("gpucleanup · GPU0"), f"no gpucleanup line after the cell: {ours!r}"
+    print(f"ipykernel_suite: a kernel said: {ours[0]}")
+finally:
+    kc.stop_channels()
+    km.shutdown_kernel(now=True)
+PY
+
+say "running ipykernel $version's test suite with gpucleanup in every kernel"
+cd "$work/suite"
+rc=0
+# pytest-asyncio 0.24+ warns (an error under the suite's filterwarnings) when this option is unset
+"$py" -m pytest tests -q -p no:cacheprovider -o asyncio_default_fixture_loop_scope=function "$@" || rc=$?
+say "done in $((SECONDS - started)) s (rc $rc)"
+exit "$rc"
