@@ -9,13 +9,21 @@
 # gpucleanup's own display output.
 #
 # The suite is the sdist of the installed ipykernel (its tests/ are not in the wheel), downloaded once with
-# pip into .venv/ipykernel-sdist/; its test dependencies (pytest-timeout, flaky, pytest-asyncio, and hatchling
-# for pip to read the sdist) are installed into .venv when missing. Run after scripts/setup.sh and the CMake build of the fake driver.
+# pip into .venv/ipykernel-sdist/; its test dependencies (pytest-timeout, flaky, pytest-asyncio, pytest-cov, and
+# hatchling for pip to read the sdist) into .venv/ipykernel-sdist/deps/, on PYTHONPATH for this run only. Tests
+# that need ipyparallel, or a display for tk, are left out where those are missing. Run after
+# scripts/setup.sh and the CMake build of the fake driver and libgpucleanup.
 #
-# Usage: scripts/ipykernel_suite.sh [pytest arguments...]
+# Usage: scripts/ipykernel_suite.sh [--without-gpucleanup] [pytest options: -k EXPR, -x, ...]
+#   --without-gpucleanup   the same run with nothing loaded: the suite's own result on this machine, to compare
 # Environment: GPUCLEANUP_BUILD_DIR (default build): where the fake driver and libgpucleanup were built.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+with_gpucleanup=1
+if [ "${1:-}" = --without-gpucleanup ]; then
+  with_gpucleanup=0
+  shift
+fi
 root=$PWD
 say() { printf 'ipykernel_suite: %s\n' "$*"; }
 started=$SECONDS
@@ -30,18 +38,18 @@ done
 version=$("$py" -c 'import ipykernel; print(ipykernel.__version__)')
 sdists=$root/.venv/ipykernel-sdist
 sdist=$sdists/ipykernel-$version.tar.gz
-missing=$("$py" - <<'PY'
-import importlib.util
-wanted = {"pytest_timeout": "pytest-timeout", "flaky": "flaky", "pytest_asyncio": "pytest-asyncio>=0.23.5",
-          "hatchling": "hatchling"}  # hatchling: pip reads the sdist's metadata with it (no isolated build env)
-print(" ".join(spec for module, spec in wanted.items() if importlib.util.find_spec(module) is None))
-PY
-)
-if [ -n "$missing" ]; then
-  say "installing ipykernel's test dependencies: $missing"
-  # shellcheck disable=SC2086  # one word per requirement
-  "$py" -m pip install -q $missing
+# The suite's own test dependencies go into a folder of their own, on PYTHONPATH for this run only: the
+# project's .venv (and its pytest) stays as scripts/setup.sh made it. hatchling: pip reads the sdist's
+# metadata with it (no isolated build environment, which may be slow or offline).
+deps=$sdists/deps
+if [ ! -f "$deps/.complete" ]; then
+  say "installing ipykernel's test dependencies into $deps"
+  rm -rf "$deps"
+  "$py" -m pip install -q --no-deps --target "$deps" pytest-timeout flaky "pytest-asyncio>=0.23.5" pytest-cov coverage \
+    hatchling pathspec trove-classifiers
+  touch "$deps/.complete"
 fi
+export PYTHONPATH=$deps${PYTHONPATH:+:$PYTHONPATH}
 if [ ! -f "$sdist" ]; then
   say "downloading ipykernel $version's sdist (its test suite) with pip"
   "$py" -m pip download -q --no-deps --no-binary :all: --no-build-isolation -d "$sdists" "ipykernel==$version"
@@ -55,17 +63,20 @@ mkdir "$work/suite"
 mv "$work/ipykernel-$version/tests" "$work/ipykernel-$version/pyproject.toml" "$work/suite/"
 
 mkdir -p "$work/ipython/profile_default"
-cat >"$work/ipython/profile_default/ipython_kernel_config.py" <<'CONFIG'
+if [ "$with_gpucleanup" = 1 ]; then
+  cat >"$work/ipython/profile_default/ipython_kernel_config.py" <<'CONFIG'
 c.InteractiveShellApp.extensions = ["gpucleanup"]
 c.GPUCleanup.show = "always"
 CONFIG
+fi
 export IPYTHONDIR=$work/ipython
 export JUPYTER_RUNTIME_DIR=$work/runtime
-export PYTHONPATH=$root/ipython_ext${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$root/ipython_ext:$PYTHONPATH
 export GPUCLEANUP_LIBRARY=$library
 export GPUCLEANUP_LIBCUDA=$fake
 export GPUCLEANUP_FAKE_CUDA_SCENARIO='{"devices": [{"name": "Fake H100", "primary_active": true, "default_pool": {"reserved_bytes": 1073741824, "used_bytes": 0}}]}'
 
+if [ "$with_gpucleanup" = 1 ]; then
 say "checking that a kernel started with this profile loads gpucleanup"
 "$py" - <<'PY'
 from jupyter_client.manager import start_new_kernel
@@ -91,11 +102,20 @@ finally:
     kc.stop_channels()
     km.shutdown_kernel(now=True)
 PY
+fi
 
-say "running ipykernel $version's test suite with gpucleanup in every kernel"
+# tests that need what this machine may lack (not gpucleanup's business): left out when it is missing
+skip=()
+"$py" -c 'import ipyparallel' 2>/dev/null || skip+=(--deselect tests/test_ipkernel_direct.py::test_do_apply)
+[ -n "${DISPLAY:-}" ] || skip+=(--deselect "tests/test_matplotlib_eventloops.py::test_matplotlib_gui[tk]")
+if [ "$with_gpucleanup" = 1 ]; then
+  say "running ipykernel $version's test suite with gpucleanup in every kernel"
+else
+  say "running ipykernel $version's test suite with nothing loaded (--without-gpucleanup)"
+fi
 cd "$work/suite"
 rc=0
 # pytest-asyncio 0.24+ warns (an error under the suite's filterwarnings) when this option is unset
-"$py" -m pytest tests -q -p no:cacheprovider -o asyncio_default_fixture_loop_scope=function "$@" || rc=$?
+"$py" -m pytest tests -q -p no:cacheprovider -o asyncio_default_fixture_loop_scope=function ${skip[@]+"${skip[@]}"} "$@" || rc=$?
 say "done in $((SECONDS - started)) s (rc $rc)"
 exit "$rc"

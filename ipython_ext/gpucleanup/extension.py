@@ -417,7 +417,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                   cell)
 
     def cleanup(self, cell: Optional[int] = None, forced: bool = False, after_forced: Optional[CellRecord] = None,
-                hidden: Optional[List[dict]] = None) -> Optional[Outcome]:
+                hidden: Any = None) -> Optional[Outcome]:
         """The after-cell cleanup now (the engine's); its record goes to the history and
         the status endpoint. None when nothing in the kernel uses CUDA."""
         namespace = getattr(self.shell, "user_ns", None)
