@@ -14,16 +14,25 @@
 # that need ipyparallel, or a display for tk, are left out where those are missing. Run after
 # scripts/setup.sh and the CMake build of the fake driver and libgpucleanup.
 #
-# Usage: scripts/ipykernel_suite.sh [--without-gpucleanup] [pytest options: -k EXPR, -x, ...]
+# Usage: scripts/ipykernel_suite.sh [--without-gpucleanup] [--show MODE] [pytest options: -k EXPR, -x, ...]
 #   --without-gpucleanup   the same run with nothing loaded: the suite's own result on this machine, to compare
+#   --show MODE            GPUCleanup.show in every kernel (default always). With "always" every cell gets a
+#                          display output of gpucleanup's own, so a test that asserts a cell's exact list of
+#                          display outputs (test_kernel.py::test_print_to_correct_cell_from_thread) sees one more;
+#                          "auto" on the fake driver's idle device says nothing after the first cells
 # Environment: GPUCLEANUP_BUILD_DIR (default build): where the fake driver and libgpucleanup were built.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 with_gpucleanup=1
-if [ "${1:-}" = --without-gpucleanup ]; then
-  with_gpucleanup=0
-  shift
-fi
+show=always
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --without-gpucleanup) with_gpucleanup=0; shift ;;
+    --show) show=${2:?--show takes auto, always or never}; shift 2 ;;
+    *) break ;;
+  esac
+done
+case "$show" in auto | always | never) ;; *) echo "ipykernel_suite: --show takes auto, always or never, not $show" >&2; exit 2 ;; esac
 root=$PWD
 say() { printf 'ipykernel_suite: %s\n' "$*"; }
 started=$SECONDS
@@ -64,9 +73,9 @@ mv "$work/ipykernel-$version/tests" "$work/ipykernel-$version/pyproject.toml" "$
 
 mkdir -p "$work/ipython/profile_default"
 if [ "$with_gpucleanup" = 1 ]; then
-  cat >"$work/ipython/profile_default/ipython_kernel_config.py" <<'CONFIG'
+  cat >"$work/ipython/profile_default/ipython_kernel_config.py" <<CONFIG
 c.InteractiveShellApp.extensions = ["gpucleanup"]
-c.GPUCleanup.show = "always"
+c.GPUCleanup.show = "$show"
 CONFIG
 fi
 export IPYTHONDIR=$work/ipython
@@ -74,14 +83,21 @@ export JUPYTER_RUNTIME_DIR=$work/runtime
 export PYTHONPATH=$root/ipython_ext:$PYTHONPATH
 export GPUCLEANUP_LIBRARY=$library
 export GPUCLEANUP_LIBCUDA=$fake
-export GPUCLEANUP_FAKE_CUDA_SCENARIO='{"devices": [{"name": "Fake H100", "primary_active": true, "default_pool": {"reserved_bytes": 1073741824, "used_bytes": 0}}]}'
+# one device in use, nothing to free: with show = "auto" a cell says nothing, with "always" every cell has a line
+export GPUCLEANUP_FAKE_CUDA_SCENARIO='{"devices": [{"name": "Fake H100", "primary_active": true}]}'
 
 if [ "$with_gpucleanup" = 1 ]; then
 say "checking that a kernel started with this profile loads gpucleanup"
-"$py" - <<'PY'
+SUITE_SHOW=$show "$py" - <<'PY'
+import json, os
+
 from jupyter_client.manager import start_new_kernel
 
-km, kc = start_new_kernel(kernel_name="python3")
+# 1 GiB in the driver's pool: the first cell frees it, so it has a line whatever the show policy (but never)
+pool = {"devices": [{"name": "Fake H100", "primary_active": True,
+                     "default_pool": {"reserved_bytes": 1 << 30, "used_bytes": 0}}]}
+env = dict(os.environ, GPUCLEANUP_FAKE_CUDA_SCENARIO=json.dumps(pool))
+km, kc = start_new_kernel(kernel_name="python3", env=env)
 try:
     msg_id = kc.execute("print('hi')")
     stdout, ours = "", []
@@ -96,8 +112,9 @@ try:
         elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
             break
     assert stdout == "hi\n", f"the cell's stdout holds more than the cell printed: {stdout!r}"
-    assert ours and ours[0].startswith("gpucleanup · GPU0"), f"no gpucleanup line after the cell: {ours!r}"
-    print(f"ipykernel_suite: a kernel said: {ours[0]}")
+    if os.environ["SUITE_SHOW"] != "never":
+        assert ours and ours[0].startswith("gpucleanup · GPU0"), f"no gpucleanup line after the cell: {ours!r}"
+        print(f"ipykernel_suite: a kernel said: {ours[0]}")
 finally:
     kc.stop_channels()
     km.shutdown_kernel(now=True)
