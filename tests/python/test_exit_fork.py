@@ -554,7 +554,8 @@ PHASES = {
     "driver trim": (lambda ext, fw, mp: _interrupt_once(mp, ext.engine, "_trim"), STOPPED_ON_THE_DEVICE),
     "snapshot": (lambda ext, fw, mp: _interrupt_once(mp, ext.engine, "_snapshot"), STOPPED_THE_HOOK),
     "pinned release": (lambda ext, fw, mp: _interrupt_once(mp, ext.engine, "_start_pinned"), STOPPED_THE_HOOK),
-    "record": (lambda ext, fw, mp: _interrupt_once(mp, ext.engine, "_record"), STOPPED_THE_HOOK),
+    # the cell pass's record step: its first call into the engine (what is outside every pool, per device)
+    "record": (lambda ext, fw, mp: _interrupt_once(mp, ext.engine, "_outside"), STOPPED_THE_HOOK),
     "summary": (lambda ext, fw, mp: _interrupt_once(mp, ext.engine, "_outcome"), STOPPED_THE_HOOK),
     "publish": (lambda ext, fw, mp: _interrupt_once(mp, ext._endpoint, "publish"), STOPPED_THE_HOOK),
     "summary line": (None, STOPPED_THE_HOOK),
