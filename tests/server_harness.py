@@ -206,6 +206,8 @@ class Notebook:
             kind, content = msg["msg_type"], msg["content"]
             if kind == "stream":
                 out.append(content["text"])
+            elif kind == "display_data" and "gpucleanup" in content.get("metadata", {}):
+                out.append(content["data"]["text/plain"] + "\n")  # gpucleanup's own output, after the cell's
             elif kind == "error":
                 out.append(f"{content['ename']}: {content['evalue']}\n")
             elif kind in ("display_data", "execute_result"):

@@ -16,17 +16,8 @@ Nothing happens at import: no driver is loaded and no framework imported.
 
 from __future__ import annotations
 
-def _read_version() -> str:
-    # The version lives once, in VERSION beside this file (CMake and pyproject.toml read it too).
-    from importlib import resources
+from .version import __version__
 
-    try:
-        return resources.files(__name__).joinpath("VERSION").read_text(encoding="ascii").strip()
-    except OSError:  # pragma: no cover - a broken install
-        return "unknown"
-
-
-__version__ = _read_version()
 
 __all__ = ["snapshot", "drain", "load_ipython_extension", "unload_ipython_extension", "__version__"]
 

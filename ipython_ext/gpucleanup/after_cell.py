@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 from . import report
 from .frameworks.objects import gpu_holder_names
@@ -317,6 +317,7 @@ class _Settled:
     figures: Dict[int, dict] = field(default_factory=dict)  # name, total, used, free after the pass
     pools: Dict[int, Optional[int]] = field(default_factory=dict)  # driver pools' reserved bytes after the pass
     interrupted: bool = False
+    first_use: set = field(default_factory=set)  # devices that had no context before the cell
 
 
 class AfterCell:
@@ -358,9 +359,14 @@ class AfterCell:
         self._last_cached: Optional[int] = None  # and the bytes they kept cached
         self._last_outside: Dict[int, int] = {}  # per device: outside every pool after the last cleanup
         self._outside_base: Dict[int, int] = {}  # ... after the first cleanup
-        self._kept: Dict[str, Dict[int, int]] = {}  # per framework and device: cached bytes its last drain left
+        self._kept: Dict[str, Dict[int, int]] = {}
+        self._fixes: Dict[str, str] = {}  # per framework whose pool never gives memory back: what to set  # per framework and device: cached bytes its last drain left
         self._drained_now: List[str] = []  # frameworks drained by this cleanup
         self._last_used: Dict[int, int] = {}
+        #: devices seen with a context of this process, at load or by a cleanup (None: nothing known
+        #: yet): a device in use now and never before had "no context yet" before the cell, its first
+        #: GPU cell. Never emptied: a driver call that fails and lists no device changes nothing here
+        self._seen_in_use: Optional[set] = None
         self._cell: Optional[int] = None
         self._progress_shown = False
         self.progress_opened = False  # a progress line was written during this cleanup
@@ -427,7 +433,12 @@ class AfterCell:
                 pinned = {"live_bytes": int(pinned.get("live_bytes") or 0), "cached_bytes": int(pinned.get("cached_bytes") or 0)}
             else:
                 pinned = None
-            out[adapter.name] = {"devices": per_device, "pinned": pinned, "notes": list(result.get("notes") or [])}
+            out[adapter.name] = {"devices": per_device, "pinned": pinned, "notes": list(result.get("notes") or []),
+                                 # a pool that never gives memory back: its cache is reserved, not freeable
+                                 "releases": bool(getattr(adapter, "can_release", True)),
+                                 "fix": _text_or_none(getattr(adapter, "reserved_fix", None))}
+            if out[adapter.name]["fix"]:
+                self._fixes[adapter.name] = out[adapter.name]["fix"]
             pools = result.get("pools")  # pools of the user's making (PyCUDA), one entry each
             if isinstance(pools, list) and pools:
                 out[adapter.name]["pools"] = [dict(p) for p in pools if isinstance(p, dict)]
@@ -459,13 +470,13 @@ class AfterCell:
                 notes.append(note)
         for dev in in_use:
             i = int(dev["index"])
-            fws = {name: s["devices"][i] for name, s in stats.items() if i in s["devices"]}
+            fws = {name: _status_figures(s, i) for name, s in stats.items() if i in s["devices"]}
             pools = [
                 {"which": p.get("which"), "reserved_bytes": p.get("reserved_bytes"), "used_bytes": p.get("used_bytes")}
                 for p in dev.get("pools") or []
             ]
             used = dev.get("used_bytes")
-            known = sum(e["live_bytes"] + e["cached_bytes"] for e in fws.values()) + sum(int(p["reserved_bytes"] or 0) for p in pools)
+            known = sum(e["live_bytes"] + e["cached_bytes"] + e.get("reserved_bytes", 0) for e in fws.values()) + sum(int(p["reserved_bytes"] or 0) for p in pools)
             out["devices"].append(
                 {
                     "index": i,
@@ -483,6 +494,7 @@ class AfterCell:
                 }
             )
         out["pinned"] = {name: s["pinned"] for name, s in stats.items() if s.get("pinned")}
+        out["reserved_fix"] = {name: s["fix"] for name, s in stats.items() if s.get("fix") and not s.get("releases", True)}
         # pools of the user's own making, per framework (PyCUDA's DeviceMemoryPool and PageLockedMemoryPool)
         out["framework_pools"] = {name: s["pools"] for name, s in stats.items() if s.get("pools")}
         for s in stats.values():
@@ -496,6 +508,17 @@ class AfterCell:
 
     def is_unusable(self, index: int) -> bool:
         return index in self._unusable
+
+    def baseline(self, probe: dict) -> None:
+        """The devices in use before the first cell (the extension's probe at load): a device
+        not among them that a cell starts using is that cell's first use of it."""
+        self._seen_in_use = {int(d["index"]) for d in probe.get("devices") or []
+                             if d.get("in_use") and _index(d.get("index")) is not None}
+
+    def _know_baseline(self) -> None:
+        """Nothing in use now: from here on a device that shows up in use is a first use."""
+        if self._seen_in_use is None:
+            self._seen_in_use = set()
 
     def cell_starts(self) -> None:
         """A cell starts: a release waiting for the kernel to be idle is not wanted now."""
@@ -517,177 +540,35 @@ class AfterCell:
         namespace: Optional[dict] = None,
         forced: bool = False,
         after_forced: Optional[CellRecord] = None,
-        hidden: Optional[List[dict]] = None,
+        hidden: Union[None, List[dict], Callable[[], List[dict]]] = None,
     ) -> Optional[Outcome]:
-        """The cleanup after one cell; None when nothing in the process uses CUDA.
+        """The cleanup after one cell (a :class:`CellPass`); None when nothing in the process uses CUDA.
 
         ``forced`` (``%gpumem --drain``) always returns lines. ``after_forced`` is the
         record of a ``%gpumem --drain`` earlier in the same cell: this cleanup then says
-        and keeps only what it adds to it (one line and one record per cell).
+        and keeps only what it adds to it (one line and one record per cell). ``hidden``:
+        the cell's holders no variable names, or a callable asked for them once a device is in use.
         """
-        start = time.perf_counter()
         self.progress_opened = False
-        if forced:
-            settings = dataclasses.replace(settings, release="cell")  # %gpumem --drain: everything, now
         self.cell_starts()  # a release still waiting is replaced by this cleanup's
         self._cell = cell
-        if not forced and self._idle_jobs == [] and self.pinned_job is None:
-            # the common cell of a kernel that never used CUDA: one driver call, no JSON
-            quick = getattr(self.native, "cuda_initialized", None)
-            try:
-                initialised = quick() if quick is not None else None
-            except Exception:
-                initialised = None  # the full pass below says what is wrong
-            if initialised is False:
-                self.last_driver_state = "not_initialized"
-                return None
-        one_pass = hasattr(self.native, "after_cell")
-        first: Optional[dict] = None
-        now_device = settings.release != "idle"  # device caches and the driver trim, now or when idle
-        if one_pass:
-            # probe, settle, trim and the figures after, in one native call; when nothing
-            # in the process uses CUDA it is a probe and nothing else
-            notes_first: List[Note] = []
-            with self.ctrl_c.armed() as ctrl_c:
-                first = self._native_pass(self._settle_limit(settings, after_forced), settings, notes_first,
-                                          trim=now_device and settings.driver_pools)
-                if first is not None and ctrl_c.pressed:
-                    first["keyboard_interrupt"] = True  # the next armed() starts afresh
-            if first is None:
-                raise RuntimeError(notes_first[0][1] if notes_first else "the native after-cell pass failed")
-            probe = first
-            in_use = [d for d in first.get("devices") or [] if _index(d.get("index")) is not None]
-        else:
-            probe = self.native.probe()
-            in_use = [d for d in probe.get("devices") or [] if d.get("in_use")]
-        driver = probe.get("driver") or {}
-        state = driver.get("state")
-        self.last_driver_state = state
-        if state != "ready" or not in_use:
-            return self._nothing_in_use(driver, cell, forced)
-
-        notes: List[Note] = []
-        all_devices = [int(d["index"]) for d in in_use]
-        quiet = {i for i in all_devices if i in self._unusable}
-        devices = [i for i in all_devices if i not in self._unusable]
-        self._cell = cell
-        self._status("set_state", {"state": "draining", "cell": cell, "since_ns": time.time_ns()})
-
-        freed: Dict[int, Dict[str, int]] = {i: {} for i in all_devices}
-        self._drained_now = []
-        background = self._finished_pinned()
-        idle_done = self._finished_idle()
-        captured: List[dict] = []
-        for job in [*background, *idle_done]:
-            notes.extend(job.notes)
-            captured.extend(job.unraisable)
-        now_pinned = settings.release == "cell"
-        settled_pass = _Settled()
-        gc_record = GcRecord(policy=settings.gc)
-        adapters: list = []
-        stats_settled: Dict[str, dict] = {}
-        candidates: list = []
-        pending = False
-        interrupted = False
-        changed_since_pass = False
-        figures_stale = False
-        settled: List[int] = []
-        captured_now: List[dict] = []
-        try:
-            with self.ctrl_c.armed() as ctrl_c, self.unraisables.capture() as captured_now:
-                settled_pass = self._settle(settings, after_forced, devices, quiet, freed, notes, trim=now_device,
-                                            result=first)
-                interrupted = settled_pass.interrupted or ctrl_c.pressed
-                settled = [i for i in devices if settled_pass.state.get(i) == "drained"]
-                if interrupted:
-                    raise KeyboardInterrupt
-                ctrl_c.check()
-                adapters = self.adapters(settings, notes) if settled else []
-                # collect first, then read the frameworks once: what the collection freed
-                # is in those figures, and only a cache that holds something is emptied
-                # not known (the device's memory changed, or a framework keeps a cache): a
-                # young collection, cheaper than reading every framework to decide
-                gc_record = self._collect(settings, adapters, self._live_hint(settled_pass, settled) if adapters
-                                          else None, settled, namespace)
-                ctrl_c.check()
-                stats_settled = self.stats(adapters, settled, notes) if adapters else {}
-                given_back = (self._drain_frameworks(adapters, settled, freed, notes, ctrl_c, stats_settled)
-                              if now_device else False)
-                candidates, pending = self._pinned_candidates(settings, adapters, stats_settled, settled, devices)
-                ctrl_c.check()
-                # the collection may have freed memory straight into the driver's pools
-                # (asynchronous frees): trim again when live GPU memory is below what the
-                # last cleanup left (else the next cell's pass trims it)
-                gc_freed = bool(gc_record.collected) and (
-                    self._last_live is None or self.live_total(stats_settled, settled) < self._last_live)
-                trimmed: Dict[int, dict] = {}
-                if now_device and settings.driver_pools and settled and (given_back or gc_freed):
-                    trimmed = self._trim(freed, notes)
-                changed_since_pass = bool(given_back)  # the frameworks' figures changed since they were read
-                figures_stale = bool(given_back or gc_freed)
-                if trimmed and settled_pass.figures and set(trimmed) >= set(settled_pass.figures):
-                    # the trim reported every device's memory after it: as fresh as a snapshot
-                    for i, fig in trimmed.items():
-                        settled_pass.pools[i] = fig.pop("pools_reserved", None)
-                    settled_pass.figures.update(trimmed)
-                    figures_stale = False
-                ctrl_c.check()  # a Ctrl-C during the trim: said as at every other step, not lost
-        except KeyboardInterrupt:
-            interrupted = True
-            for i in devices:
-                if settled_pass.state.get(i) in (None, "drained"):
-                    settled_pass.state[i] = "interrupted"
-        captured.extend(captured_now)
-
-        figures = self._snapshot(settled_pass, figures_stale or interrupted, notes)
-        stats_after: Dict[str, dict] = {}
-        if adapters and not interrupted:
-            usable = [i for i in devices if settled_pass.state.get(i) != "unusable"]
-            if not changed_since_pass and usable == settled:
-                stats_after = stats_settled  # nothing freed or collected since they were read
-            else:
-                stats_after = self.stats(adapters, usable, notes)
-        pinned_now: Dict[str, int] = {}
-        deferred = None
-        if candidates and not interrupted and now_pinned:
-            pinned_now, started_pending = self._start_pinned(candidates, cell, notes, captured)
-            pending = pending or started_pending
-        elif not interrupted and settled and (candidates or not now_device):
-            deferred = self._defer(settings, adapters if not now_device else [], candidates, settled, cell)
-        line = summarize_unraisables(captured)
-        if line:
-            notes.append((f"unraisable:{captured[0]['type']}", line))
-
-        record = self._record(
-            settings, cell, state, start, interrupted, all_devices, quiet, settled_pass, figures,
-            freed, stats_after, background, pinned_now, pending, gc_record, notes, captured,
-        )
-        record.release = settings.release
-        record.deferred = deferred
-        record.hidden = list(hidden or [])
-        if self.traced is not None and cell is not None:
-            try:  # the allocation trace (opt-in): the raw allocations this cell made and kept
-                record.traced = self.traced(cell)
-            except Exception as exc:
-                text = f"the allocation trace could not be read ({type(exc).__name__}: {exc})"
-                record.notes.append(text)
-                if self.note_once("trace-failed"):
-                    record.shown_notes.append(text)
-        record.idle = [job.result() for job in idle_done]
-        for name in self._drained_now:  # what each drain could not give back, until it changes
-            if name in stats_after:
-                self._kept[name] = {i: f.get("cached_bytes", 0) for i, f in stats_after[name]["devices"].items()}
-        if adapters and not interrupted:
-            self._last_live = self.live_total(stats_after, devices)
-            self._last_cached = sum(s["devices"].get(i, {}).get("cached_bytes", 0)
-                                    for s in stats_after.values() for i in devices)
-            if namespace is not None:
-                self.holders.update(namespace, self._last_live)
-        elif not adapters:
-            self._last_live = None
-        return self._outcome(settings, record, forced, after_forced)
+        return CellPass(self, settings, cell, namespace, forced, after_forced, hidden).run()
 
     # ------------------------------------------------------------ steps
+
+    def _hidden(self, hidden: Union[None, List[dict], Callable[[], List[dict]]], notes: CellRecord) -> List[dict]:
+        """The cell's holders no variable names (``Out[N]``, its traceback), asked for only once
+        this pass found a device in use: the first GPU cell's too."""
+        if not callable(hidden):
+            return list(hidden or [])
+        try:
+            return list(hidden() or [])
+        except Exception as exc:
+            text = f"the cell's Out[N] and traceback could not be searched ({type(exc).__name__}: {exc})"
+            notes.notes.append(text)
+            if self.note_once(f"hidden:{type(exc).__name__}"):
+                notes.shown_notes.append(text)
+            return []
 
     def _nothing_in_use(self, driver: dict, cell: Optional[int], forced: bool) -> Optional[Outcome]:
         state = driver.get("state")
@@ -967,82 +848,44 @@ class AfterCell:
             return dict(job.freed), False
         return {}, True
 
-    def _record(self, settings: Settings, cell: Optional[int], state: Optional[str], start: float, interrupted: bool,
-                all_devices: List[int], quiet: set, settled: _Settled, figures: Dict[int, dict],
-                freed: Dict[int, Dict[str, int]], stats_after: Dict[str, dict], background: List[PinnedRelease],
-                pinned_now: Dict[str, int], pending: bool, gc_record: GcRecord, notes: List[Note],
-                captured: List[dict]) -> CellRecord:
-        """Step 7: the record. ``touched``: device memory changed since the last cleanup."""
-        devices = []
-        warn_bytes = int(settings.outside_warning_mib) << 20
-        touched = False
-        for i in all_devices:
-            fig = figures.get(i, {})
-            total = fig.get("total_bytes")
-            fb = settled.free_before.get(i)
-            if fb is not None and i in self._last_free and self._last_free[i] != fb:
-                touched = True
-            devices.append(
-                DeviceRecord(
-                    index=i,
-                    name=fig.get("name"),
-                    state=settled.state.get(i, "error" if i not in quiet else "unusable"),
-                    settle=settled.settle.get(i),
-                    total_bytes=total,
-                    used_at_start_bytes=self._last_used.get(i),
-                    used_before_bytes=(total - fb) if (total is not None and fb is not None) else None,
-                    used_after_bytes=fig.get("used_bytes"),
-                    freed_bytes=freed.get(i, {}),
-                    live_bytes={n: s["devices"][i]["live_bytes"] for n, s in stats_after.items() if s["devices"].get(i, {}).get("live_bytes")},
-                    cached_bytes={n: s["devices"][i]["cached_bytes"] for n, s in stats_after.items() if s["devices"].get(i, {}).get("cached_bytes")},
-                    message=settled.message.get(i),
-                    quiet=i in quiet,
-                )
-            )
-            outside, growth = self._outside(i, fig, settled, stats_after, quiet, warn_bytes, notes)
-            devices[-1].outside_bytes = outside
-            devices[-1].outside_growth_bytes = growth
+    def _remember_figures(self, figures: Dict[int, dict]) -> None:
+        """The device figures after this cleanup: what the next cell's are compared with."""
+        for i, fig in figures.items():
             if fig.get("free_bytes") is not None:
                 self._last_free[i] = int(fig["free_bytes"])
             if fig.get("used_bytes") is not None:
                 self._last_used[i] = int(fig["used_bytes"])
-        shown_notes = [text for kind, text in notes if self.note_once(kind)]
-        return CellRecord(
-            cell=cell,
-            time_ns=time.time_ns(),
-            elapsed_s=round(time.perf_counter() - start, 6),
-            driver_state=state,
-            interrupted=interrupted,
-            devices=devices,
-            pinned=PinnedRecord(
-                freed_bytes=pinned_now,
-                background=[job.result() for job in background],
-                pending=pending,
-                pools={name: s["pinned"] for name, s in stats_after.items() if s.get("pinned")},
-            ),
-            gc=gc_record,
-            notes=[text for _, text in notes],
-            shown_notes=shown_notes,
-            unraisable=captured[:20],
-            touched=touched,
-        )
 
-    def _outside(self, i: int, fig: dict, settled: _Settled, stats_after: Dict[str, dict], quiet: set,
+    def _traced(self, record: CellRecord) -> None:
+        """The allocation trace (opt-in): the raw allocations this cell made and kept."""
+        if self.traced is None or record.cell is None:
+            return
+        try:
+            record.traced = self.traced(record.cell)
+        except Exception as exc:
+            text = f"the allocation trace could not be read ({type(exc).__name__}: {exc})"
+            record.notes.append(text)
+            if self.note_once("trace-failed"):
+                record.shown_notes.append(text)
+
+    def _outside(self, i: int, fig: dict, settled: _Settled, stats_after: Optional[Dict[str, dict]], quiet: set,
                  warn_bytes: int, notes: List[Note]) -> Tuple[Optional[int], Optional[int]]:
         """Device memory no framework, no framework cache and no driver pool accounts for,
         after the cleanup, and how much it grew since the last cleanup (None: not known).
 
         It holds the CUDA context, raw allocations (``cuMemAlloc``) and, since
-        ``cuMemGetInfo`` is device-wide, other processes' memory on the same GPU."""
+        ``cuMemGetInfo`` is device-wide, other processes' memory on the same GPU. With no
+        framework in use (``stats_after`` empty) only the driver pools account for anything;
+        with frameworks whose figures are not known (``None``) it is not known."""
         used = fig.get("used_bytes")
         # a fresh snapshot lists its pools; else the pass's (or the trim's) figures
         pools = pools_reserved(fig) if "pools" in fig else settled.pools.get(i, fig.get("pools_reserved"))
-        if used is None or pools is None or i in quiet or settled.state.get(i) != "drained" or not stats_after:
+        if used is None or pools is None or i in quiet or settled.state.get(i) != "drained" or stats_after is None:
             return None, None
         known = sum(s["devices"].get(i, {}).get("live_bytes", 0) + s["devices"].get(i, {}).get("cached_bytes", 0)
                     for s in stats_after.values()) + int(pools)
         outside = max(0, int(used) - known)
-        before = self._last_outside.get(i)
+        before = None if i in settled.first_use else self._last_outside.get(i)
         self._last_outside[i] = outside
         base = self._outside_base.setdefault(i, outside)
         if warn_bytes and outside - base >= warn_bytes and f"outside:{i}" not in self._warned:  # said once
@@ -1051,6 +894,13 @@ class AfterCell:
                 "loaded: CUDA libraries' code and handles, raw allocations (cuMemAlloc through ctypes or cuda-python) "
                 "that nothing frees, or another process on this GPU; %gpumem shows the total")))
         return outside, (None if before is None else outside - before)
+
+    def _reserved_fix(self, record: CellRecord) -> Dict[str, str]:
+        """What to set, per framework whose pool never gives memory back, for the first line
+        that shows its reserved memory (once per kernel)."""
+        fixes = self._fixes
+        return {name: fixes[name] for d in record.devices for name in d.reserved_bytes
+                if fixes.get(name) and self.note_once(f"reserved:{name}")}
 
     def outside_since_load(self, i: int) -> Optional[int]:
         """Growth of memory outside every pool on device ``i`` since the first cleanup."""
@@ -1084,6 +934,8 @@ class AfterCell:
             shown = bool(record.touched or anything_freed or trouble or traced)
         # a progress line was written: the summary closes it, whatever the policy
         shown = shown or self.progress_opened
+        if shown:
+            record.reserved_fix = self._reserved_fix(record)
         data = record.to_dict()
         # a sticky error is said once even when summaries are off
         first_sticky = [d for d in data["devices"] if d["state"] == "unusable" and not d["quiet"]]
@@ -1094,6 +946,311 @@ class AfterCell:
         if after_forced is not None and not lines:
             keep = False  # one record per cell: this pass added nothing to the %gpumem --drain's
         return Outcome(record=record, lines=lines, keep=keep, data=data)
+
+
+class CellPass:
+    """One cell's cleanup: the steps of the module docstring as methods, in their order, over
+    this cell's state only. What lasts between cells (the last figures, the notes said, the
+    background releases) stays on the :class:`AfterCell` engine that made it."""
+
+    def __init__(self, engine: "AfterCell", settings: Settings, cell: Optional[int], namespace: Optional[dict],
+                 forced: bool, after_forced: Optional[CellRecord], hidden: Any):
+        self.engine = engine
+        # %gpumem --drain: everything, now
+        self.settings = dataclasses.replace(settings, release="cell") if forced else settings
+        self.cell, self.namespace, self.forced, self.after_forced, self.hidden = cell, namespace, forced, after_forced, hidden
+        self.start = time.perf_counter()
+        self.now_device = self.settings.release != "idle"  # device caches and the driver trim, now or when idle
+        self.notes: List[Note] = []
+        self.captured: List[dict] = []
+        self.first: Optional[dict] = None  # the one-pass native call's result
+        self.state: Optional[str] = None  # the driver's
+        self.all_devices: List[int] = []  # in use
+        self.devices: List[int] = []  # in use and not unusable
+        self.quiet: set = set()  # unusable and already said
+        self.freed: Dict[int, Dict[str, int]] = {}
+        self.found = _Settled()  # what the driver pass found
+        self.settled: List[int] = []  # drained by the driver pass: where the frameworks are cleaned
+        self.adapters: list = []
+        self.stats_settled: Dict[str, dict] = {}  # the frameworks' figures after the collection
+        self.stats_after: Optional[Dict[str, dict]] = {}  # ... after the cleanup; None: not known
+        self.gc_record = GcRecord(policy=self.settings.gc)
+        self.candidates: list = []  # adapters whose pinned pools are released after the last driver call
+        self.pending = False  # a pinned release still runs
+        self.interrupted = False
+        self.given_back = False  # a framework gave memory back to the driver
+        self.figures_stale = False  # the pass's device figures predate a change
+        self.figures: Dict[int, dict] = {}
+        self.background: List[PinnedRelease] = []
+        self.idle_done: List[IdleRelease] = []
+        self.pinned_now: Dict[str, int] = {}
+        self.deferred: Optional[dict] = None
+
+    def run(self) -> Optional[Outcome]:
+        engine = self.engine
+        if self.nothing_initialised():
+            return None
+        if not self.probe():
+            return engine._nothing_in_use(self.driver, self.cell, self.forced)
+        self.begin()
+        captured_now: List[dict] = []
+        try:
+            with engine.ctrl_c.armed() as ctrl_c, engine.unraisables.capture() as captured_now:
+                self.settle(ctrl_c)
+                self.collect(ctrl_c)
+                self.drain(ctrl_c)
+                self.trim(ctrl_c)
+        except KeyboardInterrupt:
+            self.stop_here()
+        self.captured.extend(captured_now)
+        self.snapshot()
+        self.read_frameworks_after()
+        self.release_pinned()
+        record = self.record()
+        self.remember(record)
+        return engine._outcome(self.settings, record, self.forced, self.after_forced)
+
+    # ------------------------------------------------------------ the steps, in order
+
+    def nothing_initialised(self) -> bool:
+        """The common cell of a kernel that never used CUDA: one driver call, no JSON."""
+        engine = self.engine
+        if self.forced or engine._idle_jobs != [] or engine.pinned_job is not None:
+            return False
+        quick = getattr(engine.native, "cuda_initialized", None)
+        try:
+            initialised = quick() if quick is not None else None
+        except Exception:
+            initialised = None  # the full pass below says what is wrong
+        if initialised is not False:
+            return False
+        engine.last_driver_state = "not_initialized"
+        engine._know_baseline()  # no context anywhere: the next device in use is a first use
+        self.state = None
+        return True
+
+    def probe(self) -> bool:
+        """The driver pass: probe, settle, trim and the figures after in one native call (when
+        nothing in the process uses CUDA it is a probe and nothing else). True when a device is in use."""
+        engine = self.engine
+        if hasattr(engine.native, "after_cell"):
+            notes_first: List[Note] = []
+            with engine.ctrl_c.armed() as ctrl_c:
+                self.first = engine._native_pass(engine._settle_limit(self.settings, self.after_forced), self.settings,
+                                                 notes_first, trim=self.now_device and self.settings.driver_pools)
+                if self.first is not None and ctrl_c.pressed:
+                    self.first["keyboard_interrupt"] = True  # the next armed() starts afresh
+            if self.first is None:
+                raise RuntimeError(notes_first[0][1] if notes_first else "the native after-cell pass failed")
+            probe = self.first
+            in_use = [d for d in self.first.get("devices") or [] if _index(d.get("index")) is not None]
+        else:
+            probe = engine.native.probe()
+            in_use = [d for d in probe.get("devices") or [] if d.get("in_use")]
+        self.driver = probe.get("driver") or {}
+        self.state = self.driver.get("state")
+        engine.last_driver_state = self.state
+        if self.state != "ready" or not in_use:
+            if self.state in ("ready", "not_initialized"):
+                engine._know_baseline()
+            return False
+        self.all_devices = [int(d["index"]) for d in in_use]
+        return True
+
+    def begin(self) -> None:
+        """The devices of this cell, its first uses, and what background releases finished since the last."""
+        engine = self.engine
+        seen = engine._seen_in_use
+        self.found.first_use = set() if seen is None else {i for i in self.all_devices if i not in seen}
+        engine._seen_in_use = (seen or set()) | set(self.all_devices)
+        self.quiet = {i for i in self.all_devices if i in engine._unusable}
+        self.devices = [i for i in self.all_devices if i not in engine._unusable]
+        engine._status("set_state", {"state": "draining", "cell": self.cell, "since_ns": time.time_ns()})
+        self.freed = {i: {} for i in self.all_devices}
+        engine._drained_now = []
+        self.background = engine._finished_pinned()
+        self.idle_done = engine._finished_idle()
+        for job in [*self.background, *self.idle_done]:
+            self.notes.extend(job.notes)
+            self.captured.extend(job.unraisable)
+
+    def settle(self, ctrl_c: CtrlC) -> None:
+        """Step 1: what the driver pass found, per device (the bounded wait and the first trim)."""
+        first_use = self.found.first_use
+        self.found = self.engine._settle(self.settings, self.after_forced, self.devices, self.quiet, self.freed,
+                                         self.notes, trim=self.now_device, result=self.first)
+        self.found.first_use = first_use
+        self.interrupted = self.found.interrupted or ctrl_c.pressed
+        self.settled = [i for i in self.devices if self.found.state.get(i) == "drained"]
+        if self.interrupted:
+            raise KeyboardInterrupt
+        ctrl_c.check()
+
+    def collect(self, ctrl_c: CtrlC) -> None:
+        """Step 2: collect first, then read the frameworks once: what the collection freed is in
+        those figures, and only a cache that holds something is emptied."""
+        engine = self.engine
+        self.adapters = engine.adapters(self.settings, self.notes) if self.settled else []
+        # not known (the device's memory changed, or a framework keeps a cache): a young
+        # collection, cheaper than reading every framework to decide
+        live = engine._live_hint(self.found, self.settled) if self.adapters else None
+        self.gc_record = engine._collect(self.settings, self.adapters, live, self.settled, self.namespace)
+        ctrl_c.check()
+        self.stats_settled = engine.stats(self.adapters, self.settled, self.notes) if self.adapters else {}
+
+    def drain(self, ctrl_c: CtrlC) -> None:
+        """Step 3: the frameworks' caches on the settled devices; which pinned pools go after the last driver call."""
+        engine = self.engine
+        if self.now_device:
+            self.given_back = engine._drain_frameworks(self.adapters, self.settled, self.freed, self.notes, ctrl_c,
+                                                       self.stats_settled)
+        self.candidates, self.pending = engine._pinned_candidates(self.settings, self.adapters, self.stats_settled,
+                                                                  self.settled, self.devices)
+        ctrl_c.check()
+
+    def trim(self, ctrl_c: CtrlC) -> None:
+        """Step 4: the driver's pools again, when a framework gave memory back, or the collection
+        freed memory straight into them (asynchronous frees: live GPU memory is below what the
+        last cleanup left; else the next cell's pass trims it)."""
+        engine = self.engine
+        gc_freed = bool(self.gc_record.collected) and (
+            engine._last_live is None or engine.live_total(self.stats_settled, self.settled) < engine._last_live)
+        trimmed: Dict[int, dict] = {}
+        if self.now_device and self.settings.driver_pools and self.settled and (self.given_back or gc_freed):
+            trimmed = engine._trim(self.freed, self.notes)
+        self.figures_stale = bool(self.given_back or gc_freed)
+        if trimmed and self.found.figures and set(trimmed) >= set(self.found.figures):
+            # the trim reported every device's memory after it: as fresh as a snapshot
+            for i, fig in trimmed.items():
+                self.found.pools[i] = fig.pop("pools_reserved", None)
+            self.found.figures.update(trimmed)
+            self.figures_stale = False
+        ctrl_c.check()  # a Ctrl-C during the trim: said as at every other step, not lost
+
+    def stop_here(self) -> None:
+        """Ctrl-C: the steps left are skipped; devices not yet done say so."""
+        self.interrupted = True
+        for i in self.devices:
+            if self.found.state.get(i) in (None, "drained"):
+                self.found.state[i] = "interrupted"
+
+    def snapshot(self) -> None:
+        """Step 5: device figures after the cleanup."""
+        self.figures = self.engine._snapshot(self.found, self.figures_stale or self.interrupted, self.notes)
+
+    def read_frameworks_after(self) -> None:
+        """The frameworks' figures after the cleanup: those read after the collection when nothing
+        was freed since (None: frameworks are in use and their figures are not known)."""
+        if not self.adapters:
+            self.stats_after = {}
+            return
+        if self.interrupted:
+            self.stats_after = None
+            return
+        usable = [i for i in self.devices if self.found.state.get(i) != "unusable"]
+        if not self.given_back and usable == self.settled:
+            self.stats_after = self.stats_settled
+        else:
+            self.stats_after = self.engine.stats(self.adapters, usable, self.notes)
+
+    def release_pinned(self) -> None:
+        """Step 6: pinned host pools on a background thread after the cell's last driver call,
+        or everything left for the kernel's idle time (release "auto" and "idle")."""
+        if self.interrupted:
+            return
+        if self.candidates and self.settings.release == "cell":
+            self.pinned_now, started = self.engine._start_pinned(self.candidates, self.cell, self.notes, self.captured)
+            self.pending = self.pending or started
+        elif self.settled and (self.candidates or not self.now_device):
+            self.deferred = self.engine._defer(self.settings, self.adapters if not self.now_device else [],
+                                               self.candidates, self.settled, self.cell)
+
+    def record(self) -> CellRecord:
+        """Step 7: the record of this cell."""
+        engine = self.engine
+        line = summarize_unraisables(self.captured)
+        if line:
+            self.notes.append((f"unraisable:{self.captured[0]['type']}", line))
+        record = CellRecord(
+            cell=self.cell,
+            time_ns=time.time_ns(),
+            driver_state=self.state,
+            interrupted=self.interrupted,
+            devices=[self.device_record(i) for i in self.all_devices],
+            pinned=PinnedRecord(
+                freed_bytes=self.pinned_now,
+                background=[job.result() for job in self.background],
+                pending=self.pending,
+                pools={name: s["pinned"] for name, s in (self.stats_after or {}).items() if s.get("pinned")},
+            ),
+            gc=self.gc_record,
+            notes=[text for _, text in self.notes],
+            shown_notes=[text for kind, text in self.notes if engine.note_once(kind)],
+            unraisable=self.captured[:20],
+            release=self.settings.release,
+            deferred=self.deferred,
+        )
+        record.touched = bool(self.found.first_use) or any(self._changed(i) for i in self.all_devices)
+        engine._remember_figures(self.figures)
+        record.elapsed_s = round(time.perf_counter() - self.start, 6)
+        record.hidden = engine._hidden(self.hidden, notes=record)
+        engine._traced(record)
+        record.idle = [job.result() for job in self.idle_done]
+        return record
+
+    def _changed(self, i: int) -> bool:
+        """Device memory changed since the last cleanup (a device with no context before is a first use)."""
+        free_before = self.found.free_before.get(i)
+        last = self.engine._last_free
+        return free_before is not None and i in last and last[i] != free_before
+
+    def device_record(self, i: int) -> DeviceRecord:
+        engine = self.engine
+        fig = self.figures.get(i, {})
+        total = fig.get("total_bytes")
+        free_before = self.found.free_before.get(i)
+        stats = self.stats_after or {}
+        dev = DeviceRecord(
+            index=i,
+            name=fig.get("name"),
+            state=self.found.state.get(i, "error" if i not in self.quiet else "unusable"),
+            settle=self.found.settle.get(i),
+            total_bytes=total,
+            used_at_start_bytes=engine._last_used.get(i),
+            used_before_bytes=(total - free_before) if (total is not None and free_before is not None) else None,
+            used_after_bytes=fig.get("used_bytes"),
+            freed_bytes=self.freed.get(i, {}),
+            live_bytes=_per_framework(stats, i, "live_bytes"),
+            cached_bytes=_per_framework(stats, i, "cached_bytes", releases=True),
+            reserved_bytes=_per_framework(stats, i, "cached_bytes", releases=False),
+            message=self.found.message.get(i),
+            quiet=i in self.quiet,
+            first_use=i in self.found.first_use,
+            context_only=_context_only(stats, i),
+        )
+        warn_bytes = int(self.settings.outside_warning_mib) << 20
+        # a framework in use whose figures could not be read: what is outside every pool is not known
+        read = self.stats_after is not None and all(a.name in self.stats_after for a in self.adapters)
+        dev.outside_bytes, dev.outside_growth_bytes = engine._outside(
+            i, fig, self.found, self.stats_after if read else None, self.quiet, warn_bytes, self.notes)
+        return dev
+
+    def remember(self, record: CellRecord) -> None:
+        """What the next cell compares with: what each drain could not give back, the live and
+        cached bytes after this cleanup, the names that hold GPU memory."""
+        engine = self.engine
+        stats_after = self.stats_after or {}
+        for name in engine._drained_now:  # what each drain could not give back, until it changes
+            if name in stats_after:
+                engine._kept[name] = {i: f.get("cached_bytes", 0) for i, f in stats_after[name]["devices"].items()}
+        if self.adapters and not self.interrupted:
+            engine._last_live = engine.live_total(stats_after, self.devices)
+            engine._last_cached = sum(s["devices"].get(i, {}).get("cached_bytes", 0)
+                                      for s in stats_after.values() for i in self.devices)
+            if self.namespace is not None:
+                engine.holders.update(self.namespace, engine._last_live)
+        elif not self.adapters:
+            engine._last_live = None
 
 
 def pools_reserved(dev: dict) -> Optional[int]:
@@ -1117,6 +1274,33 @@ def _nothing_new_cached(stats: Optional[dict], devices: List[int], kept: Dict[in
     per_device = (stats or {}).get("devices") or {}
     return bool(devices) and all(
         i in per_device and (per_device[i].get("cached_bytes") or 0) in (0, kept.get(i, 0)) for i in devices)
+
+
+def _per_framework(stats: Dict[str, dict], i: int, key: str, releases: Optional[bool] = None) -> Dict[str, int]:
+    """One figure of device ``i`` per framework (``releases``: only frameworks that do, or do not,
+    give their cache back), zeros left out."""
+    return {n: s["devices"][i][key] for n, s in stats.items()
+            if s["devices"].get(i, {}).get(key) and (releases is None or s.get("releases", True) == releases)}
+
+
+def _status_figures(stats: dict, i: int) -> dict:
+    """A framework's figures on device ``i`` for %gpumem: a pool that never gives memory back
+    says its cache as ``reserved_bytes`` (not freeable), never as cached."""
+    fig = dict(stats["devices"][i])
+    if not stats.get("releases", True):
+        fig["reserved_bytes"], fig["cached_bytes"] = fig.get("cached_bytes", 0), 0
+    return fig
+
+
+def _context_only(stats: Dict[str, dict], i: int) -> bool:
+    """Frameworks are in use and none holds anything on device ``i``: its memory is a context no array uses."""
+    return bool(stats) and not any(
+        (f.get("live_bytes") or 0) + (f.get("cached_bytes") or 0) for s in stats.values() for d, f in s["devices"].items()
+        if d == i) and all(i in s["devices"] for s in stats.values())
+
+
+def _text_or_none(value: Any) -> Optional[str]:
+    return value if isinstance(value, str) and value else None
 
 
 def _add_released(freed: Dict[int, Dict[str, int]], drain: Optional[dict]) -> None:

@@ -611,7 +611,7 @@ def _version() -> str:
     # The running package's own version first: with the source tree on
     # PYTHONPATH the installed distribution's metadata may describe another copy.
     try:
-        from . import __version__ as version
+        from .version import __version__ as version
     except ImportError:
         version = None
     if version:

@@ -135,6 +135,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         self._loaded = False
         self._forced_in_cell: Optional[CellRecord] = None  # what %gpumem --drain did in the running cell
         self._interrupt_the_cell = _InterruptTheCell()
+        self._depth = 0  # cells running: more than one while a cell runs another (%%capture)
 
     def settings(self) -> Settings:
         """The traits as the engine reads them for one cell."""
@@ -175,6 +176,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         driver = probe.get("driver") or {}
         state = driver.get("state")
         self.engine.last_driver_state = state
+        with contextlib.suppress(Exception):  # the devices in use before the first cell: its baseline
+            self.engine.baseline(probe)
         if state == "no_driver":
             where = report.printable(driver.get("path") or "libcuda.so.1")
             print(f"{report.PREFIX}{report.SEP}no CUDA driver found ({where}): nothing to clean, no cleanup after cells")
@@ -299,12 +302,29 @@ class GPUCleanup(Magics, GPUCleanupOptions):
 
     def _warn_once_now(self, kind: str, text: str) -> None:
         if self.engine.note_once(kind):
-            print(f"{report.PREFIX}{report.SEP}{text}")
+            self._say([f"{report.PREFIX}{report.SEP}{text}"])
+
+    def _say(self, lines: List[str], cell: Optional[int] = None) -> None:
+        """gpucleanup's own output after a cell, never the cell's stdout: a display output of its own
+        (``text/plain``, a small ``text/html``, metadata that name gpucleanup) that Jupyter shows under
+        the cell and frontends, nbconvert and tests can tell apart or drop; terminal IPython's display
+        publisher prints its text after the cell's output. ``%%capture`` and a redirected stdout
+        inside the cell hold only what the user printed."""
+        if not lines:
+            return
+        publish = getattr(getattr(self.shell, "display_pub", None), "publish", None)
+        if publish is None:
+            print("\n".join(lines))
+            return
+        publish(data=report.line_bundle(lines), metadata=report.line_metadata(cell))
 
     # ------------------------------------------------------------ event handlers
 
     def pre_run_cell(self, info: Any = None) -> None:
         """Before a cell: mark it running for the status endpoint. No driver call."""
+        self._depth += 1  # run_cell inside a cell (%%capture, %run -i): its post_run_cell leaves it to the cell's
+        if self._depth > 1:
+            return
         try:
             self._forced_in_cell = None
             if info is not None and getattr(info, "silent", False):
@@ -327,7 +347,13 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                 self._warn_once_now(f"pre:{type(exc).__name__}", f"before the cell: {type(exc).__name__}: {exc}")
 
     def post_run_cell(self, result: Any = None) -> None:
-        """After a cell: the cleanup; never raises and leaves the cell's result and error alone."""
+        """After a cell: the cleanup; never raises and leaves the cell's result and error alone.
+
+        A run_cell inside a cell (``%%capture`` runs the cell's body so) is left to the enclosing
+        cell's cleanup: its line is not captured into the user's output, and a cell is cleaned once."""
+        self._depth = max(0, self._depth - 1)
+        if self._depth > 0:
+            return
         try:
             if result is not None and getattr(getattr(result, "info", None), "silent", False):
                 return
@@ -335,20 +361,20 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                 return
             cell = getattr(result, "execution_count", None) if result is not None else None
             self._release_after_oom(result, cell)
-            hidden = holders.held_after_cell(self.shell, result, cell) if self.engine.last_driver_state == "ready" else []
+            # asked for by the engine once this cell's pass found a device in use (the first GPU cell too)
+            hidden = functools.partial(holders.held_after_cell, self.shell, result, cell)
             outcome = self.cleanup(cell=cell, after_forced=self._forced_in_cell, hidden=hidden)
             if outcome is not None:
-                for line in outcome.lines:
-                    print(line)
+                self._say(outcome.lines, cell)
             if self.trace_allocations and not self.tracer.active and outcome is not None:
                 self._start_trace(automatic=True)
         except KeyboardInterrupt:
             with contextlib.suppress(Exception):
-                print(f"{report.PREFIX}{report.SEP}interrupted (Ctrl-C): cleanup stopped")
+                self._say([f"{report.PREFIX}{report.SEP}interrupted (Ctrl-C): cleanup stopped"])
         except Exception as exc:
             if outside_drain_gave_no_way(exc):
                 with contextlib.suppress(Exception):
-                    print(f"{report.PREFIX}{report.SEP}{exc}")
+                    self._say([f"{report.PREFIX}{report.SEP}{exc}"])
                 return
             with contextlib.suppress(Exception):
                 self._warn_once_now(f"internal:{type(exc).__name__}", f"cleanup failed ({type(exc).__name__}: {exc}); the cell is not affected")
@@ -385,12 +411,13 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             return
         frames = holders.release_traceback(error)
         total = sum(int(f.get("bytes") or 0) for f in held)
-        print(f"{report.PREFIX}{report.SEP}out of GPU memory in cell [{cell}]: released {report.format_bytes(total)} "
-              f"held by {_count(len(held), 'variable')} of its traceback ({_count(frames, 'frame')}; the "
-              "error stays, %debug no longer shows them; %config GPUCleanup.release_after_oom = False keeps them)")
+        self._say([f"{report.PREFIX}{report.SEP}out of GPU memory in cell [{cell}]: released {report.format_bytes(total)} "
+                   f"held by {_count(len(held), 'variable')} of its traceback ({_count(frames, 'frame')}; the "
+                   "error stays, %debug no longer shows them; %config GPUCleanup.release_after_oom = False keeps them)"],
+                  cell)
 
     def cleanup(self, cell: Optional[int] = None, forced: bool = False, after_forced: Optional[CellRecord] = None,
-                hidden: Optional[List[dict]] = None) -> Optional[Outcome]:
+                hidden: Any = None) -> Optional[Outcome]:
         """The after-cell cleanup now (the engine's); its record goes to the history and
         the status endpoint. None when nothing in the kernel uses CUDA."""
         namespace = getattr(self.shell, "user_ns", None)

@@ -39,6 +39,9 @@ class DeviceRecord:
     live_bytes: Dict[str, int] = field(default_factory=dict)
     #: kept by a framework and not freeable now, per framework
     cached_bytes: Dict[str, int] = field(default_factory=dict)
+    #: kept by a framework whose pool never gives memory back (JAX's BFC allocator, TensorFlow, RMM),
+    #: per framework: not freeable by any cleanup
+    reserved_bytes: Dict[str, int] = field(default_factory=dict)
     #: the driver's one line for a busy or unusable device
     message: Optional[str] = None
     #: unusable and already said: no line any more
@@ -48,6 +51,10 @@ class DeviceRecord:
     outside_bytes: Optional[int] = None
     #: ... and how much it grew since the last cleanup (None: not known yet)
     outside_growth_bytes: Optional[int] = None
+    #: the process had no context on this device before the cell: the cell's first use of it
+    first_use: bool = False
+    #: frameworks are in use and none holds anything here: a context no array uses
+    context_only: bool = False
 
 
 @dataclass
@@ -107,6 +114,9 @@ class CellRecord:
     #: raw allocations the cell made and kept, from the allocation trace (%gpumem --trace on):
     #: {"device", "bytes", "count", "threads", "site", "caller", "kind"}
     traced: List[dict] = field(default_factory=list)
+    #: per framework whose pool never gives memory back: what to set so that it does, said on
+    #: this cell's line (the first line that shows its reserved memory; once per kernel)
+    reserved_fix: Dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         """The JSON shape of share/schema/cell_record.schema.json.

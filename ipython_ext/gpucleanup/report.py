@@ -14,6 +14,8 @@ import os
 import re
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
+from .units import _number, _unit_for, format_bytes, format_duration, format_in_unit, format_pair  # noqa: F401
+
 __all__ = [
     "PREFIX",
     "format_bytes",
@@ -36,69 +38,6 @@ SEP = " · "
 def printable(text: object) -> str:
     """``text`` with control characters escaped (``\\n``, ``\\x1b``): a path from the environment stays one line."""
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
-
-
-_UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
-
-
-def _unit_for(n: int) -> tuple[str, int]:
-    for unit, size in _UNITS:
-        if n >= size:
-            return unit, size
-    return "B", 1
-
-
-def _number(value: float, unit: str) -> str:
-    if unit == "B":
-        return str(int(value))
-    if unit in ("GiB", "TiB"):
-        return f"{value:.1f}"
-    # MiB and KiB: whole numbers once they are big enough to read that way
-    return f"{value:.0f}" if value >= 10 else f"{value:.1f}"
-
-
-def format_bytes(n: Optional[int]) -> str:
-    """``6.0 GiB``, ``512 MiB``, ``1.5 MiB``, ``8 B``; ``?`` when unknown."""
-    if n is None:
-        return "?"
-    n = int(n)
-    sign = "-" if n < 0 else ""
-    unit, size = _unit_for(abs(n))
-    return f"{sign}{_number(abs(n) / size, unit)} {unit}"
-
-
-def format_in_unit(n: int, unit_of: int) -> str:
-    """``n`` as a bare number in the unit ``format_bytes(unit_of)`` would pick (``5.5`` for GiB)."""
-    unit, size = _unit_for(abs(int(unit_of)))
-    return _number(int(n) / size, unit)
-
-
-def format_pair(used: Optional[int], total: Optional[int]) -> str:
-    """``2.7/79.6 GiB``: used in the unit of the total."""
-    if total is None:
-        return format_bytes(used)
-    if used is None:
-        return f"?/{format_bytes(total)}"
-    unit, _ = _unit_for(abs(int(total)))
-    return f"{format_in_unit(used, total)}/{format_bytes(total)}" if unit != "B" else f"{used}/{total} B"
-
-
-def format_duration(seconds: Optional[float]) -> str:
-    """``0.4 ms``, ``12 ms``, ``2.5 s``, ``31 s``, ``2 min 5 s``."""
-    if seconds is None:
-        return "?"
-    s = max(0.0, float(seconds))
-    if s < 0.001:
-        return f"{s * 1000:.1f} ms"
-    if s < 1.0:
-        ms = round(s * 1000)
-        return f"{ms} ms" if ms < 1000 else "1.0 s"
-    if s < 10.0:
-        return f"{s:.1f} s"
-    if s < 60.0:
-        return f"{s:.0f} s"
-    minutes, rest = divmod(int(round(s)), 60)
-    return f"{minutes} min {rest} s" if rest else f"{minutes} min"
 
 
 _VENDOR = {"nvidia", "tesla", "geforce", "quadro"}
@@ -215,7 +154,13 @@ def _device_line(dev: dict, record: dict, pinned: Optional[str]) -> str:
         segs.append(pinned)
     growth = dev.get("outside_growth_bytes")
     traced = traced_text(record.get("traced"), dev.get("index"))
-    if growth is not None and growth >= OUTSIDE_NOTICE_BYTES:
+    outside = dev.get("outside_bytes")
+    if dev.get("first_use") and outside is not None:
+        # no context before the cell: all of it came with this cell, the context included
+        why = traced or f"the CUDA context, library code, raw allocations, or another process on GPU{dev.get('index')}"
+        what = "a context no array uses, " if dev.get("context_only") else ""
+        segs.append(f"first use of GPU{dev.get('index')}: {what}{format_bytes(outside)} outside every pool ({why})")
+    elif growth is not None and growth >= OUTSIDE_NOTICE_BYTES:
         why = traced or (f"library code and handles, raw allocations, or another process on GPU{dev.get('index')}")
         segs.append(f"+{format_bytes(growth)} outside every pool in this cell ({why})")
     elif traced and sum(int(e.get("bytes") or 0) for e in record.get("traced") or []) >= OUTSIDE_NOTICE_BYTES:
@@ -234,10 +179,23 @@ def _device_line(dev: dict, record: dict, pinned: Optional[str]) -> str:
             segs.append(f"cached {format_bytes(cached_total)} until idle ({_parts(cached, cached_total)})")
         else:
             segs.append(f"held {format_bytes(cached_total)} cached ({_parts(cached, cached_total)})")
+    segs.extend(_reserved_segments(dev, record))
     if dev.get("total_bytes") is not None or dev.get("used_after_bytes") is not None:
         segs.append(f"device {format_pair(dev.get('used_after_bytes'), dev.get('total_bytes'))}")
     segs.append(format_duration(record.get("elapsed_s")))
     return SEP.join(segs)
+
+
+def _reserved_segments(dev: dict, record: dict) -> List[str]:
+    """``reserved by jax 104.8 GiB (not freeable: XLA_PYTHON_CLIENT_PREALLOCATE=false before import)``:
+    memory a framework's pool never gives back, never called cached; what to set, the first time."""
+    fixes = record.get("reserved_fix") or {}
+    out = []
+    for name, n in sorted((dev.get("reserved_bytes") or {}).items(), key=lambda kv: -kv[1]):
+        if n:
+            fix = fixes.get(name)
+            out.append(f"reserved by {name} {format_bytes(n)}" + (f" (not freeable: {fix})" if fix else ""))
+    return out
 
 
 def _hidden_text(hidden: Optional[Sequence[dict]], index: Any) -> str:
@@ -285,6 +243,26 @@ def traced_text(entries: List[dict], index: Any) -> Optional[str]:
         parts.append(text)
     more = len(mine) - 2
     return ", ".join(parts) + (f" and {more} more site{'s' if more != 1 else ''}" if more > 0 else "") + ", never freed"
+
+
+#: the metadata key that marks gpucleanup's own outputs (and the output tag nbconvert's
+#: TagRemovePreprocessor.remove_single_output_tags can drop them by)
+OUTPUT_TAG = "gpucleanup"
+
+
+def line_bundle(lines: Sequence[str]) -> dict:
+    """The summary lines as a display output's data: the text, and a small HTML form of it."""
+    text = "\n".join(lines)
+    body = "<br>".join(html.escape(line) for line in lines)
+    return {"text/plain": text,
+            "text/html": f'<div class="gpucleanup-line" style="font-family: monospace; font-size: smaller; '
+                         f'opacity: 0.75">{body}</div>'}
+
+
+def line_metadata(cell: Optional[int] = None) -> dict:
+    """What names a display output as gpucleanup's: ``{"gpucleanup": {"kind": "after_cell", "cell": N},
+    "tags": ["gpucleanup"]}``."""
+    return {OUTPUT_TAG: {"kind": "after_cell", "cell": cell}, "tags": [OUTPUT_TAG]}
 
 
 def unusable_sentence(dev: dict) -> str:
@@ -419,7 +397,8 @@ class JSONReport(dict):
 
 
 def _fw_total(entry: dict) -> int:
-    return int(entry.get("live_bytes") or 0) + int(entry.get("cached_bytes") or 0)
+    return (int(entry.get("live_bytes") or 0) + int(entry.get("cached_bytes") or 0)
+            + int(entry.get("reserved_bytes") or 0))
 
 
 def memory_report(status: dict, history_rows: int = 5) -> Report:
@@ -435,23 +414,37 @@ def memory_report(status: dict, history_rows: int = 5) -> Report:
     for dev in status.get("devices", []):
         total = dev.get("total_bytes")
         rows = [["total", format_bytes(total), ""], ["used (device, all processes)", format_bytes(dev.get("used_bytes")), ""]]
-        for name, entry in sorted((dev.get("frameworks") or {}).items()):
+        frameworks = dev.get("frameworks") or {}
+        # a framework whose pool never gives memory back: its own column, never "cached"
+        reserved = {n: int(e.get("reserved_bytes") or 0) for n, e in frameworks.items() if e.get("reserved_bytes")}
+        for name, entry in sorted(frameworks.items()):
             rows.append([f"{name}", format_bytes(entry.get("live_bytes")), format_bytes(entry.get("cached_bytes"))])
+            if reserved:
+                rows[-1].append(format_bytes(reserved[name]) if name in reserved else "")
             # a framework with pools of its users' own (PyCUDA): one row each, under it
             for pool in (status.get("framework_pools") or {}).get(name, []):
                 if pool.get("device") != dev.get("index"):
                     continue
                 where = "" if pool.get("drained_here") else f", thread {pool.get('thread')}: not drained here"
                 rows.append([f"  {pool.get('pool')}{where}", format_bytes(pool.get("live_bytes")),
-                             format_bytes(pool.get("cached_bytes"))])
+                             format_bytes(pool.get("cached_bytes"))] + ([""] if reserved else []))
         for pool in dev.get("pools") or []:
             rows.append(
                 [f"driver pool ({pool.get('which')})", format_bytes(pool.get("used_bytes")), format_bytes(pool.get("reserved_bytes"))]
+                + ([""] if reserved else [])
             )
         since = dev.get("outside_since_load_bytes")
         rows.append(["outside every pool", format_bytes(dev.get("outside_bytes"))
-                     + (f" ({'+' if since >= 0 else '-'}{format_bytes(abs(since))} since load)" if since else ""), ""])
+                     + (f" ({'+' if since >= 0 else '-'}{format_bytes(abs(since))} since load)" if since else ""), ""]
+                    + ([""] if reserved else []))
         notes = ["frameworks: live (held by objects) / cached (freeable); driver pools: used / reserved."]
+        fixes = status.get("reserved_fix") or {}
+        for name in sorted(reserved):
+            notes.append(f"not freeable: {name}'s pool never gives memory back"
+                         + (f" ({fixes[name]})." if fixes.get(name) else "."))
+        if frameworks and not any(_fw_total(e) for e in frameworks.values()):
+            notes.append(f"no array of {', '.join(sorted(frameworks))} is on GPU{dev.get('index')}: what it uses is a "
+                         "CUDA context (and libraries') made without an array, or raw allocations.")
         notes.append(
             "outside every pool = device used - everything known: the CUDA context (~500 MiB), "
             "other processes on this GPU and raw allocations are in it."
@@ -459,7 +452,8 @@ def memory_report(status: dict, history_rows: int = 5) -> Report:
         if dev.get("message"):
             notes.append(dev["message"])
         title = f"{_device_label(dev)} — {format_pair(dev.get('used_bytes'), total)} used"
-        tables.append(Table(title, ["", "live / used", "cached / reserved"], rows, notes))
+        headers = ["", "live / used", "cached / reserved"] + (["not freeable"] if reserved else [])
+        tables.append(Table(title, headers, rows, notes))
     pinned = status.get("pinned") or {}
     if pinned:
         rows = [[name, format_bytes(e.get("live_bytes")), format_bytes(e.get("cached_bytes"))] for name, e in sorted(pinned.items())]

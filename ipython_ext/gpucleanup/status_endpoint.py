@@ -270,7 +270,7 @@ class StatusEndpoint:
         )
         self._running = True
         try:
-            from . import __version__ as version
+            from .version import __version__ as version
         except ImportError:
             version = None
         self.info = discovery.describe(

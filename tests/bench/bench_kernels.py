@@ -337,6 +337,8 @@ class Kernel:
             kind, content = msg["msg_type"], msg["content"]
             if kind == "stream":
                 stdout.append(content.get("text", ""))
+            elif kind == "display_data" and "gpucleanup" in content.get("metadata", {}):
+                stdout.append(content["data"].get("text/plain", "") + "\n")  # gpucleanup's own output
             elif kind == "error":
                 error = content
             elif kind == "status" and content.get("execution_state") == "idle":

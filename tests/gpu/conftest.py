@@ -170,6 +170,8 @@ def execute_cell(kc, code: str, timeout: float = 120) -> str:
         kind, content = msg["msg_type"], msg["content"]
         if kind == "stream" and content["name"] == "stdout":
             out.append(content["text"])
+        elif kind == "display_data" and "gpucleanup" in content.get("metadata", {}):
+            out.append(content["data"]["text/plain"] + "\n")  # gpucleanup's own output, after the cell's
         elif kind == "error":
             error = f"{content['ename']}: {content['evalue']}"
         elif kind == "status" and content["execution_state"] == "idle":

@@ -3,7 +3,7 @@
 The cells hold no cleanup code; the first one runs ``%load_ext gpucleanup``. After each
 cell the test asks the kernel (a silent request: no cell hooks run) what the pools still
 hold, and checks:
-- the cell's stdout has the summary line, starting with "gpucleanup ·", when the cell used the GPU
+- the summary line (gpucleanup's own display output, after the cell's) starts with "gpucleanup ·" when the cell used the GPU
   (a cell that only frees pinned host memory may leave that report to the next cell's line);
 - CuPy's device pool, PyTorch's cache and Numba's queue hold nothing freeable (no free
   block at all where nothing is live; only remnants of blocks split by live arrays otherwise);
@@ -100,6 +100,8 @@ class Kernel:
             kind, content = msg["msg_type"], msg["content"]
             if kind == "stream":
                 out[content["name"]] += content["text"]
+            elif kind == "display_data" and "gpucleanup" in content.get("metadata", {}):
+                out["stdout"] += content["data"]["text/plain"] + "\n"  # gpucleanup's own output, after the cell's
             elif kind == "execute_result":
                 out["result"] = content["data"].get("text/plain")
             elif kind == "error":

@@ -225,6 +225,8 @@ class Kernel:
                 continue
             if msg["msg_type"] == "stream":
                 out.append(msg["content"]["text"])
+            elif msg["msg_type"] == "display_data" and "gpucleanup" in msg["content"].get("metadata", {}):
+                out.append(msg["content"]["data"]["text/plain"] + "\n")  # gpucleanup's own output
             elif msg["msg_type"] == "error":
                 out.append(f"{msg['content']['ename']}: {msg['content']['evalue']}\n")
             elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
@@ -308,8 +310,9 @@ def test_jupyter_shuts_the_kernel_down_while_a_drain_waits(kernel, runtime, wait
         asking.join()
         _assert_drain_stopped_early(answer)
     else:  # Jupyter's interrupt stopped the wait: the cell's line, sent before the kernel exited, says so
-        said = "".join(m["content"]["text"] for m in _iopub(k) if m["parent_header"].get("msg_id") == cell
-                       and m["msg_type"] == "stream")
+        said = "".join(m["content"]["data"]["text/plain"] + "\n" for m in _iopub(k)
+                       if m["parent_header"].get("msg_id") == cell and m["msg_type"] == "display_data"
+                       and "gpucleanup" in m["content"].get("metadata", {}))  # gpucleanup's own output
         assert re.search(r"^gpucleanup · GPU0 .* · interrupted \(Ctrl-C\): cleanup stopped", said, re.MULTILINE), said
 
 
@@ -555,7 +558,8 @@ PHASES = {
     "driver trim": (lambda ext, fw, mp: _interrupt_once(mp, ext.engine, "_trim"), STOPPED_ON_THE_DEVICE),
     "snapshot": (lambda ext, fw, mp: _interrupt_once(mp, ext.engine, "_snapshot"), STOPPED_THE_HOOK),
     "pinned release": (lambda ext, fw, mp: _interrupt_once(mp, ext.engine, "_start_pinned"), STOPPED_THE_HOOK),
-    "record": (lambda ext, fw, mp: _interrupt_once(mp, ext.engine, "_record"), STOPPED_THE_HOOK),
+    # the cell pass's record step: its first call into the engine (what is outside every pool, per device)
+    "record": (lambda ext, fw, mp: _interrupt_once(mp, ext.engine, "_outside"), STOPPED_THE_HOOK),
     "summary": (lambda ext, fw, mp: _interrupt_once(mp, ext.engine, "_outcome"), STOPPED_THE_HOOK),
     "publish": (lambda ext, fw, mp: _interrupt_once(mp, ext._endpoint, "publish"), STOPPED_THE_HOOK),
     "summary line": (None, STOPPED_THE_HOOK),

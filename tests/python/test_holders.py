@@ -48,7 +48,12 @@ def arrays(shell):  # noqa: F811
 def _run(shell, code):  # noqa: F811
     with capture_output() as cap:
         result = shell.run_cell(code, store_history=True)
-    return result, cap.stdout
+    return result, _said(cap)
+
+
+def _said(cap) -> str:
+    """What the cell printed, then gpucleanup's own output (a display output of its own, never the stdout)."""
+    return cap.stdout + "".join(o.data["text/plain"] + "\n" for o in cap.outputs if "gpucleanup" in (o.metadata or {}))
 
 
 def _gone(shell, name: str) -> bool:

@@ -3,7 +3,8 @@
 Each test starts a kernel whose environment points libgpucleanup at the fake CUDA
 driver (GPUCLEANUP_LIBCUDA) with a scenario (GPUCLEANUP_FAKE_CUDA_SCENARIO), runs
 cells, collects the iopub messages of each cell until the kernel is idle, and
-asserts what arrived on that cell's stdout stream.
+asserts what arrived on that cell's stdout stream and as gpucleanup's own display
+output (metadata ``{"gpucleanup": ...}``), which the summary line is, never the stdout.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def kernel(tmp_path: Path, python: str = sys.executable, **env: str):
 def execute(kc, code: str) -> dict:
     """Run one cell; its stdout, stderr, rich outputs and reply, collected until the kernel is idle."""
     msg_id = kc.execute(code)
-    out = {"stdout": "", "stderr": "", "display": [], "error": None}
+    out = {"stdout": "", "stderr": "", "display": [], "gpucleanup": "", "error": None}
     while True:
         msg = kc.get_iopub_msg(timeout=TIMEOUT)
         if msg["parent_header"].get("msg_id") != msg_id:
@@ -77,6 +78,11 @@ def execute(kc, code: str) -> dict:
         kind, content = msg["msg_type"], msg["content"]
         if kind == "stream":
             out[content["name"]] += content["text"]
+        elif kind == "display_data" and "gpucleanup" in content.get("metadata", {}):
+            # gpucleanup's own output after the cell: never in the cell's stdout
+            assert content["metadata"]["tags"] == ["gpucleanup"]
+            assert content["data"]["text/html"].startswith('<div class="gpucleanup-line"')
+            out["gpucleanup"] += content["data"]["text/plain"] + "\n"
         elif kind in ("display_data", "execute_result"):
             out["display"].append(content["data"])
         elif kind == "error":
@@ -122,18 +128,19 @@ ALLOCATE = (
 )
 
 
-def test_summary_line_arrives_on_the_cells_stdout(tmp_path):
+def test_summary_line_arrives_as_its_own_output_never_on_the_cells_stdout(tmp_path):
     with kernel(tmp_path, GPUCLEANUP_FAKE_CUDA_SCENARIO=json.dumps(SCENARIO)) as kc:
         # the cell that loads the extension is cleaned too: the pool held 1 GiB before
         loaded = execute(kc, "%load_ext gpucleanup")
         assert loaded["reply"]["status"] == "ok"
-        assert _timeless(loaded["stdout"]) == "gpucleanup · GPU0 Fake H100 · freed 1.0 GiB (driver 1.0) · device 0.5/80.0 GiB · <t>\n"
+        assert _timeless(loaded["gpucleanup"]) == "gpucleanup · GPU0 Fake H100 · freed 1.0 GiB (driver 1.0) · device 0.5/80.0 GiB · <t>\n"
+        assert loaded["stdout"] == ""
         quiet = execute(kc, "y = 2")
-        assert quiet["stdout"] == ""  # nothing changed: nothing said (show = "auto")
+        assert quiet["stdout"] == quiet["gpucleanup"] == ""  # nothing changed: nothing said (show = "auto")
         cell = execute(kc, ALLOCATE)
         assert cell["reply"]["status"] == "ok"
-        assert _timeless(cell["stdout"]) == "gpucleanup · GPU0 Fake H100 · freed 2.0 GiB (driver 2.0) · device 0.5/80.0 GiB · <t>\n"
-        assert cell["stderr"] == ""
+        assert _timeless(cell["gpucleanup"]) == "gpucleanup · GPU0 Fake H100 · freed 2.0 GiB (driver 2.0) · device 0.5/80.0 GiB · <t>\n"
+        assert cell["stdout"] == cell["stderr"] == ""
         again = execute(kc, "%load_ext gpucleanup")
         assert "already loaded" in again["stdout"]
         table = execute(kc, "%gpumem")
@@ -155,7 +162,8 @@ def test_error_in_the_cell_stays_the_users(tmp_path):
         execute(kc, "%load_ext gpucleanup")
         cell = execute(kc, ALLOCATE + "\n1 / 0")
         assert cell["reply"]["status"] == "error" and cell["error"]["ename"] == "ZeroDivisionError"
-        assert _timeless(cell["stdout"]) == "gpucleanup · GPU0 Fake H100 · freed 2.0 GiB (driver 2.0) · device 0.5/80.0 GiB · <t>\n"
+        assert _timeless(cell["gpucleanup"]) == "gpucleanup · GPU0 Fake H100 · freed 2.0 GiB (driver 2.0) · device 0.5/80.0 GiB · <t>\n"
+        assert cell["stdout"] == ""
         after = execute(kc, "import sys; print(type(sys.last_value).__name__)")
         assert after["stdout"] == "ZeroDivisionError\n"
         result = execute(kc, "6 * 7")
@@ -183,9 +191,18 @@ def test_autoload_from_the_kernel_config(tmp_path):
     )
     with kernel(tmp_path, GPUCLEANUP_FAKE_CUDA_SCENARIO=json.dumps(SCENARIO)) as kc:
         first = execute(kc, "x = 1")
-        assert _timeless(first["stdout"]) == "gpucleanup · GPU0 Fake H100 · freed 1.0 GiB (driver 1.0) · device 0.5/80.0 GiB · <t>\n"
+        assert _timeless(first["gpucleanup"]) == "gpucleanup · GPU0 Fake H100 · freed 1.0 GiB (driver 1.0) · device 0.5/80.0 GiB · <t>\n"
         cell = execute(kc, "x = 2")  # show = "always" from the config file
-        assert _timeless(cell["stdout"]) == "gpucleanup · GPU0 Fake H100 · freed 0 B · device 0.5/80.0 GiB · <t>\n"
+        assert _timeless(cell["gpucleanup"]) == "gpucleanup · GPU0 Fake H100 · freed 0 B · device 0.5/80.0 GiB · <t>\n"
+        # what the cell prints, %%capture and a redirected stdout hold only the user's own text
+        printed = execute(kc, "print('hi')")
+        assert printed["stdout"] == "hi\n" and printed["gpucleanup"] != ""
+        captured = execute(kc, "%%capture out\nprint('inside')")
+        assert captured["stdout"] == ""
+        assert execute(kc, "print(repr(out.stdout), len(out.outputs))")["stdout"] == "'inside\\n' 0\n"
+        redirected = execute(kc, "import contextlib, io\nbuf = io.StringIO()\nwith contextlib.redirect_stdout(buf):\n    print('mine')")
+        assert redirected["stdout"] == ""
+        assert execute(kc, "print(repr(buf.getvalue()))")["stdout"] == "'mine\\n'\n"
 
 
 def test_no_driver_says_one_line_at_load_and_nothing_after_cells(tmp_path):

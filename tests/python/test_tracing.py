@@ -56,7 +56,12 @@ def _cell(shell, code):  # noqa: F811
     with capture_output() as cap:
         result = shell.run_cell(code, store_history=True)
     assert result.error_in_exec is None, result.error_in_exec
-    return result.execution_count, cap.stdout
+    return result.execution_count, _said(cap)
+
+
+def _said(cap) -> str:
+    """What the cell printed, then gpucleanup's own output (a display output of its own, never the stdout)."""
+    return cap.stdout + "".join(o.data["text/plain"] + "\n" for o in cap.outputs if "gpucleanup" in (o.metadata or {}))
 
 
 def _magic(shell, line):  # noqa: F811

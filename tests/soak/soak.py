@@ -258,6 +258,8 @@ class Kernel:
                 kind, content = msg["msg_type"], msg["content"]
                 if kind == "stream":
                     out[content["name"]] += content["text"]
+                elif kind == "display_data" and "gpucleanup" in content.get("metadata", {}):
+                    out["stdout"] += content["data"]["text/plain"] + "\n"  # gpucleanup's own output, after the cell's
                 elif kind == "error":
                     out["error"] = f"{content['ename']}: {content['evalue']}"
                 elif kind == "status" and content["execution_state"] == "idle":

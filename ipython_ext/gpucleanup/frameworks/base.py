@@ -10,7 +10,7 @@ import sys
 import threading
 from typing import Any, Iterable, Optional
 
-from ..report import format_bytes as _bytes_text  # noqa: F401  (the adapters' byte formatter)
+from ..units import format_bytes as _bytes_text  # noqa: F401  (the adapters' byte formatter)
 
 __all__ = ["Adapter", "Stats", "Figures"]
 
@@ -48,7 +48,10 @@ class Adapter:
     """
 
     name: str = ""
+    #: False: the framework's pool never gives memory back (its cache is "reserved", not "cached")
     can_release: bool = True
+    #: for a pool that never gives memory back: what the user can set so that it does, or takes less
+    reserved_fix: Optional[str] = None
     #: number prefix of this adapter's fault notes (stats, drain, pinned)
     _fault_ids = {"stats": 101, "drain": 102, "pinned": 103}
 

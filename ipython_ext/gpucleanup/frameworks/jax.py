@@ -47,6 +47,14 @@ class JaxAdapter(Adapter):
     def can_release(self) -> bool:  # type: ignore[override]
         return _platform_allocator()
 
+    @property
+    def reserved_fix(self) -> Optional[str]:  # type: ignore[override]
+        """What to set so that JAX does not keep the device (said once per kernel on the line)."""
+        if _platform_allocator():
+            return None
+        return ("XLA_PYTHON_CLIENT_PREALLOCATE=false before import, or XLA_PYTHON_CLIENT_ALLOCATOR=platform to "
+                "free as arrays die; XLA_PYTHON_CLIENT_MEM_FRACTION caps it")
+
     def _in_use(self) -> bool:
         bridge = _bridge()
         if _module("jax") is None or bridge is None or not _backends_ready(bridge):

@@ -63,6 +63,8 @@ def _figures_of(chain: list) -> tuple[Optional[int], Optional[int], list[str]]:
 class RmmAdapter(Adapter):
     name = "rmm"
     can_release = False
+    #: what gives an RMM pool back (said once per kernel on the line)
+    reserved_fix = "rmm.reinitialize() destroys the pool; a smaller initial_pool_size takes less"
 
     def _in_use(self) -> bool:
         rmm = _module("rmm")

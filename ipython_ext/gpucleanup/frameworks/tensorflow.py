@@ -46,6 +46,8 @@ def _async_allocator() -> bool:
 class TensorflowAdapter(Adapter):
     name = "tensorflow"
     can_release = False
+    #: what lets tensorflow's memory be given back (said once per kernel on the line)
+    reserved_fix = "TF_GPU_ALLOCATOR=cuda_malloc_async before import"
 
     def _in_use(self) -> bool:
         return _module("tensorflow") is not None and _context_ready()

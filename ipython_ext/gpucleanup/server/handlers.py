@@ -24,7 +24,8 @@ from tornado import template, web
 from traitlets import Float, Int
 from traitlets.config import LoggingConfigurable
 
-from .. import __version__, discovery, kernels, status_client
+from .. import discovery, kernels, status_client
+from ..version import __version__
 from . import model
 
 STATIC = Path(__file__).resolve().parent / "static"
