@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 import os
 import sys
 from pathlib import Path
@@ -129,10 +130,20 @@ def test_the_page_and_metrics_show_each_kernels_own_figures(tmp_path):
 
         answer = server.api("GET", "/api/gpucleanup/kernels")
         entries = {e["kernel_id"]: e for e in answer["kernels"]}
-        metrics = server.request("GET", "/metrics", token=True)
-        assert metrics.status == 200
-        text = metrics.body.decode()
-        families = list(prometheus_parser.text_string_to_metric_families(text))
+        # /metrics answers on the server's loop with the last finished collection and starts the next one: scrape
+        # until a collection made after the kernels' last cells comes back (gpucleanup_collected_timestamp_seconds)
+        asked = time.time()
+        deadline = time.monotonic() + 60
+        while True:
+            metrics = server.request("GET", "/metrics", token=True)
+            assert metrics.status == 200
+            text = metrics.body.decode()
+            families = list(prometheus_parser.text_string_to_metric_families(text))
+            stamps = [s.value for f in families for s in f.samples if s.name == "gpucleanup_collected_timestamp_seconds"]
+            if stamps and stamps[0] >= asked:
+                break
+            assert time.monotonic() < deadline, f"no collection newer than the scrape's start: {stamps}"
+            time.sleep(0.2)
         if _artifacts():
             (_artifacts() / "server-kernels.json").write_text(json.dumps(answer, indent=1))
             (_artifacts() / "server-metrics.txt").write_text(
