@@ -130,7 +130,8 @@ def test_cuda_python_threads_with_cumemalloc_are_said_outside_every_pool_with_no
         _, more = run("work(256 << 20)\\nassert len(kept) == 6")
         result(first=first, more=more)
     ''')
-    [first] = [l for l in r["first"] if l.startswith("gpucleanup · GPU0")]
+    # the cell's own line ("gpucleanup · GPU0 <name> · ..."), not the once-per-GPU note ("gpucleanup · GPU0: ...")
+    [first] = [l for l in r["first"] if l.startswith("gpucleanup · GPU0 ")]
     assert _outside(first) >= 320 * MiB, first  # the context and the five threads' 320 MiB
-    [more] = [l for l in r["more"] if l.startswith("gpucleanup · GPU0")]
+    [more] = [l for l in r["more"] if l.startswith("gpucleanup · GPU0 ")]
     assert "+256 MiB outside every pool in this cell" in more, more
