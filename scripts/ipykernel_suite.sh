@@ -11,8 +11,8 @@
 # The suite is the sdist of the installed ipykernel (its tests/ are not in the wheel), downloaded once with
 # pip into .venv/ipykernel-sdist/; its test dependencies (pytest-timeout, flaky, pytest-asyncio, pytest-cov, and
 # hatchling for pip to read the sdist) into .venv/ipykernel-sdist/deps/, on PYTHONPATH for this run only. Tests
-# that need ipyparallel, or a display for tk, are left out where those are missing. Run after
-# scripts/setup.sh and the CMake build of the fake driver and libgpucleanup.
+# that need ipyparallel, or a display for tk, are left out where those are missing. It runs scripts/setup.sh and
+# builds the fake driver and libgpucleanup first where they are missing.
 #
 # Usage: scripts/ipykernel_suite.sh [--without-gpucleanup] [--show MODE] [pytest options: -k EXPR, -x, ...]
 #   --without-gpucleanup   the same run with nothing loaded: the suite's own result on this machine, to compare
@@ -40,8 +40,16 @@ py=$root/.venv/bin/python
 build=$root/${GPUCLEANUP_BUILD_DIR:-build}
 fake=$build/tests/fake_cuda/libcuda.so.1
 library=$build/native/libgpucleanup.so
+# What it needs, made here when missing (as scripts/test.sh makes it): the set-up, then the fake driver and the
+# library in the build directory.
+[ -x "$py" ] || bash scripts/setup.sh
+if [ ! -e "$fake" ] || [ ! -e "$library" ]; then
+  say "building the fake CUDA driver and libgpucleanup in $build/"
+  cmake -S . -B "$build" -G Ninja -DGPUCLEANUP_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+  cmake --build "$build" -j"$(nproc)" --target fake_cuda gpucleanup >/dev/null
+fi
 for needed in "$py" "$fake" "$library"; do
-  [ -e "$needed" ] || { say "missing $needed: run scripts/setup.sh and the CMake build (README, Tests)"; exit 2; }
+  [ -e "$needed" ] || { say "missing $needed after the set-up and build"; exit 1; }
 done
 
 version=$("$py" -c 'import ipykernel; print(ipykernel.__version__)')
