@@ -317,6 +317,9 @@ bool wait_for_watchdogs(std::vector<Listed>& listed, Settling& settling, Clock::
       lock.unlock();  // never wait for the interpreter lock while holding settling.mutex
       released.emplace();
       lock.lock();
+      // A watchdog may have finished (and notified) while the mutex was let go: waiting now could wait for a
+      // notification that has already come, forever when there is no limit. The caller looks at the passes again.
+      return;
     }
     if (until) {
       settling.changed.wait_until(lock, *until);
