@@ -9,11 +9,7 @@ cd "$(dirname "$0")/.."
 started=$SECONDS
 say() { echo "demo.sh: $*"; }
 source scripts/lib/stages.sh
-if [ -e build/timings-demo.tsv ]; then run_kind=again; else run_kind=fresh; fi
-if [ -e .venv ]; then timing_note=(--note "set-up already done"); else timing_note=(); fi
-mkdir -p build
-export GPUCLEANUP_TIMINGS="$PWD/build/timings-demo.tsv"
-: >"$GPUCLEANUP_TIMINGS"
+timings_start demo build
 
 stage_begin "set-up"
 bash scripts/setup.sh
@@ -25,7 +21,4 @@ stage_end "fake CUDA driver build"
 stage_begin "demo"
 .venv/bin/python scripts/demo.py "$@"
 stage_end "demo"
-if [ "${GPUCLEANUP_RECORD_TIMINGS:-0}" = 1 ] && [ $# = 0 ]; then
-  python3 scripts/timings.py record --command demo --run "$run_kind" --stages "$GPUCLEANUP_TIMINGS" \
-    --total "$((SECONDS - started))" ${timing_note[@]+"${timing_note[@]}"}
-fi
+[ $# != 0 ] || timings_record demo "$started"  # only the default tour is the measured run

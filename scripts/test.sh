@@ -42,11 +42,7 @@ source scripts/lib/stages.sh
 build=${GPUCLEANUP_BUILD_DIR:-build}
 # The first test run of this clone, or a run again over kept builds (what the timings are recorded as); the
 # set-up may have been done already by scripts/demo.sh, which the recorded timings then say.
-if [ -e "$build/timings-test.tsv" ]; then run_kind=again; else run_kind=fresh; fi
-if [ -e .venv ]; then timing_note=(--note "set-up already done"); else timing_note=(); fi
-mkdir -p "$build"
-export GPUCLEANUP_TIMINGS="$PWD/$build/timings-test.tsv"
-: >"$GPUCLEANUP_TIMINGS"
+timings_start test "$build"
 
 stage_begin "set-up"
 bash scripts/setup.sh
@@ -129,8 +125,7 @@ record_timings() {
     say "timings not recorded: only a whole run is (no pytest arguments, --repeat or GPUCLEANUP_SKIP_*)"
     return 0
   fi
-  python3 scripts/timings.py record --command test --run "$run_kind" --stages "$GPUCLEANUP_TIMINGS" \
-    --total "$((SECONDS - started))" ${timing_note[@]+"${timing_note[@]}"}
+  timings_record test "$started"
 }
 
 main_ipython=$(.venv/bin/python -c 'import IPython; print(IPython.__version__)')

@@ -30,6 +30,7 @@ from .history import History
 from .magics import gpumem_arguments, parse_gpumem, with_settings
 from .record import CellRecord, Outcome
 from .totals import Totals
+from .units import count_of
 from .tracing import Tracer
 
 __all__ = ["GPUCleanup", "load_ipython_extension", "unload_ipython_extension", "DEFAULTS"]
@@ -412,7 +413,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         frames = holders.release_traceback(error)
         total = sum(int(f.get("bytes") or 0) for f in held)
         self._say([f"{report.PREFIX}{report.SEP}out of GPU memory in cell [{cell}]: released {report.format_bytes(total)} "
-                   f"held by {_count(len(held), 'variable')} of its traceback ({_count(frames, 'frame')}; the "
+                   f"held by {count_of(len(held), 'variable')} of its traceback ({count_of(frames, 'frame')}; the "
                    "error stays, %debug no longer shows them; %config GPUCleanup.release_after_oom = False keeps them)"],
                   cell)
 
@@ -658,7 +659,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             error = holders.last_exception(self.shell)
             held = holders.traceback_objects(error, None, self.shell.user_ns)
             frames = holders.release_traceback(error) if error is not None else 0
-            said = (f"cleared {_count(frames, 'frame')} of the last traceback ({_count(len(held), 'GPU object')}, "
+            said = (f"cleared {count_of(frames, 'frame')} of the last traceback ({count_of(len(held), 'GPU object')}, "
                     f"{report.format_bytes(sum(int(f.get('bytes') or 0) for f in held))}); %debug no longer shows "
                     "their variables" if error is not None else "there is no last traceback")
         else:
@@ -723,8 +724,3 @@ def unload_ipython_extension(ipython) -> None:
 def get_extension(ipython) -> Optional[GPUCleanup]:
     """The loaded extension object of a shell, or None."""
     return _instances.get(ipython)
-
-
-def _count(n: int, noun: str) -> str:
-    """``1 frame``, ``2 frames``."""
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

@@ -14,7 +14,7 @@ import os
 import re
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
-from .units import _number, _unit_for, format_bytes, format_duration, format_in_unit, format_pair  # noqa: F401
+from .units import _number, _unit_for, count_of, format_bytes, format_duration, format_in_unit, format_pair  # noqa: F401
 
 __all__ = [
     "PREFIX",
@@ -615,7 +615,7 @@ def vars_report(found: Sequence[dict], limit: int) -> Report:
         for f in top
     ]
     total = sum(int(f.get("bytes") or 0) for f in found)
-    notes = [f"{len(found)} object{'' if len(found) == 1 else 's'}, {format_bytes(total)} in all; views of one buffer each count their own size."]
+    notes = [f"{count_of(len(found), 'object')}, {format_bytes(total)} in all; views of one buffer each count their own size."]
     hidden = sorted({f["held_by"] for f in found if f.get("held_by") not in (None, "variable")})
     if hidden:
         notes.append("held by " + ", ".join(hidden) + ": %gpumem --release out (the output cache) or --release "

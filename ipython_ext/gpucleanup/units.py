@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-__all__ = ["format_bytes", "format_in_unit", "format_pair", "format_duration"]
+__all__ = ["format_bytes", "format_in_unit", "format_pair", "format_duration", "count_of"]
 
 _UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
 
@@ -71,3 +71,8 @@ def format_duration(seconds: Optional[float]) -> str:
         return f"{s:.0f} s"
     minutes, rest = divmod(int(round(s)), 60)
     return f"{minutes} min {rest} s" if rest else f"{minutes} min"
+
+
+def count_of(n: int, noun: str) -> str:
+    """``1 frame``, ``2 frames``: a count with its noun in the right number."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

@@ -11,6 +11,25 @@
 
 declare -A _stage_started=()
 
+# timings_start COMMAND DIR: one run's stage file, DIR/timings-COMMAND.tsv, emptied; sets run_kind (fresh: the
+# first run of COMMAND in this clone, else again) and timing_note (set-up already done, when .venv exists).
+timings_start() {
+  local file="$PWD/$2/timings-$1.tsv"
+  if [ -e "$file" ]; then run_kind=again; else run_kind=fresh; fi
+  if [ -e .venv ]; then timing_note=(--note "set-up already done"); else timing_note=(); fi
+  mkdir -p "$2"
+  export GPUCLEANUP_TIMINGS="$file"
+  : >"$GPUCLEANUP_TIMINGS"
+}
+
+# timings_record COMMAND STARTED: with GPUCLEANUP_RECORD_TIMINGS=1, store this run in tests/timings.json and the
+# README's table (scripts/timings.py); STARTED is the run's $SECONDS at its start.
+timings_record() {
+  [ "${GPUCLEANUP_RECORD_TIMINGS:-0}" = 1 ] || return 0
+  python3 scripts/timings.py record --command "$1" --run "$run_kind" --stages "$GPUCLEANUP_TIMINGS" \
+    --total "$((SECONDS - $2))" ${timing_note[@]+"${timing_note[@]}"}
+}
+
 stage_begin() {
   _stage_started[$1]=$SECONDS
   say "$1: started"

@@ -13,7 +13,7 @@ import pytest
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 
-from gpucleanup import cli, extension, status_client
+from gpucleanup import cli, extension, status_client, units
 from gpucleanup.config import GPUCleanupOptions
 
 TRAITS = sorted(GPUCleanupOptions.class_trait_names(config=True))
@@ -141,9 +141,9 @@ def test_watch_names_a_kernel_once(label, who):
 
 
 def test_counts_are_said_in_the_right_number():
-    assert extension._count(1, "frame") == "1 frame"
-    assert extension._count(2, "frame") == "2 frames"
-    assert extension._count(0, "GPU object") == "0 GPU objects"
+    assert units.count_of(1, "frame") == "1 frame"
+    assert units.count_of(2, "frame") == "2 frames"
+    assert units.count_of(0, "GPU object") == "0 GPU objects"
 
 
 def test_the_refusal_is_a_plain_sentence_on_stderr_in_a_kernel(tmp_path):
