@@ -36,6 +36,8 @@ __all__ = [
     "server_stop",
     "server_set_state",
     "server_state",
+    "server_park",
+    "server_parked",
     "server_publish",
     "server_connections",
     "checkpoint_step",
@@ -164,6 +166,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gpucleanup_set_gil_hooks.restype = None
     lib.gpucleanup_server_connections.argtypes = [c_char_pp]
     lib.gpucleanup_server_connections.restype = ctypes.c_int
+    # Parking's state in the status server (a later addition to ABI version 2).
+    if getattr(lib, "gpucleanup_server_park", None) is not None:
+        lib.gpucleanup_server_park.argtypes = [ctypes.c_char_p, ctypes.c_longlong, c_char_pp]
+        lib.gpucleanup_server_park.restype = ctypes.c_int
+        lib.gpucleanup_server_parked.argtypes = []
+        lib.gpucleanup_server_parked.restype = ctypes.c_int
     # SIGTERM's cleanup of the status endpoint's files (a later addition to ABI version 2).
     if getattr(lib, "gpucleanup_sigterm_cleanup", None) is not None:
         lib.gpucleanup_sigterm_cleanup.argtypes = [ctypes.c_char_p]
@@ -448,6 +456,23 @@ def server_state(state: str, cell: Optional[int] = None, since_ns: Optional[int]
         raise ValueError(f"state must be one of {', '.join(STATES)}, got {state!r}")
     _call_status(held().gpucleanup_server_state, code, -1 if cell is None else int(cell),
                  time.time_ns() if since_ns is None else int(since_ns), -1 if device is None else int(device))
+
+
+def server_park(step: str, parked_bytes: Optional[int] = None) -> dict:
+    """One park step in the status server's state (gpucleanup_server_park): ``begin``, ``parked``,
+    ``failed`` or ``resumed``; returns the state after it. A step the state does not allow raises
+    NativeError (gpucleanup.server.509) and changes nothing."""
+    fn = getattr(held(), "gpucleanup_server_park", None)
+    if fn is None:
+        raise NativeError(ERR_INTERNAL, "[gpucleanup.api.134] this build of the native library cannot park: "
+                              "reinstall gpucleanup")
+    return _call_json(fn, step.encode(), -1 if parked_bytes is None else int(parked_bytes))
+
+
+def server_parked() -> int:
+    """0: not parked (or no server), 1: parking, 2: parked (gpucleanup_server_parked); no driver call."""
+    fn = getattr(held(), "gpucleanup_server_parked", None)
+    return 0 if fn is None else int(fn())
 
 
 def server_publish(record: dict) -> None:

@@ -400,6 +400,28 @@ gpucleanup_status gpucleanup_server_state(int kind, long long cell, long long si
   });
 }
 
+gpucleanup_status gpucleanup_server_park(const char* step, long long bytes, char** json_out) {
+  return guarded([&] {
+    require_out(json_out);
+    if (step == nullptr) {
+      fail(GPUCLEANUP_ERR_INVALID_ARGUMENT, "[gpucleanup.api.133] park step is NULL: pass begin, parked, failed or resumed");
+    }
+    const std::optional<std::int64_t> moved = bytes < 0 ? std::nullopt : std::optional<std::int64_t>(bytes);
+    on_server([&](StatusServer& server) { hand_out(server.park_step(step, moved), json_out); });
+  });
+}
+
+int gpucleanup_server_parked(void) {
+  try {
+    ApiState& state = api_state().get();
+    gil::lock(state.server_mutex);
+    std::lock_guard lock(state.server_mutex, std::adopt_lock);
+    return state.server ? state.server->park_state() : 0;
+  } catch (...) {
+    return 0;
+  }
+}
+
 void gpucleanup_set_gil_hooks(gpucleanup_gil_check_fn check, gpucleanup_gil_save_fn save,
                               gpucleanup_gil_restore_fn restore) {
   gil::set_hooks(check, save, restore);

@@ -33,6 +33,8 @@ const char* request_kind_name(RequestKind kind) noexcept {
       return "ping";
     case RequestKind::drain:
       return "drain";
+    case RequestKind::park:
+      return "park";
   }
   return "unknown";
 }
@@ -119,7 +121,7 @@ void RequestCheck::check_body(CheckedRequest& out, std::span<const std::string_v
   }
   const auto kind = request.find("kind");
   if (kind == request.end() || !kind->is_string()) {
-    reject("408", "request is malformed: \"kind\" must be a string (status, history, drain or ping)");
+    reject("408", "request is malformed: \"kind\" must be a string (status, history, drain, park or ping)");
   }
   if (is_signed) {
     const auto time = request.find("time_ns");
@@ -172,8 +174,29 @@ void RequestCheck::check_body(CheckedRequest& out, std::span<const std::string_v
       }
       out.timeout_s = it->get<double>();
     }
+  } else if (what == "park") {
+    out.kind = RequestKind::park;
+    if (key_.empty()) {
+      reject("418", "park is disabled: this server has no key, and a park step must be signed; start it with a key");
+    }
+    if (!is_signed) {
+      reject("419", "park needs a signed request: sign it with HMAC-SHA256 under the key from the kernel's key file");
+    }
+    const auto step = request.find("step");
+    static const char* const steps[] = {"begin", "parked", "failed", "resumed"};
+    if (step == request.end() || !step->is_string() ||
+        std::find(std::begin(steps), std::end(steps), step->get_ref<const std::string&>()) == std::end(steps)) {
+      reject("408", "request is malformed: a park request needs \"step\": begin, parked, failed or resumed");
+    }
+    out.park_step = step->get<std::string>();
+    if (const auto it = request.find("bytes"); it != request.end() && !it->is_null()) {
+      if (!it->is_number_integer() || it->get<std::int64_t>() < 0) {
+        reject("408", "request is malformed: \"bytes\" must be an integer >= 0 or null");
+      }
+      out.bytes = it->get<std::int64_t>();
+    }
   } else {
-    reject("410", "unknown request kind \"" + what + "\": use status, history, drain or ping");
+    reject("410", "unknown request kind \"" + what + "\": use status, history, drain, park or ping");
   }
   out.is_signed = is_signed;
 }

@@ -36,7 +36,7 @@ struct Rejection {
 // Throws Rejection{"gpucleanup.server." + number, message}.
 [[noreturn]] void reject(const char* number, std::string message);
 
-enum class RequestKind { status, history, ping, drain };
+enum class RequestKind { status, history, ping, drain, park };
 
 // The name a request carries in "kind".
 const char* request_kind_name(RequestKind kind) noexcept;
@@ -60,6 +60,8 @@ struct CheckedRequest {
   bool is_signed = false;
   std::optional<std::size_t> limit;  // history: "limit", when given
   double timeout_s = 0;              // drain: "timeout_s", else the config's drain_timeout_s
+  std::string park_step;             // park: "step" (begin, parked, failed, resumed)
+  std::optional<std::int64_t> bytes; // park: "bytes" of a "parked" step, when given
 };
 
 // Whether every request must be signed: as configured, and always on tcp://.

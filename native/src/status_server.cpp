@@ -715,10 +715,53 @@ struct StatusServer::Impl {
     return view;
   }
 
-  std::string current_state_name() {
-    std::lock_guard<std::mutex> lock(state_mutex);
+  // 0: not parked, 1: parking, 2: parked (state_mutex held).
+  int park_state_locked() const {
     const auto it = state.find("state");
-    return it != state.end() && it->is_string() ? it->get<std::string>() : std::string("unknown");
+    if (it == state.end() || !it->is_string()) return 0;
+    const auto& name = it->get_ref<const std::string&>();
+    return name == "parking" ? 1 : name == "parked" ? 2 : 0;
+  }
+
+  // One park step under the state lock; the refusal's sentence, or nullopt
+  // with the new state in `after`.
+  std::optional<std::string> park_transition(const std::string& step, std::optional<std::int64_t> bytes,
+                                             json& after) {
+    std::lock_guard<std::mutex> lock(state_mutex);
+    const int parked = park_state_locked();
+    const auto name_it = state.find("state");
+    const std::string name = name_it != state.end() && name_it->is_string() ? name_it->get<std::string>() : "unknown";
+    const std::int64_t now = now_ns();
+    if (step == "begin") {
+      if (name != "idle") {
+        return "park refused: the kernel is " + name +
+               (parked ? "" : "; a park starts only between cells (state idle): ask again when the cell has ended");
+      }
+      {
+        std::lock_guard<std::mutex> jobs(job_mutex);
+        if (drain_running) return std::string("park refused: a drain is running; ask again when it has answered");
+      }
+      state = json{{"state", "parking"}};
+    } else if (step == "parked" || step == "failed") {
+      if (parked != 1) return "park step \"" + step + "\" refused: the kernel is " + name + ", not parking";
+      state = step == "parked" ? json{{"state", "parked"}, {"bytes", bytes ? json(*bytes) : json(nullptr)}}
+                               : json{{"state", "idle"}};
+    } else if (step == "resumed") {
+      if (parked == 0) return "park step \"resumed\" refused: the kernel is " + name + ", not parked";
+      state = json{{"state", "idle"}};
+    } else {
+      return "unknown park step \"" + step + "\": use begin, parked, failed or resumed";
+    }
+    state_since_ns = now;
+    state_updated_ns = now;
+    after = state;
+    after["since_ns"] = now;
+    return std::nullopt;
+  }
+
+  bool parked_now() {
+    std::lock_guard<std::mutex> lock(state_mutex);
+    return park_state_locked() != 0;
   }
 
   // The freshest snapshot available within snapshot_timeout_s of the request
@@ -799,7 +842,10 @@ struct StatusServer::Impl {
 
   // A drain request that passed the check (signed, under a key, timeout_s in bounds).
   void accept_drain(const std::vector<std::string>& envelope, const json& id, double timeout_s) {
-    const std::string state_name = current_state_name();
+    // state, then jobs: the order park_transition takes them, so a park and a drain never both start.
+    std::lock_guard<std::mutex> state_lock(state_mutex);
+    const auto it = state.find("state");
+    const std::string state_name = it != state.end() && it->is_string() ? it->get<std::string>() : "unknown";
     if (state_name != "idle") {
       reject("411", "drain refused: the kernel is " + state_name + "; a drain runs only between cells (state idle)");
     }
@@ -879,6 +925,13 @@ struct StatusServer::Impl {
         case RequestKind::drain:
           accept_drain(envelope, request.id, request.timeout_s);
           return;  // answered when the hook is done
+        case RequestKind::park: {
+          json after;
+          if (auto refused = park_transition(request.park_step, request.bytes, after)) reject("420", *refused);
+          reply = json{{"ok", true}, {"kind", "park"}, {"kernel", config.kernel}, {"step", request.park_step},
+                       {"state", std::move(after)}};
+          break;
+        }
       }
       reply["id"] = request.id;
       send_reply(envelope, std::move(reply));
@@ -950,6 +1003,9 @@ struct StatusServer::Impl {
         json snapshot;
         std::string error;
         try {
+          // A parked process's driver calls wait until it is restored: none is made.
+          if (parked_now()) throw std::runtime_error("the kernel is parked: its GPU memory is in host memory, "
+                                                     "and no driver call is made until its next cell resumes it");
           snapshot = hooks.snapshot();
         } catch (const std::exception& e) {
           error = e.what();
@@ -1153,9 +1209,27 @@ void StatusServer::set_state(nlohmann::json state) {
   std::int64_t since = now;
   if (const auto it = state.find("since_ns"); it != state.end() && it->is_number_integer()) since = it->get<std::int64_t>();
   std::lock_guard<std::mutex> lock(impl_->state_mutex);
+  if (impl_->park_state_locked() != 0) return;  // only park_step ends a park
   impl_->state = std::move(state);
   impl_->state_since_ns = since;
   impl_->state_updated_ns = now;
+}
+
+nlohmann::json StatusServer::park_step(const std::string& step, std::optional<std::int64_t> bytes) {
+  if (!impl_) GPUCLEANUP_FAIL("gpucleanup.server.509", "park step refused: the status server is not running");
+  nlohmann::json after;
+  if (auto refused = impl_->park_transition(step, bytes, after)) GPUCLEANUP_FAIL("gpucleanup.server.509", *refused);
+  return after;
+}
+
+int StatusServer::park_state() const noexcept {
+  if (!impl_) return 0;
+  try {
+    std::lock_guard<std::mutex> lock(impl_->state_mutex);
+    return impl_->park_state_locked();
+  } catch (...) {
+    return 0;
+  }
 }
 
 void StatusServer::publish(const nlohmann::json& record) {

@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -93,7 +94,21 @@ class StatusServer {
   // The kernel's state, a JSON object such as {"state": "running", "cell": 12,
   // "since_ns": ...}; replies add "age_s" from since_ns (or from this call).
   // Throws gpucleanup::Error (gpucleanup.server.507) if it is not an object.
+  // While the kernel is parking or parked (park_step), a state of a cell
+  // (idle, running, draining, waiting) does not replace the park: a cell that
+  // starts finds it through park_state() and resumes the process first.
   void set_state(nlohmann::json state);
+
+  // Parking moves the state idle -> parking ("begin") -> parked ("parked",
+  // with the bytes moved to host memory) -> idle ("resumed"), or parking ->
+  // idle ("failed"); "resumed" also ends a park that never finished. While
+  // parking or parked no snapshot is taken: a driver call of the parked process
+  // waits until it is restored (share/FACTS.md section 10). Returns the state
+  // after the step; a step the state does not allow throws gpucleanup::Error
+  // gpucleanup.server.509 with a sentence that says why.
+  nlohmann::json park_step(const std::string& step, std::optional<std::int64_t> bytes);
+  // 0: not parked; 1: parking; 2: parked. Safe from any thread.
+  int park_state() const noexcept;
   // One finished cell's record: kept in the bounded history, sent on PUB.
   void publish(const nlohmann::json& record);
   // The same from its JSON text, which the caller has checked to be one JSON

@@ -130,6 +130,17 @@ void check_accepted(const std::vector<std::string_view>& frames, const CheckedRe
                  what);
       break;
     }
+    case RequestKind::park: {
+      FUZZ_CHECK(result.is_signed && !config.key.empty(), what);
+      FUZZ_CHECK(request["step"].is_string() && request["step"] == result.park_step, what);
+      FUZZ_CHECK(result.park_step == "begin" || result.park_step == "parked" || result.park_step == "failed" ||
+                     result.park_step == "resumed",
+                 what);
+      const json bytes = request.value("bytes", json());
+      FUZZ_CHECK(bytes.is_null() == !result.bytes.has_value(), what);
+      if (result.bytes) FUZZ_CHECK(*result.bytes >= 0 && bytes.get<std::int64_t>() == *result.bytes, what);
+      break;
+    }
     case RequestKind::status:
     case RequestKind::ping:
       break;

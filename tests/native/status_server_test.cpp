@@ -449,6 +449,106 @@ TEST_F(SignedServer, DrainRunsOnceWhenIdle) {
   EXPECT_EQ(hooks_.drains.load(), 1);
 }
 
+json park_request(const std::string& step) {
+  json body = request("park");
+  body["step"] = step;
+  return body;
+}
+
+TEST_F(SignedServer, ParkStepsMoveTheStateAndOnlyBetweenCells) {
+  server_->set_state({{"state", "running"}, {"cell", 3}});
+  expect_error(client_->ask(park_request("begin")), "gpucleanup.server.420",
+               "park refused: the kernel is running; a park starts only between cells (state idle): ask again when "
+               "the cell has ended");
+  server_->set_state({{"state", "idle"}});
+  json reply = client_->ask(park_request("begin"));
+  EXPECT_EQ(reply["ok"], true) << reply.dump();
+  EXPECT_EQ(reply["kind"], "park");
+  EXPECT_EQ(reply["state"]["state"], "parking");
+  EXPECT_EQ(server_->park_state(), 1);
+
+  // A cell's state does not replace the park: the cell finds it and resumes first.
+  server_->set_state({{"state", "running"}, {"cell", 4}});
+  EXPECT_EQ(server_->park_state(), 1);
+  expect_error(client_->ask(park_request("begin")), "gpucleanup.server.420", "park refused: the kernel is parking");
+  expect_error(client_->ask(request("drain")), "gpucleanup.server.411",
+               "drain refused: the kernel is parking; a drain runs only between cells (state idle)");
+
+  json parked = park_request("parked");
+  parked["bytes"] = 1 << 30;
+  reply = client_->ask(parked);
+  EXPECT_EQ(reply["state"]["state"], "parked") << reply.dump();
+  EXPECT_EQ(reply["state"]["bytes"], 1 << 30);
+  EXPECT_EQ(server_->park_state(), 2);
+  const json status = client_->ask(request("status"));
+  EXPECT_EQ(status["state"]["state"], "parked");
+  EXPECT_EQ(status["state"]["bytes"], 1 << 30);
+
+  reply = client_->ask(park_request("resumed"));
+  EXPECT_EQ(reply["state"]["state"], "idle") << reply.dump();
+  EXPECT_EQ(server_->park_state(), 0);
+  expect_error(client_->ask(park_request("resumed")), "gpucleanup.server.420",
+               "park step \"resumed\" refused: the kernel is idle, not parked");
+  EXPECT_EQ(hooks_.drains.load(), 0);
+}
+
+TEST_F(SignedServer, AFailedParkGoesBackToIdleAndParkedNeedsParking) {
+  server_->set_state({{"state", "idle"}});
+  expect_error(client_->ask(park_request("parked")), "gpucleanup.server.420",
+               "park step \"parked\" refused: the kernel is idle, not parking");
+  EXPECT_EQ(server_->park_step("begin", std::nullopt)["state"], "parking");
+  EXPECT_EQ(server_->park_step("failed", std::nullopt)["state"], "idle");
+  EXPECT_EQ(server_->park_state(), 0);
+  json bad = park_request("sleep");
+  expect_error(client_->ask(bad), "gpucleanup.server.408",
+               "request is malformed: a park request needs \"step\": begin, parked, failed or resumed");
+  json negative = park_request("parked");
+  negative["bytes"] = -1;
+  expect_error(client_->ask(negative), "gpucleanup.server.408",
+               "request is malformed: \"bytes\" must be an integer >= 0 or null");
+  EXPECT_THROW(server_->park_step("parked", 5), gpucleanup::Error);
+}
+
+TEST_F(SignedServer, NoSnapshotIsTakenWhileParked) {
+  server_->set_state({{"state", "idle"}});
+  expect_good_status();
+  const int before = hooks_.snapshots.load();
+  server_->park_step("begin", std::nullopt);
+  server_->park_step("parked", 42);
+  const json reply = client_->ask(request("status"));
+  EXPECT_EQ(reply["ok"], true);
+  EXPECT_EQ(reply["snapshot_status"], "stale");
+  EXPECT_NE(reply["snapshot_error"].get<std::string>().find("the kernel is parked"), std::string::npos);
+  EXPECT_EQ(hooks_.snapshots.load(), before);
+}
+
+TEST(StatusServer, ParkAlwaysNeedsASignedRequestUnderAKey) {
+  TempDir dir;
+  zmq::context_t context;
+  Hooks hooks;
+  ServerConfig config;
+  config.endpoint = "ipc://" + dir.path() + "/k.sock";
+  config.key = kKey;
+  StatusServer server(config, hooks.make());
+  server.start();
+  server.set_state({{"state", "idle"}});
+  Client client(context, config.endpoint, kKey);
+  expect_error(client.ask(park_request("begin"), false), "gpucleanup.server.419",
+               "park needs a signed request: sign it with HMAC-SHA256 under the key from the kernel's key file");
+  EXPECT_EQ(server.park_state(), 0);
+
+  ServerConfig keyless;
+  keyless.endpoint = "inproc://keyless-park";
+  keyless.context = &context;
+  StatusServer no_key(keyless, hooks.make());
+  no_key.start();
+  no_key.set_state({{"state", "idle"}});
+  Client anyone(context, keyless.endpoint);
+  expect_error(anyone.ask(park_request("begin")), "gpucleanup.server.418",
+               "park is disabled: this server has no key, and a park step must be signed; start it with a key");
+  EXPECT_EQ(no_key.park_state(), 0);
+}
+
 TEST(StatusServer, DrainAlwaysNeedsASignature) {
   TempDir dir;
   zmq::context_t context;

@@ -221,6 +221,19 @@ GPUCLEANUP_API gpucleanup_status gpucleanup_server_set_state(const char* state_j
 GPUCLEANUP_API gpucleanup_status gpucleanup_server_state(int state, long long cell, long long since_ns,
                                                          int device);
 
+/* One park step, as the status server's signed "park" request makes it, from
+ * inside the process: step is "begin" (idle -> parking), "parked" (parking ->
+ * parked, bytes moved to host memory; bytes < 0: unknown), "failed" (parking
+ * -> idle) or "resumed" (parking or parked -> idle). While parking or parked,
+ * the server takes no snapshot and gpucleanup_server_state leaves the park in
+ * place. On success *json_out is the state after the step; a step the state
+ * does not allow fails (gpucleanup.server.509) and changes nothing. */
+GPUCLEANUP_API gpucleanup_status gpucleanup_server_park(const char* step, long long bytes, char** json_out);
+
+/* 0: not parked (or no server), 1: parking, 2: parked. For every cell's start:
+ * no JSON, no driver call. */
+GPUCLEANUP_API int gpucleanup_server_parked(void);
+
 /* Whether anything in this process has initialised CUDA, in one driver call
  * and without JSON: 1 yes, 0 no (the probe would say "not_initialized"), -1
  * anything else (no driver, unusable, exiting, forked: ask the probe, which
