@@ -168,7 +168,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gpucleanup_server_connections.restype = ctypes.c_int
     # Parking's state in the status server (a later addition to ABI version 2).
     if getattr(lib, "gpucleanup_server_park", None) is not None:
-        lib.gpucleanup_server_park.argtypes = [ctypes.c_char_p, ctypes.c_longlong, c_char_pp]
+        lib.gpucleanup_server_park.argtypes = [ctypes.c_char_p, ctypes.c_longlong, ctypes.c_char_p, c_char_pp]
         lib.gpucleanup_server_park.restype = ctypes.c_int
         lib.gpucleanup_server_parked.argtypes = []
         lib.gpucleanup_server_parked.restype = ctypes.c_int
@@ -458,15 +458,16 @@ def server_state(state: str, cell: Optional[int] = None, since_ns: Optional[int]
                  time.time_ns() if since_ns is None else int(since_ns), -1 if device is None else int(device))
 
 
-def server_park(step: str, parked_bytes: Optional[int] = None) -> dict:
+def server_park(step: str, parked_bytes: Optional[int] = None, then: Optional[dict] = None) -> dict:
     """One park step in the status server's state (gpucleanup_server_park): ``begin``, ``parked``,
-    ``failed`` or ``resumed``; returns the state after it. A step the state does not allow raises
-    NativeError (gpucleanup.server.509) and changes nothing."""
+    ``failed`` or ``resumed`` (``then``: the state it goes to instead of idle); returns the state after
+    it. A step the state does not allow raises NativeError (gpucleanup.server.509) and changes nothing."""
     fn = getattr(held(), "gpucleanup_server_park", None)
     if fn is None:
         raise NativeError(ERR_INTERNAL, "[gpucleanup.api.134] this build of the native library cannot park: "
                               "reinstall gpucleanup")
-    return _call_json(fn, step.encode(), -1 if parked_bytes is None else int(parked_bytes))
+    return _call_json(fn, step.encode(), -1 if parked_bytes is None else int(parked_bytes),
+                      None if then is None else json.dumps(then).encode())
 
 
 def server_parked() -> int:

@@ -4,6 +4,8 @@
     gpucleanup status KERNEL [--json] one kernel in full (KERNEL: pid, kernel id or a unique prefix, notebook)
     gpucleanup watch [KERNEL]         cell records as they happen, until Ctrl-C
     gpucleanup drain KERNEL           settle and trim the driver pools now (only between cells)
+    gpucleanup park KERNEL            move all its GPU memory, context included, to host memory (between cells)
+    gpucleanup resume KERNEL          bring a parked kernel's GPU memory back (its next cell also does)
     gpucleanup exporter [--port N]    Prometheus metrics of every kernel over HTTP, until Ctrl-C
 
 ``python -m gpucleanup`` is the same command. Every command takes ``--json``. Colour only on a
@@ -24,6 +26,8 @@ Exit status:
        something unreadable
   5    drain: the kernel answered, but a device was not drained (busy,
        unusable, failed) or its CUDA driver is unusable
+  6    park, resume: the driver's steps failed; the message says what state
+       the process is in and what to do
   130  interrupted (Ctrl-C), except watch, which exits 0
 """
 
@@ -38,7 +42,7 @@ import time
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from . import discovery, kernels as kernels_view, status_client
+from . import discovery, kernels as kernels_view, park as park_steps, parking, status_client
 from .report import Table, format_bytes, format_duration
 
 EXIT_OK = 0
@@ -47,6 +51,7 @@ EXIT_USAGE = 2
 EXIT_NO_ANSWER = 3
 EXIT_REFUSED = 4
 EXIT_NOT_DRAINED = 5
+EXIT_NOT_PARKED = 6
 
 # The status server refuses a drain timeout outside 0..max_drain_timeout_s
 # (share/protocol.md, default 60): checked here so that it is a usage error.
@@ -171,6 +176,9 @@ def state_text(state: Optional[dict]) -> str:
     words = name
     if name in ("running", "draining") and state.get("cell") is not None:
         words = f"{name} cell {state['cell']}"
+    elif name == "parked":
+        size = state.get("bytes")
+        words = f"parked {format_bytes(size)} in host memory" if type(size) is int and size > 0 else "parked in host memory"
     elif name == "waiting" and state.get("device") is not None:
         words = f"waiting for GPU{state['device']}"
     age = state.get("age_s")
@@ -436,6 +444,62 @@ def cmd_drain(args) -> int:
     return EXIT_OK
 
 
+def _park_record(args, kernel: discovery.Kernel):
+    """The kernel's state steps of a park (share/protocol.md, ``park``), as signed requests."""
+
+    def record(step: str, parked_bytes: Optional[int]) -> dict:
+        fields = {"step": step}
+        if parked_bytes is not None:
+            fields["bytes"] = int(parked_bytes)
+        return _ask(args, kernel, "park", args.timeout, **fields).get("state") or {}
+
+    return record
+
+
+def _park_lock(kernel: discovery.Kernel) -> Path:
+    if not kernel.key_file:
+        raise CliError(f"kernel {kernel.pid} has no key file: it cannot be parked from outside", EXIT_REFUSED)
+    return parking.lock_path(kernel.key_file, kernel.pid)
+
+
+def cmd_park(args) -> int:
+    kernel = _resolve(args, args.kernel)
+    try:
+        outcome = parking.park_kernel(kernel.pid, _park_record(args, kernel), _park_lock(kernel))
+    except park_steps.ParkRefused as exc:
+        raise CliError(f"kernel {kernel.pid} not parked: {exc}", EXIT_REFUSED) from None
+    except (parking.LockBusy, OSError) as exc:
+        raise CliError(f"kernel {kernel.pid} not parked: {exc}", EXIT_REFUSED) from None
+    return _park_outcome(args, kernel, outcome, parking.parked_text(outcome) if outcome.ok else
+                         parking.kernel_message(outcome))
+
+
+def cmd_resume(args) -> int:
+    kernel = _resolve(args, args.kernel)
+    state = (_ask(args, kernel, "status", args.timeout).get("state") or {})
+    record = _park_record(args, kernel) if state.get("state") in ("parking", "parked") else None
+    try:
+        outcome = parking.resume_kernel(kernel.pid, record, _park_lock(kernel), lock_timeout=args.wait)
+    except park_steps.ParkRefused as exc:
+        raise CliError(f"kernel {kernel.pid} not resumed: {exc}", EXIT_REFUSED) from None
+    except (parking.LockBusy, OSError) as exc:
+        raise CliError(f"kernel {kernel.pid} not resumed: {exc}", EXIT_REFUSED) from None
+    text = parking.resumed_text(outcome, state) if outcome.ok and outcome.changed else parking.kernel_message(outcome)
+    return _park_outcome(args, kernel, outcome, text)
+
+
+def _park_outcome(args, kernel: discovery.Kernel, outcome: park_steps.Outcome, text: str) -> int:
+    if args.json:
+        print(json.dumps(outcome.as_dict(), indent=1))
+    elif outcome.ok:
+        print(f"kernel {kernel.pid}: {text}")
+    if not outcome.ok:
+        sys.stdout.flush()
+        print(f"gpucleanup: kernel {kernel.pid}: {text}", file=sys.stderr)
+        return EXIT_NOT_PARKED
+    return EXIT_OK
+
+
 # Without devices a drain did nothing: fine when no GPU was ever used
 # (not_initialized, no_driver), a failure when the driver cannot be used.
 _BROKEN_DRIVER = ("unusable", "exiting")
@@ -660,6 +724,17 @@ def _parser() -> argparse.ArgumentParser:
                             f"at most {MAX_DRAIN_TIMEOUT:g})")
     drain.add_argument("--json", action="store_true", help="the drain reply as JSON (exact bytes)")
     drain.set_defaults(run=cmd_drain)
+    park = sub.add_parser("park", parents=[common],
+                          help="move all its GPU memory, context included, to host memory (between cells only)")
+    park.add_argument("kernel", metavar="KERNEL", help="pid, kernel id (or a unique prefix) or notebook")
+    park.add_argument("--json", action="store_true", help="the park's outcome as JSON (every step)")
+    park.set_defaults(run=cmd_park)
+    resume = sub.add_parser("resume", parents=[common], help="bring a parked kernel's GPU memory back")
+    resume.add_argument("kernel", metavar="KERNEL", help="pid, kernel id (or a unique prefix) or notebook")
+    resume.add_argument("--wait", type=_seconds(0, 3600, low_ok=True), default=parking.wait_limit(), metavar="SECONDS",
+                        help="longest wait for a park of it still under way (default: %(default)s)")
+    resume.add_argument("--json", action="store_true", help="the resume's outcome as JSON (every step)")
+    resume.set_defaults(run=cmd_resume)
     exporter = sub.add_parser("exporter", parents=[common],
                               help="Prometheus metrics of every kernel over HTTP (for hosts without a Jupyter server)")
     exporter.add_argument("--port", type=_port, default=9445, help="TCP port (default: %(default)s; 0: any free port)")

@@ -14,6 +14,7 @@ import atexit
 import contextlib
 import functools
 import gc
+import os
 import time
 import weakref
 from typing import Any, Dict, List, Optional
@@ -28,6 +29,7 @@ from .config import GPUCleanupOptions
 from .frameworks.objects import find_gpu_objects
 from .history import History
 from .magics import gpumem_arguments, parse_gpumem, with_settings
+from .parking import InKernel
 from .record import CellRecord, Outcome
 from .totals import Totals
 from .units import count_of
@@ -136,6 +138,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         self._loaded = False
         self._forced_in_cell: Optional[CellRecord] = None  # what %gpumem --drain did in the running cell
         self._interrupt_the_cell = _InterruptTheCell()
+        self.parking = InKernel(lambda: self._endpoint, self._say)
         self._depth = 0  # cells running: more than one while a cell runs another (%%capture)
 
     def settings(self) -> Settings:
@@ -231,6 +234,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         # no driver call may happen while the process exits, and no callback into Python
         with contextlib.suppress(Exception):
             self._stop_trace()
+        self.parking.resume_at_exit()  # a parked process's frees at exit would wait for a restore
         self.engine.exiting = True
         self.engine.stop()
         self._close_status_endpoint()
@@ -335,7 +339,9 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                 self.tracer.set_cell(running_cell_number(self.shell, info))
             if not self.enabled or self.engine.exiting:
                 return
-            self._status("set_state", {"state": "running", "cell": running_cell_number(self.shell, info), "since_ns": time.time_ns()})
+            running = {"state": "running", "cell": running_cell_number(self.shell, info), "since_ns": time.time_ns()}
+            self._status("set_state", running)  # from here no park begins; one that began is resumed first
+            self.parking.resume_before_cell(running)
         except KeyboardInterrupt:
             # Ctrl-C is the user's: it stops the cell. The transformer is there only
             # for this cell (IPython makes cyclic garbage per cell while one is set).
@@ -358,8 +364,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         try:
             if result is not None and getattr(getattr(result, "info", None), "silent", False):
                 return
-            if not self.enabled or self.engine.exiting:
-                return
+            if not self.enabled or self.engine.exiting or self.parking.parked():
+                return  # parked (its resume failed): a driver call would wait for the restore
             cell = getattr(result, "execution_count", None) if result is not None else None
             self._release_after_oom(result, cell)
             # asked for by the engine once this cell's pass found a device in use (the first GPU cell too)
@@ -386,6 +392,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                 if self._interrupt_the_cell in self.shell.ast_transformers:
                     self.shell.ast_transformers.remove(self._interrupt_the_cell)
             self._say_idle()
+            with contextlib.suppress(Exception):
+                self.parking.park_after_cell()  # %gpumem --park: the cell has ended, the kernel is idle
 
     def _say_idle(self) -> None:
         """The status endpoint's "idle" as a cell's hook ends. A Ctrl-C that lands here comes after
@@ -434,6 +442,17 @@ class GPUCleanup(Magics, GPUCleanupOptions):
 
     # ------------------------------------------------------------ %gpumem
 
+    def _request_park(self) -> None:
+        """``%gpumem --park``: said now, done by post_run_cell once the cell has ended."""
+        if not self._hooks_registered:
+            print(f"{report.PREFIX}{report.SEP}nothing to park: {self._why_no_hooks()}")
+        elif self._endpoint is None or self._endpoint.park_lock is None:
+            print(f"{report.PREFIX}{report.SEP}not parked: parking needs the status endpoint, which is off "
+                  "(%config GPUCleanup.status_server = True, with a private Jupyter runtime directory)")
+        else:
+            self.parking.requested = True
+            print(f"{report.PREFIX}{report.SEP}this kernel is parked as soon as this cell has ended")
+
     def status(self) -> dict:
         """What %gpumem shows, as data with exact bytes."""
         out = self.engine.memory_status(self.settings())
@@ -467,6 +486,13 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         """
         args = parse_gpumem(self.gpumem, line)
         from IPython.display import display
+
+        if self.parking.parked():  # its resume failed: any driver call would wait for the restore
+            print(f"{report.PREFIX}{report.SEP}this kernel is parked (its GPU memory is in host memory): nothing is "
+                  f"asked of the driver until it is resumed (gpucleanup resume {os.getpid()} from a terminal)")
+            return None
+        if args.park:
+            return self._request_park()
 
         if (args.off or args.on) and not self._hooks_registered:
             # no driver, no GPU or no native library at load: there is no cleanup to pause or resume

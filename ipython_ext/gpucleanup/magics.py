@@ -19,9 +19,10 @@ from IPython.utils.process import arg_split
 
 __all__ = ["gpumem_arguments", "parse_gpumem", "settings_help", "with_settings", "OPTIONS", "PLOT_ALL"]
 
-OPTIONS = ("--json", "--drain", "--history", "--vars", "--release", "--trace", "--dask", "--plot", "--off", "--on")
+OPTIONS = ("--json", "--drain", "--history", "--vars", "--release", "--trace", "--dask", "--plot", "--off", "--on",
+           "--park")
 USAGE = ("%gpumem [--json] [--drain] [--history [N]] [--vars [N]] [--release out|traceback|NAME] "
-         "[--trace [on|off]] [--dask [on|off]] [--plot [N]] [--off | --on]")
+         "[--trace [on|off]] [--dask [on|off]] [--plot [N]] [--off | --on] [--park]")
 
 
 class _All:
@@ -111,6 +112,16 @@ _ARGUMENTS = [
             "series. With --json: the timeline's data with exact bytes."
         ),
     ),
+    argument(
+        "--park",
+        action="store_true",
+        help=(
+            "Park this kernel as soon as this cell has ended: every byte of its GPU memory, the CUDA context "
+            "included, goes to host memory through the driver's checkpoint calls, and the GPU is free for "
+            "others. The next cell brings it back first and says so. Refused, with the reason, where a "
+            "restore is known to fail or host memory cannot hold it."
+        ),
+    ),
     argument("--off", action="store_true", help="Pause the automatic cleanup after each cell."),
     argument("--on", action="store_true", help="Resume the automatic cleanup after each cell."),
 ]
@@ -191,6 +202,12 @@ def parse_gpumem(method: Callable, line: str):
                          f"Usage: {USAGE}")
     if args.trace is not None and (args.drain or args.off or args.on or args.release is not None):
         raise UsageError(f"%gpumem: --trace goes alone (or with --json). Usage: {USAGE}")
+    if args.park:
+        others = [f"--{flag}" for flag in ("json", "drain", "off", "on") if getattr(args, flag)]
+        others += [f"--{flag}" for flag in ("release", "trace", "dask", "history", "vars", "plot")
+                   if getattr(args, flag) is not None]
+        if others:
+            raise UsageError(f"%gpumem: --park goes alone, not with {' or '.join(others)}. Usage: {USAGE}")
     if args.plot is not None:
         others = [f"--{flag}" for flag in ("drain", "off", "on") if getattr(args, flag)]
         others += [f"--{flag}" for flag in ("release", "trace", "dask", "history", "vars") if getattr(args, flag) is not None]

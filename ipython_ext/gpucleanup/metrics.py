@@ -17,7 +17,8 @@ Gauges, as of the kernel's last cleanup (its ``last_record``) or its live snapsh
 - ``gpucleanup_driver_pool_reserved_bytes``, ``gpucleanup_driver_pool_used_bytes``: the kernel's CUDA
   memory pools (live snapshot);
 - ``gpucleanup_kernel_state{state}``: 1 for the kernel's state, 0 for the others (idle, running, draining,
-  waiting, unknown); ``gpucleanup_kernel_state_age_seconds``: how long it has been in it;
+  waiting, parking, parked, unknown); ``gpucleanup_kernel_state_age_seconds``: how long it has been in it;
+  ``gpucleanup_kernel_parked`` (1 while parked) and ``gpucleanup_kernel_parked_bytes`` (what it holds in host memory);
 - ``gpucleanup_kernel_up``: 1 when the kernel answered, 0 when not; a kernel that did not answer has
   ``gpucleanup_kernel_error{kind}`` 1 (kind: no_answer, refused, bad_key) and no other series;
 - ``gpucleanup_kernels``: kernels found in this PID namespace; ``gpucleanup_kernels_elsewhere``: kernels
@@ -80,7 +81,7 @@ __all__ = [
 log = logging.getLogger("gpucleanup")
 
 #: the states ``gpucleanup_kernel_state`` has a series for; any other state counts as "unknown"
-STATES = ("idle", "running", "draining", "waiting", "unknown")
+STATES = ("idle", "running", "draining", "waiting", "parking", "parked", "unknown")
 
 KERNEL_LABELS = ("kernel_id", "notebook", "pid")
 #: the kernel labels that carry a value in a public exporter's metrics (``--public``); the others are empty
@@ -188,10 +189,17 @@ class KernelCollector:
                               "How long each cleanup waited for the kernel's queued GPU work to settle.",
                               labels=KERNEL_LABELS, unit="seconds"),
             "state": gauge("gpucleanup_kernel_state",
-                           "1 for the kernel's current state (idle, running, draining, waiting, unknown), 0 for the others.",
+                           "1 for the kernel's current state (idle, running, draining, waiting, parking, parked, unknown), "
+                           "0 for the others.",
                            labels=KERNEL_LABELS + ("state",)),
             "state_age": gauge("gpucleanup_kernel_state_age_seconds", "How long the kernel has been in its state.",
                                labels=KERNEL_LABELS),
+            "parked": gauge("gpucleanup_kernel_parked",
+                            "1 while the kernel is parked (its GPU memory, context included, in host memory), else 0.",
+                            labels=KERNEL_LABELS),
+            "parked_bytes": gauge("gpucleanup_kernel_parked_bytes",
+                                  "Device memory the parked kernel holds in host memory (while parked, when known).",
+                                  labels=KERNEL_LABELS, unit="bytes"),
             "up": gauge("gpucleanup_kernel_up", "1 when the kernel's status endpoint answered this scrape, 0 when not.",
                         labels=KERNEL_LABELS),
             "error": gauge("gpucleanup_kernel_error",
@@ -301,6 +309,10 @@ class KernelCollector:
         name = name if name in STATES else "unknown"
         for each in STATES:
             families["state"].add_metric(labels + [each], 1 if each == name else 0)
+        families["parked"].add_metric(labels, 1 if name == "parked" else 0)
+        parked_bytes = state.get("bytes")
+        if name == "parked" and type(parked_bytes) is int and parked_bytes >= 0:
+            families["parked_bytes"].add_metric(labels, parked_bytes)
         age = _number(state.get("age_s"))
         if age is not None:
             families["state_age"].add_metric(labels, max(0.0, age))

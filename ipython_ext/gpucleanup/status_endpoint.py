@@ -164,6 +164,39 @@ class StatusEndpoint:
         except Exception as exc:
             self._note(exc)
 
+    @property
+    def park_lock(self) -> Optional[Path]:
+        """The park lock file of this kernel (gpucleanup.parking), beside its key; None while off."""
+        if not self._serving() or self._key_file is None:
+            return None
+        from .parking import lock_path
+
+        return lock_path(self._key_file, self._pid)
+
+    def parked(self) -> int:
+        """0: not parked, 1: parking, 2: parked, as the server's state says; no driver call, never raises."""
+        if not self._serving():
+            return 0
+        try:
+            fn = getattr(self._lib(), "server_parked", None)
+            return int(fn()) if fn is not None else 0
+        except Exception:
+            return 0
+
+    def park_step(self, step: str, parked_bytes: Optional[int] = None, then: Optional[dict] = None) -> dict:
+        """One park step in the server's state (share/protocol.md, ``park``): the state after it.
+
+        Raises RuntimeError with the server's sentence when the state does not allow the step, or
+        when the endpoint is off (parking needs it: it is where the park is kept for the next cell).
+        """
+        if not self._serving():
+            raise RuntimeError("parking needs the status endpoint, which is off"
+                               + (f" ({self.error})" if self.error else "")
+                               + ": %config GPUCleanup.status_server = True, with a private Jupyter runtime directory")
+        if then is not None:
+            return self._lib().server_park(step, parked_bytes, then)
+        return self._lib().server_park(step, parked_bytes)
+
     def close(self) -> None:
         """Stops the server and removes the discovery file, key and sockets; idempotent, never raises."""
         try:
@@ -340,7 +373,10 @@ class StatusEndpoint:
                 self._lib().server_stop()
             except Exception as exc:
                 self._note(exc)
-        for path in (self._discovery_path, self._key_file):
+        park_lock = None
+        if self._key_file is not None and self._pid is not None:
+            park_lock = self._key_file.parent / f"{self._pid}.park"
+        for path in (self._discovery_path, self._key_file, park_lock):
             if path is not None:
                 try:
                     path.unlink()

@@ -400,14 +400,18 @@ gpucleanup_status gpucleanup_server_state(int kind, long long cell, long long si
   });
 }
 
-gpucleanup_status gpucleanup_server_park(const char* step, long long bytes, char** json_out) {
+gpucleanup_status gpucleanup_server_park(const char* step, long long bytes, const char* then_json, char** json_out) {
   return guarded([&] {
     require_out(json_out);
     if (step == nullptr) {
       fail(GPUCLEANUP_ERR_INVALID_ARGUMENT, "[gpucleanup.api.133] park step is NULL: pass begin, parked, failed or resumed");
     }
     const std::optional<std::int64_t> moved = bytes < 0 ? std::nullopt : std::optional<std::int64_t>(bytes);
-    on_server([&](StatusServer& server) { hand_out(server.park_step(step, moved), json_out); });
+    std::optional<nlohmann::json> then;
+    if (then_json != nullptr) then = parse_object(then_json, "then_json");
+    on_server([&](StatusServer& server) {
+      hand_out(server.park_step(step, moved, then ? &*then : nullptr), json_out);
+    });
   });
 }
 

@@ -726,7 +726,7 @@ struct StatusServer::Impl {
   // One park step under the state lock; the refusal's sentence, or nullopt
   // with the new state in `after`.
   std::optional<std::string> park_transition(const std::string& step, std::optional<std::int64_t> bytes,
-                                             json& after) {
+                                             json& after, const json* then = nullptr) {
     std::lock_guard<std::mutex> lock(state_mutex);
     const int parked = park_state_locked();
     const auto name_it = state.find("state");
@@ -748,7 +748,15 @@ struct StatusServer::Impl {
                                : json{{"state", "idle"}};
     } else if (step == "resumed") {
       if (parked == 0) return "park step \"resumed\" refused: the kernel is " + name + ", not parked";
-      state = json{{"state", "idle"}};
+      json was = state;
+      was["since_ns"] = state_since_ns;
+      state = then != nullptr ? *then : json{{"state", "idle"}};
+      state_since_ns = now;
+      state_updated_ns = now;
+      after = state;
+      after["since_ns"] = now;
+      after["was"] = std::move(was);  // what the park was: its bytes, since when
+      return std::nullopt;
     } else {
       return "unknown park step \"" + step + "\": use begin, parked, failed or resumed";
     }
@@ -1215,10 +1223,14 @@ void StatusServer::set_state(nlohmann::json state) {
   impl_->state_updated_ns = now;
 }
 
-nlohmann::json StatusServer::park_step(const std::string& step, std::optional<std::int64_t> bytes) {
+nlohmann::json StatusServer::park_step(const std::string& step, std::optional<std::int64_t> bytes,
+                                       const nlohmann::json* then) {
   if (!impl_) GPUCLEANUP_FAIL("gpucleanup.server.509", "park step refused: the status server is not running");
+  if (then != nullptr && (step != "resumed" || !then->is_object())) {
+    GPUCLEANUP_FAIL("gpucleanup.server.509", "park step refused: only \"resumed\" takes the state to go to, an object");
+  }
   nlohmann::json after;
-  if (auto refused = impl_->park_transition(step, bytes, after)) GPUCLEANUP_FAIL("gpucleanup.server.509", *refused);
+  if (auto refused = impl_->park_transition(step, bytes, after, then)) GPUCLEANUP_FAIL("gpucleanup.server.509", *refused);
   return after;
 }
 

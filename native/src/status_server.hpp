@@ -105,8 +105,12 @@ class StatusServer {
   // parking or parked no snapshot is taken: a driver call of the parked process
   // waits until it is restored (share/FACTS.md section 10). Returns the state
   // after the step; a step the state does not allow throws gpucleanup::Error
-  // gpucleanup.server.509 with a sentence that says why.
-  nlohmann::json park_step(const std::string& step, std::optional<std::int64_t> bytes);
+  // gpucleanup.server.509 with a sentence that says why. `then`, with
+  // "resumed" only: the state to go to instead of idle, in the same step (the
+  // kernel's own resume before a cell goes straight to running, so that no
+  // park can begin between the two).
+  nlohmann::json park_step(const std::string& step, std::optional<std::int64_t> bytes,
+                           const nlohmann::json* then = nullptr);
   // 0: not parked; 1: parking; 2: parked. Safe from any thread.
   int park_state() const noexcept;
   // One finished cell's record: kept in the bounded history, sent on PUB.

@@ -486,6 +486,9 @@ TEST_F(SignedServer, ParkStepsMoveTheStateAndOnlyBetweenCells) {
 
   reply = client_->ask(park_request("resumed"));
   EXPECT_EQ(reply["state"]["state"], "idle") << reply.dump();
+  EXPECT_EQ(reply["state"]["was"]["state"], "parked");
+  EXPECT_EQ(reply["state"]["was"]["bytes"], 1 << 30);
+  EXPECT_EQ(reply["state"]["was"]["since_ns"], status["state"]["since_ns"]);
   EXPECT_EQ(server_->park_state(), 0);
   expect_error(client_->ask(park_request("resumed")), "gpucleanup.server.420",
                "park step \"resumed\" refused: the kernel is idle, not parked");
@@ -507,6 +510,16 @@ TEST_F(SignedServer, AFailedParkGoesBackToIdleAndParkedNeedsParking) {
   expect_error(client_->ask(negative), "gpucleanup.server.408",
                "request is malformed: \"bytes\" must be an integer >= 0 or null");
   EXPECT_THROW(server_->park_step("parked", 5), gpucleanup::Error);
+
+  // The kernel's own resume goes straight to the cell's state: no park can begin in between.
+  server_->park_step("begin", std::nullopt);
+  const json running = {{"state", "running"}, {"cell", 9}};
+  EXPECT_THROW(server_->park_step("failed", std::nullopt, &running), gpucleanup::Error);
+  const json after = server_->park_step("resumed", std::nullopt, &running);
+  EXPECT_EQ(after["state"], "running");
+  EXPECT_EQ(after["cell"], 9);
+  EXPECT_EQ(after["was"]["state"], "parking");
+  EXPECT_EQ(client_->ask(request("status"))["state"]["state"], "running");
 }
 
 TEST_F(SignedServer, NoSnapshotIsTakenWhileParked) {

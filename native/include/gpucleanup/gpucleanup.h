@@ -226,9 +226,13 @@ GPUCLEANUP_API gpucleanup_status gpucleanup_server_state(int state, long long ce
  * parked, bytes moved to host memory; bytes < 0: unknown), "failed" (parking
  * -> idle) or "resumed" (parking or parked -> idle). While parking or parked,
  * the server takes no snapshot and gpucleanup_server_state leaves the park in
- * place. On success *json_out is the state after the step; a step the state
- * does not allow fails (gpucleanup.server.509) and changes nothing. */
-GPUCLEANUP_API gpucleanup_status gpucleanup_server_park(const char* step, long long bytes, char** json_out);
+ * place. then_json (NULL: idle), with "resumed" only: the state to go to in
+ * the same step, e.g. {"state": "running", "cell": 7} for the kernel's own
+ * resume before a cell. On success *json_out is the state after the step (a
+ * "resumed" one carries the park's state as "was"); a step the state does not
+ * allow fails (gpucleanup.server.509) and changes nothing. */
+GPUCLEANUP_API gpucleanup_status gpucleanup_server_park(const char* step, long long bytes, const char* then_json,
+                                                        char** json_out);
 
 /* 0: not parked (or no server), 1: parking, 2: parked. For every cell's start:
  * no JSON, no driver call. */

@@ -1,0 +1,262 @@
+"""Parking a kernel: :mod:`gpucleanup.park`'s steps, kept in step with the kernel's status server and its next cell.
+
+Three parties may act on one kernel's park: ``gpucleanup park|resume KERNEL`` (another process), the
+kernel itself (``%gpumem --park``, and the resume before its next cell), and the Jupyter Server page.
+Two things keep them apart:
+
+- **The kernel's state**, held by its status server (share/protocol.md, request ``park``): ``begin``
+  takes it from idle to parking, and is refused while a cell or a drain runs; a cell that starts
+  meanwhile keeps the park (the server never lets a cell's state replace it) and finds it at once.
+  While parking or parked, neither the server nor the extension makes a driver call: one would wait
+  until the process is restored (share/FACTS.md §10).
+- **A lock file** next to the kernel's key (``<runtime>/gpucleanup/<pid>.park``, 0600, ``flock``):
+  whoever runs the driver's steps holds it, so a resume waits for a park under way to end rather than
+  racing it, and a park of a killed ``gpucleanup park`` is left to the next holder, which reads the
+  driver's own state. The kernel's resume waits for it at most as long as the park's own limits.
+
+Nothing here makes a driver call in the calling process: each step runs in a helper (:mod:`.park`).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import stat
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from . import park as park_steps
+from .units import format_bytes, format_duration
+
+__all__ = ["LockBusy", "ParkLock", "lock_path", "park_kernel", "resume_kernel", "parked_text", "resumed_text", "kernel_message",
+           "wait_limit"]
+
+#: Records one step in the kernel's state: ``(step, bytes) -> state after``; raises with a sentence when refused.
+RecordStep = Callable[[str, Optional[int]], dict]
+
+
+class LockBusy(Exception):
+    """Another party holds the kernel's park lock past the wait allowed."""
+
+
+def lock_path(key_file: os.PathLike, pid: int) -> Path:
+    """The park lock of kernel ``pid``: beside its key, in the user's private ``gpucleanup`` directory."""
+    return Path(key_file).parent / f"{int(pid)}.park"
+
+
+def wait_limit(limits: park_steps.Limits = park_steps.Limits()) -> float:
+    """How long a resume waits for a park under way: the longest a park may take (state, lock, checkpoint,
+    and an unlock with a second look at the state after a failure)."""
+    return limits.state_s * 2 + limits.lock_s + limits.checkpoint_s + limits.unlock_s
+
+
+class ParkLock:
+    """``flock`` on the kernel's park lock file, waited for at most ``timeout`` seconds.
+
+    The file is opened with ``O_NOFOLLOW`` and must be a regular file of this user: a link or another
+    user's file planted at the name is refused, never followed.
+    """
+
+    def __init__(self, path: os.PathLike, timeout: float):
+        self.path = Path(path)
+        self.timeout = float(timeout)
+        self._fd: Optional[int] = None
+
+    def __enter__(self) -> "ParkLock":
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+                raise PermissionError(errno.EPERM, f"{self.path} is not a regular file of this user")
+            deadline = time.monotonic() + self.timeout
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise LockBusy(f"another park or resume of this kernel has held {self.path} for over "
+                                       f"{self.timeout:.0f} s") from None
+                    time.sleep(0.05)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)  # closing the descriptor lets the lock go
+
+
+def park_kernel(pid: int, record: RecordStep, lock_file: os.PathLike,
+                limits: park_steps.Limits = park_steps.Limits(), env: Optional[dict] = None,
+                lock_timeout: float = 1.0) -> park_steps.Outcome:
+    """Parks kernel ``pid``: its state to parking, the driver's steps, its state to parked (or back to idle).
+
+    Raises :class:`~gpucleanup.park.ParkRefused` with the sentence when nothing was done (the kernel
+    runs a cell, is parked already, cannot be parked), :class:`LockBusy` when another park or resume
+    of it is under way. When the driver's steps fail and leave the process locked or checkpointed, its
+    state is ``parked`` all the same: its next cell (or ``gpucleanup resume``) brings it back.
+    """
+    with ParkLock(lock_file, lock_timeout):
+        record("begin", None)
+        try:
+            outcome = park_steps.park(pid, limits, env=env)
+        except BaseException:
+            record("failed", None)
+            raise
+        if outcome.ok or outcome.state in (park_steps.LOCKED, park_steps.CHECKPOINTED):
+            record("parked", outcome.parked_bytes if outcome.ok else None)
+        else:
+            record("failed", None)
+        return outcome
+
+
+def resume_kernel(pid: int, record: Optional[RecordStep], lock_file: os.PathLike,
+                  limits: park_steps.Limits = park_steps.Limits(), env: Optional[dict] = None,
+                  lock_timeout: Optional[float] = None) -> park_steps.Outcome:
+    """Brings kernel ``pid`` back from whatever a park left (the driver's own state decides) and, when it
+    runs again, records ``resumed``. Waits for a park under way (at most :func:`wait_limit`)."""
+    with ParkLock(lock_file, wait_limit(limits) if lock_timeout is None else lock_timeout):
+        outcome = park_steps.resume(pid, limits, env=env)
+        if outcome.ok and record is not None:
+            record("resumed", None)
+        return outcome
+
+
+def kernel_message(outcome: park_steps.Outcome) -> str:
+    """The outcome's sentence, its retry advice for a kernel: ``gpucleanup resume PID`` (which also tells the
+    kernel's status endpoint) rather than the bare process command."""
+    return outcome.message.replace(f"python -m gpucleanup.park resume {outcome.pid}", f"gpucleanup resume {outcome.pid}")
+
+
+def parked_text(outcome: park_steps.Outcome) -> str:
+    """``parked 8.2 GiB of GPU memory in host memory in 3.1 s``: an ``ok`` park's sentence."""
+    what = f"{format_bytes(outcome.parked_bytes)} of GPU memory" if outcome.parked_bytes else "its GPU memory"
+    return f"parked {what} (context included) in host memory in {outcome.seconds:.1f} s"
+
+
+def resumed_text(outcome: park_steps.Outcome, parked: Optional[dict]) -> str:
+    """``resumed 8.2 GiB from host memory in 1.5 s (parked 42 min)``: a resume's sentence; ``parked``: the
+    kernel's state before it (``bytes``, ``since_ns``) when known."""
+    parked = parked or {}
+    size = parked.get("bytes")
+    what = f"resumed {format_bytes(size)}" if isinstance(size, int) and size > 0 else "resumed its GPU memory"
+    text = f"{what} from host memory in {outcome.seconds:.1f} s"
+    since = parked.get("since_ns")
+    if isinstance(since, int) and since > 0:
+        text += f" (parked {format_duration(max(0.0, (time.time_ns() - since) / 1e9))})"
+    return text
+
+
+# ------------------------------------------------------------------ the kernel's own side
+
+
+class InKernel:
+    """The kernel's side of parking: ``%gpumem --park`` after the cell, the resume before the next cell,
+    and the look the hooks take first (no driver call while parked).
+
+    ``endpoint``: a callable giving the kernel's status endpoint (or None while it is off); ``say``: writes
+    gpucleanup's own output lines. Each park or resume runs in a thread of its own that the cell's thread
+    joins: a Ctrl-C then stops the wait, never a step half-way (the step goes on, and the next cell or
+    ``gpucleanup resume`` finds the lock and the driver's state).
+    """
+
+    PREFIX = "gpucleanup · "
+
+    def __init__(self, endpoint: Callable[[], object], say: Callable[[list], None],
+                 limits: park_steps.Limits = park_steps.Limits(), env: Optional[dict] = None):
+        self._endpoint = endpoint
+        self._say = say
+        self.limits = limits
+        self.env = env
+        self.requested = False
+
+    def parked(self) -> bool:
+        """Whether the kernel is parking or parked (its server's state); no driver call."""
+        endpoint = self._endpoint()
+        return bool(endpoint is not None and endpoint.parked())
+
+    def park_after_cell(self) -> None:
+        """The park ``%gpumem --park`` asked for, now that the cell has ended (its state is idle)."""
+        if not self.requested:
+            return
+        self.requested = False
+        endpoint = self._endpoint()
+        if endpoint is None or endpoint.park_lock is None:
+            self._say([self.PREFIX + "not parked: parking needs the status endpoint, which is off "
+                       "(%config GPUCleanup.status_server = True, with a private Jupyter runtime directory)"])
+            return
+        pid = os.getpid()
+
+        def run() -> str:
+            outcome = park_kernel(pid, endpoint.park_step, endpoint.park_lock, self.limits, self.env)
+            if outcome.ok:
+                return (parked_text(outcome) + "; the next cell brings it back (or: gpucleanup resume "
+                        f"{pid})")
+            return kernel_message(outcome)
+        self._say([self.PREFIX + self._joined(run, "the park")])
+
+    def resume_before_cell(self, then: Optional[dict] = None) -> None:
+        """Brings a parked kernel back before its cell runs, and says so in one line; ``then``: the
+        cell's state, taken in the same step as the resume (no park can begin in between)."""
+        if not self.parked():
+            return
+        endpoint = self._endpoint()
+        pid = os.getpid()
+        before: dict = {}
+
+        def record(step: str, parked_bytes: Optional[int]) -> dict:
+            after = endpoint.park_step(step, parked_bytes, then) if then else endpoint.park_step(step, parked_bytes)
+            before.update(after.get("was") or {})
+            return after
+
+        def run() -> str:
+            outcome = resume_kernel(pid, record, endpoint.park_lock, self.limits, self.env)
+            if outcome.ok:
+                return resumed_text(outcome, before) if outcome.changed else "resumed: " + outcome.message
+            return f"{kernel_message(outcome)}; until then this cell's GPU calls wait"
+        self._say([self.PREFIX + self._joined(run, "the resume")])
+
+    def resume_at_exit(self) -> None:
+        """At exit, a parked kernel is brought back first: its frameworks' own frees at exit would wait
+        for a restore that nobody makes. Bounded by the park's limits; never raises."""
+        try:
+            if not self.parked():
+                return
+            endpoint = self._endpoint()
+            resume_kernel(os.getpid(), endpoint.park_step, endpoint.park_lock, self.limits, self.env)
+        except Exception:
+            pass
+
+    @staticmethod
+    def _joined(run: Callable[[], str], what: str) -> str:
+        """``run()`` in a thread of its own; its sentence, or why there is none."""
+        import threading
+
+        refused = "not parked" if what == "the park" else "not resumed"
+
+        result: dict = {}
+
+        def target() -> None:
+            try:
+                result["text"] = run()
+            except (park_steps.ParkRefused, RuntimeError) as exc:  # RuntimeError: the server refused the step
+                result["text"] = f"{refused}: {exc}"
+            except LockBusy as exc:
+                result["text"] = f"{what} did not start: {exc}; try again"
+            except Exception as exc:
+                result["text"] = f"{what} failed ({type(exc).__name__}: {exc})"
+
+        worker = threading.Thread(target=target, name="gpucleanup-park", daemon=True)
+        worker.start()
+        try:
+            worker.join()
+        except KeyboardInterrupt:
+            return (f"interrupted (Ctrl-C): {what} goes on in the background; the next cell finds where it "
+                    "ended (gpucleanup ps shows it)")
+        return result.get("text", f"{what} ended without a word")

@@ -1,0 +1,274 @@
+"""Parking a real kernel (ipykernel, gpucleanup loaded, the fake driver): ``%gpumem --park``, the resume
+before the next cell, ``gpucleanup park|resume KERNEL``, the state the status endpoint, ``ps`` and
+``/metrics`` show, refusals and failures, a cell started while a park is under way, exit while parked.
+
+The fake driver keeps each process's checkpoint state in a record every process sees
+(GPUCLEANUP_FAKE_CUDA_CHECKPOINT_DIR, tests/fake_cuda/checkpoint_state.cpp): the tests read the
+kernel's state there, inject errors and hold a call ("hang") until they let it go.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from gpucleanup import status_client
+
+ROOT = Path(__file__).resolve().parents[2]
+BUILD = Path(os.environ.get("GPUCLEANUP_BUILD_DIR", ROOT / "build")).resolve()
+
+
+@pytest.fixture
+def checkpoints(tmp_path, monkeypatch):
+    directory = tmp_path / "checkpoints"
+    directory.mkdir()
+    monkeypatch.setenv("GPUCLEANUP_FAKE_CUDA_CHECKPOINT_DIR", str(directory))
+    monkeypatch.delenv("GPUCLEANUP_FAKE_CUDA_SCENARIO", raising=False)
+    return directory
+
+
+def record(checkpoints: Path, pid: int) -> dict:
+    with open(checkpoints / f"{pid}.json") as fh:
+        fcntl.flock(fh, fcntl.LOCK_SH)
+        return json.loads(fh.read())
+
+
+def patch(checkpoints: Path, pid: int, change: dict) -> None:
+    with open(checkpoints / f"{pid}.json", "r+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        data = json.loads(fh.read())
+        data.update(change)
+        fh.seek(0)
+        fh.truncate()
+        fh.write(json.dumps(data))
+
+
+def wait_until(predicate, what: str, limit: float = 60) -> None:
+    deadline = time.monotonic() + limit
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def environment() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "ipython_ext"), env.get("PYTHONPATH")]))
+    env["GPUCLEANUP_LIBRARY"] = str(BUILD / "native" / "libgpucleanup.so")
+    env["GPUCLEANUP_LIBCUDA"] = str(BUILD / "tests" / "fake_cuda" / "libcuda.so.1")
+    return env
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gpucleanup.cli", *args], capture_output=True, text=True,
+                          env=environment(), timeout=timeout)
+
+
+class Kernel:
+    """A real ipykernel with gpucleanup loaded on the fake driver, through jupyter_client."""
+
+    def __init__(self, runtime: Path):
+        from jupyter_client.manager import KernelManager
+
+        self.id = str(uuid.uuid4())
+        env = environment()
+        env["JUPYTER_RUNTIME_DIR"] = str(runtime)
+        self.km = KernelManager(kernel_name="python3", connection_file=str(runtime / f"kernel-{self.id}.json"))
+        self.km.start_kernel(env=env)
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=60)
+        self.pid = self.km.provisioner.pid
+        self.runtime = runtime
+
+    def start(self, code: str) -> str:
+        return self.kc.execute(code)
+
+    def collect(self, msg_id: str, timeout: float = 120) -> str:
+        """The cell's stream text, error and display outputs (gpucleanup's lines are display outputs)."""
+        out = []
+        while True:
+            msg = self.kc.get_iopub_msg(timeout=timeout)
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                out.append(content["text"])
+            elif kind in ("display_data", "execute_result"):
+                out.append(content["data"].get("text/plain", "") + "\n")
+            elif kind == "error":
+                out.append(f"{content['ename']}: {content['evalue']}\n")
+            elif kind == "status" and content["execution_state"] == "idle":
+                return "".join(out)
+
+    def execute(self, code: str, timeout: float = 120) -> str:
+        return self.collect(self.start(code), timeout)
+
+    def target(self) -> status_client.Target:
+        info = json.loads((self.runtime / f"gpucleanup-{self.pid}.json").read_text())
+        return status_client.Target(info["endpoint"], Path(info["key_file"]).read_bytes())
+
+    def state(self) -> dict:
+        return status_client.request(self.target(), "status", timeout=5)["state"]
+
+    def stop(self) -> None:
+        try:
+            self.kc.stop_channels()
+        finally:
+            if self.km.is_alive():
+                self.km.shutdown_kernel(now=True)
+
+
+@pytest.fixture
+def kernel(runtime, checkpoints):
+    k = Kernel(runtime)
+    try:
+        out = k.execute("%load_ext gpucleanup")
+        assert "Error" not in out, out
+        wait_until(lambda: k.state()["state"] == "idle", "the kernel never said idle")
+        yield k
+    finally:
+        k.stop()
+
+
+def test_gpumem_park_parks_after_the_cell_and_the_next_cell_resumes_first(kernel, checkpoints):
+    out = kernel.execute("x = 41\n%gpumem --park")
+    assert "gpucleanup · this kernel is parked as soon as this cell has ended\n" in out
+    assert "gpucleanup · parked its GPU memory (context included) in host memory in " in out, out
+    assert f"the next cell brings it back (or: gpucleanup resume {kernel.pid})" in out
+    assert record(checkpoints, kernel.pid)["state"] == "checkpointed"
+    assert kernel.state()["state"] == "parked"
+    listed = cli("ps")
+    assert "parked in host memory for" in listed.stdout, listed
+
+    out = kernel.execute("x + 1")
+    assert out.startswith("gpucleanup · resumed its GPU memory from host memory in "), out
+    assert "(parked " in out and "42\n" in out
+    assert record(checkpoints, kernel.pid)["state"] == "running"
+    assert kernel.state()["state"] == "idle"
+
+
+def test_the_command_parks_an_idle_kernel_and_resumes_it(kernel, checkpoints):
+    parked = cli("park", str(kernel.pid))
+    assert parked.returncode == 0, parked
+    assert parked.stdout.startswith(f"kernel {kernel.pid}: parked its GPU memory (context included) in host memory")
+    assert record(checkpoints, kernel.pid)["state"] == "checkpointed"
+    assert kernel.state()["state"] == "parked"
+    status = cli("status", str(kernel.pid))
+    assert "state      parked in host memory for " in status.stdout, status
+
+    again = cli("park", str(kernel.pid))
+    assert again.returncode == 4
+    assert again.stderr == (f"gpucleanup: kernel {kernel.pid}: [gpucleanup.server.420] park refused: the kernel is "
+                            "parked\n")
+
+    resumed = cli("resume", str(kernel.pid))
+    assert resumed.returncode == 0, resumed
+    assert resumed.stdout.startswith(f"kernel {kernel.pid}: resumed its GPU memory from host memory in ")
+    assert record(checkpoints, kernel.pid)["state"] == "running"
+    assert kernel.state()["state"] == "idle"
+    assert kernel.execute("print(6 * 7)") == "42\n"  # nothing to resume: no line
+
+
+def test_a_kernel_running_a_cell_is_not_parked(kernel, checkpoints):
+    msg_id = kernel.start("import time\nwhile not __import__('os').path.exists(%r): time.sleep(0.01)"
+                          % str(checkpoints / "go"))
+    wait_until(lambda: kernel.state()["state"] == "running", "the cell never said running")
+    refused = cli("park", str(kernel.pid))
+    (checkpoints / "go").touch()
+    kernel.collect(msg_id)
+    assert refused.returncode == 4
+    assert refused.stderr == (f"gpucleanup: kernel {kernel.pid}: [gpucleanup.server.420] park refused: the kernel is "
+                              "running; a park starts only between cells (state idle): ask again when the cell has "
+                              "ended\n")
+    assert record(checkpoints, kernel.pid)["state"] == "running"
+
+
+def test_a_failed_checkpoint_leaves_the_kernel_running_and_idle(kernel, checkpoints):
+    patch(checkpoints, kernel.pid, {"errors": {"cuCheckpointProcessCheckpoint": 2}})
+    failed = cli("park", str(kernel.pid))
+    assert failed.returncode == 6, failed
+    assert failed.stderr == (f"gpucleanup: kernel {kernel.pid}: [gpucleanup.park.620] the checkpoint failed with "
+                             f"CUDA_ERROR_OUT_OF_MEMORY: process {kernel.pid} was unlocked and runs as before, nothing "
+                             "was parked\n")
+    assert record(checkpoints, kernel.pid)["state"] == "running"
+    assert kernel.state()["state"] == "idle"
+    assert kernel.execute("print('still here')") == "still here\n"
+
+
+def test_a_failed_restore_keeps_the_kernel_parked_and_says_how_to_retry(kernel, checkpoints):
+    assert cli("park", str(kernel.pid)).returncode == 0
+    patch(checkpoints, kernel.pid, {"errors": {"cuCheckpointProcessRestore": 2}})
+    out = kernel.execute("print('cell ran')")
+    failed = (f"gpucleanup · [gpucleanup.park.624] the restore of process {kernel.pid} failed with "
+              "CUDA_ERROR_OUT_OF_MEMORY: it stays parked, its GPU memory safe in host memory; retry with gpucleanup "
+              f"resume {kernel.pid}; until then this cell's GPU calls wait\n")
+    assert out == failed + "cell ran\n"
+    assert kernel.state()["state"] == "parked"  # no cleanup after the cell: its driver calls would wait
+    out = kernel.execute("%gpumem")  # each cell tries the resume again first
+    assert out == failed + ("gpucleanup · this kernel is parked (its GPU memory is in host memory): nothing is asked "
+                            f"of the driver until it is resumed (gpucleanup resume {kernel.pid} from a terminal)\n")
+    patch(checkpoints, kernel.pid, {"errors": {}})
+    resumed = cli("resume", str(kernel.pid))
+    assert resumed.returncode == 0, resumed
+    assert kernel.state()["state"] == "idle"
+    assert record(checkpoints, kernel.pid)["state"] == "running"
+
+
+def test_a_cell_started_while_a_park_is_under_way_waits_for_it_then_resumes(kernel, checkpoints):
+    patch(checkpoints, kernel.pid, {"hang": ["cuCheckpointProcessCheckpoint"]})
+    parking = subprocess.Popen([sys.executable, "-m", "gpucleanup.cli", "park", str(kernel.pid)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment())
+    try:
+        wait_until(lambda: record(checkpoints, kernel.pid)["state"] == "locked", "the park never locked the kernel")
+        msg_id = kernel.start("print('after the park')")
+        wait_until(lambda: kernel.state()["state"] == "parking", "the kernel left the park's state")
+        patch(checkpoints, kernel.pid, {"hang": []})
+        out = kernel.collect(msg_id)
+        assert parking.wait(120) == 0, parking.stderr.read()
+    finally:
+        parking.kill()
+    assert out.startswith("gpucleanup · resumed its GPU memory from host memory in "), out
+    assert out.endswith("after the park\n")
+    assert record(checkpoints, kernel.pid)["state"] == "running"
+
+
+def test_a_parked_kernel_that_exits_is_resumed_first(kernel, checkpoints):
+    assert cli("park", str(kernel.pid)).returncode == 0
+    kernel.km.shutdown_kernel(now=False)
+    assert not kernel.km.is_alive()
+    assert record(checkpoints, kernel.pid)["state"] == "running"
+    assert not (kernel.runtime / f"gpucleanup-{kernel.pid}.json").exists()
+
+
+def test_park_and_resume_of_a_dead_kernel_say_so(kernel, checkpoints):
+    assert cli("park", str(kernel.pid)).returncode == 0
+    kernel.km.shutdown_kernel(now=True)  # SIGKILL: its discovery file stays behind
+    assert not kernel.km.is_alive()
+    assert (kernel.runtime / f"gpucleanup-{kernel.pid}.json").exists()
+    resumed = cli("resume", str(kernel.pid))
+    assert resumed.returncode == 1
+    assert resumed.stderr == (f"gpucleanup: kernel {kernel.pid} is dead: its process is gone (its discovery file was "
+                              "removed)\n")
+
+
+@pytest.mark.parametrize("line, message", [
+    ("--park --json", "%gpumem: --park goes alone, not with --json."),
+    ("--park --history 3", "%gpumem: --park goes alone, not with --history."),
+])
+def test_park_goes_alone(line, message):
+    from IPython.core.error import UsageError
+
+    from gpucleanup.extension import GPUCleanup
+    from gpucleanup.magics import parse_gpumem
+
+    with pytest.raises(UsageError) as raised:
+        parse_gpumem(GPUCleanup.gpumem, line)
+    assert str(raised.value).startswith(message)
