@@ -446,7 +446,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         """``%gpumem --park``: said now, done by post_run_cell once the cell has ended."""
         if not self._hooks_registered:
             print(f"{report.PREFIX}{report.SEP}nothing to park: {self._why_no_hooks()}")
-        elif self._endpoint is None or self._endpoint.park_lock is None:
+        elif getattr(self._endpoint, "park_lock", None) is None:
             print(f"{report.PREFIX}{report.SEP}not parked: parking needs the status endpoint, which is off "
                   "(%config GPUCleanup.status_server = True, with a private Jupyter runtime directory)")
         else:

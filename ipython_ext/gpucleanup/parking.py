@@ -178,8 +178,11 @@ class InKernel:
 
     def parked(self) -> bool:
         """Whether the kernel is parking or parked (its server's state); no driver call."""
-        endpoint = self._endpoint()
-        return bool(endpoint is not None and endpoint.parked())
+        asked = getattr(self._endpoint(), "parked", None)  # an endpoint without parking is never parked
+        try:
+            return bool(asked is not None and asked())
+        except Exception:
+            return False
 
     def park_after_cell(self) -> None:
         """The park ``%gpumem --park`` asked for, now that the cell has ended (its state is idle)."""
@@ -187,7 +190,7 @@ class InKernel:
             return
         self.requested = False
         endpoint = self._endpoint()
-        if endpoint is None or endpoint.park_lock is None:
+        if getattr(endpoint, "park_lock", None) is None:
             self._say([self.PREFIX + "not parked: parking needs the status endpoint, which is off "
                        "(%config GPUCleanup.status_server = True, with a private Jupyter runtime directory)"])
             return

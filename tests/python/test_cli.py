@@ -364,6 +364,8 @@ def test_help_lists_the_exit_codes(runtime):
         "       something unreadable\n"
         "  5    drain: the kernel answered, but a device was not drained (busy,\n"
         "       unusable, failed) or its CUDA driver is unusable\n"
+        "  6    park, resume: the driver's steps failed; the message says what state\n"
+        "       the process is in and what to do\n"
         "  130  interrupted (Ctrl-C), except watch, which exits 0\n"
     )
     assert result.stderr == ""

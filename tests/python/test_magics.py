@@ -205,7 +205,7 @@ def test_gpumem_on_cell_prints_no_line_when_nothing_was_freed(shell, fake_cuda, 
 @pytest.mark.parametrize(
     "line, message",
     [
-        ("--jsn", "%gpumem: unrecognized arguments: --jsn. Did you mean --json? Usage: %gpumem [--json] [--drain] [--history [N]] [--vars [N]] [--release out|traceback|NAME] [--trace [on|off]] [--dask [on|off]] [--plot [N]] [--off | --on] (details: %gpumem?)"),
+        ("--jsn", "%gpumem: unrecognized arguments: --jsn. Did you mean --json? Usage: %gpumem [--json] [--drain] [--history [N]] [--vars [N]] [--release out|traceback|NAME] [--trace [on|off]] [--dask [on|off]] [--plot [N]] [--off | --on] [--park] (details: %gpumem?)"),
         ("--hist 3", "Did you mean --history?"),
         ("--off --on", "%gpumem: --off and --on contradict each other: pass one of them."),
         ("--history 0", "%gpumem: --history N needs N >= 1, got 0."),
@@ -227,7 +227,9 @@ def test_gpumem_help_documents_every_option_stand_in(shell, stand_in):  # noqa: 
         assert option in doc
     assert "--trace" in doc and "CUPTI" in doc
     assert ("::\n\n  %gpumem [--json] [--drain] [--history [N]] [--vars [N]] [--release WHAT]\n"
-            "              [--trace [on|off]] [--dask [on|off]] [--plot [N]] [--off] [--on]") in doc
+            "              [--trace [on|off]] [--dask [on|off]] [--plot [N]] [--park]\n"
+            "              [--off] [--on]") in doc
+    assert "--park" in doc and "host memory" in doc
 
 
 def test_gpumem_without_driver_says_so_stand_in(shell, stand_in):  # noqa: F811
@@ -261,7 +263,7 @@ def test_unbalanced_quote_is_a_usage_error_stand_in(shell, stand_in):  # noqa: F
         shell.run_line_magic("gpumem", '"unterminated')
     assert str(err.value) == (
         "%gpumem: cannot read the options (No closing quotation): check the quotes. "
-        "Usage: %gpumem [--json] [--drain] [--history [N]] [--vars [N]] [--release out|traceback|NAME] [--trace [on|off]] [--dask [on|off]] [--plot [N]] [--off | --on]"
+        "Usage: %gpumem [--json] [--drain] [--history [N]] [--vars [N]] [--release out|traceback|NAME] [--trace [on|off]] [--dask [on|off]] [--plot [N]] [--off | --on] [--park]"
     )
 
 
