@@ -169,22 +169,8 @@ device_rows = kernels_view.device_rows
 
 
 def state_text(state: Optional[dict]) -> str:
-    """``running cell 12 for 5.2 s``, ``idle for 3 min 2 s``, ``waiting for GPU0 for 8.0 s``."""
-    if not isinstance(state, dict):
-        return "?"
-    name = str(state.get("state") or "unknown")
-    words = name
-    if name in ("running", "draining") and state.get("cell") is not None:
-        words = f"{name} cell {state['cell']}"
-    elif name == "parked":
-        size = state.get("bytes")
-        words = f"parked {format_bytes(size)} in host memory" if type(size) is int and size > 0 else "parked in host memory"
-    elif name == "waiting" and state.get("device") is not None:
-        words = f"waiting for GPU{state['device']}"
-    age = state.get("age_s")
-    if isinstance(age, (int, float)):
-        words += f" for {format_duration(age)}"
-    return words
+    """``running cell 12 for 5.2 s``, ``idle for 3 min 2 s``, ``parked 8.2 GiB in host memory for 42 min``."""
+    return kernels_view.state_text(state) or "?"
 
 
 def memory_text(reply: dict) -> str:
@@ -444,18 +430,6 @@ def cmd_drain(args) -> int:
     return EXIT_OK
 
 
-def _park_record(args, kernel: discovery.Kernel):
-    """The kernel's state steps of a park (share/protocol.md, ``park``), as signed requests."""
-
-    def record(step: str, parked_bytes: Optional[int]) -> dict:
-        fields = {"step": step}
-        if parked_bytes is not None:
-            fields["bytes"] = int(parked_bytes)
-        return _ask(args, kernel, "park", args.timeout, **fields).get("state") or {}
-
-    return record
-
-
 def _park_lock(kernel: discovery.Kernel) -> Path:
     if not kernel.key_file:
         raise CliError(f"kernel {kernel.pid} has no key file: it cannot be parked from outside", EXIT_REFUSED)
@@ -465,27 +439,24 @@ def _park_lock(kernel: discovery.Kernel) -> Path:
 def cmd_park(args) -> int:
     kernel = _resolve(args, args.kernel)
     try:
-        outcome = parking.park_kernel(kernel.pid, _park_record(args, kernel), _park_lock(kernel))
-    except park_steps.ParkRefused as exc:
+        outcome = parking.park_from_outside(kernel.pid, _target(kernel), args.timeout, _park_lock(kernel))
+    except status_client.StatusError as exc:
+        raise _failure(kernel, exc, args.timeout) from None
+    except (park_steps.ParkRefused, parking.LockBusy, OSError) as exc:
         raise CliError(f"kernel {kernel.pid} not parked: {exc}", EXIT_REFUSED) from None
-    except (parking.LockBusy, OSError) as exc:
-        raise CliError(f"kernel {kernel.pid} not parked: {exc}", EXIT_REFUSED) from None
-    return _park_outcome(args, kernel, outcome, parking.parked_text(outcome) if outcome.ok else
-                         parking.kernel_message(outcome))
+    return _park_outcome(args, kernel, outcome, parking.outcome_text(outcome))
 
 
 def cmd_resume(args) -> int:
     kernel = _resolve(args, args.kernel)
-    state = (_ask(args, kernel, "status", args.timeout).get("state") or {})
-    record = _park_record(args, kernel) if state.get("state") in ("parking", "parked") else None
     try:
-        outcome = parking.resume_kernel(kernel.pid, record, _park_lock(kernel), lock_timeout=args.wait)
-    except park_steps.ParkRefused as exc:
+        outcome, before = parking.resume_from_outside(kernel.pid, _target(kernel), args.timeout, _park_lock(kernel),
+                                                      args.wait)
+    except status_client.StatusError as exc:
+        raise _failure(kernel, exc, args.timeout) from None
+    except (park_steps.ParkRefused, parking.LockBusy, OSError) as exc:
         raise CliError(f"kernel {kernel.pid} not resumed: {exc}", EXIT_REFUSED) from None
-    except (parking.LockBusy, OSError) as exc:
-        raise CliError(f"kernel {kernel.pid} not resumed: {exc}", EXIT_REFUSED) from None
-    text = parking.resumed_text(outcome, state) if outcome.ok and outcome.changed else parking.kernel_message(outcome)
-    return _park_outcome(args, kernel, outcome, text)
+    return _park_outcome(args, kernel, outcome, parking.outcome_text(outcome, before))
 
 
 def _park_outcome(args, kernel: discovery.Kernel, outcome: park_steps.Outcome, text: str) -> int:

@@ -19,8 +19,29 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 from . import discovery, status_client
+from .units import format_bytes, format_duration
 
-__all__ = ["KernelView", "Gathered", "gather", "device_rows", "total", "target_of", "short_error"]
+__all__ = ["KernelView", "Gathered", "gather", "device_rows", "total", "target_of", "short_error", "state_text"]
+
+
+def state_text(state: Optional[dict]) -> Optional[str]:
+    """A kernel's state as ``gpucleanup ps`` and the page say it: ``idle for 3.0 s``, ``running cell 12 for
+    1 min 3 s``, ``waiting for GPU0 for 8.0 s``, ``parked 8.2 GiB in host memory for 42 min`` (None: unknown)."""
+    if not isinstance(state, dict):
+        return None
+    name = str(state.get("state") or "unknown")
+    words = name
+    size = state.get("bytes")
+    if name in ("running", "draining") and isinstance(state.get("cell"), int):
+        words = f"{name} cell {state['cell']}"
+    elif name == "waiting" and isinstance(state.get("device"), int):
+        words = f"waiting for GPU{state['device']}"
+    elif name == "parked":
+        words = f"parked {format_bytes(size)} in host memory" if type(size) is int and size > 0 else "parked in host memory"
+    age = state.get("age_s")
+    if isinstance(age, (int, float)) and not isinstance(age, bool):
+        words += f" for {format_duration(age)}"
+    return words
 
 
 @dataclass

@@ -30,7 +30,8 @@ from typing import Callable, Optional
 from . import park as park_steps
 from .units import format_bytes, format_duration
 
-__all__ = ["LockBusy", "ParkLock", "lock_path", "park_kernel", "resume_kernel", "parked_text", "resumed_text", "kernel_message",
+__all__ = ["LockBusy", "ParkLock", "lock_path", "remote_record", "park_kernel", "park_from_outside",
+           "resume_from_outside", "outcome_text", "resume_kernel", "parked_text", "resumed_text", "kernel_message",
            "wait_limit"]
 
 #: Records one step in the kernel's state: ``(step, bytes) -> state after``; raises with a sentence when refused.
@@ -92,6 +93,20 @@ class ParkLock:
             os.close(fd)  # closing the descriptor lets the lock go
 
 
+def remote_record(target, timeout: float) -> RecordStep:
+    """The park steps of a kernel's state as signed ``park`` requests to its status endpoint (``target``:
+    a :class:`~gpucleanup.status_client.Target`); a refusal raises status_client's error, its sentence."""
+    from . import status_client
+
+    def record(step: str, parked_bytes: Optional[int]) -> dict:
+        fields: dict = {"step": step}
+        if parked_bytes is not None:
+            fields["bytes"] = int(parked_bytes)
+        return status_client.request(target, "park", timeout, **fields).get("state") or {}
+
+    return record
+
+
 def park_kernel(pid: int, record: RecordStep, lock_file: os.PathLike,
                 limits: park_steps.Limits = park_steps.Limits(), env: Optional[dict] = None,
                 lock_timeout: float = 1.0) -> park_steps.Outcome:
@@ -132,6 +147,31 @@ def kernel_message(outcome: park_steps.Outcome) -> str:
     """The outcome's sentence, its retry advice for a kernel: ``gpucleanup resume PID`` (which also tells the
     kernel's status endpoint) rather than the bare process command."""
     return outcome.message.replace(f"python -m gpucleanup.park resume {outcome.pid}", f"gpucleanup resume {outcome.pid}")
+
+
+def park_from_outside(pid: int, target, timeout: float, lock_file: os.PathLike) -> park_steps.Outcome:
+    """``gpucleanup park`` and the page's Park: :func:`park_kernel` with the kernel's state kept through
+    signed requests to its status endpoint (``target``)."""
+    return park_kernel(pid, remote_record(target, timeout), lock_file)
+
+
+def resume_from_outside(pid: int, target, timeout: float, lock_file: os.PathLike,
+                        wait: Optional[float] = None) -> tuple:
+    """``gpucleanup resume`` and the page's Resume: ``(outcome, state before)``. The driver's state decides
+    what is done; the kernel's state is told ``resumed`` only when it said parking or parked (a kernel
+    parked by ``python -m gpucleanup.park`` alone never knew)."""
+    from . import status_client
+
+    before = status_client.request(target, "status", timeout).get("state") or {}
+    record = remote_record(target, timeout) if before.get("state") in ("parking", "parked") else None
+    return resume_kernel(pid, record, lock_file, lock_timeout=wait), before
+
+
+def outcome_text(outcome: park_steps.Outcome, before: Optional[dict] = None) -> str:
+    """A park's or a resume's one sentence for a kernel."""
+    if outcome.ok and outcome.changed:
+        return parked_text(outcome) if outcome.action == "park" else resumed_text(outcome, before)
+    return kernel_message(outcome)
 
 
 def parked_text(outcome: park_steps.Outcome) -> str:

@@ -557,3 +557,51 @@ def test_drain_lines_say_what_was_released_and_why_not():
     assert drain_lines({"driver": {"state": "not_initialized"}, "devices": []}, 10) == ["drained; no GPU in use"]
     assert drain_lines({"driver": {"state": "unusable", "message": "bad"}, "devices": []}, 10) == [
         "nothing drained: the CUDA driver is unusable (bad)"]
+
+
+# ---------------------------------------------------------------- park and resume
+
+
+def test_park_and_resume_through_the_api(tmp_path):
+    """POST .../park and .../resume: the kernel's state, the driver's (the fake's checkpoint record), the
+    refusals, and the page's data; the same checks of token and XSRF as a drain."""
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    srv = Server(tmp_path / "srv", extra_env={"GPUCLEANUP_FAKE_CUDA_CHECKPOINT_DIR": str(checkpoints)})
+    nb = None
+    try:
+        nb = Notebook(srv, "park.ipynb")
+        nb.load_gpucleanup()
+        pid = nb.discovery().pid
+        path = f"/api/gpucleanup/kernels/{nb.kernel_id}"
+        srv.wait_for(nb.kernel_id, lambda e: e["state"]["state"] == "idle", "idle")
+        assert srv.request("POST", f"{path}/park", body={}).status == 403
+        assert srv.request("GET", f"{path}/park", token=True).status == 405
+
+        parked = srv.request("POST", f"{path}/park", body={}, token=True)
+        assert parked.status == 200, parked.body
+        data = parked.json()
+        assert (data["action"], data["ok"], data["state"], data["pid"]) == ("park", True, "checkpointed", pid)
+        assert data["message"].startswith("parked its GPU memory (context included) in host memory in ")
+        assert json.loads((checkpoints / f"{pid}.json").read_text())["state"] == "checkpointed"
+        entry = srv.wait_for(nb.kernel_id, lambda e: e["state"]["state"] == "parked", "parked")
+        assert entry["state_text"].startswith("parked in host memory for ")
+        assert entry["snapshot_status"] in ("stale", "unavailable")  # no driver call while parked
+
+        again = srv.request("POST", f"{path}/park", body={}, token=True)
+        assert again.status == 409
+        assert again.json()["message"] == (f"kernel {nb.kernel_id}: [gpucleanup.server.420] park refused: the kernel "
+                                           "is parked")
+
+        resumed = srv.request("POST", f"{path}/resume", body={}, token=True)
+        assert resumed.status == 200, resumed.body
+        data = resumed.json()
+        assert (data["action"], data["ok"], data["state"]) == ("resume", True, "running")
+        assert data["message"].startswith("resumed its GPU memory from host memory in ")
+        assert json.loads((checkpoints / f"{pid}.json").read_text())["state"] == "running"
+        srv.wait_for(nb.kernel_id, lambda e: e["state"]["state"] == "idle", "idle after the resume")
+        assert nb.run("print(1 + 1)") == "2\n"
+    finally:
+        if nb is not None:
+            nb.close()
+        srv.stop()

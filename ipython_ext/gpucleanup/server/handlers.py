@@ -1,7 +1,7 @@
 """The REST API, the page and its static files, as tornado handlers of Jupyter Server.
 
 Every handler is authenticated (the server's token, password or login cookie) and authorised on the
-resource ``kernels``: reading it for the lists and the page, writing it for a drain. POST requests go
+resource ``kernels``: reading it for the lists and the page, writing it for a drain, a park or a resume. POST requests go
 through Jupyter Server's XSRF check (a token-authenticated request is exempt, as everywhere in the
 server). Status requests block for up to their timeout, so they run on a small thread pool of
 their own, never on the server's event loop; drains, which wait for a kernel's GPU, on another, so
@@ -24,7 +24,7 @@ from tornado import template, web
 from traitlets import Float, Int
 from traitlets.config import LoggingConfigurable
 
-from .. import discovery, kernels, status_client
+from .. import discovery, kernels, park as park_steps, parking, status_client
 from ..version import __version__
 from . import model
 
@@ -33,8 +33,10 @@ STATIC = Path(__file__).resolve().parent / "static"
 #: the authorisation resource of every handler here: the page and the API are about kernels
 AUTH_RESOURCE = "kernels"
 
-#: status_client's refusals that mean "not now" (409): not idle, another drain running, drain disabled
-_CONFLICTS = {"gpucleanup.server.411", "gpucleanup.server.412", "gpucleanup.server.413"}
+#: status_client's refusals that mean "not now" (409): not idle, another drain running, drain disabled; a park
+#: step the kernel's state does not allow, parking disabled
+_CONFLICTS = {"gpucleanup.server.411", "gpucleanup.server.412", "gpucleanup.server.413", "gpucleanup.server.418",
+              "gpucleanup.server.420"}
 
 
 class GPUCleanupServer(LoggingConfigurable):
@@ -92,6 +94,16 @@ class KernelWatch:
         """A drain request to ``target``, on the drains' own pool (never the list's)."""
         return asyncio.get_running_loop().run_in_executor(
             self._drains, partial(status_client.request, target, "drain", wait, timeout_s=drain_timeout))
+
+    def park(self, kernel: discovery.Kernel, target: status_client.Target, action: str):
+        """Park or resume ``kernel`` (gpucleanup.parking, each step in a helper process), on the drains'
+        pool: a park moves the kernel's whole device memory and may take minutes."""
+        lock = parking.lock_path(kernel.key_file, kernel.pid)
+        if action == "park":
+            call = partial(parking.park_from_outside, kernel.pid, target, self.settings.timeout, lock)
+        else:
+            call = partial(parking.resume_from_outside, kernel.pid, target, self.settings.timeout, lock, 0.0)
+        return asyncio.get_running_loop().run_in_executor(self._drains, call)
 
     async def server_kernels(self) -> List[dict]:
         """This server's kernels: id, notebook path (its session's), pid, execution state."""
@@ -217,14 +229,7 @@ class DrainHandler(_API):
                 or not math.isfinite(drain_timeout) or not 0 <= drain_timeout <= 60):
             raise web.HTTPError(400, "%s", f"timeout_s must be a number of seconds from 0 to 60, got {drain_timeout!r}")
         kernel = await self.watch.find(key)
-        try:
-            target = kernels.target_of(kernel)
-        except discovery.UnsafeFile as exc:
-            raise web.HTTPError(502, "%s", f"kernel {key}: its key file {kernel.key_file} is {exc.strerror}: "
-                                "restart the kernel") from None
-        except OSError as exc:
-            raise web.HTTPError(502, "%s", f"kernel {key}: cannot read its key file {kernel.key_file} "
-                                f"({exc.strerror}): run the server as the user who started the kernel") from None
+        target = _target_of(kernel, key)
         # The reply comes when the drain ends: wait for as long as the drain may take.
         wait = settings.timeout + float(drain_timeout)
         try:
@@ -250,6 +255,60 @@ class DrainHandler(_API):
             "drained": not broken_driver and all(d.get("state") == "drained" for d in devices),
             "lines": model.drain_lines(result, float(drain_timeout)),
             "result": result,
+        })
+
+
+def _target_of(kernel: discovery.Kernel, key: str) -> status_client.Target:
+    """The kernel's endpoint and key; HTTPError 502 for a key file that cannot be used."""
+    try:
+        return kernels.target_of(kernel)
+    except discovery.UnsafeFile as exc:
+        raise web.HTTPError(502, "%s", f"kernel {key}: its key file {kernel.key_file} is {exc.strerror}: "
+                            "restart the kernel") from None
+    except OSError as exc:
+        raise web.HTTPError(502, "%s", f"kernel {key}: cannot read its key file {kernel.key_file} "
+                            f"({exc.strerror}): run the server as the user who started the kernel") from None
+
+
+class ParkHandler(_API):
+    """``POST api/gpucleanup/kernels/<id>/park`` and ``.../resume``: the kernel's whole GPU memory, its
+    context included, to host memory and back (gpucleanup.parking; the same as ``gpucleanup park|resume``).
+    200 with ``ok``, the driver's ``state`` and one sentence when the steps ran (``ok`` false: they failed,
+    and the sentence says where the process is); 409 when refused (a cell or a drain is running, already
+    parked, a restore known to fail, not enough host memory, another park of it under way); 504 when the
+    kernel did not answer."""
+
+    @web.authenticated
+    @authorized
+    async def post(self, key: str, action: str):
+        kernel = await self.watch.find(key)
+        if not kernel.key_file:
+            raise web.HTTPError(409, "%s", f"kernel {key} has no key file: it cannot be parked from outside")
+        target = _target_of(kernel, key)
+        before = None
+        try:
+            done = await self.watch.park(kernel, target, action)
+        except status_client.StatusRejected as exc:
+            status = 409 if exc.error_id in _CONFLICTS else 502
+            raise web.HTTPError(status, "%s", f"kernel {key}: {exc}") from None
+        except (status_client.StatusTimeout, status_client.StatusUnreachable) as exc:
+            _, sentence = kernels.short_error(exc, self.watch.settings.timeout)
+            raise web.HTTPError(504, "%s", f"kernel {key} {sentence}") from None
+        except status_client.StatusError as exc:
+            raise web.HTTPError(502, "%s", f"kernel {key}: {exc}") from None
+        except (park_steps.ParkRefused, parking.LockBusy) as exc:
+            raise web.HTTPError(409, "%s", f"kernel {key} not {'parked' if action == 'park' else 'resumed'}: "
+                                f"{exc}") from None
+        outcome, before = done if action == "resume" else (done, None)
+        self.finish({
+            "id": key,
+            "kernel_id": kernel.kernel_id,
+            "pid": kernel.pid,
+            "action": action,
+            "ok": outcome.ok,
+            "state": outcome.state,
+            "message": parking.outcome_text(outcome, before),
+            "outcome": outcome.as_dict(),
         })
 
 
@@ -299,6 +358,7 @@ def handlers(base_url: str, watch: KernelWatch) -> list:
         (url_path_join(base_url, "api/gpucleanup/kernels"), KernelsHandler, args),
         (url_path_join(base_url, "api/gpucleanup/kernels", kernel), KernelHandler, args),
         (url_path_join(base_url, "api/gpucleanup/kernels", kernel, "drain"), DrainHandler, args),
+        (url_path_join(base_url, "api/gpucleanup/kernels", kernel, r"(?P<action>park|resume)"), ParkHandler, args),
         (url_path_join(base_url, "gpucleanup/?"), PageHandler, args),
         (url_path_join(base_url, "gpucleanup/static/(.*)"), StaticHandler, {"path": str(STATIC)}),
     ]

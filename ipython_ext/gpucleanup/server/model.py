@@ -41,20 +41,8 @@ def entry_id(kernel_id: Optional[str], pid: Optional[int]) -> str:
     return kernel_id if kernel_id else f"pid-{pid}"
 
 
-def state_text(state: Optional[dict]) -> Optional[str]:
-    """``idle for 3.0 s``, ``running cell 12 for 1 min 3 s``, ``waiting for GPU0 for 8.0 s`` (None: unknown)."""
-    if not isinstance(state, dict):
-        return None
-    name = str(state.get("state") or "unknown")
-    words = name
-    if name in ("running", "draining") and isinstance(state.get("cell"), int):
-        words = f"{name} cell {state['cell']}"
-    elif name == "waiting" and isinstance(state.get("device"), int):
-        words = f"waiting for GPU{state['device']}"
-    age = state.get("age_s")
-    if isinstance(age, (int, float)) and not isinstance(age, bool):
-        words += f" for {report.format_duration(age)}"
-    return words
+#: the kernel's state as ``gpucleanup ps`` says it
+state_text = kernels.state_text
 
 
 def compact_cell(record: dict) -> dict:

@@ -271,13 +271,15 @@
     return part;
   }
 
-  async function drain(entry, view) {
+  // One POST of an action button (drain, park, resume); its result stays next to the buttons.
+  async function act(entry, view, action, pending, wordsOf) {
     view.button.disabled = true;
+    view.park.disabled = true;
     view.result.className = "drain-result pending";
-    view.result.textContent = "draining…";
+    view.result.textContent = pending;
     let words, kind;
     try {
-      const response = await fetch(`${API}/${encodeURIComponent(entry.id)}/drain`, {
+      const response = await fetch(`${API}/${encodeURIComponent(entry.id)}/${action}`, {
         method: "POST",
         credentials: "same-origin",
         headers: { "Content-Type": "application/json", Accept: "application/json", "X-XSRFToken": xsrfToken() },
@@ -291,8 +293,7 @@
       }
       const message = (data && data.message) || `HTTP ${response.status}`;
       if (response.ok && data) {
-        kind = data.drained ? "ok" : "warn";
-        words = `${data.drained ? "Drained" : "Not all drained"} at ${clock(Date.now() * 1e6)}: ${data.lines.join("; ")}`;
+        [kind, words] = wordsOf(data);
       } else if (response.status === 409) {
         kind = "refused";
         words = `Refused: ${message}`;
@@ -310,7 +311,28 @@
     view.result.className = `drain-result ${kind}`;
     view.result.textContent = words;
     view.button.disabled = !entry.gpucleanup;
+    view.park.disabled = !entry.gpucleanup;
     refreshSoon(0);
+  }
+
+  function drain(entry, view) {
+    return act(entry, view, "drain", "draining…", (data) => [
+      data.drained ? "ok" : "warn",
+      `${data.drained ? "Drained" : "Not all drained"} at ${clock(Date.now() * 1e6)}: ${data.lines.join("; ")}`,
+    ]);
+  }
+
+  function isParked(entry) {
+    const name = entry.state && entry.state.state;
+    return name === "parked" || name === "parking";
+  }
+
+  function parkOrResume(entry, view) {
+    const action = isParked(entry) ? "resume" : "park";
+    return act(entry, view, action, action === "park" ? "parking…" : "resuming…", (data) => [
+      data.ok ? "ok" : "warn",
+      `${data.ok ? "Done" : "Not done"} at ${clock(Date.now() * 1e6)}: ${data.message}`,
+    ]);
   }
 
   function viewOf(entry) {
@@ -321,11 +343,14 @@
     const button = el("button", "drain", "Drain");
     button.type = "button";
     button.title = "Wait for the kernel's queued GPU work and trim its memory pools (only between cells)";
+    const park = el("button", "park", "Park");
+    park.type = "button";
     const result = el("output", "drain-result");
-    view = { root, content: el("div", "content"), button, result, entry };
+    view = { root, content: el("div", "content"), button, park, result, entry };
     button.addEventListener("click", () => drain(view.entry, view));
+    park.addEventListener("click", () => parkOrResume(view.entry, view));
     root.appendChild(view.content);
-    root.appendChild(el("div", "actions", button, result));
+    root.appendChild(el("div", "actions", button, park, result));
     shown.set(entry.id, view);
     return view;
   }
@@ -343,6 +368,11 @@
       view.content = fresh;
       view.root.dataset.state = stateClass(entry);
       view.button.disabled = !entry.gpucleanup || !!entry.error;
+      view.park.disabled = !entry.gpucleanup || !!entry.error;
+      view.park.textContent = isParked(entry) ? "Resume" : "Park";
+      view.park.title = isParked(entry)
+        ? "Bring the kernel's GPU memory back from host memory now (its next cell also does)"
+        : "Move all of the kernel's GPU memory, its CUDA context included, to host memory (only between cells)";
       list.appendChild(view.root); // keeps the server's order
     }
     for (const [id, view] of shown) {
