@@ -184,6 +184,17 @@ class GPUCleanupOptions(Configurable):
         help="Seconds the kernel must stay idle before a release deferred by 'release' runs.",
     ).tag(config=True)
 
+    park_after_idle_s = _Float(
+        0.0,
+        min=0.0,
+        max=30 * 24 * 3600.0,
+        help=(
+            "Park this kernel once it has been idle this many seconds: all of its GPU memory, the CUDA "
+            "context included, goes to host memory and its next cell brings it back (as %gpumem --park "
+            "does). 0, the default, never parks by itself."
+        ),
+    ).tag(config=True)
+
     status_max_peers = _Int(
         64,
         min=1,

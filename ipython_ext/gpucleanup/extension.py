@@ -203,6 +203,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
 
     def unload(self) -> None:
         """Undo ``load``: the same bound methods are unregistered, the magic and %config entry removed."""
+        self.parking.disarm()
         with contextlib.suppress(Exception):
             self._stop_trace()
         self.engine.stop()
@@ -234,6 +235,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         # no driver call may happen while the process exits, and no callback into Python
         with contextlib.suppress(Exception):
             self._stop_trace()
+        self.parking.disarm()
         self.parking.resume_at_exit()  # a parked process's frees at exit would wait for a restore
         self.engine.exiting = True
         self.engine.stop()
@@ -337,10 +339,12 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             self.engine.cell_starts()  # a release waiting for the kernel to be idle is not wanted now
             if self.tracer.active:
                 self.tracer.set_cell(running_cell_number(self.shell, info))
-            if not self.enabled or self.engine.exiting:
+            if self.engine.exiting:
                 return
+            # Said with the cleanup paused too (%gpumem --off): no park or drain may begin during a cell,
+            # and a parked kernel is resumed first whatever the settings.
             running = {"state": "running", "cell": running_cell_number(self.shell, info), "since_ns": time.time_ns()}
-            self._status("set_state", running)  # from here no park begins; one that began is resumed first
+            self._status("set_state", running)
             self.parking.resume_before_cell(running)
         except KeyboardInterrupt:
             # Ctrl-C is the user's: it stops the cell. The transformer is there only
@@ -394,6 +398,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             self._say_idle()
             with contextlib.suppress(Exception):
                 self.parking.park_after_cell()  # %gpumem --park: the cell has ended, the kernel is idle
+                self.parking.arm(float(self.park_after_idle_s))  # park_after_idle_s: parked if it stays idle
 
     def _say_idle(self) -> None:
         """The status endpoint's "idle" as a cell's hook ends. A Ctrl-C that lands here comes after

@@ -215,6 +215,48 @@ class InKernel:
         self.limits = limits
         self.env = env
         self.requested = False
+        self._timer = None
+        self._auto_note: Optional[str] = None
+
+    # ---------------------------------------------------------- parking after a time idle
+
+    def arm(self, after_s: float) -> None:
+        """Parks the kernel once it has stayed idle ``after_s`` seconds (0: never); re-armed after every cell."""
+        import threading
+
+        self.disarm()
+        if after_s and after_s > 0:
+            self._timer = threading.Timer(after_s, self._park_when_idle, args=(after_s,))
+            self._timer.daemon = True
+            self._timer.name = "gpucleanup-park-timer"
+            self._timer.start()
+
+    def disarm(self) -> None:
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+
+    def _park_when_idle(self, after_s: float) -> None:
+        # On the timer's thread, the kernel idle: the server's "begin" refuses if a cell started meanwhile.
+        endpoint = self._endpoint()
+        if getattr(endpoint, "park_lock", None) is None:
+            return
+        try:
+            outcome = park_kernel(os.getpid(), endpoint.park_step, endpoint.park_lock, self.limits, self.env)
+        except (park_steps.ParkRefused, LockBusy, RuntimeError) as exc:
+            if "the kernel is running" not in str(exc):  # a cell that started first is not news
+                self._auto_note = f"not parked after {format_duration(after_s)} idle: {exc}"
+            return
+        except Exception as exc:
+            self._auto_note = f"not parked after {format_duration(after_s)} idle ({type(exc).__name__}: {exc})"
+            return
+        if not outcome.ok:
+            self._auto_note = f"not parked after {format_duration(after_s)} idle: {kernel_message(outcome)}"
+
+    def take_note(self) -> Optional[str]:
+        """What an automatic park had to say (a refusal, a failure), once."""
+        note, self._auto_note = self._auto_note, None
+        return note
 
     def parked(self) -> bool:
         """Whether the kernel is parking or parked (its server's state); no driver call."""
@@ -247,6 +289,10 @@ class InKernel:
     def resume_before_cell(self, then: Optional[dict] = None) -> None:
         """Brings a parked kernel back before its cell runs, and says so in one line; ``then``: the
         cell's state, taken in the same step as the resume (no park can begin in between)."""
+        self.disarm()
+        note = self.take_note()
+        if note:
+            self._say([self.PREFIX + note])
         if not self.parked():
             return
         endpoint = self._endpoint()

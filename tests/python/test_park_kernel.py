@@ -272,3 +272,19 @@ def test_park_goes_alone(line, message):
     with pytest.raises(UsageError) as raised:
         parse_gpumem(GPUCleanup.gpumem, line)
     assert str(raised.value).startswith(message)
+
+
+def test_park_after_idle_parks_a_kernel_left_idle_and_its_next_cell_resumes_it(kernel, checkpoints):
+    assert kernel.execute("%config GPUCleanup.park_after_idle_s = 0.5\ny = 7") == ""
+    wait_until(lambda: kernel.state()["state"] == "parked", "the idle kernel was never parked")
+    assert record(checkpoints, kernel.pid)["state"] == "checkpointed"
+    out = kernel.execute("print(y * 6)")
+    assert out.startswith("gpucleanup · resumed its GPU memory from host memory in "), out
+    assert out.endswith("42\n")
+    assert record(checkpoints, kernel.pid)["state"] == "running"
+
+
+def test_a_bad_park_after_idle_is_refused_and_changes_nothing(kernel):
+    out = kernel.execute("%config GPUCleanup.park_after_idle_s = -1")
+    assert "park_after_idle_s" in out and "-1" in out, out
+    assert kernel.execute("%config GPUCleanup.park_after_idle_s") == "0.0\n"

@@ -605,3 +605,24 @@ def test_park_and_resume_through_the_api(tmp_path):
         if nb is not None:
             nb.close()
         srv.stop()
+
+
+def test_the_server_parks_kernels_left_idle_when_told_to(tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    srv = Server(tmp_path / "srv", "--GPUCleanupServer.park_idle_after_s=1",
+                 extra_env={"GPUCLEANUP_FAKE_CUDA_CHECKPOINT_DIR": str(checkpoints)})
+    nb = None
+    try:
+        nb = Notebook(srv, "idle.ipynb")
+        nb.load_gpucleanup()
+        pid = nb.discovery().pid
+        srv.wait_for(nb.kernel_id, lambda e: e["state"]["state"] == "parked", "parked after 1 s idle")
+        assert json.loads((checkpoints / f"{pid}.json").read_text())["state"] == "checkpointed"
+        out = nb.run("print('back')")
+        assert out.startswith("gpucleanup · resumed its GPU memory from host memory in "), out
+        assert out.endswith("back\n")
+    finally:
+        if nb is not None:
+            nb.close()
+        srv.stop()

@@ -13,6 +13,10 @@ Under the server's base URL, for a logged-in user (token, password or login cook
     server runs, joined with every kernel that has a gpucleanup discovery file (see ``model.py``).
 ``GET api/gpucleanup/kernels/<id>``
     One entry (``id``: the kernel id, or ``pid-<pid>`` for a kernel without one); 404 if unknown.
+``POST api/gpucleanup/kernels/<id>/park`` and ``.../resume``
+    The kernel's whole GPU memory, its context included, to host memory and back (``gpucleanup.parking``).
+    200: ``ok``, the driver's ``state`` and one sentence; 409: refused (a cell or a drain is running,
+    already parked, a restore known to fail, host memory too small); 504: no answer.
 ``POST api/gpucleanup/kernels/<id>/drain``
     A signed drain through the kernel's status endpoint, body ``{"timeout_s": 0 to 60}`` (optional).
     200: the result; 409: the kernel refused (a cell is running, a drain is running) or has no
@@ -24,6 +28,7 @@ Settings (``jupyter_server_config.py``)::
     c.GPUCleanupServer.history = 50         # cells per kernel for the timeline
     c.GPUCleanupServer.refresh_s = 2.0      # the page's refresh period
     c.GPUCleanupServer.drain_timeout = 10.0 # a drain's wait for queued GPU work, by default
+    c.GPUCleanupServer.park_idle_after_s = 0 # park kernels idle this long (0: never)
 
 With ``prometheus_client`` installed, the server's own ``/metrics`` also carries every kernel's
 figures (``gpucleanup.metrics``).
@@ -47,7 +52,33 @@ def _load_jupyter_server_extension(serverapp) -> None:
     watch = KernelWatch(serverapp, settings)
     serverapp.web_app.add_handlers(".*$", handlers(serverapp.base_url, watch))
     _register_metrics(serverapp)
+    if settings.park_idle_after_s > 0:
+        _park_idle_kernels(serverapp, watch, settings.park_idle_after_s)
     serverapp.log.info("gpucleanup: the page of the kernels' GPU memory is at %sgpucleanup", serverapp.base_url)
+
+
+def _park_idle_kernels(serverapp, watch: KernelWatch, after_s: float) -> None:
+    """Every ``min(60 s, after_s / 4)`` (at least 1 s), one round of :meth:`KernelWatch.park_idle`; a round
+    still running when the next is due is not doubled."""
+    from tornado.ioloop import PeriodicCallback
+
+    running = {"now": False}
+
+    async def round_() -> None:
+        if running["now"]:
+            return
+        running["now"] = True
+        try:
+            for line in await watch.park_idle():
+                serverapp.log.info("gpucleanup: %s", line)
+        except Exception as exc:
+            serverapp.log.warning("gpucleanup: the automatic parking round failed: %s", exc)
+        finally:
+            running["now"] = False
+
+    period_ms = 1000 * max(1.0, min(60.0, after_s / 4))
+    PeriodicCallback(round_, period_ms).start()
+    serverapp.log.info("gpucleanup: kernels idle for %g s are parked (GPUCleanupServer.park_idle_after_s)", after_s)
 
 
 def _register_metrics(serverapp) -> None:

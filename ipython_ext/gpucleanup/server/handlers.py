@@ -65,6 +65,14 @@ class GPUCleanupServer(LoggingConfigurable):
     ).tag(config=True)
 
 
+    park_idle_after_s = Float(
+        0.0, min=0.0, max=30 * 24 * 3600.0,
+        help=("Park every kernel with gpucleanup that has been idle this many seconds (its whole GPU memory, the "
+              "CUDA context included, to host memory; its next cell brings it back). 0, the default, never parks "
+              "a kernel by itself. Only kernels this server may ask (the same user, this PID namespace)."),
+    ).tag(config=True)
+
+
 class KernelWatch:
     """Collects the API's data: the server's kernels and every kernel's status reply.
 
@@ -104,6 +112,36 @@ class KernelWatch:
         else:
             call = partial(parking.resume_from_outside, kernel.pid, target, self.settings.timeout, lock, 0.0)
         return asyncio.get_running_loop().run_in_executor(self._drains, call)
+
+    async def park_idle(self) -> List[str]:
+        """One round of the automatic parking (``park_idle_after_s``): every kernel with gpucleanup that
+        has been idle that long, one after the other; what each gave, as log lines. A kernel the park
+        refused is not tried again until its state changes (a new cell)."""
+        after = self.settings.park_idle_after_s
+        said: List[str] = []
+        if after <= 0:
+            return said
+        refused = getattr(self, "_park_refused", {})
+        self._park_refused = refused
+        found = await self.run(discovery.scan, self.runtime_dir, clean=False)
+        for entry in (await self.collect())["kernels"]:
+            state = entry.get("state") or {}
+            if not entry.get("gpucleanup") or state.get("state") != "idle" or not isinstance(state.get("age_s"), (int, float)):
+                continue
+            if state["age_s"] < after or refused.get(entry["id"]) == state.get("since_ns"):
+                continue
+            kernel = next((k for k in found.live if k.pid == entry.get("pid") and k.elsewhere is None), None)
+            if kernel is None or not kernel.key_file:
+                continue
+            try:
+                outcome = await self.park(kernel, kernels.target_of(kernel), "park")
+                said.append(f"kernel {entry['id']} idle {state['age_s']:.0f} s: {parking.outcome_text(outcome)}")
+                if not outcome.ok:
+                    refused[entry["id"]] = state.get("since_ns")
+            except Exception as exc:  # refused, no answer, a key file that cannot be read: next time, if it changes
+                refused[entry["id"]] = state.get("since_ns")
+                said.append(f"kernel {entry['id']} idle {state['age_s']:.0f} s: not parked: {exc}")
+        return said
 
     async def server_kernels(self) -> List[dict]:
         """This server's kernels: id, notebook path (its session's), pid, execution state."""
