@@ -7,7 +7,7 @@
 # for the stage trace: trace-tests.log, trace-bench.json, trace-bench.log; for dask: dask-tests.log, dask-bench.*;
 # for server: server-tests.log and server/ (the page's data, /metrics, the plots);
 # and for the stage kernels: kernels.json, kernels.log, kernel-calls.json, kernel-calls.log.
-# Usage: scripts/gpu_run.sh [STAGE ...]   stages: tests facts bench demo kernels kernels-focus stages trace dask server reliability memcheck park
+# Usage: scripts/gpu_run.sh [STAGE ...]   stages: tests facts bench demo kernels kernels-focus stages trace dask server reliability memcheck park park-kernels
 #        (default: tests facts bench demo)
 # The stage stages (tests/bench/profile_cell.py --stages --primitives, in-process, about a minute) writes
 # stages.log: where the per-cell time goes, step by step, with CUDA unused and PyTorch or CuPy idle; and
@@ -74,6 +74,11 @@ if [[ $stages == *" park "* ]]; then
   # preallocation) next to restarting the process and re-running its set-up (park-bench.json); at most 8 minutes
   timeout 180 python3 -m pytest tests/gpu/test_park_gpu.py -v -s -p no:cacheprovider 2>&1 | tee "$out/park-tests.log"
   timeout 300 python3 tests/bench/bench_park.py --json "$out/park-bench.json" 2>&1 | tee "$out/park-bench.log"
+fi
+if [[ $stages == *" park "* || $stages == *" park-kernels "* ]]; then
+  # kernels: a CuPy, a PyTorch and a JAX notebook parked by %gpumem --park or gpucleanup park, resumed by the
+  # next cell with every byte equal; a parked kernel shut down (at most 5 minutes)
+  timeout 300 python3 -m pytest tests/gpu/test_park_kernel_gpu.py -v -s -p no:cacheprovider 2>&1 | tee "$out/park-kernel-tests.log"
 fi
 if [[ $stages == *" reliability "* ]]; then
   # a 500-cell soak with CuPy and PyTorch, and a kernel killed while a drain from outside waits on its GPU

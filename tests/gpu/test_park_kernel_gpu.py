@@ -1,0 +1,146 @@
+"""Parking real kernels (issue 26): a CuPy, a PyTorch and a JAX notebook (one visible GPU) parked and resumed.
+
+Each kernel fills device memory from a seeded generator and keeps a SHA-256 of every byte. It is parked
+either by ``%gpumem --park`` (after its cell) or by ``gpucleanup park PID`` from outside; while parked,
+``nvidia-smi --query-compute-apps`` shows 0 MiB for its process (the context goes too) and ``gpucleanup ps``
+says ``parked``. Its next cell is resumed first, says so in one line, and finds every byte equal.
+
+Figures: ``FIGURE`` lines (run pytest with -s).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import GiB, require, stop_kernel, subprocess_env
+
+TIMEOUT = 300
+
+FILL = {
+    "cupy": ("import cupy as cp, hashlib\n"
+             "data = cp.random.default_rng(7).random({count}, dtype=cp.float32)\n"
+             "def digest(): return hashlib.sha256(cp.asnumpy(data).tobytes()).hexdigest()\n"),
+    "torch": ("import torch, hashlib\n"
+              "g = torch.Generator(device='cuda').manual_seed(7)\n"
+              "data = torch.rand({count}, device='cuda', generator=g)\n"
+              "def digest(): return hashlib.sha256(data.cpu().numpy().tobytes()).hexdigest()\n"),
+    "jax": ("import jax, numpy as np, hashlib\n"
+            "data = jax.random.uniform(jax.random.PRNGKey(7), ({count},), dtype='float32')\n"
+            "def digest(): return hashlib.sha256(np.asarray(data).tobytes()).hexdigest()\n"),
+}
+
+
+def used_mib(pid: int) -> int:
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=60).stdout
+    return sum(int(used) for p, used in (line.split(",") for line in out.strip().splitlines() if "," in line)
+               if p.strip() == str(pid) and used.strip().isdigit())
+
+
+class Kernel:
+    def __init__(self, tmp_path: Path, **env: str):
+        from jupyter_client.manager import KernelManager
+
+        self.runtime = tmp_path / "runtime"
+        self.env = subprocess_env(JUPYTER_RUNTIME_DIR=str(self.runtime), IPYTHONDIR=str(tmp_path / "ipython"), **env)
+        self.km = KernelManager()
+        self.km.kernel_spec.argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+        self.km.start_kernel(env=self.env, cwd=str(tmp_path))
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=TIMEOUT)
+        self.pid = self.km.provisioner.pid
+
+    def run(self, code: str) -> str:
+        """The cell's stdout and gpucleanup's lines; fails on an error in the cell."""
+        msg_id = self.kc.execute(code)
+        out, error = [], None
+        while True:
+            msg = self.kc.get_iopub_msg(timeout=TIMEOUT)
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream" and content["name"] == "stdout":
+                out.append(content["text"])
+            elif kind == "display_data" and "gpucleanup" in content.get("metadata", {}):
+                out.append(content["data"]["text/plain"] + "\n")
+            elif kind == "error":
+                error = f"{content['ename']}: {content['evalue']}"
+            elif kind == "status" and content["execution_state"] == "idle":
+                break
+        assert error is None, error
+        return "".join(out)
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "gpucleanup.cli", *args], capture_output=True, text=True,
+                              env=self.env, timeout=TIMEOUT)
+
+    def close(self) -> None:
+        stop_kernel(self.km, self.kc)
+
+
+@pytest.mark.parametrize("framework, how", [("cupy", "magic"), ("torch", "command"), ("jax", "command")])
+def test_a_notebook_is_parked_to_zero_and_resumed_with_every_byte(framework, how, tmp_path):
+    require(framework)
+    env = {"CUDA_VISIBLE_DEVICES": "0"} if framework == "jax" else {}
+    if framework == "jax":
+        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = "0.05"
+    kernel = Kernel(tmp_path, **env)
+    try:
+        kernel.run("%load_ext gpucleanup")
+        out = kernel.run(FILL[framework].format(count=GiB // 4) + "before = digest()\nprint(before)")
+        before = [line for line in out.splitlines() if re.fullmatch(r"[0-9a-f]{64}", line)][0]
+        used = used_mib(kernel.pid)
+        assert used > 0
+        started = time.monotonic()
+        if how == "magic":
+            out = kernel.run("%gpumem --park")
+            assert "gpucleanup · parked " in out, out
+        else:
+            done = kernel.cli("park", str(kernel.pid))
+            assert done.returncode == 0, done.stderr
+            out = done.stdout
+        parked_s = time.monotonic() - started
+        assert used_mib(kernel.pid) == 0
+        listed = kernel.cli("ps")
+        assert "parked" in listed.stdout, listed.stdout
+        print(f"FIGURE park kernel {framework} ({how}): {used} MiB -> 0 MiB in {parked_s:.2f} s: {out.strip()}")
+
+        started = time.monotonic()
+        out = kernel.run("print(digest() == before)")
+        resumed_s = time.monotonic() - started
+        lines = out.splitlines()
+        assert lines[0].startswith("gpucleanup · resumed "), out
+        assert "True" in lines, out
+        assert used_mib(kernel.pid) > 0
+        print(f"FIGURE resume kernel {framework}: next cell in {resumed_s:.2f} s: {lines[0]}")
+        status = json.loads(kernel.cli("status", str(kernel.pid), "--json").stdout)
+        assert status["state"]["state"] == "idle"
+    finally:
+        kernel.close()
+
+
+def test_a_parked_kernel_shuts_down_without_hanging(tmp_path):
+    require("torch")
+    kernel = Kernel(tmp_path)
+    try:
+        kernel.run("%load_ext gpucleanup")
+        kernel.run("import torch\nx = torch.ones(1 << 28, device='cuda')")
+        assert kernel.cli("park", str(kernel.pid)).returncode == 0
+        assert used_mib(kernel.pid) == 0
+        started = time.monotonic()
+        kernel.kc.stop_channels()
+        kernel.km.shutdown_kernel(now=False)  # a shutdown request; killed only past shutdown_wait_time
+        print(f"FIGURE shutdown of a parked kernel: {time.monotonic() - started:.2f} s")
+        assert not kernel.km.is_alive()
+        assert not (kernel.runtime / f"gpucleanup-{kernel.pid}.json").exists()  # ended by itself, files removed
+    finally:
+        if kernel.km.is_alive():
+            kernel.km.shutdown_kernel(now=True)
