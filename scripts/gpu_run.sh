@@ -79,6 +79,8 @@ if [[ $stages == *" park "* || $stages == *" park-kernels "* ]]; then
   # kernels: a CuPy, a PyTorch and a JAX notebook parked by %gpumem --park or gpucleanup park, resumed by the
   # next cell with every byte equal; a parked kernel shut down (at most 5 minutes)
   timeout 300 python3 -m pytest tests/gpu/test_park_kernel_gpu.py -v -s -p no:cacheprovider 2>&1 | tee "$out/park-kernel-tests.log"
+  # which state survives a park/resume (cuBLAS, cuDNN, CUDA graphs, Numba, PyCUDA autoinit, managed memory)
+  timeout 240 python3 -m pytest tests/gpu/test_park_survival_gpu.py -v -s -p no:cacheprovider 2>&1 | tee "$out/park-survival-tests.log"
 fi
 if [[ $stages == *" reliability "* ]]; then
   # a 500-cell soak with CuPy and PyTorch, and a kernel killed while a drain from outside waits on its GPU
