@@ -358,8 +358,9 @@ def unrestorable_refusal(pid: int, gpus: int, jax: bool) -> Optional[str]:
 
     Measured (share/FACTS.md §10): JAX with contexts on two GPUs was checkpointed, but its restore failed
     and the process was lost, every time; PyTorch on two GPUs and JAX on one came back. So a process with
-    JAX loaded and device memory on more than one GPU is refused. What else a restore cannot bring back
-    (CUDA IPC, MPS, managed memory, CUDA graphs, NCCL) is not known yet, and is not refused.
+    JAX loaded and device memory on more than one GPU is refused. cuBLAS, cuDNN and CUDA graphs came back;
+    managed memory makes the checkpoint fail cleanly (the process is unlocked and runs on). CUDA IPC, MPS
+    and NCCL are not known yet, and are not refused.
     """
     if jax and gpus > 1:
         return (f"[gpucleanup.park.627] process {pid} uses JAX on {gpus} GPUs: a restore of such a process was seen "
