@@ -282,6 +282,24 @@ def test_the_kernels_state_is_one_series_per_state(kernel):
     assert value(samples, "gpucleanup_scrape_duration_seconds") >= 0
 
 
+def test_a_parked_kernel_says_so_with_the_bytes_it_holds_in_host_memory(kernel):
+    assert value(scrape(registry_for(kernel.endpoint.discovery_path.parent)), "gpucleanup_kernel_parked") == 0
+    kernel.endpoint.set_state({"state": "idle", "since_ns": time.time_ns()})
+    kernel.endpoint.park_step("begin")
+    kernel.endpoint.park_step("parked", 3 << 30)
+    try:
+        samples = scrape(registry_for(kernel.endpoint.discovery_path.parent))
+        states = {l["state"]: v for n, l, v in samples if n == "gpucleanup_kernel_state"}
+        assert (states["parked"], states["idle"]) == (1, 0)
+        assert value(samples, "gpucleanup_kernel_parked", pid=kernel.pid) == 1
+        assert value(samples, "gpucleanup_kernel_parked_bytes", pid=kernel.pid) == 3 << 30
+    finally:
+        kernel.endpoint.park_step("resumed")
+    samples = scrape(registry_for(kernel.endpoint.discovery_path.parent))
+    assert value(samples, "gpucleanup_kernel_parked", pid=kernel.pid) == 0
+    assert values(samples, "gpucleanup_kernel_parked_bytes", pid=kernel.pid) == []
+
+
 def test_a_kernel_that_does_not_answer_is_down_with_no_device_series(kernel, runtime):
     # a live process (ours' parent) whose discovery file names a socket nobody listens on
     parent = os.getppid()

@@ -288,3 +288,48 @@ def test_a_bad_park_after_idle_is_refused_and_changes_nothing(kernel):
     out = kernel.execute("%config GPUCleanup.park_after_idle_s = -1")
     assert "park_after_idle_s" in out and "-1" in out, out
     assert kernel.execute("%config GPUCleanup.park_after_idle_s") == "0.0\n"
+
+
+# ---------------------------------------------------------------- the lock and the steps, without a kernel
+
+
+def test_the_park_lock_is_never_followed_through_a_link_and_waits_a_bounded_time(tmp_path):
+    from gpucleanup import parking
+
+    (tmp_path / "elsewhere").write_text("")
+    (tmp_path / "1.park").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(OSError):
+        parking.ParkLock(tmp_path / "1.park", timeout=0).__enter__()
+    path = parking.lock_path(tmp_path / "2.key", 2)
+    assert path == tmp_path / "2.park"
+    with parking.ParkLock(path, timeout=0):
+        with pytest.raises(parking.LockBusy) as busy:
+            with parking.ParkLock(path, timeout=0.1):
+                pass
+    assert str(busy.value) == f"another park or resume of this kernel has held {path} for over 0 s"
+    with parking.ParkLock(path, timeout=0):  # let go with the first one
+        pass
+
+
+def test_a_refused_park_tells_the_kernels_state_it_failed(tmp_path, checkpoints):
+    from gpucleanup import park, parking
+
+    steps = []
+
+    def record(step, parked_bytes):
+        steps.append((step, parked_bytes))
+        return {}
+
+    with pytest.raises(park.ParkRefused):  # this pytest process never loaded the fake driver
+        parking.park_kernel(os.getpid(), record, tmp_path / "x.park", env=environment())
+    assert steps == [("begin", None), ("failed", None)]
+
+
+def test_the_kernels_state_refusing_a_park_stops_it_before_any_driver_step(tmp_path):
+    from gpucleanup import parking
+
+    def record(step, parked_bytes):
+        raise RuntimeError("[gpucleanup.server.509] park refused: the kernel is running")
+
+    with pytest.raises(RuntimeError):
+        parking.park_kernel(os.getpid(), record, tmp_path / "x.park")

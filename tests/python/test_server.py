@@ -532,6 +532,8 @@ def test_state_text_reads_like_gpucleanup_ps():
     assert state_text({"state": "running", "cell": 12, "age_s": 63.2}) == "running cell 12 for 1 min 3 s"
     assert state_text({"state": "waiting", "device": 1, "cell": 4, "age_s": 8}) == "waiting for GPU1 for 8.0 s"
     assert state_text({"state": "draining", "cell": 4}) == "draining cell 4"
+    assert state_text({"state": "parked", "bytes": 3 << 30, "age_s": 2520}) == "parked 3.0 GiB in host memory for 42 min"
+    assert state_text({"state": "parked", "bytes": None}) == "parked in host memory"
     assert state_text(None) is None
 
 
