@@ -7,7 +7,7 @@
 # for the stage trace: trace-tests.log, trace-bench.json, trace-bench.log; for dask: dask-tests.log, dask-bench.*;
 # for server: server-tests.log and server/ (the page's data, /metrics, the plots);
 # and for the stage kernels: kernels.json, kernels.log, kernel-calls.json, kernel-calls.log.
-# Usage: scripts/gpu_run.sh [STAGE ...]   stages: tests facts bench demo kernels kernels-focus stages trace dask server reliability memcheck park park-kernels
+# Usage: scripts/gpu_run.sh [STAGE ...]   stages: tests facts bench demo kernels kernels-focus stages trace dask server reliability memcheck park park-kernels park-bench-kernels
 #        (default: tests facts bench demo)
 # The stage stages (tests/bench/profile_cell.py --stages --primitives, in-process, about a minute) writes
 # stages.log: where the per-cell time goes, step by step, with CUDA unused and PyTorch or CuPy idle; and
@@ -81,6 +81,11 @@ if [[ $stages == *" park "* || $stages == *" park-kernels "* ]]; then
   timeout 300 python3 -m pytest tests/gpu/test_park_kernel_gpu.py -v -s -p no:cacheprovider 2>&1 | tee "$out/park-kernel-tests.log"
   # which state survives a park/resume (cuBLAS, cuDNN, CUDA graphs, Numba, PyCUDA autoinit, managed memory)
   timeout 240 python3 -m pytest tests/gpu/test_park_survival_gpu.py -v -s -p no:cacheprovider 2>&1 | tee "$out/park-survival-tests.log"
+fi
+if [[ $stages == *" park-bench-kernels "* ]]; then
+  # a kernel parked and resumed against restarted and set up again: 1, 8, 32 GiB of PyTorch, JAX at its default
+  # preallocation (park-kernels-bench.json); at most 9 minutes
+  timeout 540 python3 tests/bench/bench_park_kernels.py --json "$out/park-kernels-bench.json" 2>&1 | tee "$out/park-kernels-bench.log"
 fi
 if [[ $stages == *" reliability "* ]]; then
   # a 500-cell soak with CuPy and PyTorch, and a kernel killed while a drain from outside waits on its GPU
