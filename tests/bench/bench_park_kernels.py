@@ -101,7 +101,8 @@ def rss(pid: int) -> int:
 def case(label: str, framework: str, setup: str, extra: dict) -> dict:
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="gpucleanup-bench-"))
     env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(workdir / "runtime"), CUDA_VISIBLE_DEVICES="0", **extra)
-    helpers = dict(os.environ)  # gpucleanup park's helpers see every GPU (share/FACTS.md §10)
+    # gpucleanup park finds the kernel in its runtime directory; its helpers see every GPU (share/FACTS.md §10)
+    helpers = dict(os.environ, JUPYTER_RUNTIME_DIR=env["JUPYTER_RUNTIME_DIR"])
     kernel = Kernel(workdir, env)
     try:
         kernel.run("%load_ext gpucleanup")
