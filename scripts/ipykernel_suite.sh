@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # ipykernel's own test suite, with gpucleanup loaded into every kernel it starts, on the fake CUDA driver: the
-# stage "ipykernel's suite" of scripts/test.sh.
+# stage "ipykernel suite" of scripts/test.sh.
 #
 # The best proof that a kernel behaves as before: the suite passes without gpucleanup, so a failure here is
 # something gpucleanup changed in what a kernel says or does. Every kernel the suite starts reads a private
