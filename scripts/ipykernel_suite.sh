@@ -22,8 +22,11 @@
 # is printed with its reason before the run.
 #
 # Usage: scripts/ipykernel_suite.sh [--without-gpucleanup] [--show MODE] [pytest options: -k EXPR, -x, ...]
+#        scripts/ipykernel_suite.sh --list-left-out
 #   --without-gpucleanup   the same suite with nothing loaded: the suite's own result on this machine, to compare
 #   --show MODE            one run with GPUCleanup.show = MODE (auto, always or never) in every kernel
+#   --list-left-out        print the tests this script can leave out (condition, test, reason: one a line,
+#                          tab-separated) and exit
 # Environment: GPUCLEANUP_BUILD_DIR (default build): where the fake driver is (built there when missing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,10 +41,12 @@ suite_deps=(pytest-timeout==2.4.0 flaky==3.8.1 pytest-asyncio==1.5.0 pytest-cov=
 
 with_gpucleanup=1
 show=
+list_only=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --without-gpucleanup) with_gpucleanup=0; shift ;;
     --show) show=${2:?--show takes auto, always or never}; shift 2 ;;
+    --list-left-out) list_only=1; shift ;;
     *) break ;;
   esac
 done
@@ -86,6 +91,11 @@ deselect_for() {
     deselect_args+=(--deselect "$id")
   done
 }
+
+if [ "$list_only" = 1 ]; then
+  printf '%s\n' "${deselections[@]}"
+  exit 0
+fi
 
 # What it needs, made here when missing (as scripts/test.sh makes it): the set-up (quick when nothing changed;
 # it rebuilds the installed gpucleanup when its sources changed), then the fake driver.
