@@ -125,7 +125,7 @@ TEST(RequestCheck, RefusalsCarryTheIdOnceItWasReadAndSayWhetherThePeerAuthentica
                          {"error",
                           {{"id", "gpucleanup.server.410"},
                            {"message", "[gpucleanup.server.410] unknown request kind \"reboot\": use status, "
-                                       "history, drain or ping"}}}}));
+                                       "history, drain, park or ping"}}}}));
 }
 
 TEST(RequestCheck, DrainFieldsAreCheckedBeforeTheServerLooksAtItsState) {

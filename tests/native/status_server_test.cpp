@@ -395,13 +395,13 @@ TEST_F(SignedServer, MalformedRequestsGetErrorsAndServingGoesOn) {
   json no_kind = request("status");
   no_kind.erase("kind");
   expect_error(client_->ask(no_kind), "gpucleanup.server.408",
-               "request is malformed: \"kind\" must be a string (status, history, drain or ping)");
+               "request is malformed: \"kind\" must be a string (status, history, drain, park or ping)");
   json version = request("status");
   version["protocol"] = 2;
   expect_error(client_->ask(version), "gpucleanup.server.409",
                "protocol version 2 is not supported: this server speaks protocol 1");
   expect_error(client_->ask(request("reboot")), "gpucleanup.server.410",
-               "unknown request kind \"reboot\": use status, history, drain or ping");
+               "unknown request kind \"reboot\": use status, history, drain, park or ping");
   client_->send_frames({"a", "b", "c"});
   expect_error(client_->receive(), "gpucleanup.server.407",
                "request must be [signature, body] or [body] after the routing envelope, got 3 frames");
