@@ -442,6 +442,55 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             with contextlib.suppress(Exception):
                 self.parking.park_after_cell()  # %gpumem --park: the cell has ended, the kernel is idle
 
+    def _say_idle(self) -> None:
+        """The status endpoint's "idle" as a cell's hook ends. A Ctrl-C that lands here comes after
+        the cleanup: it is dropped, as an idle kernel drops one, and "idle" is said again (a state
+        left at "draining" would refuse gpucleanup drain until the next cell)."""
+        for _ in range(3):
+            try:
+                if self._endpoint is not None:
+                    self._status("set_state", {"state": "idle", "since_ns": time.time_ns()})
+                return
+            except KeyboardInterrupt:
+                continue
+            except Exception:
+                return
+
+    def _release_after_oom(self, result: Any, cell: Optional[int]) -> None:
+        """A cell that failed with a GPU out-of-memory error: its traceback's frames let go
+        of their variables before the cleanup (``release_after_oom``), and the user is told."""
+        error = getattr(result, "error_in_exec", None) if result is not None else None
+        if error is None or not self.release_after_oom or not holders.is_out_of_memory(error):
+            return
+        held = holders.traceback_objects(error, cell, getattr(self.shell, "user_ns", None))
+        if not held:
+            return
+        frames = holders.release_traceback(error)
+        total = sum(int(f.get("bytes") or 0) for f in held)
+        self._say([f"{report.PREFIX}{report.SEP}out of GPU memory in cell [{cell}]: released {report.format_bytes(total)} "
+                   f"held by {count_of(len(held), 'variable')} of its traceback ({count_of(frames, 'frame')}; the "
+                   "error stays, %debug no longer shows them; %config GPUCleanup.release_after_oom = False keeps them)"],
+                  cell)
+
+    def cleanup(self, cell: Optional[int] = None, forced: bool = False, after_forced: Optional[CellRecord] = None,
+                hidden: Any = None, overrides: Optional[dict] = None) -> Optional[Outcome]:
+        """The after-cell cleanup now (the engine's); its record goes to the history and
+        the status endpoint. None when nothing in the kernel uses CUDA. ``overrides``: settings
+        that differ from the traits for this pass only (a drain from outside: its time limit)."""
+        namespace = getattr(self.shell, "user_ns", None)
+        settings = self.settings()
+        if overrides:
+            settings = dataclasses.replace(settings, **overrides)
+        outcome = self.engine.run(settings, cell=cell, namespace=namespace, forced=forced, after_forced=after_forced,
+                                  hidden=hidden)
+        if outcome is not None and outcome.keep:
+            data = outcome.as_dict()
+            self.history.append(data)
+            self.totals.add(data)
+            # only the published copy carries the totals: the history and %gpumem --json stay per cell
+            self._status("publish", dict(data, totals=self.totals.as_dict()))
+        return outcome
+
     # ------------------------------------------------------------ a drain from outside
 
     def outside_drain(self, timeout_s: float = 0.0) -> dict:
@@ -504,55 +553,6 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         if not ended:
             self._warn_once_now("outside-drain:late", f"a drain from outside still ran after {limit:.0f} s: the cell "
                                                       "runs beside it")
-
-    def _say_idle(self) -> None:
-        """The status endpoint's "idle" as a cell's hook ends. A Ctrl-C that lands here comes after
-        the cleanup: it is dropped, as an idle kernel drops one, and "idle" is said again (a state
-        left at "draining" would refuse gpucleanup drain until the next cell)."""
-        for _ in range(3):
-            try:
-                if self._endpoint is not None:
-                    self._status("set_state", {"state": "idle", "since_ns": time.time_ns()})
-                return
-            except KeyboardInterrupt:
-                continue
-            except Exception:
-                return
-
-    def _release_after_oom(self, result: Any, cell: Optional[int]) -> None:
-        """A cell that failed with a GPU out-of-memory error: its traceback's frames let go
-        of their variables before the cleanup (``release_after_oom``), and the user is told."""
-        error = getattr(result, "error_in_exec", None) if result is not None else None
-        if error is None or not self.release_after_oom or not holders.is_out_of_memory(error):
-            return
-        held = holders.traceback_objects(error, cell, getattr(self.shell, "user_ns", None))
-        if not held:
-            return
-        frames = holders.release_traceback(error)
-        total = sum(int(f.get("bytes") or 0) for f in held)
-        self._say([f"{report.PREFIX}{report.SEP}out of GPU memory in cell [{cell}]: released {report.format_bytes(total)} "
-                   f"held by {count_of(len(held), 'variable')} of its traceback ({count_of(frames, 'frame')}; the "
-                   "error stays, %debug no longer shows them; %config GPUCleanup.release_after_oom = False keeps them)"],
-                  cell)
-
-    def cleanup(self, cell: Optional[int] = None, forced: bool = False, after_forced: Optional[CellRecord] = None,
-                hidden: Any = None, overrides: Optional[dict] = None) -> Optional[Outcome]:
-        """The after-cell cleanup now (the engine's); its record goes to the history and
-        the status endpoint. None when nothing in the kernel uses CUDA. ``overrides``: settings
-        that differ from the traits for this pass only (a drain from outside: its time limit)."""
-        namespace = getattr(self.shell, "user_ns", None)
-        settings = self.settings()
-        if overrides:
-            settings = dataclasses.replace(settings, **overrides)
-        outcome = self.engine.run(settings, cell=cell, namespace=namespace, forced=forced, after_forced=after_forced,
-                                  hidden=hidden)
-        if outcome is not None and outcome.keep:
-            data = outcome.as_dict()
-            self.history.append(data)
-            self.totals.add(data)
-            # only the published copy carries the totals: the history and %gpumem --json stay per cell
-            self._status("publish", dict(data, totals=self.totals.as_dict()))
-        return outcome
 
     # ------------------------------------------------------------ %gpumem
 
