@@ -152,10 +152,12 @@ def test_a_drain_during_a_cell_is_refused(kernel, tmp_path):
 
 
 def test_a_cell_under_way_keeps_the_kernels_part_out_even_when_the_server_takes_the_drain(kernel, tmp_path):
-    # With the automatic cleanup paused the cells do not tell the server they run: it takes the drain, and
-    # the kernel's part leaves the caches to the cell.
+    # The cell tells the server it is idle (as nothing in gpucleanup does during a cell): the server takes the
+    # drain, and the kernel's part still leaves the caches to the cell.
     go, started = tmp_path / "go", tmp_path / "started"
-    msg_id = kernel.start(f"open({str(started)!r}, 'w').close()\nwhile not os.path.exists({str(go)!r}):\n"
+    msg_id = kernel.start("from gpucleanup.extension import get_extension\n"
+                          "get_extension(get_ipython())._status('set_state', {'state': 'idle', 'since_ns': time.time_ns()})\n"
+                          f"open({str(started)!r}, 'w').close()\nwhile not os.path.exists({str(go)!r}):\n"
                           "    time.sleep(0.01)\n" + CACHES)
     try:
         wait_until(started.exists, "the cell never ran")
