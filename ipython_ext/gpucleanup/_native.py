@@ -40,6 +40,8 @@ __all__ = [
     "server_parked",
     "server_publish",
     "server_connections",
+    "set_drain_hook",
+    "clear_drain_hook",
     "checkpoint_step",
     "sigterm_cleanup",
 ]
@@ -65,6 +67,8 @@ _STATUS_NAMES = {
 }
 
 PROGRESS_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+# gpucleanup_drain_hook_fn: (timeout_s, out, capacity, user) -> bytes written, -1 on failure
+DRAIN_HOOK_FN = ctypes.CFUNCTYPE(ctypes.c_longlong, ctypes.c_double, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
 
 
 class NativeError(RuntimeError):
@@ -166,6 +170,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gpucleanup_set_gil_hooks.restype = None
     lib.gpucleanup_server_connections.argtypes = [c_char_pp]
     lib.gpucleanup_server_connections.restype = ctypes.c_int
+    # The kernel's part of a drain from outside (a later addition to ABI version 2).
+    if getattr(lib, "gpucleanup_set_drain_hook", None) is not None:
+        lib.gpucleanup_set_drain_hook.argtypes = [DRAIN_HOOK_FN, ctypes.c_void_p]
+        lib.gpucleanup_set_drain_hook.restype = None
     # Parking's state in the status server (a later addition to ABI version 2).
     if getattr(lib, "gpucleanup_server_park", None) is not None:
         lib.gpucleanup_server_park.argtypes = [ctypes.c_char_p, ctypes.c_longlong, ctypes.c_char_p, c_char_pp]
@@ -474,6 +482,54 @@ def server_parked() -> int:
     """0: not parked (or no server), 1: parking, 2: parked (gpucleanup_server_parked); no driver call."""
     fn = getattr(held(), "gpucleanup_server_parked", None)
     return 0 if fn is None else int(fn())
+
+
+# What the drain hook runs (set_drain_hook); the one C thunk below calls it, and stays alive with this
+# module, so that a drain already under way when the hook is changed or removed never calls freed code.
+_drain_target: Optional[Callable[[float], dict]] = None
+
+
+def _on_drain(timeout_s: float, out: Optional[int], capacity: int, _user: Any) -> int:
+    try:
+        target = _drain_target
+        if target is None:
+            part: dict = {"ran": False, "skipped": "gpucleanup is not loaded in this kernel", "error": None}
+        else:
+            part = target(float(timeout_s))
+        data = json.dumps(part, default=repr, separators=(",", ":")).encode("utf-8", "replace")
+    except BaseException as exc:  # on the server's thread: nothing may escape into C
+        data = json.dumps({"ran": False, "skipped": None, "error": f"{type(exc).__name__}: {exc}"},
+                          default=repr).encode("utf-8", "replace")
+    if len(data) > capacity:
+        data = json.dumps({"ran": False, "skipped": None,
+                           "error": f"the kernel's cleanup said more than {capacity} bytes"}).encode()
+    ctypes.memmove(out, data, len(data))
+    return len(data)
+
+
+_DRAIN_THUNK = DRAIN_HOOK_FN(_on_drain)
+
+
+def set_drain_hook(target: Optional[Callable[[float], dict]]) -> bool:
+    """The kernel's part of a drain asked for through the status server (gpucleanup_set_drain_hook).
+
+    ``target(timeout_s)`` runs on the server's helper thread before the library's drain and returns
+    a JSON-able dict, the drain result's ``kernel`` (share/schema/drain.schema.json); None removes it.
+    False where this build of the library has no such hook.
+    """
+    global _drain_target
+    fn = getattr(library(), "gpucleanup_set_drain_hook", None)
+    if fn is None:
+        return False
+    _drain_target = target
+    fn(_DRAIN_THUNK if target is not None else DRAIN_HOOK_FN(), None)
+    return True
+
+
+def clear_drain_hook(target: Callable[[float], dict]) -> None:
+    """Removes the drain hook if it is still ``target`` (another shell of the process may have set its own since)."""
+    if _drain_target is target:
+        set_drain_hook(None)
 
 
 def server_publish(record: dict) -> None:

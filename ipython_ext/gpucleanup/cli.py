@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 from . import discovery, kernels as kernels_view, park as park_steps, parking, status_client
+from . import report
 from .report import Table, format_bytes, format_duration
 
 EXIT_OK = 0
@@ -417,10 +418,9 @@ def cmd_drain(args) -> int:
         for dev in devices:
             if dev.get("state") != "drained":
                 continue  # said on stderr below, with what to do
-            line = f"kernel {kernel.pid} GPU{dev.get('index')}: drained, released {format_bytes(dev.get('released_bytes') or 0)}"
-            if dev.get("message"):
-                line += f" ({dev['message']})"
-            print(line)
+            print(f"kernel {kernel.pid} GPU{dev.get('index')}: {report.drained_text(result, dev)}")
+        for note in report.drain_kernel_notes(result):
+            print(f"kernel {kernel.pid}: {note}")
     if problems:
         # stdout is flushed first so that a terminal shows the report before the failures.
         sys.stdout.flush()

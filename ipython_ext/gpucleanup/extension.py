@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import functools
 import gc
 import os
+import threading
 import time
 import weakref
 from typing import Any, Dict, List, Optional
@@ -43,6 +45,9 @@ __all__ = ["GPUCleanup", "load_ipython_extension", "unload_ipython_extension", "
 DEFAULTS: Dict[str, Any] = {"native": None, "adapters": None, "status_endpoint": None}
 
 _MISSING = object()
+
+# How much longer than its own time limit a cell that starts waits for a drain from outside to end.
+OUTSIDE_DRAIN_MARGIN_S = 10.0
 
 
 @functools.lru_cache(maxsize=None)
@@ -140,6 +145,14 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         self._interrupt_the_cell = _InterruptTheCell()
         self.parking = InKernel(lambda: self._endpoint, self._say)
         self._depth = 0  # cells running: more than one while a cell runs another (%%capture)
+        # A drain from outside (gpucleanup drain, the page's Drain button) runs the kernel's cleanup on the
+        # status server's thread only while no cell is under way, and a cell that starts meanwhile waits for it
+        # (outside_drain): both under this condition.
+        self._outside_cv = threading.Condition()
+        self._cells_under_way = 0  # from pre_run_cell to the end of its post_run_cell (nested ones too)
+        self._outside_running = False
+        self._outside_deadline = 0.0  # time.monotonic() by which it has ended
+        self._drain_target: Any = None  # what the native drain hook calls while this extension serves
 
     def settings(self) -> Settings:
         """The traits as the engine reads them for one cell."""
@@ -265,6 +278,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                 endpoint = factory()  # a factory that takes no options
             endpoint.start(self.shell)
             self._endpoint = endpoint
+            self._set_drain_hook(endpoint)
         except Exception as exc:
             self._warn_once_now("status:start", f"status endpoint did not start ({type(exc).__name__}: {exc})")
             return
@@ -284,7 +298,30 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         endpoint, self._endpoint = self._endpoint, None
         if endpoint is not None:
             with contextlib.suppress(Exception):
-                endpoint.close()
+                endpoint.close()  # the server's thread is joined: no drain of ours runs after this
+        target, self._drain_target = self._drain_target, None
+        if target is not None:
+            with contextlib.suppress(Exception):
+                self.native.clear_drain_hook(target)
+
+    def _set_drain_hook(self, endpoint: Any) -> None:
+        """A drain from outside runs this kernel's cleanup first (outside_drain), where the library has the hook."""
+        setter = getattr(self.native, "set_drain_hook", None)
+        if setter is None or not getattr(endpoint, "running", False):
+            return
+        ref = weakref.ref(self)  # the library's hook must not keep an unloaded extension alive
+
+        def target(timeout_s: float) -> dict:
+            ext = ref()
+            if ext is None:
+                return {"ran": False, "skipped": "gpucleanup is not loaded in this kernel", "error": None}
+            return ext.outside_drain(timeout_s)
+
+        try:
+            if setter(target):
+                self._drain_target = target
+        except Exception as exc:
+            self._warn_once_now("status:drain-hook", f"a drain from outside cannot empty the frameworks' caches ({exc})")
 
     def _status(self, method: str, payload: dict) -> None:
         endpoint = self._endpoint
@@ -329,10 +366,13 @@ class GPUCleanup(Magics, GPUCleanupOptions):
 
     def pre_run_cell(self, info: Any = None) -> None:
         """Before a cell: mark it running for the status endpoint. No driver call."""
+        with self._outside_cv:
+            self._cells_under_way += 1  # from here no drain from outside runs the kernel's cleanup
         self._depth += 1  # run_cell inside a cell (%%capture, %run -i): its post_run_cell leaves it to the cell's
         if self._depth > 1:
             return
         try:
+            self._wait_for_outside_drain()  # one that began before this cell: it ends first
             self._forced_in_cell = None
             if info is not None and getattr(info, "silent", False):
                 return  # a frontend's silent request (no cleanup follows it) leaves a pending release alone
@@ -362,6 +402,13 @@ class GPUCleanup(Magics, GPUCleanupOptions):
 
         A run_cell inside a cell (``%%capture`` runs the cell's body so) is left to the enclosing
         cell's cleanup: its line is not captured into the user's output, and a cell is cleaned once."""
+        try:
+            self._post_run_cell(result)
+        finally:
+            with self._outside_cv:
+                self._cells_under_way = max(0, self._cells_under_way - 1)
+
+    def _post_run_cell(self, result: Any = None) -> None:
         self._depth = max(0, self._depth - 1)
         if self._depth > 0:
             return
@@ -431,11 +478,15 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                   cell)
 
     def cleanup(self, cell: Optional[int] = None, forced: bool = False, after_forced: Optional[CellRecord] = None,
-                hidden: Any = None) -> Optional[Outcome]:
+                hidden: Any = None, overrides: Optional[dict] = None) -> Optional[Outcome]:
         """The after-cell cleanup now (the engine's); its record goes to the history and
-        the status endpoint. None when nothing in the kernel uses CUDA."""
+        the status endpoint. None when nothing in the kernel uses CUDA. ``overrides``: settings
+        that differ from the traits for this pass only (a drain from outside: its time limit)."""
         namespace = getattr(self.shell, "user_ns", None)
-        outcome = self.engine.run(self.settings(), cell=cell, namespace=namespace, forced=forced, after_forced=after_forced,
+        settings = self.settings()
+        if overrides:
+            settings = dataclasses.replace(settings, **overrides)
+        outcome = self.engine.run(settings, cell=cell, namespace=namespace, forced=forced, after_forced=after_forced,
                                   hidden=hidden)
         if outcome is not None and outcome.keep:
             data = outcome.as_dict()
@@ -444,6 +495,69 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             # only the published copy carries the totals: the history and %gpumem --json stay per cell
             self._status("publish", dict(data, totals=self.totals.as_dict()))
         return outcome
+
+    # ------------------------------------------------------------ a drain from outside
+
+    def outside_drain(self, timeout_s: float = 0.0) -> dict:
+        """The kernel's part of a drain asked for through the status server (``gpucleanup drain``, the page's
+        **Drain**), after the library's drain has waited for queued work: the cleanup ``%gpumem --drain`` runs
+        (the frameworks' caches, device and pinned, garbage that holds GPU memory, the driver's pools again),
+        its own wait for queued work bounded by ``timeout_s`` (0 from the library), said nowhere but in the
+        reply and the history. Runs on the status server's thread.
+
+        Never beside a cell: it runs only while no cell is under way (from ``pre_run_cell`` to the end of
+        ``post_run_cell``), and a cell that starts meanwhile waits in ``pre_run_cell`` until it has ended
+        (at most ``timeout_s`` + ``OUTSIDE_DRAIN_MARGIN_S``). Returns the drain result's ``kernel``
+        (share/schema/drain.schema.json); never raises.
+        """
+        start = time.perf_counter()
+        with self._outside_cv:
+            if self._outside_running:
+                return _drain_part(start, skipped="another drain from outside is running the kernel's cleanup")
+            why = self._why_no_outside_drain()
+            if why is not None:
+                return _drain_part(start, skipped=why)
+            self._outside_running = True
+            self._outside_deadline = time.monotonic() + float(timeout_s) + OUTSIDE_DRAIN_MARGIN_S
+        try:
+            self._status("set_state", {"state": "draining", "cell": None, "since_ns": time.time_ns()})
+            try:
+                outcome = self.cleanup(forced=True, overrides={"settle_timeout": float(timeout_s), "show": "never"})
+            except Exception as exc:
+                return _drain_part(start, error=f"{type(exc).__name__}: {exc}")
+            finally:
+                self._say_idle()  # before a waiting cell says "running"
+            return _drain_part(start, data=None if outcome is None else outcome.as_dict())
+        except BaseException as exc:  # on the server's thread: nothing may escape
+            return _drain_part(start, error=f"{type(exc).__name__}: {exc}")
+        finally:
+            with self._outside_cv:
+                self._outside_running = False
+                self._outside_cv.notify_all()
+
+    def _why_no_outside_drain(self) -> Optional[str]:
+        if self._cells_under_way > 0 or self._depth > 0:
+            return "a cell is under way"
+        if not self._loaded or not self._hooks_registered or self.engine.exiting:
+            return "gpucleanup's cleanup is not active in this kernel"
+        if self.parking.parked():
+            return "the kernel is parked"
+        return None
+
+    def _wait_for_outside_drain(self) -> None:
+        """A cell starts while a drain from outside runs the kernel's cleanup: the cell waits for it, bounded
+        (the drain's own limit and a margin; past it, the cell runs and says so)."""
+        with self._outside_cv:
+            if not self._outside_running:
+                return
+            limit = max(0.0, self._outside_deadline - time.monotonic())
+        self._say([f"{report.PREFIX}{report.SEP}waiting for a drain asked for from outside (gpucleanup drain or the "
+                   f"page's Drain) to finish emptying this kernel's caches, at most {limit:.0f} s"])
+        with self._outside_cv:
+            ended = self._outside_cv.wait_for(lambda: not self._outside_running, timeout=limit)
+        if not ended:
+            self._warn_once_now("outside-drain:late", f"a drain from outside still ran after {limit:.0f} s: the cell "
+                                                      "runs beside it")
 
     # ------------------------------------------------------------ %gpumem
 
@@ -706,6 +820,30 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             for text in outcome.lines:
                 print(text)
             self._forced_in_cell = outcome.record
+
+
+def _drain_part(start: float, data: Optional[dict] = None, skipped: Optional[str] = None,
+                error: Optional[str] = None) -> dict:
+    """The drain result's ``kernel`` (share/schema/drain.schema.json) from the cleanup's record ``data``
+    (None: nothing in the kernel uses CUDA), or why it did not run."""
+    part: Dict[str, Any] = {"ran": skipped is None and error is None, "skipped": skipped, "error": error,
+                            "elapsed_s": round(time.perf_counter() - start, 6), "interrupted": False,
+                            "released_bytes": {}, "pinned_released_bytes": {}, "pinned_pending": False, "devices": []}
+    if data is None:
+        return part
+    total: Dict[str, int] = {}
+    for dev in data.get("devices") or []:
+        freed = {name: int(n) for name, n in (dev.get("freed_bytes") or {}).items() if int(n or 0) > 0}
+        for name, n in freed.items():
+            total[name] = total.get(name, 0) + n
+        part["devices"].append({"index": dev.get("index"), "state": dev.get("state"), "released_bytes": freed})
+    part["released_bytes"] = total
+    pinned = (data.get("pinned") or {}).get("freed_bytes") or {}
+    part["pinned_released_bytes"] = {name: int(n) for name, n in pinned.items() if int(n or 0) > 0} \
+        if isinstance(pinned, dict) else {}
+    part["pinned_pending"] = bool((data.get("pinned") or {}).get("pending"))  # given back in the background
+    part["interrupted"] = bool(data.get("interrupted"))
+    return part
 
 
 # ---------------------------------------------------------------- entry points

@@ -18,6 +18,8 @@ from .units import _number, _unit_for, count_of, format_bytes, format_duration, 
 
 __all__ = [
     "PREFIX",
+    "drained_text",
+    "drain_kernel_notes",
     "format_bytes",
     "format_duration",
     "short_device_name",
@@ -622,3 +624,54 @@ def vars_report(found: Sequence[dict], limit: int) -> Report:
                      "traceback (the last traceback's variables) lets them go")
     headers = ["name", "held by", "type", "shape", "dtype", "device", "bytes"]
     return Report([Table("GPU arrays and tensors the kernel keeps", headers, rows, notes, align="llllllr")])
+
+
+# ---------------------------------------------------------------- a drain from outside (gpucleanup drain, the page)
+
+
+def _kernel_part(result: dict) -> dict:
+    part = result.get("kernel") if isinstance(result, dict) else None
+    return part if isinstance(part, dict) else {}
+
+
+def drained_text(result: dict, dev: dict) -> str:
+    """``drained, released 1.5 GiB (cupy 1.0 GiB, torch 512 MiB)``: one drained device of a drain result, the
+    library's trim of the driver's pools and what the kernel's own cleanup gave back there (its ``kernel``)."""
+    freed: Dict[str, int] = {}
+    for entry in _kernel_part(result).get("devices") or ():
+        if isinstance(entry, dict) and entry.get("index") == dev.get("index"):
+            for name, n in (entry.get("released_bytes") or {}).items():
+                if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+                    freed[str(name)] = freed.get(str(name), 0) + n
+    parts = dict(freed)
+    trimmed = dev.get("released_bytes")
+    if isinstance(trimmed, int) and trimmed > 0:
+        parts["driver"] = parts.get("driver", 0) + trimmed
+    text = f"drained, released {format_bytes(sum(parts.values()))}"
+    if freed:
+        named = sorted(parts.items(), key=lambda kv: (kv[0] == "driver", -kv[1]))
+        text += " (" + ", ".join(f"{'driver pools' if name == 'driver' else name} {format_bytes(n)}"
+                                 for name, n in named) + ")"
+    if dev.get("message"):
+        text += f" ({dev['message']})"
+    return text
+
+
+def drain_kernel_notes(result: dict) -> List[str]:
+    """What a drain result says of the kernel's own cleanup beyond the devices: why it did not run, and the
+    pinned host memory it gave back."""
+    part = _kernel_part(result)
+    notes = []
+    if part.get("skipped"):
+        notes.append(f"the kernel's own cleanup did not run ({part['skipped']}): the frameworks' caches were left "
+                     "as they are")
+    elif part.get("error"):
+        notes.append(f"the kernel's own cleanup failed ({part['error']}): the frameworks' caches may be left as "
+                     "they are")
+    pinned = {str(k): n for k, n in (part.get("pinned_released_bytes") or {}).items()
+              if isinstance(n, int) and not isinstance(n, bool) and n > 0}
+    if pinned:
+        notes.append(f"released {format_bytes(sum(pinned.values()))} of pinned host memory ("
+                     + ", ".join(f"{k} {format_bytes(n)}" for k, n in sorted(pinned.items(), key=lambda kv: -kv[1]))
+                     + ")")
+    return notes

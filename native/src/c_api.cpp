@@ -49,6 +49,18 @@ struct ApiState {
   std::unique_ptr<StatusServer> server;
 };
 
+// The kernel's part of a drain from outside (gpucleanup_set_drain_hook). Set
+// from Python, read by the server's helper thread; a set is never freed, so a
+// reader never sees one half replaced (at most a few per process, as gil.cpp's).
+struct DrainHook {
+  gpucleanup_drain_hook_fn fn;
+  void* user;
+};
+std::atomic<const DrainHook*> g_drain_hook{nullptr};
+
+// The most the kernel's part may write: a few frameworks per device.
+constexpr std::size_t kDrainHookCapacity = 256 * 1024;
+
 PerProcess<ApiState>& api_state() {
   static auto* state = new PerProcess<ApiState>();  // leaked: no destructor at exit
   return *state;
@@ -162,6 +174,26 @@ nlohmann::json server_snapshot() {
   return take_snapshot(Driver::process(), state.registry, SnapshotKind::snapshot);
 }
 
+// The kernel's part of a drain from outside: the hook's JSON object, or an
+// object that says why it is missing; nullopt when no hook is set.
+std::optional<nlohmann::json> run_drain_hook(double timeout_s) {
+  const DrainHook* hook = g_drain_hook.load();
+  if (hook == nullptr || process_is_exiting()) return std::nullopt;
+  std::string buffer(kDrainHookCapacity, '\0');
+  const long long written = hook->fn(timeout_s, buffer.data(), buffer.size(), hook->user);
+  const auto failed = [](const std::string& why) {
+    return nlohmann::json{{"ran", false}, {"skipped", nullptr}, {"error", why}};
+  };
+  if (written < 0) return failed("the kernel's cleanup failed without a message");
+  if (static_cast<unsigned long long>(written) > buffer.size()) {
+    return failed("the kernel's cleanup wrote more than " + std::to_string(buffer.size()) + " bytes");
+  }
+  buffer.resize(static_cast<std::size_t>(written));
+  nlohmann::json part = nlohmann::json::parse(buffer, nullptr, false);
+  if (!part.is_object()) return failed("the kernel's cleanup did not answer with a JSON object");
+  return part;
+}
+
 // Errors leave through gpucleanup::Error, which the server turns into replies.
 nlohmann::json server_drain(double timeout_s) {
   GPUCLEANUP_EXPECTS(!process_is_exiting(), "gpucleanup.api.102",
@@ -169,24 +201,35 @@ nlohmann::json server_drain(double timeout_s) {
   GPUCLEANUP_EXPECTS(std::isfinite(timeout_s) && timeout_s >= 0, "gpucleanup.api.103",
                      "timeout_s must be a finite number of seconds >= 0");
   ApiState& state = api_state().get();
-  std::unique_lock lock(state.cleanup, std::chrono::seconds(1));
-  GPUCLEANUP_EXPECTS(lock.owns_lock(), "gpucleanup.api.110", "a drain is already running: try again when it ends");
-  state.stop_outside_drain.store(false);
-  state.outside_drain.store(true);
-  struct Done {
-    ApiState& state;
-    ~Done() { state.outside_drain.store(false); }
-  } done{state};
-  DrainOptions options;
-  options.timeout_s = timeout_s;
-  // Polled, not reported: the kernel (a cell starting, %unload_ext, exit) can
-  // end the wait at once through stop_outside_drain.
-  options.progress_after = kOutsideDrainPoll;
-  options.progress_every = kOutsideDrainPoll;
-  options.progress = [&state](const nlohmann::json&) {
-    return state.stop_outside_drain.load() || process_is_exiting();
-  };
-  return drain(Driver::process(), state.registry, options);
+  nlohmann::json result;
+  {
+    // The wait for queued work and the trim: a cell that starts ends the wait at once.
+    std::unique_lock lock(state.cleanup, std::chrono::seconds(1));
+    GPUCLEANUP_EXPECTS(lock.owns_lock(), "gpucleanup.api.110", "a drain is already running: try again when it ends");
+    state.stop_outside_drain.store(false);
+    state.outside_drain.store(true);
+    struct Done {
+      ApiState& state;
+      ~Done() { state.outside_drain.store(false); }
+    } done{state};
+    DrainOptions options;
+    options.timeout_s = timeout_s;
+    // Polled, not reported: the kernel (a cell starting, %unload_ext, exit) can
+    // end the wait at once through stop_outside_drain.
+    options.progress_after = kOutsideDrainPoll;
+    options.progress_every = kOutsideDrainPoll;
+    options.progress = [&state](const nlohmann::json&) {
+      return state.stop_outside_drain.load() || process_is_exiting();
+    };
+    result = drain(Driver::process(), state.registry, options);
+  }
+  // Then the kernel's own cleanup (the frameworks' caches, and the driver's
+  // pools again after them), with no lock of the library held: it calls the
+  // library itself, and it needs the interpreter lock. Its queued work was
+  // waited for just above: it waits for none (0 s), so that a cell starting
+  // meanwhile, which waits for it, waits only for the frameworks' own calls.
+  if (std::optional<nlohmann::json> kernel_part = run_drain_hook(0.0)) result["kernel"] = std::move(*kernel_part);
+  return result;
 }
 
 void stop_server() noexcept {
@@ -424,6 +467,16 @@ int gpucleanup_server_parked(void) {
   } catch (...) {
     return 0;
   }
+}
+
+void gpucleanup_set_drain_hook(gpucleanup_drain_hook_fn hook, void* user) {
+  if (hook == nullptr) {
+    g_drain_hook.store(nullptr);
+    return;
+  }
+  const DrainHook* current = g_drain_hook.load();
+  if (current != nullptr && current->fn == hook && current->user == user) return;
+  g_drain_hook.store(new (std::nothrow) DrainHook{hook, user});
 }
 
 void gpucleanup_set_gil_hooks(gpucleanup_gil_check_fn check, gpucleanup_gil_save_fn save,

@@ -34,6 +34,7 @@ from gpucleanup import discovery, kernels, status_client  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 LIBRARY = BUILD / "native" / "libgpucleanup.so"
 GiB = 1 << 30
+MiB = 1 << 20
 TIMEOUT = 60
 #: the server's GPUCleanupServer.timeout in these tests (it shows in the messages of kernels that do not answer)
 STATUS_TIMEOUT = 0.5
@@ -258,6 +259,30 @@ def test_drain_with_the_token_needs_no_xsrf_and_returns_the_result(server, noteb
     assert [d["state"] for d in data["result"]["devices"]] == ["drained"]
     assert data["drained"] is True
     assert data["lines"] == ["GPU0: drained, released 0 B"]  # the cells' own cleanups trimmed the pool already
+
+
+def test_drain_lines_say_per_framework_what_the_kernels_own_cleanup_gave_back():
+    from gpucleanup.server.model import drain_lines
+
+    def device(i, released):
+        return {"index": i, "state": "drained", "released_bytes": released, "settle": {"status": "done"}, "message": None}
+
+    result = {"driver": {"state": "ready"}, "devices": [device(0, 256 * MiB), device(1, 0)], "kernel": {
+        "ran": True, "skipped": None, "error": None, "released_bytes": {"cupy": GiB, "torch": 512 * MiB},
+        "pinned_released_bytes": {"cupy": 64 * MiB}, "pinned_pending": False,
+        "devices": [{"index": 0, "state": "drained", "released_bytes": {"cupy": GiB, "torch": 512 * MiB}},
+                    {"index": 1, "state": "drained", "released_bytes": {}}]}}
+    assert drain_lines(result, 10) == [
+        "GPU0: drained, released 1.8 GiB (cupy 1.0 GiB, torch 512 MiB, driver pools 256 MiB)",
+        "GPU1: drained, released 0 B",
+        "released 64 MiB of pinned host memory (cupy 64 MiB)",
+    ]
+    result["kernel"] = {"ran": False, "skipped": "a cell is under way", "error": None}
+    assert drain_lines(result, 10) == [
+        "GPU0: drained, released 256 MiB",
+        "GPU1: drained, released 0 B",
+        "the kernel's own cleanup did not run (a cell is under way): the frameworks' caches were left as they are",
+    ]
 
 
 def test_drain_from_a_login_cookie_needs_the_xsrf_header(server, notebook):

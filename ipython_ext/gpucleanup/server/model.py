@@ -180,9 +180,7 @@ def drain_lines(result: dict, drain_timeout: float) -> List[str]:
         state = dev.get("state")
         settle = dev.get("settle") if isinstance(dev.get("settle"), dict) else {}
         if state == "drained":
-            line = f"{gpu}: drained, released {report.format_bytes(dev.get('released_bytes') or 0)}"
-            if dev.get("message"):
-                line += f" ({dev['message']})"
+            line = f"{gpu}: {report.drained_text(result, dev)}"
         elif state == "busy" and settle.get("status") == "still_busy":
             line = (f"{gpu} busy: an earlier drain still waits for its queued work, so its memory pools were not "
                     "trimmed; try again when that work has finished")
@@ -196,4 +194,4 @@ def drain_lines(result: dict, drain_timeout: float) -> List[str]:
         else:
             line = f"{gpu} {state or 'not drained'}: {dev.get('message') or 'no reason given'}; try again"
         lines.append(line)
-    return lines
+    return lines + report.drain_kernel_notes(result)

@@ -31,6 +31,7 @@
  */
 #ifndef GPUCLEANUP_GPUCLEANUP_H
 #define GPUCLEANUP_GPUCLEANUP_H
+#include <stddef.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -256,6 +257,22 @@ typedef void* (*gpucleanup_gil_save_fn)(void);
 typedef void (*gpucleanup_gil_restore_fn)(void*);
 GPUCLEANUP_API void gpucleanup_set_gil_hooks(gpucleanup_gil_check_fn check, gpucleanup_gil_save_fn save,
                                              gpucleanup_gil_restore_fn restore);
+
+/* The kernel's own part of a drain asked for through the status server
+ * (gpucleanup drain, the page's Drain button). After the library's drain has
+ * waited for queued work and trimmed the driver's pools, the server's helper
+ * thread calls `hook` with the time it may still wait for queued work (0: the
+ * wait is done) and a buffer of `capacity` bytes; the hook empties the
+ * frameworks' caches for the kernel (or says why it did not) and writes one
+ * JSON object there, without a terminating NUL, returning its length (-1: it
+ * failed; more than capacity: it did not fit). The object becomes the drain
+ * result's "kernel" (share/schema/drain.schema.json). No lock of the library is
+ * held during the call, so the hook may call the library; it runs on a thread
+ * that is not Python's (ctypes takes the interpreter lock for it). NULL
+ * forgets the hook; a call already under way finishes with the old one, so a
+ * hook must stay callable for the life of the process. */
+typedef long long (*gpucleanup_drain_hook_fn)(double timeout_s, char* out, size_t capacity, void* user);
+GPUCLEANUP_API void gpucleanup_set_drain_hook(gpucleanup_drain_hook_fn hook, void* user);
 
 /* The server's connection counters: {"max_peers", "peers", "pub_peers",
  * "refused_connections", "dropped_idle", "peer_idle_timeout_s"}. */
