@@ -204,7 +204,7 @@ class IdleRelease:
                             self._take(adapter.name, result, note, pinned=True)
                 if self.trim and not engine.exiting:
                     try:
-                        _add_released(self.freed_device, engine.native.drain(timeout=0.0))
+                        _add_released(self.freed_device, engine.native.trim())
                     except Exception as exc:
                         self.notes.append((f"idle-trim:{type(exc).__name__}", f"trim when idle failed: {exc}"))
             self.unraisable = captured
@@ -590,12 +590,9 @@ class AfterCell:
     def _settle(self, settings: Settings, after_forced: Optional[CellRecord], devices: List[int], quiet: set,
                 freed: Dict[int, Dict[str, int]], notes: List[Note], trim: bool = True,
                 result: Optional[dict] = None) -> _Settled:
-        """Step 1: the bounded wait for queued work, and the first trim of the driver's pools
-        (``result``: the one-pass call already did both)."""
+        """Step 1: what the one-pass native call (``result``) found: the bounded wait for queued work,
+        and the first trim of the driver's pools."""
         out = _Settled()
-        if result is None:
-            result = self._native_drain(self._settle_limit(settings, after_forced), settings, notes, progress=True,
-                                        trim=trim and settings.driver_pools)
         if result is None:
             return out
         out.interrupted = bool(result.get("keyboard_interrupt")) or self.ctrl_c.pressed
@@ -644,18 +641,6 @@ class AfterCell:
                 if str(exc).startswith("[gpucleanup.api.111]"):
                     raise  # a drain from outside holds the library: the extension says so
                 notes.append((f"drain:{type(exc).__name__}", f"native after-cell pass failed: {exc}"))
-                return None
-
-    def _native_drain(self, timeout: float, settings: Settings, notes: List[Note], progress: bool,
-                      trim: bool = True) -> Optional[dict]:
-        """A library without the one-pass call: its drain (settle, and trim unless ``trim`` is off)."""
-        # driver_pools off (or the trim deferred until idle): settle only, the pools are left as they are
-        extra = {} if trim else {"trim": False}
-        with self._progress_line(settings):
-            try:
-                return self.native.drain(timeout=timeout, progress=self._progress if progress else None, **extra)
-            except Exception as exc:
-                notes.append((f"drain:{type(exc).__name__}", f"native drain failed: {exc}"))
                 return None
 
     def _progress(self, payload: dict) -> bool:
@@ -777,18 +762,15 @@ class AfterCell:
     def _trim(self, freed: Dict[int, Dict[str, int]], notes: List[Note]) -> Dict[int, dict]:
         """Step 4: the driver's pools again, after the frameworks gave memory back to them.
         Returns the device figures after it where the library reports them (then no snapshot is needed)."""
-        if hasattr(self.native, "trim"):
-            try:
-                result = self.native.trim()
-            except Exception as exc:
-                notes.append((f"trim:{type(exc).__name__}", f"native trim failed: {exc}"))
-                return {}
-            _add_released(freed, result)
-            return {int(d["index"]): {**{k: d.get(k) for k in ("name", "total_bytes", "used_bytes", "free_bytes")},
-                                      "pools_reserved": pools_reserved(d)}
-                    for d in result.get("devices") or [] if _index(d.get("index")) is not None and d.get("free_bytes") is not None}
-        _add_released(freed, self._native_drain(0.0, Settings(), notes, progress=False))
-        return {}
+        try:
+            result = self.native.trim()
+        except Exception as exc:
+            notes.append((f"trim:{type(exc).__name__}", f"native trim failed: {exc}"))
+            return {}
+        _add_released(freed, result)
+        return {int(d["index"]): {**{k: d.get(k) for k in ("name", "total_bytes", "used_bytes", "free_bytes")},
+                                  "pools_reserved": pools_reserved(d)}
+                for d in result.get("devices") or [] if _index(d.get("index")) is not None and d.get("free_bytes") is not None}
 
     def _snapshot(self, settled: _Settled, changed: bool, notes: List[Note]) -> Dict[int, dict]:
         """Step 5: device figures after the cleanup; a fresh snapshot only when the pass's own
@@ -1017,9 +999,8 @@ class CellPass:
         engine = self.engine
         if self.forced or engine._idle_jobs != [] or engine.pinned_job is not None:
             return False
-        quick = getattr(engine.native, "cuda_initialized", None)
         try:
-            initialised = quick() if quick is not None else None
+            initialised = engine.native.cuda_initialized()
         except Exception:
             initialised = None  # the full pass below says what is wrong
         if initialised is not False:
@@ -1033,21 +1014,16 @@ class CellPass:
         """The driver pass: probe, settle, trim and the figures after in one native call (when
         nothing in the process uses CUDA it is a probe and nothing else). True when a device is in use."""
         engine = self.engine
-        if hasattr(engine.native, "after_cell"):
-            notes_first: List[Note] = []
-            with engine.ctrl_c.armed() as ctrl_c:
-                self.first = engine._native_pass(engine._settle_limit(self.settings, self.after_forced), self.settings,
-                                                 notes_first, trim=self.now_device and self.settings.driver_pools)
-                if self.first is not None and ctrl_c.pressed:
-                    self.first["keyboard_interrupt"] = True  # the next armed() starts afresh
-            if self.first is None:
-                raise RuntimeError(notes_first[0][1] if notes_first else "the native after-cell pass failed")
-            probe = self.first
-            in_use = [d for d in self.first.get("devices") or [] if _index(d.get("index")) is not None]
-        else:
-            probe = engine.native.probe()
-            in_use = [d for d in probe.get("devices") or [] if d.get("in_use")]
-        self.driver = probe.get("driver") or {}
+        notes_first: List[Note] = []
+        with engine.ctrl_c.armed() as ctrl_c:
+            self.first = engine._native_pass(engine._settle_limit(self.settings, self.after_forced), self.settings,
+                                             notes_first, trim=self.now_device and self.settings.driver_pools)
+            if self.first is not None and ctrl_c.pressed:
+                self.first["keyboard_interrupt"] = True  # the next armed() starts afresh
+        if self.first is None:
+            raise RuntimeError(notes_first[0][1] if notes_first else "the native after-cell pass failed")
+        in_use = [d for d in self.first.get("devices") or [] if _index(d.get("index")) is not None]
+        self.driver = self.first.get("driver") or {}
         self.state = self.driver.get("state")
         engine.last_driver_state = self.state
         if self.state != "ready" or not in_use:
