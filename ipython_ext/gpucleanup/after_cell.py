@@ -457,6 +457,9 @@ class AfterCell:
         self._kept: Dict[str, Dict[int, int]] = {}
         self._fixes: Dict[str, str] = {}  # per framework whose pool never gives memory back: what to set  # per framework and device: cached bytes its last drain left
         self._drained_now: List[str] = []  # frameworks drained by this cleanup
+        #: the last full cleanup, for an idle cell to be compared with (None: none to compare with)
+        self._last_pass: Optional[LastPass] = None
+        self.skipped = 0  # idle cells whose cleanup was skipped: nothing had changed since the last
         self._last_used: Dict[int, int] = {}
         #: devices seen with a context of this process, at load or by a cleanup (None: nothing known
         #: yet): a device in use now and never before had "no context yet" before the cell, its first
@@ -987,6 +990,16 @@ class AfterCell:
 
 
 @dataclass
+class LastPass:
+    """What the last full cleanup left: per device its free bytes and driver pools' reserved
+    bytes after it, each framework's figures, and its record (an idle cell's outcome)."""
+
+    devices: Dict[int, Tuple[Optional[int], Optional[int]]]
+    stats: Stats
+    record: CellRecord
+
+
+@dataclass
 class Cell:
     """What the extension hands the engine about one cell (see :meth:`AfterCell.run`)."""
 
@@ -1039,16 +1052,8 @@ class CellPass:
         if not self.probe():
             return engine._nothing_in_use(self.driver, self.cell.number, self.cell.forced)
         self.begin()
-        captured_now: List[dict] = []
-        try:
-            with engine.ctrl_c.armed() as ctrl_c, engine.unraisables.capture() as captured_now:
-                self.settle(ctrl_c)
-                self.collect(ctrl_c)
-                self.drain(ctrl_c)
-                self.trim(ctrl_c)
-        except KeyboardInterrupt:
-            self.stop_here()
-        self.captured.extend(captured_now)
+        if self.clean():
+            return self.unchanged_outcome()
         self.snapshot()
         self.read_frameworks_after()
         self.release_pinned()
@@ -1164,6 +1169,60 @@ class CellPass:
             # the trim reported every device's memory after it: as fresh as a snapshot
             self.figures_stale = not (fresh and reported and fresh >= reported)
         ctrl_c.check()  # a Ctrl-C during the trim: said as at every other step, not lost
+
+    def clean(self) -> bool:
+        """Steps 1 to 4 under Ctrl-C and the unraisable hook. True when the cell changed nothing
+        since the last cleanup (:meth:`unchanged`): the steps after the collection are skipped."""
+        captured_now: List[dict] = []
+        same = False
+        try:
+            with self.engine.ctrl_c.armed() as ctrl_c, self.engine.unraisables.capture() as captured_now:
+                self.settle(ctrl_c)
+                self.collect(ctrl_c)
+                same = self.unchanged()
+                if not same:
+                    self.drain(ctrl_c)
+                    self.trim(ctrl_c)
+        except KeyboardInterrupt:
+            self.stop_here()
+            same = False
+        self.captured.extend(captured_now)
+        return same and not self.captured and not self.notes
+
+    def unchanged(self) -> bool:
+        """Nothing changed since the last cleanup, as far as can be proven: the native pass found
+        every device settled with the very free bytes and driver pools that cleanup left and
+        released nothing; each framework's figures equal those after it, with nothing new cached;
+        no pinned pool to release; nothing queued or finished in the background; nothing to say."""
+        engine, last = self.engine, self.engine._last_pass
+        if (last is None or self.cell.forced or self.cell.after_forced is not None or self.settings.show == "always"
+                or engine.progress_opened or engine.traced is not None or self.notes or self.background
+                or self.idle_done or engine.pinned_job is not None or engine._idle_jobs):
+            return False
+        if set(self.work) != set(last.devices) or self.settled != list(self.work):
+            return False
+        for i, work in self.work.items():
+            free_after = (work.after or {}).get("free_bytes")
+            if (work.first_use or work.freed or last.devices[i] != (work.free_before, work.pools)
+                    or free_after not in (None, work.free_before)):
+                return False
+        if self.stats_settled != last.stats:
+            return False
+        if any(getattr(a, "can_release", True) and not _nothing_new_cached(
+                self.stats_settled.get(a.name), self.settled, engine._kept.get(a.name, {})) for a in self.adapters):
+            return False  # something to give back now, or when idle
+        candidates, pending = engine._pinned_candidates(self.settings, self.adapters, self.stats_settled,
+                                                        self.settled, self.devices)
+        return not candidates and not pending
+
+    def unchanged_outcome(self) -> Outcome:
+        """An idle cell's: no record built, nothing kept or published, no line (the last cleanup's
+        record stands). The names that held GPU memory are still checked (cheap: no walk)."""
+        engine = self.engine
+        engine.skipped += 1
+        if self.cell.namespace is not None:
+            engine.holders.update(self.cell.namespace, engine._last_live)
+        return Outcome(record=engine._last_pass.record, lines=[], keep=False)
 
     def stop_here(self) -> None:
         """Ctrl-C: the steps left are skipped; devices not yet done say so."""
@@ -1284,6 +1343,9 @@ class CellPass:
                 engine.holders.update(self.cell.namespace, engine._last_live)
         elif not self.adapters:
             engine._last_live = None
+        engine._last_pass = None if self.interrupted or self.stats_after is None else LastPass(
+            devices={i: ((w.after or {}).get("free_bytes"), w.pools) for i, w in self.work.items()},
+            stats=self.stats_after, record=record)
 
 
 def pools_reserved(dev: dict) -> Optional[int]:
