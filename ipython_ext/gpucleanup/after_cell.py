@@ -1196,8 +1196,8 @@ class CellPass:
         no pinned pool to release; nothing queued or finished in the background; nothing to say."""
         engine, last = self.engine, self.engine._last_pass
         if (last is None or self.cell.forced or self.cell.after_forced is not None or self.settings.show == "always"
-                or engine.progress_opened or engine.traced is not None or self.notes or self.background
-                or self.idle_done or engine.pinned_job is not None or engine._idle_jobs):
+                or engine.progress_opened or self.notes or self.background or self.idle_done
+                or engine.pinned_job is not None or engine._idle_jobs or self._traced_now()):
             return False
         if set(self.work) != set(last.devices) or self.settled != list(self.work):
             return False
@@ -1214,6 +1214,13 @@ class CellPass:
         candidates, pending = engine._pinned_candidates(self.settings, self.adapters, self.stats_settled,
                                                         self.settled, self.devices)
         return not candidates and not pending
+
+    def _traced_now(self) -> bool:
+        """The allocation trace (opt-in) names raw allocations this cell made and kept."""
+        try:
+            return bool(self.engine.traced is not None and self.engine.traced(self.cell.number))
+        except Exception:
+            return True  # the full pass says what is wrong
 
     def unchanged_outcome(self) -> Outcome:
         """An idle cell's: no record built, nothing kept or published, no line (the last cleanup's
