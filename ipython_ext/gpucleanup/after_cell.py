@@ -992,11 +992,10 @@ class AfterCell:
 @dataclass
 class LastPass:
     """What the last full cleanup left: per device its free bytes and driver pools' reserved
-    bytes after it, each framework's figures, and its record (an idle cell's outcome)."""
+    bytes after it, and each framework's figures."""
 
     devices: Dict[int, Tuple[Optional[int], Optional[int]]]
     stats: Stats
-    record: CellRecord
 
 
 @dataclass
@@ -1223,13 +1222,16 @@ class CellPass:
             return True  # the full pass says what is wrong
 
     def unchanged_outcome(self) -> Outcome:
-        """An idle cell's: no record built, nothing kept or published, no line (the last cleanup's
-        record stands). The names that held GPU memory are still checked (cheap: no walk)."""
+        """An idle cell's: no device record built, nothing kept or published, no line; its record
+        says only that the driver is ready and nothing was freed (the last cleanup's figures stand).
+        The names that held GPU memory are still checked (cheap: no walk)."""
         engine = self.engine
         engine.skipped += 1
         if self.cell.namespace is not None:
             engine.holders.update(self.cell.namespace, engine._last_live)
-        return Outcome(record=engine._last_pass.record, lines=[], keep=False)
+        record = CellRecord(cell=self.cell.number, time_ns=time.time_ns(), driver_state=self.state,
+                            release=self.settings.release, elapsed_s=round(time.perf_counter() - self.start, 6))
+        return Outcome(record=record, lines=[], keep=False)
 
     def stop_here(self) -> None:
         """Ctrl-C: the steps left are skipped; devices not yet done say so."""
@@ -1352,7 +1354,7 @@ class CellPass:
             engine._last_live = None
         engine._last_pass = None if self.interrupted or self.stats_after is None else LastPass(
             devices={i: ((w.after or {}).get("free_bytes"), w.pools) for i, w in self.work.items()},
-            stats=self.stats_after, record=record)
+            stats=self.stats_after)
 
 
 def pools_reserved(dev: dict) -> Optional[int]:
