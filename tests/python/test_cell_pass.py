@@ -269,3 +269,56 @@ def test_a_cell_whose_traced_raw_allocations_are_kept_is_not_skipped(fake_cuda):
     outcome = engine.run(_settings(), cell=2)
     assert outcome.keep and outcome.record.traced == kept[2]
     assert not engine.run(_settings(), cell=3).keep  # the trace names nothing new: idle again
+
+
+# ------------------------------------------------------------------ stand-in cases, on the fake driver
+
+
+def test_driver_pools_off_settles_and_leaves_the_pools(fake_cuda):
+    _device(fake_cuda, pool=GiB)
+    engine, native = _engine()
+    trims = fake_cuda.counter("calls.cuMemPoolTrimTo")
+    outcome = engine.run(_settings(driver_pools=False), cell=1)
+    dev = outcome.record.devices[0]
+    assert dev.state == "drained" and dev.freed_bytes == {}
+    assert fake_cuda.counter("calls.cuMemPoolTrimTo") == trims and native.calls["trim"] == 0
+    # 2 GiB in use, the pool's gigabyte among them: the driver's, not outside every pool
+    assert (dev.used_after_bytes, dev.outside_bytes) == (2 * GiB, GiB)
+    outcome = engine.run(_settings(), cell=2)
+    assert outcome.record.devices[0].freed_bytes == {"driver": GiB}
+
+
+def test_several_devices_one_record_and_line_each_and_an_idle_one_untouched(fake_cuda):
+    fake_cuda.reset({"devices": [
+        {"total_bytes": TOTAL, "free_bytes": TOTAL - GiB, "primary_active": True,
+         "default_pool": {"reserved_bytes": GiB, "used_bytes": 0}},
+        {"total_bytes": TOTAL, "free_bytes": TOTAL - GiB, "primary_active": True,
+         "default_pool": {"reserved_bytes": 2 * GiB, "used_bytes": 0}},
+        {"total_bytes": TOTAL, "primary_active": False}]})
+    cupy = Framework(live={0: GiB, 1: 0}, cached={0: GiB})
+    engine, _ = _engine(cupy)
+    outcome = engine.run(_settings(pinned=False), cell=1)
+    assert [d.index for d in outcome.record.devices] == [0, 1]
+    assert [d.freed_bytes for d in outcome.record.devices] == [{"driver": GiB, "cupy": GiB}, {"driver": 2 * GiB}]
+    assert len(outcome.lines) == 2 and outcome.lines[0].startswith("gpucleanup · GPU0")
+    assert outcome.lines[1].startswith("gpucleanup · GPU1")
+    assert fake_cuda.counter("contexts_created") == 0
+
+
+def test_a_busy_device_is_skipped_and_its_frameworks_are_left_alone(fake_cuda):
+    from test_extension import _settled
+
+    fake_cuda.reset({"devices": [{"total_bytes": TOTAL, "free_bytes": TOTAL - GiB, "primary_active": True,
+                                  "sync_seconds": -1}]})
+    cupy = Framework(live={0: GiB}, cached={0: GiB})
+    engine, _ = _engine(cupy)
+    try:
+        outcome = engine.run(_settings(settle_timeout=0.2), cell=1)
+        dev = outcome.record.devices[0]
+        assert dev.state == "busy" and dev.freed_bytes == {}
+        assert cupy.calls == {}  # neither read nor drained on a device with queued work
+        assert "busy after" in outcome.lines[0]
+        second = engine.run(_settings(settle_timeout=0.2), cell=2)
+        assert second.keep and second.record.devices[0].state == "busy" and engine.skipped == 0
+    finally:
+        _settled(fake_cuda)
