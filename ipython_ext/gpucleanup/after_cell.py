@@ -6,21 +6,26 @@ the extension (``extension.py``) owns the lifecycle, the traits and ``%gpumem``,
 hands each cell to :meth:`AfterCell.run`, which returns an :class:`~.record.Outcome`:
 a typed record and the lines to print, separately.
 
-The steps, each a method with its inputs and outputs explicit:
+The steps, each a method of :class:`CellPass` over one :class:`DeviceWork` per device
+in use (built once from the native pass's entry for it) and the frameworks' figures read
+once into :class:`FrameworkFigures`:
 
-1. ``_settle``: the driver pass. On every device already in use, wait (at most
-   ``settle_timeout``) for queued work, then trim the driver's pools once; busy devices
-   are skipped. Past 2 s a progress line is written.
-2. ``_collect``: garbage collection, only when it can release GPU memory.
-3. ``_drain_frameworks``: each framework adapter empties its caches on the settled devices.
-4. ``_trim``: the driver's pools again, only if a framework gave memory back to them.
-5. ``_snapshot``: device figures after the cleanup (the driver pass's own when nothing
-   changed since it).
-6. ``_start_pinned``: pinned host pools are released on a background thread, started
+1. ``settle``: the driver pass (``_native.after_cell``, the only native protocol). On every
+   device already in use, wait (at most ``settle_timeout``) for queued work, then trim the
+   driver's pools once; busy devices are skipped. Past 2 s a progress line is written.
+2. ``collect``: garbage collection, only when it can release GPU memory; then each
+   framework's figures. ``unchanged``: nothing changed since the last cleanup (same free
+   memory and pools on every settled device, same framework figures, nothing cached or
+   queued): the steps below are skipped, no record is built, kept or published.
+3. ``drain``: each framework adapter empties its caches on the settled devices.
+4. ``trim``: the driver's pools again, only if a framework gave memory back to them.
+5. ``snapshot``: device figures after the cleanup (the driver pass's own, or the trim's,
+   when nothing changed since it).
+6. ``release_pinned``: pinned host pools are released on a background thread, started
    after the cell's last driver call (a pinned free makes concurrent driver calls wait).
-7. ``_record`` and ``_lines``: the record and what to print.
+7. ``record`` and ``AfterCell._outcome``: the record and what to print.
 
-When nothing in the process uses CUDA, a cell costs one native probe and nothing else.
+When nothing in the process uses CUDA, a cell costs one native call and nothing else.
 Nothing here raises into the caller for a fault of a framework or of the driver: each
 becomes a note, said once per kind.
 """
@@ -418,7 +423,8 @@ class DeviceWork:
 class AfterCell:
     """One cell's cleanup at a time, and what it must remember between cells.
 
-    ``native`` is ``gpucleanup._native`` (or a stand-in with the same functions);
+    ``native`` is ``gpucleanup._native`` (or a stand-in with its ``cuda_initialized``, ``after_cell``,
+    ``trim`` and ``snapshot``, returning the same shapes);
     ``adapters`` a callable returning the framework adapters in use (None: the real
     ones, ``gpucleanup.frameworks.active``); ``status`` a callable ``(method, payload)``
     feeding the status endpoint; ``write`` where the progress line goes.
@@ -832,9 +838,11 @@ class AfterCell:
                 fresh.add(item.index)
         return fresh
 
-    def _snapshot(self, work: Dict[int, DeviceWork], notes: List[Note]) -> None:
-        """Step 5: device figures after the cleanup, from a fresh snapshot (the pass's own may be
-        stale: something was freed or collected since, or it reported none)."""
+    def _snapshot(self, work: Dict[int, DeviceWork], stale: bool, notes: List[Note]) -> None:
+        """Step 5: device figures after the cleanup; a fresh snapshot only when the pass's (or the
+        trim's) may be ``stale`` (something was freed or collected since), or it reported none."""
+        if not stale and any(item.after is not None for item in work.values()):
+            return
         try:
             snapshot = self.native.snapshot()
         except Exception as exc:
@@ -1242,8 +1250,7 @@ class CellPass:
 
     def snapshot(self) -> None:
         """Step 5: device figures after the cleanup (the pass's own when nothing changed since)."""
-        if self.figures_stale or self.interrupted or not any(w.after is not None for w in self.work.values()):
-            self.engine._snapshot(self.work, self.notes)
+        self.engine._snapshot(self.work, self.figures_stale or self.interrupted, self.notes)
 
     def read_frameworks_after(self) -> None:
         """The frameworks' figures after the cleanup: those read after the collection when nothing

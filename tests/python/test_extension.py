@@ -889,10 +889,14 @@ def test_history_is_bounded_by_history_size_stand_in(shell, stand_in, capsys):
     shell.run_line_magic("load_ext", "gpucleanup")
     shell.run_line_magic("config", "GPUCleanup.history_size = 3")
     for i in range(5):
+        stand_in.cupy.live[0] += 64 * MiB  # each cell allocates: none is an idle cell (those add no record)
+        stand_in.native.device(0).used += 64 * MiB
         _run(shell, f"x = {i}", capsys)
     records = _ext(shell).history.last()
     assert len(records) == 3
     assert [r["cell"] for r in records] == sorted(r["cell"] for r in records)
+    _run(shell, "x = 5", capsys)  # an idle cell: no record
+    assert _ext(shell).history.last() == records and _ext(shell).engine.skipped == 1
 
 
 def test_status_endpoint_sees_running_draining_idle_and_each_record_stand_in(shell, stand_in, capsys):

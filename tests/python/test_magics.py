@@ -93,6 +93,8 @@ def test_gpumem_drain_cleans_now_and_prints_the_line_stand_in(shell, stand_in, c
 def test_gpumem_history_n_stand_in(shell, stand_in, capsys):  # noqa: F811
     shell.run_line_magic("load_ext", "gpucleanup")
     for i in range(3):
+        stand_in.cupy.live[0] += 64 * MiB  # each cell allocates: none is an idle cell (those add no record)
+        stand_in.native.device(0).used += 64 * MiB
         shell.run_cell(f"x = {i}", store_history=True)
     _, cap = _display(shell, "--history 2")
     lines = cap.outputs[0].data["text/plain"].splitlines()
