@@ -446,6 +446,9 @@ class AfterCell:
         self.holders = GpuHolders()
         #: the allocation trace's entries of a cell (``Tracer.cell_entries``), None: no trace
         self.traced: Optional[Callable[[int], List[dict]]] = None
+        #: whether the allocation trace runs now: while it does, no cell is skipped as idle (what it
+        #: traced may change with no change the driver sees)
+        self.tracing: Callable[[], bool] = lambda: False
         self.exiting = False
         self.last_driver_state: Optional[str] = None
         self.pinned_job: Optional[PinnedRelease] = None
@@ -1204,7 +1207,7 @@ class CellPass:
         engine, last = self.engine, self.engine._last_pass
         if (last is None or self.cell.forced or self.cell.after_forced is not None or self.settings.show == "always"
                 or engine.progress_opened or self.notes or self.background or self.idle_done
-                or engine.pinned_job is not None or engine._idle_jobs or self._traced_now()):
+                or engine.pinned_job is not None or engine._idle_jobs or self._tracing()):
             return False
         if set(self.work) != set(last.devices) or self.settled != list(self.work):
             return False
@@ -1222,12 +1225,12 @@ class CellPass:
                                                         self.settled, self.devices)
         return not candidates and not pending
 
-    def _traced_now(self) -> bool:
-        """The allocation trace (opt-in) names raw allocations this cell made and kept."""
+    def _tracing(self) -> bool:
+        """The allocation trace (opt-in) runs: every cell gets its record of what it traced."""
         try:
-            return bool(self.engine.traced is not None and self.engine.traced(self.cell.number))
+            return bool(self.engine.tracing())
         except Exception:
-            return True  # the full pass says what is wrong
+            return True
 
     def unchanged_outcome(self) -> Outcome:
         """An idle cell's: no device record built, nothing kept or published, no line; its record

@@ -259,16 +259,20 @@ def test_an_idle_cell_publishes_nothing_and_prints_nothing(shell, fake_cuda, mon
     assert "gpucleanup · GPU0" in capsys.readouterr().out
 
 
-def test_a_cell_whose_traced_raw_allocations_are_kept_is_not_skipped(fake_cuda):
+def test_no_cell_is_skipped_while_the_allocation_trace_runs(fake_cuda):
     _device(fake_cuda)
     engine, _ = _engine(Framework(live={0: GiB}))
     engine.run(_settings(), cell=1)
     kept = {2: [{"device": 0, "bytes": 64 * MiB, "count": 1, "threads": 1, "site": "cuMemAlloc_v2",
                  "caller": "cell.py", "kind": "raw"}]}
     engine.traced = lambda cell: kept.get(cell, [])
+    engine.tracing = lambda: True
     outcome = engine.run(_settings(), cell=2)
     assert outcome.keep and outcome.record.traced == kept[2]
-    assert not engine.run(_settings(), cell=3).keep  # the trace names nothing new: idle again
+    outcome = engine.run(_settings(), cell=3)  # what it traced may have been freed with no driver change
+    assert outcome.keep and outcome.record.traced == []
+    engine.tracing = lambda: False  # the trace stopped
+    assert not engine.run(_settings(), cell=4).keep and engine.skipped == 1
 
 
 # ------------------------------------------------------------------ stand-in cases, on the fake driver
