@@ -6,21 +6,26 @@ the extension (``extension.py``) owns the lifecycle, the traits and ``%gpumem``,
 hands each cell to :meth:`AfterCell.run`, which returns an :class:`~.record.Outcome`:
 a typed record and the lines to print, separately.
 
-The steps, each a method with its inputs and outputs explicit:
+The steps, each a method of :class:`CellPass` over one :class:`DeviceWork` per device
+in use (built once from the native pass's entry for it) and the frameworks' figures read
+once into :class:`FrameworkFigures`:
 
-1. ``_settle``: the driver pass. On every device already in use, wait (at most
-   ``settle_timeout``) for queued work, then trim the driver's pools once; busy devices
-   are skipped. Past 2 s a progress line is written.
-2. ``_collect``: garbage collection, only when it can release GPU memory.
-3. ``_drain_frameworks``: each framework adapter empties its caches on the settled devices.
-4. ``_trim``: the driver's pools again, only if a framework gave memory back to them.
-5. ``_snapshot``: device figures after the cleanup (the driver pass's own when nothing
-   changed since it).
-6. ``_start_pinned``: pinned host pools are released on a background thread, started
+1. ``settle``: the driver pass (``_native.after_cell``, the only native protocol). On every
+   device already in use, wait (at most ``settle_timeout``) for queued work, then trim the
+   driver's pools once; busy devices are skipped. Past 2 s a progress line is written.
+2. ``collect``: garbage collection, only when it can release GPU memory; then each
+   framework's figures. ``unchanged``: nothing changed since the last cleanup (same free
+   memory and pools on every settled device, same framework figures, nothing cached or
+   queued): the steps below are skipped, no record is built, kept or published.
+3. ``drain``: each framework adapter empties its caches on the settled devices.
+4. ``trim``: the driver's pools again, only if a framework gave memory back to them.
+5. ``snapshot``: device figures after the cleanup (the driver pass's own, or the trim's,
+   when nothing changed since it).
+6. ``release_pinned``: pinned host pools are released on a background thread, started
    after the cell's last driver call (a pinned free makes concurrent driver calls wait).
-7. ``_record`` and ``_lines``: the record and what to print.
+7. ``record`` and ``AfterCell._outcome``: the record and what to print.
 
-When nothing in the process uses CUDA, a cell costs one native probe and nothing else.
+When nothing in the process uses CUDA, a cell costs one native call and nothing else.
 Nothing here raises into the caller for a fault of a framework or of the driver: each
 becomes a note, said once per kind.
 """
@@ -134,6 +139,16 @@ class CtrlC:
             raise KeyboardInterrupt
 
 
+@dataclass(frozen=True)
+class Release:
+    """What a background release gives back: device caches, pinned host pools, and the driver's
+    pools after them (``trim``)."""
+
+    device: bool = False
+    pinned: bool = False
+    trim: bool = False
+
+
 class IdleRelease:
     """What a cell left cached, given back once the kernel has been idle ``delay_s`` seconds.
 
@@ -145,14 +160,12 @@ class IdleRelease:
     """
 
     def __init__(self, engine: "AfterCell", adapters: list, devices: List[int], cell: Optional[int],
-                 device: bool, pinned: bool, trim: bool, delay_s: float):
+                 what: Release, delay_s: float):
         self.engine = engine
         self.adapters = adapters
         self.devices = list(devices)
         self.cell = cell
-        self.device = device
-        self.pinned = pinned
-        self.trim = trim
+        self.device, self.pinned, self.trim = what.device, what.pinned, what.trim
         self.freed_device: Dict[int, Dict[str, int]] = {i: {} for i in devices}
         self.freed_pinned: Dict[str, int] = {}
         self.notes: List[Note] = []
@@ -204,7 +217,7 @@ class IdleRelease:
                             self._take(adapter.name, result, note, pinned=True)
                 if self.trim and not engine.exiting:
                     try:
-                        _add_released(self.freed_device, engine.native.drain(timeout=0.0))
+                        _add_released(self.freed_device, engine.native.trim())
                     except Exception as exc:
                         self.notes.append((f"idle-trim:{type(exc).__name__}", f"trim when idle failed: {exc}"))
             self.unraisable = captured
@@ -256,7 +269,7 @@ class PinnedRelease(IdleRelease):
     free makes driver calls made meanwhile wait for it, so it starts after the cell's last one."""
 
     def __init__(self, engine: "AfterCell", adapters: list, cell: Optional[int]):
-        super().__init__(engine, adapters, [], cell, device=False, pinned=True, trim=False, delay_s=0.0)
+        super().__init__(engine, adapters, [], cell, Release(pinned=True), delay_s=0.0)
         self._timer.name = "gpucleanup-pinned"
 
     @property
@@ -306,24 +319,112 @@ class GpuHolders:
 _MISSING = object()
 
 
-@dataclass
-class _Settled:
-    """What the driver pass found, per device index."""
+@dataclass(frozen=True)
+class Held:
+    """A framework's bytes on one device, or in its pinned host pools: live, and cached (given back
+    on a drain, or, for a framework that never gives memory back, reserved)."""
 
-    state: Dict[int, str] = field(default_factory=dict)
-    settle: Dict[int, dict] = field(default_factory=dict)
-    message: Dict[int, Optional[str]] = field(default_factory=dict)
-    free_before: Dict[int, Optional[int]] = field(default_factory=dict)
-    figures: Dict[int, dict] = field(default_factory=dict)  # name, total, used, free after the pass
-    pools: Dict[int, Optional[int]] = field(default_factory=dict)  # driver pools' reserved bytes after the pass
-    interrupted: bool = False
-    first_use: set = field(default_factory=set)  # devices that had no context before the cell
+    live: int = 0
+    cached: int = 0
+
+    @classmethod
+    def read(cls, entry: Any) -> Optional["Held"]:
+        if not isinstance(entry, dict):
+            return None
+        return cls(int(entry.get("live_bytes") or 0), int(entry.get("cached_bytes") or 0))
+
+    def as_dict(self) -> dict:
+        return {"live_bytes": self.live, "cached_bytes": self.cached}
+
+
+_NOTHING_HELD = Held()
+
+
+@dataclass
+class FrameworkFigures:
+    """One framework's figures, read once from its adapter's ``stats`` into typed values."""
+
+    devices: Dict[int, Held] = field(default_factory=dict)
+    pinned: Optional[Held] = None  # None: not known
+    notes: List[str] = field(default_factory=list)
+    releases: bool = True  # False: a pool that never gives memory back: its cache is reserved, not freeable
+    fix: Optional[str] = None  # what to set so that it does
+    pools: List[dict] = field(default_factory=list)  # pools of the user's making (PyCUDA), one entry each
+
+    @classmethod
+    def read(cls, adapter: Any, result: dict) -> "FrameworkFigures":
+        devices = {}
+        for key, entry in (result.get("devices") or {}).items():
+            idx, held = _index(key), Held.read(entry)
+            if idx is not None and held is not None:
+                devices[idx] = held
+        pools = result.get("pools")
+        return cls(devices=devices, pinned=Held.read(result.get("pinned")), notes=list(result.get("notes") or []),
+                   releases=bool(getattr(adapter, "can_release", True)),
+                   fix=_text_or_none(getattr(adapter, "reserved_fix", None)),
+                   pools=[dict(p) for p in pools if isinstance(p, dict)] if isinstance(pools, list) else [])
+
+    def on(self, i: int) -> Held:
+        return self.devices.get(i, _NOTHING_HELD)
+
+
+Stats = Dict[str, FrameworkFigures]  # per framework name
+
+_FIGURES = ("name", "total_bytes", "used_bytes", "free_bytes")
+
+
+@dataclass
+class DeviceWork:
+    """One device's part of a cell's cleanup, built once from the native pass's entry for it;
+    the later stages add what they freed and the figures after them."""
+
+    index: int
+    quiet: bool = False  # unusable, and already said
+    first_use: bool = False  # no context of this process before the cell
+    state: Optional[str] = None  # the pass's: drained, busy, unusable, error, interrupted (None: not in it)
+    settle: Optional[dict] = None
+    message: Optional[str] = None
+    free_before: Optional[int] = None
+    after: Optional[dict] = None  # name, total, used, free after the pass (or the trim, or a snapshot)
+    pools: Optional[int] = None  # the driver pools' reserved bytes with ``after``
+    freed: Dict[str, int] = field(default_factory=dict)  # per framework, and "driver"
+
+    def take_pass(self, dev: dict, interrupted: bool) -> None:
+        """The native pass's entry for this device (share/schema/after_cell.schema.json)."""
+        self.state = dev.get("state") or "error"
+        self.settle = dev.get("settle") or {}
+        self.message = dev.get("message")
+        self.free_before = dev.get("free_before_bytes")
+        if "free_bytes" in dev or "total_bytes" in dev:
+            self.take_figures(dev)
+        if interrupted and self.settle.get("status") == "interrupted":
+            self.state = "interrupted"
+        self.add_freed("driver", dev.get("released_bytes"))
+
+    def take_figures(self, dev: dict) -> None:
+        """Figures after a stage: the pass's, a trim's or a snapshot's entry for this device."""
+        self.after = {k: dev.get(k) for k in _FIGURES}
+        self.pools = pools_reserved(dev)
+
+    def add_freed(self, name: str, n: Any) -> None:
+        if n:
+            self.freed[name] = self.freed.get(name, 0) + int(n)
+
+    @property
+    def settled(self) -> bool:
+        return self.state == "drained"
+
+    @property
+    def used_before(self) -> Optional[int]:
+        total = (self.after or {}).get("total_bytes")
+        return None if total is None or self.free_before is None else total - self.free_before
 
 
 class AfterCell:
     """One cell's cleanup at a time, and what it must remember between cells.
 
-    ``native`` is ``gpucleanup._native`` (or a stand-in with the same functions);
+    ``native`` is ``gpucleanup._native`` (or a stand-in with its ``cuda_initialized``, ``after_cell``,
+    ``trim`` and ``snapshot``, returning the same shapes);
     ``adapters`` a callable returning the framework adapters in use (None: the real
     ones, ``gpucleanup.frameworks.active``); ``status`` a callable ``(method, payload)``
     feeding the status endpoint; ``write`` where the progress line goes.
@@ -345,6 +446,9 @@ class AfterCell:
         self.holders = GpuHolders()
         #: the allocation trace's entries of a cell (``Tracer.cell_entries``), None: no trace
         self.traced: Optional[Callable[[int], List[dict]]] = None
+        #: whether the allocation trace runs now: while it does, no cell is skipped as idle (what it
+        #: traced may change with no change the driver sees)
+        self.tracing: Callable[[], bool] = lambda: False
         self.exiting = False
         self.last_driver_state: Optional[str] = None
         self.pinned_job: Optional[PinnedRelease] = None
@@ -362,6 +466,9 @@ class AfterCell:
         self._kept: Dict[str, Dict[int, int]] = {}
         self._fixes: Dict[str, str] = {}  # per framework whose pool never gives memory back: what to set  # per framework and device: cached bytes its last drain left
         self._drained_now: List[str] = []  # frameworks drained by this cleanup
+        #: the last full cleanup, for an idle cell to be compared with (None: none to compare with)
+        self._last_pass: Optional[LastPass] = None
+        self.skipped = 0  # idle cells whose cleanup was skipped: nothing had changed since the last
         self._last_used: Dict[int, int] = {}
         #: devices seen with a context of this process, at load or by a cleanup (None: nothing known
         #: yet): a device in use now and never before had "no context yet" before the cell, its first
@@ -411,8 +518,9 @@ class AfterCell:
             return []
         return [a for a in adapters if settings.framework_enabled(str(getattr(a, "name", "?")))]
 
-    def stats(self, adapters: list, devices: List[int], notes: List[Note]) -> Dict[str, dict]:
-        out = {}
+    def stats(self, adapters: list, devices: List[int], notes: List[Note]) -> Stats:
+        """Each adapter's figures on ``devices``, read once into a :class:`FrameworkFigures`."""
+        out: Stats = {}
         for adapter in adapters:
             result, note = self.guarded(adapter, "stats", list(devices))
             if note:
@@ -420,28 +528,9 @@ class AfterCell:
                 continue
             if not isinstance(result, dict):
                 continue
-            per_device = {}
-            for key, entry in (result.get("devices") or {}).items():
-                idx = _index(key)
-                if idx is not None and isinstance(entry, dict):
-                    per_device[idx] = {
-                        "live_bytes": int(entry.get("live_bytes") or 0),
-                        "cached_bytes": int(entry.get("cached_bytes") or 0),
-                    }
-            pinned = result.get("pinned")
-            if isinstance(pinned, dict):
-                pinned = {"live_bytes": int(pinned.get("live_bytes") or 0), "cached_bytes": int(pinned.get("cached_bytes") or 0)}
-            else:
-                pinned = None
-            out[adapter.name] = {"devices": per_device, "pinned": pinned, "notes": list(result.get("notes") or []),
-                                 # a pool that never gives memory back: its cache is reserved, not freeable
-                                 "releases": bool(getattr(adapter, "can_release", True)),
-                                 "fix": _text_or_none(getattr(adapter, "reserved_fix", None))}
-            if out[adapter.name]["fix"]:
-                self._fixes[adapter.name] = out[adapter.name]["fix"]
-            pools = result.get("pools")  # pools of the user's making (PyCUDA), one entry each
-            if isinstance(pools, list) and pools:
-                out[adapter.name]["pools"] = [dict(p) for p in pools if isinstance(p, dict)]
+            figures = out[adapter.name] = FrameworkFigures.read(adapter, result)
+            if figures.fix:
+                self._fixes[adapter.name] = figures.fix
         return out
 
     def memory_status(self, settings: Settings) -> dict:
@@ -470,7 +559,7 @@ class AfterCell:
                 notes.append(note)
         for dev in in_use:
             i = int(dev["index"])
-            fws = {name: _status_figures(s, i) for name, s in stats.items() if i in s["devices"]}
+            fws = {name: _status_figures(s, i) for name, s in stats.items() if i in s.devices}
             pools = [
                 {"which": p.get("which"), "reserved_bytes": p.get("reserved_bytes"), "used_bytes": p.get("used_bytes")}
                 for p in dev.get("pools") or []
@@ -493,18 +582,18 @@ class AfterCell:
                     "message": (dev.get("error") or {}).get("message"),
                 }
             )
-        out["pinned"] = {name: s["pinned"] for name, s in stats.items() if s.get("pinned")}
-        out["reserved_fix"] = {name: s["fix"] for name, s in stats.items() if s.get("fix") and not s.get("releases", True)}
+        out["pinned"] = {name: s.pinned.as_dict() for name, s in stats.items() if s.pinned is not None}
+        out["reserved_fix"] = {name: s.fix for name, s in stats.items() if s.fix and not s.releases}
         # pools of the user's own making, per framework (PyCUDA's DeviceMemoryPool and PageLockedMemoryPool)
-        out["framework_pools"] = {name: s["pools"] for name, s in stats.items() if s.get("pools")}
+        out["framework_pools"] = {name: s.pools for name, s in stats.items() if s.pools}
         for s in stats.values():
-            notes.extend((f"stats-note:{n}", n) for n in s.get("notes") or [])
+            notes.extend((f"stats-note:{n}", n) for n in s.notes)
         out["notes"] = [text for _, text in notes]
         return out
 
     @staticmethod
-    def live_total(stats: Dict[str, dict], devices: List[int]) -> int:
-        return sum(s["devices"].get(i, {}).get("live_bytes", 0) for s in stats.values() for i in devices)
+    def live_total(stats: Stats, devices: List[int]) -> int:
+        return sum(s.on(i).live for s in stats.values() for i in devices)
 
     def is_unusable(self, index: int) -> bool:
         return index in self._unusable
@@ -552,7 +641,7 @@ class AfterCell:
         self.progress_opened = False
         self.cell_starts()  # a release still waiting is replaced by this cleanup's
         self._cell = cell
-        return CellPass(self, settings, cell, namespace, forced, after_forced, hidden).run()
+        return CellPass(self, settings, Cell(cell, namespace, forced, after_forced, hidden)).run()
 
     # ------------------------------------------------------------ steps
 
@@ -587,41 +676,14 @@ class AfterCell:
             return 0.0
         return float(settings.settle_timeout)
 
-    def _settle(self, settings: Settings, after_forced: Optional[CellRecord], devices: List[int], quiet: set,
-                freed: Dict[int, Dict[str, int]], notes: List[Note], trim: bool = True,
-                result: Optional[dict] = None) -> _Settled:
-        """Step 1: the bounded wait for queued work, and the first trim of the driver's pools
-        (``result``: the one-pass call already did both)."""
-        out = _Settled()
-        if result is None:
-            result = self._native_drain(self._settle_limit(settings, after_forced), settings, notes, progress=True,
-                                        trim=trim and settings.driver_pools)
-        if result is None:
-            return out
-        out.interrupted = bool(result.get("keyboard_interrupt")) or self.ctrl_c.pressed
-        for dev in result.get("devices") or []:
-            idx = _index(dev.get("index"))
-            if idx is None:
-                continue
-            state = dev.get("state") or "error"
-            out.state[idx] = state
-            out.settle[idx] = dev.get("settle") or {}
-            out.message[idx] = dev.get("message")
-            out.free_before[idx] = dev.get("free_before_bytes")
-            if "free_bytes" in dev or "total_bytes" in dev:  # the one-pass call reports the figures after
-                out.figures[idx] = {k: dev.get(k) for k in ("name", "total_bytes", "used_bytes", "free_bytes")}
-                out.pools[idx] = pools_reserved(dev)
-            if state == "unusable":
-                if idx in self._unusable:
-                    quiet.add(idx)
-                self._unusable.add(idx)
-            elif state == "error":
-                err = dev.get("error") or {}
-                notes.append((f"device-error:{err.get('name') or dev.get('message')}", dev.get("message") or f"GPU{idx}: {err.get('message')}"))
-            if out.interrupted and out.settle[idx].get("status") == "interrupted":
-                out.state[idx] = "interrupted"
-        _add_released(freed, result)
-        return out
+    def _take_pass(self, work: DeviceWork, dev: dict, notes: List[Note]) -> None:
+        """What lasts of a device's pass entry: a device unusable from now on; an error said."""
+        if work.state == "unusable":
+            self._unusable.add(work.index)
+        elif work.state == "error":
+            err = dev.get("error") or {}
+            notes.append((f"device-error:{err.get('name') or dev.get('message')}",
+                          dev.get("message") or f"GPU{work.index}: {err.get('message')}"))
 
     @contextlib.contextmanager
     def _progress_line(self, settings: Settings):
@@ -646,18 +708,6 @@ class AfterCell:
                 notes.append((f"drain:{type(exc).__name__}", f"native after-cell pass failed: {exc}"))
                 return None
 
-    def _native_drain(self, timeout: float, settings: Settings, notes: List[Note], progress: bool,
-                      trim: bool = True) -> Optional[dict]:
-        """A library without the one-pass call: its drain (settle, and trim unless ``trim`` is off)."""
-        # driver_pools off (or the trim deferred until idle): settle only, the pools are left as they are
-        extra = {} if trim else {"trim": False}
-        with self._progress_line(settings):
-            try:
-                return self.native.drain(timeout=timeout, progress=self._progress if progress else None, **extra)
-            except Exception as exc:
-                notes.append((f"drain:{type(exc).__name__}", f"native drain failed: {exc}"))
-                return None
-
     def _progress(self, payload: dict) -> bool:
         if self.ctrl_c.pressed:
             return True  # stop waiting
@@ -674,7 +724,7 @@ class AfterCell:
         self.progress_opened = True
         return False
 
-    def _live_hint(self, settled_pass: _Settled, settled: List[int]) -> Optional[int]:
+    def _live_hint(self, settled: List[DeviceWork]) -> Optional[int]:
         """Live GPU bytes as the frameworks told them after the last cleanup, when the
         driver saw no change on any device since and no framework kept a cache (None:
         not known, or memory may have changed hands)."""
@@ -682,9 +732,8 @@ class AfterCell:
             # a framework kept a cache (release "auto"/"idle", or one that cannot release):
             # it can hand out memory again without the driver seeing any change
             return None
-        for i in settled:
-            before = settled_pass.free_before.get(i)
-            if before is None or self._last_free.get(i) != before:
+        for work in settled:
+            if work.free_before is None or self._last_free.get(work.index) != work.free_before:
                 return None
         return self._last_live
 
@@ -717,8 +766,8 @@ class AfterCell:
         info.elapsed_s = round(time.perf_counter() - start, 6)
         return info
 
-    def _drain_frameworks(self, adapters: list, settled: List[int], freed: Dict[int, Dict[str, int]],
-                          notes: List[Note], ctrl_c: CtrlC, stats: Optional[Dict[str, dict]] = None) -> bool:
+    def _drain_frameworks(self, adapters: list, work: Dict[int, DeviceWork], settled: List[int], notes: List[Note],
+                          ctrl_c: CtrlC, stats: Optional[Stats] = None) -> bool:
         """Step 3: each framework empties its caches on the settled devices; True if any gave memory back.
 
         A framework whose figures (``stats``, read after the collection) say it caches
@@ -748,14 +797,13 @@ class AfterCell:
                 self._drained_now.append(adapter.name)  # emptied as far as it can be
             if isinstance(res, dict):
                 for key, n in (res.get("freed_bytes") or {}).items():
-                    idx = _index(key)
-                    if idx in freed and n:
-                        freed[idx][adapter.name] = freed[idx].get(adapter.name, 0) + int(n)
+                    if _index(key) in work:
+                        work[_index(key)].add_freed(adapter.name, n)
                 for text in res.get("notes") or []:
                     notes.append((f"note:{adapter.name}:{text}", adapter_note(adapter.name, text)))
-        return any(n for i in settled for name, n in freed[i].items() if name != "driver")
+        return any(n for i in settled for name, n in work[i].freed.items() if name != "driver")
 
-    def _pinned_candidates(self, settings: Settings, adapters: list, stats: Dict[str, dict], settled: List[int],
+    def _pinned_candidates(self, settings: Settings, adapters: list, stats: Stats, settled: List[int],
                            devices: List[int]) -> Tuple[list, bool]:
         """Which adapters' pinned pools to release after the cell's last driver call, and
         whether an earlier release still runs."""
@@ -771,36 +819,44 @@ class AfterCell:
             and hasattr(a, "drain_pinned")
             and a.name in stats
             # unknown pinned stats: try; known empty pools: no thread for nothing
-            and (stats[a.name]["pinned"] is None or stats[a.name]["pinned"]["cached_bytes"] > 0)
+            and (stats[a.name].pinned is None or stats[a.name].pinned.cached > 0)
         ], False
 
-    def _trim(self, freed: Dict[int, Dict[str, int]], notes: List[Note]) -> Dict[int, dict]:
+    def _trim(self, work: Dict[int, DeviceWork], notes: List[Note]) -> set:
         """Step 4: the driver's pools again, after the frameworks gave memory back to them.
-        Returns the device figures after it where the library reports them (then no snapshot is needed)."""
-        if hasattr(self.native, "trim"):
-            try:
-                result = self.native.trim()
-            except Exception as exc:
-                notes.append((f"trim:{type(exc).__name__}", f"native trim failed: {exc}"))
-                return {}
-            _add_released(freed, result)
-            return {int(d["index"]): {**{k: d.get(k) for k in ("name", "total_bytes", "used_bytes", "free_bytes")},
-                                      "pools_reserved": pools_reserved(d)}
-                    for d in result.get("devices") or [] if _index(d.get("index")) is not None and d.get("free_bytes") is not None}
-        _add_released(freed, self._native_drain(0.0, Settings(), notes, progress=False))
-        return {}
+        Returns the devices whose figures after it the library reported (no snapshot needed for them)."""
+        try:
+            result = self.native.trim()
+        except Exception as exc:
+            notes.append((f"trim:{type(exc).__name__}", f"native trim failed: {exc}"))
+            return set()
+        fresh = set()
+        for dev in result.get("devices") or []:
+            item = work.get(_index(dev.get("index")))
+            if item is None:
+                continue
+            item.add_freed("driver", dev.get("released_bytes"))
+            if dev.get("free_bytes") is not None:
+                item.take_figures(dev)
+                fresh.add(item.index)
+        return fresh
 
-    def _snapshot(self, settled: _Settled, changed: bool, notes: List[Note]) -> Dict[int, dict]:
-        """Step 5: device figures after the cleanup; a fresh snapshot only when the pass's own
-        figures may be stale (something was freed or collected since, or it reported none)."""
-        if settled.figures and not changed:
-            return dict(settled.figures)
+    def _snapshot(self, work: Dict[int, DeviceWork], stale: bool, notes: List[Note]) -> None:
+        """Step 5: device figures after the cleanup; a fresh snapshot only when the pass's (or the
+        trim's) may be ``stale`` (something was freed or collected since), or it reported none."""
+        if not stale and any(item.after is not None for item in work.values()):
+            return
         try:
             snapshot = self.native.snapshot()
         except Exception as exc:
             notes.append((f"snapshot:{type(exc).__name__}", f"snapshot failed: {exc}"))
-            return {}
-        return {int(d["index"]): d for d in snapshot.get("devices") or [] if _index(d.get("index")) is not None}
+            snapshot = {}
+        found = {_index(d.get("index")): d for d in snapshot.get("devices") or []}
+        for item in work.values():
+            if item.index in found:
+                item.take_figures(found[item.index])
+            else:
+                item.after, item.pools = None, None
 
     def _defer(self, settings: Settings, device_adapters: list, pinned_adapters: list, devices: List[int],
                cell: Optional[int]) -> dict:
@@ -810,10 +866,8 @@ class AfterCell:
             if a not in adapters:
                 adapters.append(a)
         device = bool(device_adapters) or settings.release == "idle"
-        job = IdleRelease(
-            self, adapters, devices, cell, device=device, pinned=bool(pinned_adapters),
-            trim=device and settings.driver_pools, delay_s=settings.idle_release_s,
-        )
+        what = Release(device=device, pinned=bool(pinned_adapters), trim=device and settings.driver_pools)
+        job = IdleRelease(self, adapters, devices, cell, what, delay_s=settings.idle_release_s)
         self.idle_job = job
         self._idle_jobs.append(job)
         job.start()
@@ -848,9 +902,10 @@ class AfterCell:
             return dict(job.freed), False
         return {}, True
 
-    def _remember_figures(self, figures: Dict[int, dict]) -> None:
+    def _remember_figures(self, work: Dict[int, DeviceWork]) -> None:
         """The device figures after this cleanup: what the next cell's are compared with."""
-        for i, fig in figures.items():
+        for i, item in work.items():
+            fig = item.after or {}
             if fig.get("free_bytes") is not None:
                 self._last_free[i] = int(fig["free_bytes"])
             if fig.get("used_bytes") is not None:
@@ -868,24 +923,21 @@ class AfterCell:
             if self.note_once("trace-failed"):
                 record.shown_notes.append(text)
 
-    def _outside(self, i: int, fig: dict, settled: _Settled, stats_after: Optional[Dict[str, dict]], quiet: set,
-                 warn_bytes: int, notes: List[Note]) -> Tuple[Optional[int], Optional[int]]:
+    def _outside(self, work: DeviceWork, stats: Optional[Stats], warn_bytes: int,
+                 notes: List[Note]) -> Tuple[Optional[int], Optional[int]]:
         """Device memory no framework, no framework cache and no driver pool accounts for,
         after the cleanup, and how much it grew since the last cleanup (None: not known).
 
         It holds the CUDA context, raw allocations (``cuMemAlloc``) and, since
         ``cuMemGetInfo`` is device-wide, other processes' memory on the same GPU. With no
-        framework in use (``stats_after`` empty) only the driver pools account for anything;
+        framework in use (``stats`` empty) only the driver pools account for anything;
         with frameworks whose figures are not known (``None``) it is not known."""
-        used = fig.get("used_bytes")
-        # a fresh snapshot lists its pools; else the pass's (or the trim's) figures
-        pools = pools_reserved(fig) if "pools" in fig else settled.pools.get(i, fig.get("pools_reserved"))
-        if used is None or pools is None or i in quiet or settled.state.get(i) != "drained" or stats_after is None:
+        i, used = work.index, (work.after or {}).get("used_bytes")
+        if used is None or work.pools is None or work.quiet or not work.settled or stats is None:
             return None, None
-        known = sum(s["devices"].get(i, {}).get("live_bytes", 0) + s["devices"].get(i, {}).get("cached_bytes", 0)
-                    for s in stats_after.values()) + int(pools)
+        known = sum(s.on(i).live + s.on(i).cached for s in stats.values()) + int(work.pools)
         outside = max(0, int(used) - known)
-        before = None if i in settled.first_use else self._last_outside.get(i)
+        before = None if work.first_use else self._last_outside.get(i)
         self._last_outside[i] = outside
         base = self._outside_base.setdefault(i, outside)
         if warn_bytes and outside - base >= warn_bytes and f"outside:{i}" not in self._warned:  # said once
@@ -948,39 +1000,56 @@ class AfterCell:
         return Outcome(record=record, lines=lines, keep=keep, data=data)
 
 
+@dataclass
+class LastPass:
+    """What the last full cleanup left: per device its free bytes and driver pools' reserved
+    bytes after it, and each framework's figures."""
+
+    devices: Dict[int, Tuple[Optional[int], Optional[int]]]
+    stats: Stats
+
+
+@dataclass
+class Cell:
+    """What the extension hands the engine about one cell (see :meth:`AfterCell.run`)."""
+
+    number: Optional[int] = None
+    namespace: Optional[dict] = None
+    forced: bool = False  # %gpumem --drain
+    after_forced: Optional[CellRecord] = None  # the record of a %gpumem --drain earlier in the cell
+    hidden: Union[None, List[dict], Callable[[], List[dict]]] = None  # holders no variable names
+
+
 class CellPass:
     """One cell's cleanup: the steps of the module docstring as methods, in their order, over
-    this cell's state only. What lasts between cells (the last figures, the notes said, the
-    background releases) stays on the :class:`AfterCell` engine that made it."""
+    this cell's state only: a :class:`DeviceWork` per device in use, built from the native
+    pass, and the frameworks' figures as :class:`FrameworkFigures`. What lasts between cells
+    (the last figures, the notes said, the background releases) stays on the
+    :class:`AfterCell` engine that made it."""
 
-    def __init__(self, engine: "AfterCell", settings: Settings, cell: Optional[int], namespace: Optional[dict],
-                 forced: bool, after_forced: Optional[CellRecord], hidden: Any):
+    def __init__(self, engine: "AfterCell", settings: Settings, cell: Cell):
         self.engine = engine
         # %gpumem --drain: everything, now
-        self.settings = dataclasses.replace(settings, release="cell") if forced else settings
-        self.cell, self.namespace, self.forced, self.after_forced, self.hidden = cell, namespace, forced, after_forced, hidden
+        self.settings = dataclasses.replace(settings, release="cell") if cell.forced else settings
+        self.cell = cell
         self.start = time.perf_counter()
         self.now_device = self.settings.release != "idle"  # device caches and the driver trim, now or when idle
         self.notes: List[Note] = []
         self.captured: List[dict] = []
-        self.first: Optional[dict] = None  # the one-pass native call's result
+        self.first: dict = {}  # the one-pass native call's result
         self.state: Optional[str] = None  # the driver's
-        self.all_devices: List[int] = []  # in use
+        self.work: Dict[int, DeviceWork] = {}  # per device in use, in the pass's order
         self.devices: List[int] = []  # in use and not unusable
-        self.quiet: set = set()  # unusable and already said
-        self.freed: Dict[int, Dict[str, int]] = {}
-        self.found = _Settled()  # what the driver pass found
         self.settled: List[int] = []  # drained by the driver pass: where the frameworks are cleaned
         self.adapters: list = []
-        self.stats_settled: Dict[str, dict] = {}  # the frameworks' figures after the collection
-        self.stats_after: Optional[Dict[str, dict]] = {}  # ... after the cleanup; None: not known
+        self.stats_settled: Stats = {}  # the frameworks' figures after the collection
+        self.stats_after: Optional[Stats] = {}  # ... after the cleanup; None: not known
         self.gc_record = GcRecord(policy=self.settings.gc)
         self.candidates: list = []  # adapters whose pinned pools are released after the last driver call
         self.pending = False  # a pinned release still runs
         self.interrupted = False
         self.given_back = False  # a framework gave memory back to the driver
         self.figures_stale = False  # the pass's device figures predate a change
-        self.figures: Dict[int, dict] = {}
         self.background: List[PinnedRelease] = []
         self.idle_done: List[IdleRelease] = []
         self.pinned_now: Dict[str, int] = {}
@@ -991,35 +1060,26 @@ class CellPass:
         if self.nothing_initialised():
             return None
         if not self.probe():
-            return engine._nothing_in_use(self.driver, self.cell, self.forced)
+            return engine._nothing_in_use(self.driver, self.cell.number, self.cell.forced)
         self.begin()
-        captured_now: List[dict] = []
-        try:
-            with engine.ctrl_c.armed() as ctrl_c, engine.unraisables.capture() as captured_now:
-                self.settle(ctrl_c)
-                self.collect(ctrl_c)
-                self.drain(ctrl_c)
-                self.trim(ctrl_c)
-        except KeyboardInterrupt:
-            self.stop_here()
-        self.captured.extend(captured_now)
+        if self.clean():
+            return self.unchanged_outcome()
         self.snapshot()
         self.read_frameworks_after()
         self.release_pinned()
         record = self.record()
         self.remember(record)
-        return engine._outcome(self.settings, record, self.forced, self.after_forced)
+        return engine._outcome(self.settings, record, self.cell.forced, self.cell.after_forced)
 
     # ------------------------------------------------------------ the steps, in order
 
     def nothing_initialised(self) -> bool:
         """The common cell of a kernel that never used CUDA: one driver call, no JSON."""
         engine = self.engine
-        if self.forced or engine._idle_jobs != [] or engine.pinned_job is not None:
+        if self.cell.forced or engine._idle_jobs != [] or engine.pinned_job is not None:
             return False
-        quick = getattr(engine.native, "cuda_initialized", None)
         try:
-            initialised = quick() if quick is not None else None
+            initialised = engine.native.cuda_initialized()
         except Exception:
             initialised = None  # the full pass below says what is wrong
         if initialised is not False:
@@ -1033,40 +1093,36 @@ class CellPass:
         """The driver pass: probe, settle, trim and the figures after in one native call (when
         nothing in the process uses CUDA it is a probe and nothing else). True when a device is in use."""
         engine = self.engine
-        if hasattr(engine.native, "after_cell"):
-            notes_first: List[Note] = []
-            with engine.ctrl_c.armed() as ctrl_c:
-                self.first = engine._native_pass(engine._settle_limit(self.settings, self.after_forced), self.settings,
-                                                 notes_first, trim=self.now_device and self.settings.driver_pools)
-                if self.first is not None and ctrl_c.pressed:
-                    self.first["keyboard_interrupt"] = True  # the next armed() starts afresh
-            if self.first is None:
-                raise RuntimeError(notes_first[0][1] if notes_first else "the native after-cell pass failed")
-            probe = self.first
-            in_use = [d for d in self.first.get("devices") or [] if _index(d.get("index")) is not None]
-        else:
-            probe = engine.native.probe()
-            in_use = [d for d in probe.get("devices") or [] if d.get("in_use")]
-        self.driver = probe.get("driver") or {}
+        notes_first: List[Note] = []
+        with engine.ctrl_c.armed() as ctrl_c:
+            first = engine._native_pass(engine._settle_limit(self.settings, self.cell.after_forced), self.settings,
+                                        notes_first, trim=self.now_device and self.settings.driver_pools)
+            if first is not None and ctrl_c.pressed:
+                first["keyboard_interrupt"] = True  # the next armed() starts afresh
+        if first is None:
+            raise RuntimeError(notes_first[0][1] if notes_first else "the native after-cell pass failed")
+        self.first = first
+        in_use = [d for d in first.get("devices") or [] if _index(d.get("index")) is not None]
+        self.driver = first.get("driver") or {}
         self.state = self.driver.get("state")
         engine.last_driver_state = self.state
         if self.state != "ready" or not in_use:
             if self.state in ("ready", "not_initialized"):
                 engine._know_baseline()
             return False
-        self.all_devices = [int(d["index"]) for d in in_use]
+        self.work = {int(d["index"]): DeviceWork(int(d["index"])) for d in in_use}
         return True
 
     def begin(self) -> None:
         """The devices of this cell, its first uses, and what background releases finished since the last."""
         engine = self.engine
         seen = engine._seen_in_use
-        self.found.first_use = set() if seen is None else {i for i in self.all_devices if i not in seen}
-        engine._seen_in_use = (seen or set()) | set(self.all_devices)
-        self.quiet = {i for i in self.all_devices if i in engine._unusable}
-        self.devices = [i for i in self.all_devices if i not in engine._unusable]
-        engine._status("set_state", {"state": "draining", "cell": self.cell, "since_ns": time.time_ns()})
-        self.freed = {i: {} for i in self.all_devices}
+        for i, work in self.work.items():
+            work.first_use = seen is not None and i not in seen
+            work.quiet = i in engine._unusable
+        engine._seen_in_use = (seen or set()) | set(self.work)
+        self.devices = [i for i, work in self.work.items() if not work.quiet]
+        engine._status("set_state", {"state": "draining", "cell": self.cell.number, "since_ns": time.time_ns()})
         engine._drained_now = []
         self.background = engine._finished_pinned()
         self.idle_done = engine._finished_idle()
@@ -1076,12 +1132,13 @@ class CellPass:
 
     def settle(self, ctrl_c: CtrlC) -> None:
         """Step 1: what the driver pass found, per device (the bounded wait and the first trim)."""
-        first_use = self.found.first_use
-        self.found = self.engine._settle(self.settings, self.after_forced, self.devices, self.quiet, self.freed,
-                                         self.notes, trim=self.now_device, result=self.first)
-        self.found.first_use = first_use
-        self.interrupted = self.found.interrupted or ctrl_c.pressed
-        self.settled = [i for i in self.devices if self.found.state.get(i) == "drained"]
+        self.interrupted = bool(self.first.get("keyboard_interrupt")) or ctrl_c.pressed
+        for dev in self.first.get("devices") or []:
+            work = self.work.get(_index(dev.get("index")))
+            if work is not None:
+                work.take_pass(dev, self.interrupted)
+                self.engine._take_pass(work, dev, self.notes)
+        self.settled = [i for i in self.devices if self.work[i].settled]
         if self.interrupted:
             raise KeyboardInterrupt
         ctrl_c.check()
@@ -1093,8 +1150,8 @@ class CellPass:
         self.adapters = engine.adapters(self.settings, self.notes) if self.settled else []
         # not known (the device's memory changed, or a framework keeps a cache): a young
         # collection, cheaper than reading every framework to decide
-        live = engine._live_hint(self.found, self.settled) if self.adapters else None
-        self.gc_record = engine._collect(self.settings, self.adapters, live, self.settled, self.namespace)
+        live = engine._live_hint([self.work[i] for i in self.settled]) if self.adapters else None
+        self.gc_record = engine._collect(self.settings, self.adapters, live, self.settled, self.cell.namespace)
         ctrl_c.check()
         self.stats_settled = engine.stats(self.adapters, self.settled, self.notes) if self.adapters else {}
 
@@ -1102,7 +1159,7 @@ class CellPass:
         """Step 3: the frameworks' caches on the settled devices; which pinned pools go after the last driver call."""
         engine = self.engine
         if self.now_device:
-            self.given_back = engine._drain_frameworks(self.adapters, self.settled, self.freed, self.notes, ctrl_c,
+            self.given_back = engine._drain_frameworks(self.adapters, self.work, self.settled, self.notes, ctrl_c,
                                                        self.stats_settled)
         self.candidates, self.pending = engine._pinned_candidates(self.settings, self.adapters, self.stats_settled,
                                                                   self.settled, self.devices)
@@ -1115,28 +1172,88 @@ class CellPass:
         engine = self.engine
         gc_freed = bool(self.gc_record.collected) and (
             engine._last_live is None or engine.live_total(self.stats_settled, self.settled) < engine._last_live)
-        trimmed: Dict[int, dict] = {}
-        if self.now_device and self.settings.driver_pools and self.settled and (self.given_back or gc_freed):
-            trimmed = engine._trim(self.freed, self.notes)
         self.figures_stale = bool(self.given_back or gc_freed)
-        if trimmed and self.found.figures and set(trimmed) >= set(self.found.figures):
+        if self.now_device and self.settings.driver_pools and self.settled and self.figures_stale:
+            reported = {i for i, work in self.work.items() if work.after is not None}
+            fresh = engine._trim(self.work, self.notes)
             # the trim reported every device's memory after it: as fresh as a snapshot
-            for i, fig in trimmed.items():
-                self.found.pools[i] = fig.pop("pools_reserved", None)
-            self.found.figures.update(trimmed)
-            self.figures_stale = False
+            self.figures_stale = not (fresh and reported and fresh >= reported)
         ctrl_c.check()  # a Ctrl-C during the trim: said as at every other step, not lost
+
+    def clean(self) -> bool:
+        """Steps 1 to 4 under Ctrl-C and the unraisable hook. True when the cell changed nothing
+        since the last cleanup (:meth:`unchanged`): the steps after the collection are skipped."""
+        captured_now: List[dict] = []
+        same = False
+        try:
+            with self.engine.ctrl_c.armed() as ctrl_c, self.engine.unraisables.capture() as captured_now:
+                self.settle(ctrl_c)
+                self.collect(ctrl_c)
+                same = self.unchanged()
+                if not same:
+                    self.drain(ctrl_c)
+                    self.trim(ctrl_c)
+        except KeyboardInterrupt:
+            self.stop_here()
+            same = False
+        self.captured.extend(captured_now)
+        return same and not self.captured and not self.notes
+
+    def unchanged(self) -> bool:
+        """Nothing changed since the last cleanup, as far as can be proven: the native pass found
+        every device settled with the very free bytes and driver pools that cleanup left and
+        released nothing; each framework's figures equal those after it, with nothing new cached;
+        no pinned pool to release; nothing queued or finished in the background; nothing to say."""
+        engine, last = self.engine, self.engine._last_pass
+        if (last is None or self.cell.forced or self.cell.after_forced is not None or self.settings.show == "always"
+                or engine.progress_opened or self.notes or self.background or self.idle_done
+                or engine.pinned_job is not None or engine._idle_jobs or self._tracing()):
+            return False
+        if set(self.work) != set(last.devices) or self.settled != list(self.work):
+            return False
+        for i, work in self.work.items():
+            free_after = (work.after or {}).get("free_bytes")
+            if (work.first_use or work.freed or last.devices[i] != (work.free_before, work.pools)
+                    or free_after not in (None, work.free_before)):
+                return False
+        if self.stats_settled != last.stats:
+            return False
+        if any(getattr(a, "can_release", True) and not _nothing_new_cached(
+                self.stats_settled.get(a.name), self.settled, engine._kept.get(a.name, {})) for a in self.adapters):
+            return False  # something to give back now, or when idle
+        candidates, pending = engine._pinned_candidates(self.settings, self.adapters, self.stats_settled,
+                                                        self.settled, self.devices)
+        return not candidates and not pending
+
+    def _tracing(self) -> bool:
+        """The allocation trace (opt-in) runs: every cell gets its record of what it traced."""
+        try:
+            return bool(self.engine.tracing())
+        except Exception:
+            return True
+
+    def unchanged_outcome(self) -> Outcome:
+        """An idle cell's: no device record built, nothing kept or published, no line; its record
+        says only that the driver is ready and nothing was freed (the last cleanup's figures stand).
+        The names that held GPU memory are still checked (cheap: no walk)."""
+        engine = self.engine
+        engine.skipped += 1
+        if self.cell.namespace is not None:
+            engine.holders.update(self.cell.namespace, engine._last_live)
+        record = CellRecord(cell=self.cell.number, time_ns=time.time_ns(), driver_state=self.state,
+                            release=self.settings.release, elapsed_s=round(time.perf_counter() - self.start, 6))
+        return Outcome(record=record, lines=[], keep=False)
 
     def stop_here(self) -> None:
         """Ctrl-C: the steps left are skipped; devices not yet done say so."""
         self.interrupted = True
         for i in self.devices:
-            if self.found.state.get(i) in (None, "drained"):
-                self.found.state[i] = "interrupted"
+            if self.work[i].state in (None, "drained"):
+                self.work[i].state = "interrupted"
 
     def snapshot(self) -> None:
-        """Step 5: device figures after the cleanup."""
-        self.figures = self.engine._snapshot(self.found, self.figures_stale or self.interrupted, self.notes)
+        """Step 5: device figures after the cleanup (the pass's own when nothing changed since)."""
+        self.engine._snapshot(self.work, self.figures_stale or self.interrupted, self.notes)
 
     def read_frameworks_after(self) -> None:
         """The frameworks' figures after the cleanup: those read after the collection when nothing
@@ -1147,7 +1264,7 @@ class CellPass:
         if self.interrupted:
             self.stats_after = None
             return
-        usable = [i for i in self.devices if self.found.state.get(i) != "unusable"]
+        usable = [i for i in self.devices if self.work[i].state != "unusable"]
         if not self.given_back and usable == self.settled:
             self.stats_after = self.stats_settled
         else:
@@ -1159,11 +1276,12 @@ class CellPass:
         if self.interrupted:
             return
         if self.candidates and self.settings.release == "cell":
-            self.pinned_now, started = self.engine._start_pinned(self.candidates, self.cell, self.notes, self.captured)
+            self.pinned_now, started = self.engine._start_pinned(self.candidates, self.cell.number, self.notes,
+                                                                 self.captured)
             self.pending = self.pending or started
         elif self.settled and (self.candidates or not self.now_device):
             self.deferred = self.engine._defer(self.settings, self.adapters if not self.now_device else [],
-                                               self.candidates, self.settled, self.cell)
+                                               self.candidates, self.settled, self.cell.number)
 
     def record(self) -> CellRecord:
         """Step 7: the record of this cell."""
@@ -1172,16 +1290,16 @@ class CellPass:
         if line:
             self.notes.append((f"unraisable:{self.captured[0]['type']}", line))
         record = CellRecord(
-            cell=self.cell,
+            cell=self.cell.number,
             time_ns=time.time_ns(),
             driver_state=self.state,
             interrupted=self.interrupted,
-            devices=[self.device_record(i) for i in self.all_devices],
+            devices=[self.device_record(work) for work in self.work.values()],
             pinned=PinnedRecord(
                 freed_bytes=self.pinned_now,
                 background=[job.result() for job in self.background],
                 pending=self.pending,
-                pools={name: s["pinned"] for name, s in (self.stats_after or {}).items() if s.get("pinned")},
+                pools={name: s.pinned.as_dict() for name, s in (self.stats_after or {}).items() if s.pinned is not None},
             ),
             gc=self.gc_record,
             notes=[text for _, text in self.notes],
@@ -1190,49 +1308,43 @@ class CellPass:
             release=self.settings.release,
             deferred=self.deferred,
         )
-        record.touched = bool(self.found.first_use) or any(self._changed(i) for i in self.all_devices)
-        engine._remember_figures(self.figures)
+        record.touched = any(work.first_use or self._changed(work) for work in self.work.values())
+        engine._remember_figures(self.work)
         record.elapsed_s = round(time.perf_counter() - self.start, 6)
-        record.hidden = engine._hidden(self.hidden, notes=record)
+        record.hidden = engine._hidden(self.cell.hidden, notes=record)
         engine._traced(record)
         record.idle = [job.result() for job in self.idle_done]
         return record
 
-    def _changed(self, i: int) -> bool:
+    def _changed(self, work: DeviceWork) -> bool:
         """Device memory changed since the last cleanup (a device with no context before is a first use)."""
-        free_before = self.found.free_before.get(i)
         last = self.engine._last_free
-        return free_before is not None and i in last and last[i] != free_before
+        return work.free_before is not None and work.index in last and last[work.index] != work.free_before
 
-    def device_record(self, i: int) -> DeviceRecord:
-        engine = self.engine
-        fig = self.figures.get(i, {})
-        total = fig.get("total_bytes")
-        free_before = self.found.free_before.get(i)
-        stats = self.stats_after or {}
+    def device_record(self, work: DeviceWork) -> DeviceRecord:
+        i, fig, stats = work.index, work.after or {}, self.stats_after or {}
         dev = DeviceRecord(
             index=i,
             name=fig.get("name"),
-            state=self.found.state.get(i, "error" if i not in self.quiet else "unusable"),
-            settle=self.found.settle.get(i),
-            total_bytes=total,
-            used_at_start_bytes=engine._last_used.get(i),
-            used_before_bytes=(total - free_before) if (total is not None and free_before is not None) else None,
+            state=work.state or ("unusable" if work.quiet else "error"),
+            settle=work.settle,
+            total_bytes=fig.get("total_bytes"),
+            used_at_start_bytes=self.engine._last_used.get(i),
+            used_before_bytes=work.used_before,
             used_after_bytes=fig.get("used_bytes"),
-            freed_bytes=self.freed.get(i, {}),
-            live_bytes=_per_framework(stats, i, "live_bytes"),
-            cached_bytes=_per_framework(stats, i, "cached_bytes", releases=True),
-            reserved_bytes=_per_framework(stats, i, "cached_bytes", releases=False),
-            message=self.found.message.get(i),
-            quiet=i in self.quiet,
-            first_use=i in self.found.first_use,
+            freed_bytes=work.freed,
+            live_bytes=_per_framework(stats, i, live=True),
+            cached_bytes=_per_framework(stats, i, live=False, releases=True),
+            reserved_bytes=_per_framework(stats, i, live=False, releases=False),
+            message=work.message,
+            quiet=work.quiet,
+            first_use=work.first_use,
             context_only=_context_only(stats, i),
         )
-        warn_bytes = int(self.settings.outside_warning_mib) << 20
         # a framework in use whose figures could not be read: what is outside every pool is not known
         read = self.stats_after is not None and all(a.name in self.stats_after for a in self.adapters)
-        dev.outside_bytes, dev.outside_growth_bytes = engine._outside(
-            i, fig, self.found, self.stats_after if read else None, self.quiet, warn_bytes, self.notes)
+        dev.outside_bytes, dev.outside_growth_bytes = self.engine._outside(
+            work, self.stats_after if read else None, int(self.settings.outside_warning_mib) << 20, self.notes)
         return dev
 
     def remember(self, record: CellRecord) -> None:
@@ -1242,15 +1354,17 @@ class CellPass:
         stats_after = self.stats_after or {}
         for name in engine._drained_now:  # what each drain could not give back, until it changes
             if name in stats_after:
-                engine._kept[name] = {i: f.get("cached_bytes", 0) for i, f in stats_after[name]["devices"].items()}
+                engine._kept[name] = {i: f.cached for i, f in stats_after[name].devices.items()}
         if self.adapters and not self.interrupted:
             engine._last_live = engine.live_total(stats_after, self.devices)
-            engine._last_cached = sum(s["devices"].get(i, {}).get("cached_bytes", 0)
-                                      for s in stats_after.values() for i in self.devices)
-            if self.namespace is not None:
-                engine.holders.update(self.namespace, engine._last_live)
+            engine._last_cached = sum(s.on(i).cached for s in stats_after.values() for i in self.devices)
+            if self.cell.namespace is not None:
+                engine.holders.update(self.cell.namespace, engine._last_live)
         elif not self.adapters:
             engine._last_live = None
+        engine._last_pass = None if self.interrupted or self.stats_after is None else LastPass(
+            devices={i: ((w.after or {}).get("free_bytes"), w.pools) for i, w in self.work.items()},
+            stats=self.stats_after)
 
 
 def pools_reserved(dev: dict) -> Optional[int]:
@@ -1268,35 +1382,38 @@ def pools_reserved(dev: dict) -> Optional[int]:
     return total
 
 
-def _nothing_new_cached(stats: Optional[dict], devices: List[int], kept: Dict[int, int]) -> bool:
+def _nothing_new_cached(stats: Optional[FrameworkFigures], devices: List[int], kept: Dict[int, int]) -> bool:
     """True when an adapter's figures name every device and each caches nothing, or the
     very bytes its last drain left there (``kept``)."""
-    per_device = (stats or {}).get("devices") or {}
-    return bool(devices) and all(
-        i in per_device and (per_device[i].get("cached_bytes") or 0) in (0, kept.get(i, 0)) for i in devices)
+    per_device = stats.devices if stats is not None else {}
+    return bool(devices) and all(i in per_device and per_device[i].cached in (0, kept.get(i, 0)) for i in devices)
 
 
-def _per_framework(stats: Dict[str, dict], i: int, key: str, releases: Optional[bool] = None) -> Dict[str, int]:
-    """One figure of device ``i`` per framework (``releases``: only frameworks that do, or do not,
-    give their cache back), zeros left out."""
-    return {n: s["devices"][i][key] for n, s in stats.items()
-            if s["devices"].get(i, {}).get(key) and (releases is None or s.get("releases", True) == releases)}
+def _per_framework(stats: Stats, i: int, live: bool, releases: Optional[bool] = None) -> Dict[str, int]:
+    """Live (or cached) bytes on device ``i`` per framework (``releases``: only frameworks that do,
+    or do not, give their cache back), zeros left out."""
+    out = {}
+    for name, s in stats.items():
+        if i in s.devices and (releases is None or s.releases == releases):
+            n = s.devices[i].live if live else s.devices[i].cached
+            if n:
+                out[name] = n
+    return out
 
 
-def _status_figures(stats: dict, i: int) -> dict:
+def _status_figures(stats: FrameworkFigures, i: int) -> dict:
     """A framework's figures on device ``i`` for %gpumem: a pool that never gives memory back
     says its cache as ``reserved_bytes`` (not freeable), never as cached."""
-    fig = dict(stats["devices"][i])
-    if not stats.get("releases", True):
-        fig["reserved_bytes"], fig["cached_bytes"] = fig.get("cached_bytes", 0), 0
+    fig = stats.devices[i].as_dict()
+    if not stats.releases:
+        fig["reserved_bytes"], fig["cached_bytes"] = fig["cached_bytes"], 0
     return fig
 
 
-def _context_only(stats: Dict[str, dict], i: int) -> bool:
+def _context_only(stats: Stats, i: int) -> bool:
     """Frameworks are in use and none holds anything on device ``i``: its memory is a context no array uses."""
-    return bool(stats) and not any(
-        (f.get("live_bytes") or 0) + (f.get("cached_bytes") or 0) for s in stats.values() for d, f in s["devices"].items()
-        if d == i) and all(i in s["devices"] for s in stats.values())
+    return bool(stats) and all(i in s.devices and s.devices[i].live + s.devices[i].cached == 0
+                               for s in stats.values())
 
 
 def _text_or_none(value: Any) -> Optional[str]:

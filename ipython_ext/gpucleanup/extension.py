@@ -134,6 +134,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         self.engine = AfterCell(native, adapters=adapters_fn, status=self._status)
         self.tracer = Tracer(native, shell)
         self.engine.traced = self.tracer.cell_entries
+        self.engine.tracing = lambda: bool(self.tracer.active)
         self._endpoint_factory = status_endpoint
         self.history = History(self.history_size)
         self.totals = Totals()  # cumulative since load: published beside each record (gpucleanup.metrics)

@@ -48,14 +48,16 @@ class StandInDevice:
 
 
 class StandInNative:
-    """Stand-in for gpucleanup._native: probe/snapshot/drain with the schemas' shapes, scripted."""
+    """Stand-in for gpucleanup._native with the protocol the engine runs: ``probe`` (at load),
+    ``cuda_initialized``, ``after_cell(timeout=, progress=, trim=)`` and ``trim()`` returning the
+    shapes of share/schema (after_cell.schema.json), ``snapshot`` (%gpumem); scripted."""
 
     def __init__(self, state="ready", devices=None):
         self.state = state
         self.devices = devices if devices is not None else [StandInDevice(0, pool_reserved=GiB)]
         self.calls = collections.Counter()
-        self.trims = []
-        self.progress = []  # payloads sent to the progress callback by drains with a timeout > 0
+        self.trims = []  # the trim argument of each after_cell pass
+        self.progress = []  # payloads sent to the progress callback by passes with a timeout > 0
         self.interrupt_at_progress = False  # Ctrl-C arrives while the callback runs (as _native sees it)
         self.busy = set()
         self.sticky = set()
@@ -72,12 +74,22 @@ class StandInNative:
     def device(self, index):
         return next(d for d in self.devices if d.index == index)
 
+    def _in_use(self):
+        return [d for d in self.devices if d.in_use] if self.state == "ready" else []
+
     def probe(self):
         self._maybe_fail("probe")
         devices = []
         if self.state == "ready":
             devices = [{"index": d.index, "in_use": d.in_use, "context": "primary" if d.in_use else None, "state": "in_use" if d.in_use else "idle"} for d in self.devices]
         return {"kind": "probe", "driver": self._driver(), "devices": devices}
+
+    def cuda_initialized(self):
+        """As the library: False when nothing initialised CUDA, None when the driver is missing or unusable."""
+        self._maybe_fail("cuda_initialized")
+        if self.state in ("ready", "not_initialized"):
+            return self.state == "ready"
+        return None
 
     def snapshot(self):
         self._maybe_fail("snapshot")
@@ -94,28 +106,39 @@ class StandInNative:
                 )
         return out
 
-    def drain(self, timeout=30.0, progress=None, trim=True):
-        self._maybe_fail("drain")
+    def _figures(self, d, entry, reserved_before):
+        """A device's memory after the pass and its pool, as the library's after_cell and trim report them."""
+        if d.index in self.sticky:
+            entry.update(total_bytes=d.total, pools=[])
+            return entry
+        entry.update(total_bytes=d.total, used_bytes=d.used_bytes, free_bytes=d.total - d.used_bytes,
+                     pools=[{"which": "default", "handle": "0x1", "reserved_before_bytes": reserved_before,
+                             "reserved_after_bytes": d.pool_reserved, "trimmed": reserved_before != d.pool_reserved}])
+        return entry
+
+    def _waited(self, timeout, progress):
+        """The progress payloads of a wait: (interrupted, keyboard_interrupt)."""
+        if not (timeout > 0 and progress is not None):
+            return False, False
+        for payload in self.progress:
+            try:
+                if progress(payload):
+                    return True, False
+                if self.interrupt_at_progress:
+                    raise KeyboardInterrupt
+            except KeyboardInterrupt:
+                return True, True
+        return False, False
+
+    def after_cell(self, timeout=30.0, progress=None, trim=True):
+        self._maybe_fail("after_cell")
         self.trims.append(trim)
-        keyboard = False
-        interrupted = False
-        if timeout > 0 and progress is not None:
-            for payload in self.progress:
-                try:
-                    if progress(payload):
-                        interrupted = True
-                        break
-                    if self.interrupt_at_progress:
-                        raise KeyboardInterrupt
-                except KeyboardInterrupt:
-                    keyboard = interrupted = True
-                    break
+        interrupted, keyboard = self._waited(timeout, progress) if self._in_use() else (False, False)
         devices = []
-        for d in self.devices:
-            if not d.in_use:
-                continue
-            entry = {"index": d.index, "name": d.name, "context": "primary", "pools": [], "error": None, "message": None,
-                     "free_before_bytes": d.total - d.used_bytes, "free_after_bytes": None, "released_bytes": 0}
+        for d in self._in_use():
+            reserved_before = d.pool_reserved
+            entry = {"index": d.index, "name": d.name, "context": "primary", "error": None, "message": None,
+                     "free_before_bytes": d.total - d.used_bytes, "released_bytes": 0}
             if d.index in self.sticky:
                 entry.update(state="unusable", settle={"status": "skipped", "waited_s": 0.0},
                              message=f"GPU{d.index} is unusable after CUDA_ERROR_ILLEGAL_ADDRESS: restart the kernel",
@@ -125,14 +148,31 @@ class StandInNative:
             elif d.index in self.busy:
                 entry.update(state="busy", settle={"status": "timeout", "waited_s": timeout, "busy_for_s": timeout})
             else:
-                released, d.pool_reserved = d.pool_reserved, 0
-                entry.update(state="drained", settle={"status": "done" if timeout else "skipped", "waited_s": 0.0},
-                             released_bytes=released, free_after_bytes=d.total - d.used_bytes)
-            devices.append(entry)
-        result = {"kind": "drain", "driver": self._driver(), "timeout_s": timeout, "elapsed_s": 0.0, "interrupted": interrupted, "devices": devices}
+                if trim:
+                    entry["released_bytes"], d.pool_reserved = d.pool_reserved, 0
+                entry.update(state="drained", settle={"status": "done" if timeout else "skipped", "waited_s": 0.0})
+            devices.append(self._figures(d, entry, reserved_before))
+        result = {"kind": "after_cell", "driver": self._driver(), "timeout_s": timeout, "trim": bool(trim),
+                  "elapsed_s": 0.0, "interrupted": interrupted, "devices": devices}
         if keyboard:
             result["keyboard_interrupt"] = True
         return result
+
+    def trim(self):
+        self._maybe_fail("trim")
+        devices = []
+        for d in self._in_use():
+            reserved_before = d.pool_reserved
+            entry = {"index": d.index, "name": d.name, "context": "primary", "error": None, "message": None,
+                     "released_bytes": 0, "state": "trimmed"}
+            if d.index in self.sticky:
+                entry.update(state="unusable")
+            elif d.index in self.busy:
+                entry.update(state="busy")
+            else:
+                entry["released_bytes"], d.pool_reserved = d.pool_reserved, 0
+            devices.append(self._figures(d, entry, reserved_before))
+        return {"kind": "trim", "driver": self._driver(), "elapsed_s": 0.0, "devices": devices}
 
 
 class StandInAdapter:
@@ -373,14 +413,14 @@ def test_native_library_missing_prints_one_line_stand_in(shell, stand_in, capsys
     assert capsys.readouterr().out == ""
 
 
-def test_cuda_not_initialised_costs_one_probe_per_cell_stand_in(shell, stand_in, capsys):
+def test_cuda_not_initialised_costs_one_quick_call_per_cell_stand_in(shell, stand_in, capsys):
     stand_in.native.state = "not_initialized"
     shell.run_line_magic("load_ext", "gpucleanup")
     stand_in.native.calls.clear()
     for _ in range(5):
         _, out = _run(shell, "x = 1", capsys)
         assert out.out == ""
-    assert dict(stand_in.native.calls) == {"probe": 5}
+    assert dict(stand_in.native.calls) == {"cuda_initialized": 5}  # no pass, no JSON
     assert stand_in.cupy.calls == {}
 
 
@@ -487,15 +527,18 @@ def test_driver_pools_off_settles_without_any_trim_stand_in(shell, stand_in, cap
     _ext(shell).driver_pools = False
     del stand_in.native.trims[:]
     _run(shell, "x = 1", capsys)
-    assert stand_in.native.calls["drain"] == 1
-    assert stand_in.native.trims == [False]
+    assert (stand_in.native.calls["after_cell"], stand_in.native.calls["trim"]) == (1, 0)
+    assert stand_in.native.trims == [False]  # the pass settles and reports the pools, trims nothing
+    assert stand_in.native.device(0).pool_reserved == GiB
     _ext(shell).driver_pools = True
     stand_in.cupy.cached[0] = GiB
     _run(shell, "x = 1", capsys)
-    assert stand_in.native.calls["drain"] == 3  # settle, then the trim after cupy gave 1 GiB back
-    assert stand_in.native.trims[-2:] == [True, True]
+    # the pass's own trim, then the second trim after cupy gave 1 GiB back
+    assert (stand_in.native.calls["after_cell"], stand_in.native.calls["trim"]) == (2, 1)
+    assert stand_in.native.trims[-1] is True
     _run(shell, "x = 1", capsys)
-    assert stand_in.native.calls["drain"] == 4  # nothing given back since the settle: no second trim
+    # nothing given back since the pass: no second trim
+    assert (stand_in.native.calls["after_cell"], stand_in.native.calls["trim"]) == (3, 1)
 
 
 def test_pinned_release_starts_after_the_cells_last_driver_call_stand_in(shell, stand_in, capsys, monkeypatch):
@@ -503,7 +546,7 @@ def test_pinned_release_starts_after_the_cells_last_driver_call_stand_in(shell, 
     # own calls may overlap the background release.
     shell.run_line_magic("load_ext", "gpucleanup")
     seen = []
-    for name in ("drain", "snapshot", "probe"):
+    for name in ("after_cell", "trim", "snapshot", "probe"):
         original = getattr(stand_in.native, name)
 
         def spy(*args, _original=original, _name=name, **kwargs):
@@ -514,7 +557,7 @@ def test_pinned_release_starts_after_the_cells_last_driver_call_stand_in(shell, 
     _run(shell, "x = 1", capsys)
     _wait_pinned(shell)
     assert stand_in.cupy.calls["drain_pinned"] == 1
-    assert {name for name, _ in seen} >= {"drain", "snapshot"}
+    assert {name for name, _ in seen} >= {"after_cell", "trim"}
     assert [name for name, started in seen if started] == []
 
 
@@ -846,10 +889,14 @@ def test_history_is_bounded_by_history_size_stand_in(shell, stand_in, capsys):
     shell.run_line_magic("load_ext", "gpucleanup")
     shell.run_line_magic("config", "GPUCleanup.history_size = 3")
     for i in range(5):
+        stand_in.cupy.live[0] += 64 * MiB  # each cell allocates: none is an idle cell (those add no record)
+        stand_in.native.device(0).used += 64 * MiB
         _run(shell, f"x = {i}", capsys)
     records = _ext(shell).history.last()
     assert len(records) == 3
     assert [r["cell"] for r in records] == sorted(r["cell"] for r in records)
+    _run(shell, "x = 5", capsys)  # an idle cell: no record
+    assert _ext(shell).history.last() == records and _ext(shell).engine.skipped == 1
 
 
 def test_status_endpoint_sees_running_draining_idle_and_each_record_stand_in(shell, stand_in, capsys):
@@ -1236,12 +1283,12 @@ def test_a_drain_from_outside_never_makes_the_cell_wait_stand_in(shell, stand_in
     _run(shell, "x = 1", capsys)
     busy = NativeError(6, "[gpucleanup.api.111] a drain asked for with gpucleanup drain is still finishing: this call "
                           "was skipped so that the kernel does not wait for it; the next one runs as usual")
-    stand_in.native.fail["snapshot"] = busy
-    stand_in.native.fail["probe"] = busy
+    for name in ("after_cell", "trim", "snapshot", "probe"):
+        stand_in.native.fail[name] = busy
     result, out = _run(shell, "x = 2", capsys)
     assert result.success
     assert out.out == f"gpucleanup · {busy}\n"  # no "snapshot before the cell failed", no "cleanup failed"
-    del stand_in.native.fail["snapshot"], stand_in.native.fail["probe"]
+    stand_in.native.fail.clear()
     _, out = _run(shell, "x = 3", capsys)
     assert out.out == ""  # the next cell runs as usual
 

@@ -133,11 +133,11 @@ def test_the_page_shows_every_kernel_and_drains(server, kernels, browser, tmp_pa
     assert shown["error"] is None and shown["hint"] is None
     assert shown["devices"] == [{"index": "0", "gpu": "GPU0 Fake H100", "used": "7.0/80.0 GiB", "live": "5.0 GiB",
                                  "cached": "0 B", "outside": "2.0 GiB", "pool": "0 B"}]
-    # newest first: x = 1, the pool grown again, CuPy's cache, the pool grown, %load_ext (the scenario's pool
-    # and CuPy's cache)
+    # newest first: the pool grown again, CuPy's cache, the pool grown, %load_ext (the scenario's pool and
+    # CuPy's cache); the last cell, x = 1, changed nothing since the cleanup before it: an idle cell, no record
     n = working.count
-    assert shown["cells"] == [{"cell": f"[{n - i}]", "freed": freed}
-                              for i, freed in enumerate(["0 B", "2.0 GiB", "1.0 GiB", "2.0 GiB", "2.0 GiB"])]
+    assert shown["cells"] == [{"cell": f"[{n - 1 - i}]", "freed": freed}
+                              for i, freed in enumerate(["2.0 GiB", "1.0 GiB", "2.0 GiB", "2.0 GiB"])]
     (timeline,) = shown["timelines"]
     assert timeline["index"] == "0"
     assert {"line line-used", "line line-live", "line line-cached", "line line-outside"} <= set(timeline["lines"])

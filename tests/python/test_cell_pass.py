@@ -1,0 +1,328 @@
+"""The after-cell engine built with no IPython shell, on the real library over the fake CUDA driver:
+its stages over one :class:`~gpucleanup.after_cell.DeviceWork` per device, and the idle cell whose
+cleanup is skipped because nothing changed since the last one (no record, no publish, no hand-off).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from gpucleanup import after_cell, extension
+
+GiB = 1 << 30
+MiB = 1 << 20
+TOTAL = 80 * GiB
+
+
+class Native:
+    """The real _native module, its calls counted."""
+
+    COUNTED = ("probe", "snapshot", "drain", "after_cell", "trim", "cuda_initialized")
+
+    def __init__(self):
+        from gpucleanup import _native
+
+        self._native = _native
+        self.calls = collections.Counter()
+
+    def __getattr__(self, name):
+        fn = getattr(self._native, name)
+        if name not in self.COUNTED:
+            return fn
+
+        def counted(*args, **kwargs):
+            self.calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+
+class Framework:
+    """A framework adapter over scripted figures (the interface of gpucleanup.frameworks), its calls counted."""
+
+    def __init__(self, name="cupy", live=None, cached=None):
+        self.name = name
+        self.live = dict(live or {})
+        self.cached = dict(cached or {})
+        self.calls = collections.Counter()
+
+    def stats(self, devices):
+        self.calls["stats"] += 1
+        return {"devices": {i: {"live_bytes": self.live.get(i, 0), "cached_bytes": self.cached.get(i, 0)}
+                            for i in devices}, "pinned": {"live_bytes": 0, "cached_bytes": 0}, "notes": []}
+
+    def drain(self, devices):
+        self.calls["drain"] += 1
+        return {"freed_bytes": {i: self.cached.pop(i, 0) for i in devices}, "notes": []}
+
+    def drain_pinned(self):
+        self.calls["drain_pinned"] += 1
+        return {"freed_bytes": 0, "notes": []}
+
+    def describe(self):
+        return f"{self.name} holds its arrays"
+
+
+def _device(fake_cuda, used=2 * GiB, pool=0):
+    fake_cuda.reset({"devices": [{"total_bytes": TOTAL, "free_bytes": TOTAL - used, "primary_active": True,
+                                  "default_pool": {"reserved_bytes": pool, "used_bytes": 0}}]})
+
+
+def _engine(*adapters):
+    native = Native()
+    engine = after_cell.AfterCell(native, adapters=lambda: list(adapters), write=lambda text: None)
+    engine.baseline(native.probe())  # what the extension does at load
+    native.calls.clear()
+    return engine, native
+
+
+def _settings(**kw):
+    return after_cell.Settings(**kw)
+
+
+# ------------------------------------------------------------------ the stages, one DeviceWork per device
+
+
+def test_device_work_is_built_once_from_the_native_pass_entry(fake_cuda):
+    _device(fake_cuda, used=2 * GiB, pool=GiB)
+    from gpucleanup import _native
+
+    entry = _native.after_cell(timeout=1.0)["devices"][0]
+    work = after_cell.DeviceWork(entry["index"])
+    work.take_pass(entry, interrupted=False)
+    assert (work.state, work.settled, work.settle["status"]) == ("drained", True, "done")
+    assert work.freed == {"driver": GiB}  # the pass's own trim
+    assert work.free_before == entry["free_before_bytes"] and work.used_before == TOTAL - entry["free_before_bytes"]
+    assert work.after == {k: entry[k] for k in ("name", "total_bytes", "used_bytes", "free_bytes")}
+    assert work.pools == 0
+
+
+def test_framework_figures_are_read_once_into_typed_values():
+    fw = Framework(live={0: GiB}, cached={0: 2 * GiB})
+    figures = after_cell.FrameworkFigures.read(fw, fw.stats([0, 1]))
+    assert figures.on(0) == after_cell.Held(live=GiB, cached=2 * GiB)
+    assert figures.on(1) == after_cell.Held() and figures.on(7) == after_cell.Held()
+    assert figures.pinned == after_cell.Held() and figures.releases is True and figures.fix is None
+
+
+def test_a_cell_frees_each_frameworks_cache_and_takes_the_figures_after_from_the_trim(fake_cuda):
+    _device(fake_cuda, used=5 * GiB, pool=GiB)
+    cupy = Framework(live={0: 2 * GiB}, cached={0: 3 * GiB})
+    engine, native = _engine(cupy)
+    outcome = engine.run(_settings(pinned=False), cell=1)
+    dev = outcome.record.devices[0]
+    assert dev.freed_bytes == {"driver": GiB, "cupy": 3 * GiB}
+    assert dev.live_bytes == {"cupy": 2 * GiB} and dev.cached_bytes == {}
+    assert cupy.calls["drain"] == 1
+    # one pass, one trim after cupy gave memory back; the trim's figures make a snapshot needless
+    assert (native.calls["after_cell"], native.calls["trim"], native.calls["snapshot"]) == (1, 1, 0)
+
+
+# ------------------------------------------------------------------ the idle cell
+
+
+def test_idle_cells_build_no_record_and_read_each_framework_once(fake_cuda, schemas):
+    _device(fake_cuda)
+    cupy = Framework(live={0: GiB})
+    engine, native = _engine(cupy)
+    first = engine.run(_settings(), cell=1)
+    assert first.keep and first.record.cell == 1
+    native.calls.clear()
+    cupy.calls.clear()
+    for cell in range(2, 12):
+        outcome = engine.run(_settings(), cell=cell)
+        assert outcome.lines == [] and not outcome.keep
+        # its record: no device, nothing freed (what a Dask worker's summary adds up)
+        assert (outcome.record.cell, outcome.record.devices, outcome.record.driver_state) == (cell, [], "ready")
+        schemas["cell_record.schema.json"].validate(outcome.as_dict())
+    assert engine.skipped == 10
+    # per idle cell: the native pass and one read of each framework, nothing else
+    assert dict(native.calls) == {"cuda_initialized": 10, "after_cell": 10}
+    assert dict(cupy.calls) == {"stats": 10}
+
+
+def test_a_new_allocation_in_the_driver_is_not_skipped(fake_cuda):
+    _device(fake_cuda)
+    cupy = Framework(live={0: GiB})
+    engine, _ = _engine(cupy)
+    engine.run(_settings(), cell=1)
+    assert not engine.run(_settings(), cell=2).keep
+    fake_cuda.update({"devices": [{"free_bytes": TOTAL - 2 * GiB - 256 * MiB}]})  # a raw allocation the cell kept
+    outcome = engine.run(_settings(), cell=3)
+    assert outcome.keep and outcome.record.cell == 3 and outcome.record.touched
+    assert outcome.record.devices[0].outside_growth_bytes == 256 * MiB
+    assert outcome.lines  # show "auto": the cell touched GPU memory
+    assert engine.skipped == 1
+    assert not engine.run(_settings(), cell=4).keep  # and idle again after it
+
+
+def test_a_framework_figure_that_changes_is_not_skipped(fake_cuda):
+    _device(fake_cuda)
+    cupy = Framework(live={0: GiB})
+    engine, _ = _engine(cupy)
+    engine.run(_settings(), cell=1)
+    cupy.live[0] += 512 * MiB  # handed out of cupy's pool: the driver sees no change
+    outcome = engine.run(_settings(), cell=2)
+    assert outcome.keep and outcome.record.devices[0].live_bytes == {"cupy": GiB + 512 * MiB}
+    cupy.cached[0] = 256 * MiB  # cached since: given back, not skipped
+    outcome = engine.run(_settings(), cell=3)
+    assert outcome.keep and outcome.record.devices[0].freed_bytes == {"cupy": 256 * MiB}
+    assert cupy.calls["drain"] == 1 and engine.skipped == 0
+
+
+def test_memory_in_the_driver_pools_is_trimmed_not_skipped(fake_cuda):
+    _device(fake_cuda)
+    engine, _ = _engine(Framework(live={0: GiB}))
+    engine.run(_settings(), cell=1)
+    fake_cuda.update({"devices": [{"default_pool": {"reserved_bytes": GiB, "used_bytes": 0}}]})
+    outcome = engine.run(_settings(), cell=2)
+    assert outcome.keep and outcome.record.devices[0].freed_bytes == {"driver": GiB}
+    assert engine.skipped == 0
+
+
+@pytest.mark.parametrize("settings, forced", [(dict(show="always"), False), ({}, True)])
+def test_show_always_and_gpumem_drain_never_skip(fake_cuda, settings, forced):
+    _device(fake_cuda)
+    engine, _ = _engine(Framework(live={0: GiB}))
+    engine.run(_settings(**settings), cell=1, forced=forced)
+    outcome = engine.run(_settings(**settings), cell=2, forced=forced)
+    assert outcome.keep and outcome.record.cell == 2 and len(outcome.lines) == 1
+    assert engine.skipped == 0
+
+
+def test_release_idle_with_a_cache_left_is_never_skipped(fake_cuda):
+    # release "idle" leaves the cache to a release once the kernel is idle: each cell queues it again
+    _device(fake_cuda)
+    cupy = Framework(live={0: GiB}, cached={0: GiB})
+    engine, _ = _engine(cupy)
+    settings = _settings(release="idle", idle_release_s=60.0)
+    engine.run(settings, cell=1)
+    outcome = engine.run(settings, cell=2)
+    assert outcome.keep and outcome.record.deferred == {"device": True, "pinned": False, "after_s": 60.0}
+    assert engine.skipped == 0
+    engine.stop()
+
+
+# ------------------------------------------------------------------ the idle cell in a shell
+
+
+class Endpoint:
+    def __init__(self):
+        self.published = []
+
+    def start(self, shell):
+        pass
+
+    def set_state(self, state):
+        pass
+
+    def publish(self, record):
+        self.published.append(record)
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def shell():
+    from IPython.core.interactiveshell import InteractiveShell
+
+    ip = InteractiveShell.instance()
+    ip.config.pop("GPUCleanup", None)
+    yield ip
+    ip.extension_manager.unload_extension("gpucleanup")
+    ip.config.pop("GPUCleanup", None)
+
+
+def test_an_idle_cell_publishes_nothing_and_prints_nothing(shell, fake_cuda, monkeypatch, capsys):
+    _device(fake_cuda)
+    cupy = Framework(live={0: GiB})
+    endpoint = Endpoint()
+    monkeypatch.setitem(extension.DEFAULTS, "native", Native())
+    monkeypatch.setitem(extension.DEFAULTS, "adapters", lambda: [cupy])
+    monkeypatch.setitem(extension.DEFAULTS, "status_endpoint", lambda: endpoint)
+    shell.run_line_magic("load_ext", "gpucleanup")
+    ext = extension.get_extension(shell)
+    shell.run_cell("a = 1", store_history=True)
+    published, kept = len(endpoint.published), len(ext.history.last())
+    capsys.readouterr()
+    for i in range(5):
+        shell.run_cell(f"a = {i}", store_history=True)
+    assert capsys.readouterr().out == ""
+    assert len(endpoint.published) == published and len(ext.history.last()) == kept
+    assert ext.engine.skipped == 5
+    fake_cuda.update({"devices": [{"free_bytes": TOTAL - 3 * GiB}]})  # the next cell keeps 1 GiB more
+    shell.run_cell("a = 6", store_history=True)
+    assert len(endpoint.published) == published + 1 and ext.history.last()[-1]["touched"] is True
+    assert "gpucleanup · GPU0" in capsys.readouterr().out
+
+
+def test_no_cell_is_skipped_while_the_allocation_trace_runs(fake_cuda):
+    _device(fake_cuda)
+    engine, _ = _engine(Framework(live={0: GiB}))
+    engine.run(_settings(), cell=1)
+    kept = {2: [{"device": 0, "bytes": 64 * MiB, "count": 1, "threads": 1, "site": "cuMemAlloc_v2",
+                 "caller": "cell.py", "kind": "raw"}]}
+    engine.traced = lambda cell: kept.get(cell, [])
+    engine.tracing = lambda: True
+    outcome = engine.run(_settings(), cell=2)
+    assert outcome.keep and outcome.record.traced == kept[2]
+    outcome = engine.run(_settings(), cell=3)  # what it traced may have been freed with no driver change
+    assert outcome.keep and outcome.record.traced == []
+    engine.tracing = lambda: False  # the trace stopped
+    assert not engine.run(_settings(), cell=4).keep and engine.skipped == 1
+
+
+# ------------------------------------------------------------------ stand-in cases, on the fake driver
+
+
+def test_driver_pools_off_settles_and_leaves_the_pools(fake_cuda):
+    _device(fake_cuda, pool=GiB)
+    engine, native = _engine()
+    trims = fake_cuda.counter("calls.cuMemPoolTrimTo")
+    outcome = engine.run(_settings(driver_pools=False), cell=1)
+    dev = outcome.record.devices[0]
+    assert dev.state == "drained" and dev.freed_bytes == {}
+    assert fake_cuda.counter("calls.cuMemPoolTrimTo") == trims and native.calls["trim"] == 0
+    # 2 GiB in use, the pool's gigabyte among them: the driver's, not outside every pool
+    assert (dev.used_after_bytes, dev.outside_bytes) == (2 * GiB, GiB)
+    outcome = engine.run(_settings(), cell=2)
+    assert outcome.record.devices[0].freed_bytes == {"driver": GiB}
+
+
+def test_several_devices_one_record_and_line_each_and_an_idle_one_untouched(fake_cuda):
+    fake_cuda.reset({"devices": [
+        {"total_bytes": TOTAL, "free_bytes": TOTAL - GiB, "primary_active": True,
+         "default_pool": {"reserved_bytes": GiB, "used_bytes": 0}},
+        {"total_bytes": TOTAL, "free_bytes": TOTAL - GiB, "primary_active": True,
+         "default_pool": {"reserved_bytes": 2 * GiB, "used_bytes": 0}},
+        {"total_bytes": TOTAL, "primary_active": False}]})
+    cupy = Framework(live={0: GiB, 1: 0}, cached={0: GiB})
+    engine, _ = _engine(cupy)
+    outcome = engine.run(_settings(pinned=False), cell=1)
+    assert [d.index for d in outcome.record.devices] == [0, 1]
+    assert [d.freed_bytes for d in outcome.record.devices] == [{"driver": GiB, "cupy": GiB}, {"driver": 2 * GiB}]
+    assert len(outcome.lines) == 2 and outcome.lines[0].startswith("gpucleanup · GPU0")
+    assert outcome.lines[1].startswith("gpucleanup · GPU1")
+    assert fake_cuda.counter("contexts_created") == 0
+
+
+def test_a_busy_device_is_skipped_and_its_frameworks_are_left_alone(fake_cuda):
+    from test_extension import _settled
+
+    fake_cuda.reset({"devices": [{"total_bytes": TOTAL, "free_bytes": TOTAL - GiB, "primary_active": True,
+                                  "sync_seconds": -1}]})
+    cupy = Framework(live={0: GiB}, cached={0: GiB})
+    engine, _ = _engine(cupy)
+    try:
+        outcome = engine.run(_settings(settle_timeout=0.2), cell=1)
+        dev = outcome.record.devices[0]
+        assert dev.state == "busy" and dev.freed_bytes == {}
+        assert cupy.calls == {}  # neither read nor drained on a device with queued work
+        assert "busy after" in outcome.lines[0]
+        second = engine.run(_settings(settle_timeout=0.2), cell=2)
+        assert second.keep and second.record.devices[0].state == "busy" and engine.skipped == 0
+    finally:
+        _settled(fake_cuda)
