@@ -198,7 +198,7 @@ class IdleRelease:
 
     def _run(self) -> None:
         with self._lock:
-            if self._state != "waiting":
+            if self._state != "waiting" or self.engine.parked():
                 return
             self._state = "running"
         engine = self.engine
@@ -449,6 +449,9 @@ class AfterCell:
         #: whether the allocation trace runs now: while it does, no cell is skipped as idle (what it
         #: traced may change with no change the driver sees)
         self.tracing: Callable[[], bool] = lambda: False
+        # Whether the kernel is parked or parking (gpucleanup.parking): a release when idle then makes no call
+        # at all, since a driver call of a parked process waits until it is restored.
+        self.parked: Callable[[], bool] = lambda: False
         self.exiting = False
         self.last_driver_state: Optional[str] = None
         self.pinned_job: Optional[PinnedRelease] = None

@@ -145,6 +145,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         self._forced_in_cell: Optional[CellRecord] = None  # what %gpumem --drain did in the running cell
         self._interrupt_the_cell = _InterruptTheCell()
         self.parking = InKernel(lambda: self._endpoint, self._say)
+        self.engine.parked = self.parking.parked
         self._depth = 0  # cells running: more than one while a cell runs another (%%capture)
         # A drain from outside (gpucleanup drain, the page's Drain button) runs the kernel's cleanup on the
         # status server's thread only while no cell is under way, and a cell that starts meanwhile waits for it
