@@ -40,10 +40,10 @@ def _ipython(tmp_path, *args, **env) -> subprocess.CompletedProcess:
                           timeout=120, env=full, cwd=tmp_path)
 
 
-def test_there_are_fifteen_settings_and_the_gpumem_help_names_each_with_its_default():
-    assert len(TRAITS) == 15
+def test_there_are_sixteen_settings_and_the_gpumem_help_names_each_with_its_default():
+    assert len(TRAITS) == 16
     doc = extension.GPUCleanup.gpumem.__doc__
-    assert "Settings (15): %config GPUCleanup.<name> = value at run time" in doc
+    assert "Settings (16): %config GPUCleanup.<name> = value at run time" in doc
     defaults = GPUCleanupOptions.class_traits(config=True)
     for name in TRAITS:
         assert f"\n  {name} = {defaults[name].default()!r} " in doc, name
