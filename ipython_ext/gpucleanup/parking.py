@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from . import park as park_steps
+from . import park as park_steps, report
 from .units import format_bytes, format_duration
 
 __all__ = ["LockBusy", "ParkLock", "lock_path", "remote_record", "park_kernel", "park_from_outside",
@@ -206,7 +206,7 @@ class InKernel:
     ``gpucleanup resume`` finds the lock and the driver's state).
     """
 
-    PREFIX = "gpucleanup · "
+    PREFIX = report.PREFIX + report.SEP  # gpucleanup's own lines start as every other line of it
 
     def __init__(self, endpoint: Callable[[], object], say: Callable[[list], None],
                  limits: park_steps.Limits = park_steps.Limits(), env: Optional[dict] = None):
