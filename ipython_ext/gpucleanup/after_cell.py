@@ -37,6 +37,11 @@ import dataclasses
 import gc
 import signal
 import sys
+
+try:  # the C module under signal: no enum made per call (the cleanup arms its handler once per cell)
+    import _signal as _raw_signal
+except ImportError:  # pragma: no cover - not CPython
+    _raw_signal = signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -105,7 +110,8 @@ class CtrlC:
     runs Python next, which during the native settle is the first line of the ctypes
     progress callback, where it would be printed and lost. With this handler the
     progress callback sees the flag and asks the native wait to stop; the steps after
-    it are skipped. The previous handler is restored when the cleanup ends.
+    it are skipped. The previous handler is restored when the cleanup ends. Armed once per
+    cell, through the C module (``_signal``): ``signal.signal`` makes an enum of each handler.
     """
 
     def __init__(self):
@@ -118,9 +124,9 @@ class CtrlC:
         installed = False
         if threading.current_thread() is threading.main_thread():
             try:
-                previous = signal.getsignal(signal.SIGINT)
+                previous = _raw_signal.getsignal(signal.SIGINT)
                 if previous is not None:
-                    signal.signal(signal.SIGINT, self._handler)
+                    _raw_signal.signal(signal.SIGINT, self._handler)
                     installed = True
             except (ValueError, TypeError, OSError):
                 installed = False
@@ -129,7 +135,7 @@ class CtrlC:
         finally:
             if installed:
                 with contextlib.suppress(Exception):
-                    signal.signal(signal.SIGINT, previous)
+                    _raw_signal.signal(signal.SIGINT, previous)
 
     def _handler(self, signum, frame) -> None:
         self.pressed = True
@@ -1062,11 +1068,12 @@ class CellPass:
         engine = self.engine
         if self.nothing_initialised():
             return None
-        if not self.probe():
-            return engine._nothing_in_use(self.driver, self.cell.number, self.cell.forced)
-        self.begin()
-        if self.clean():
-            return self.unchanged_outcome()
+        with engine.ctrl_c.armed() as ctrl_c:  # once for the driver pass and steps 1 to 4
+            if not self.probe(ctrl_c):
+                return engine._nothing_in_use(self.driver, self.cell.number, self.cell.forced)
+            self.begin()
+            if self.clean(ctrl_c):
+                return self.unchanged_outcome()
         self.snapshot()
         self.read_frameworks_after()
         self.release_pinned()
@@ -1092,16 +1099,15 @@ class CellPass:
         self.state = None
         return True
 
-    def probe(self) -> bool:
+    def probe(self, ctrl_c: CtrlC) -> bool:
         """The driver pass: probe, settle, trim and the figures after in one native call (when
         nothing in the process uses CUDA it is a probe and nothing else). True when a device is in use."""
         engine = self.engine
         notes_first: List[Note] = []
-        with engine.ctrl_c.armed() as ctrl_c:
-            first = engine._native_pass(engine._settle_limit(self.settings, self.cell.after_forced), self.settings,
-                                        notes_first, trim=self.now_device and self.settings.driver_pools)
-            if first is not None and ctrl_c.pressed:
-                first["keyboard_interrupt"] = True  # the next armed() starts afresh
+        first = engine._native_pass(engine._settle_limit(self.settings, self.cell.after_forced), self.settings,
+                                    notes_first, trim=self.now_device and self.settings.driver_pools)
+        if first is not None and ctrl_c.pressed:
+            first["keyboard_interrupt"] = True  # the settle step stops there
         if first is None:
             raise RuntimeError(notes_first[0][1] if notes_first else "the native after-cell pass failed")
         self.first = first
@@ -1125,7 +1131,6 @@ class CellPass:
             work.quiet = i in engine._unusable
         engine._seen_in_use = (seen or set()) | set(self.work)
         self.devices = [i for i, work in self.work.items() if not work.quiet]
-        engine._status("set_state", {"state": "draining", "cell": self.cell.number, "since_ns": time.time_ns()})
         engine._drained_now = []
         self.background = engine._finished_pinned()
         self.idle_done = engine._finished_idle()
@@ -1183,17 +1188,20 @@ class CellPass:
             self.figures_stale = not (fresh and reported and fresh >= reported)
         ctrl_c.check()  # a Ctrl-C during the trim: said as at every other step, not lost
 
-    def clean(self) -> bool:
-        """Steps 1 to 4 under Ctrl-C and the unraisable hook. True when the cell changed nothing
-        since the last cleanup (:meth:`unchanged`): the steps after the collection are skipped."""
+    def clean(self, ctrl_c: CtrlC) -> bool:
+        """Steps 1 to 4 under the unraisable hook (Ctrl-C is a flag here: :meth:`run` armed it). True
+        when the cell changed nothing since the last cleanup (:meth:`unchanged`): the steps after the
+        collection are skipped, and the status endpoint never hears of a drain."""
         captured_now: List[dict] = []
         same = False
         try:
-            with self.engine.ctrl_c.armed() as ctrl_c, self.engine.unraisables.capture() as captured_now:
+            with self.engine.unraisables.capture() as captured_now:
                 self.settle(ctrl_c)
                 self.collect(ctrl_c)
                 same = self.unchanged()
                 if not same:
+                    self.engine._status("set_state", {"state": "draining", "cell": self.cell.number,
+                                                      "since_ns": time.time_ns()})
                     self.drain(ctrl_c)
                     self.trim(ctrl_c)
         except KeyboardInterrupt:

@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
-from traitlets import observe
+from traitlets import All, observe
 
 from . import frameworks, holders, report
 from .after_cell import AfterCell, Settings
@@ -157,8 +157,12 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         self._drain_target: Any = None  # what the native drain hook calls while this extension serves
 
     def settings(self) -> Settings:
-        """The traits as the engine reads them for one cell."""
-        return Settings(
+        """The traits as the engine reads them for one cell: built once and kept until a trait
+        changes (``%config``), or the ``frameworks`` dict is changed in place."""
+        kept = self.__dict__.get("_settings_kept")
+        if kept is not None and kept.frameworks == self.frameworks:
+            return kept
+        kept = self.__dict__["_settings_kept"] = Settings(
             gc=self.gc,
             pinned=bool(self.pinned),
             driver_pools=bool(self.driver_pools),
@@ -169,6 +173,11 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             idle_release_s=float(self.idle_release_s),
             outside_warning_mib=int(self.outside_warning_mib),
         )
+        return kept
+
+    @observe(All)
+    def _forget_settings(self, change) -> None:
+        self.__dict__.pop("_settings_kept", None)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -373,6 +382,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         self._depth += 1  # run_cell inside a cell (%%capture, %run -i): its post_run_cell leaves it to the cell's
         if self._depth > 1:
             return
+        self.parking.parked_at_start = None  # set again below by the resume, once the cell says "running"
         try:
             self._wait_for_outside_drain()  # one that began before this cell: it ends first
             self._forced_in_cell = None
@@ -417,7 +427,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         try:
             if result is not None and getattr(getattr(result, "info", None), "silent", False):
                 return
-            if not self.enabled or self.engine.exiting or self.parking.parked():
+            if not self.enabled or self.engine.exiting or self.parking.parked_for_cleanup():
                 return  # parked (its resume failed): a driver call would wait for the restore
             cell = getattr(result, "execution_count", None) if result is not None else None
             self._release_after_oom(result, cell)

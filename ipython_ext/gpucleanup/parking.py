@@ -217,6 +217,9 @@ class InKernel:
         self.requested = False
         self._timer = None
         self._auto_note: Optional[str] = None
+        #: what the resume before this cell found: False, not parked (the cell's state is "running" since,
+        #: so no park can begin before the cell's cleanup); None: not known, asked again
+        self.parked_at_start: Optional[bool] = None
 
     # ---------------------------------------------------------- parking after a time idle
 
@@ -286,14 +289,22 @@ class InKernel:
             return kernel_message(outcome)
         self._say([self.PREFIX + self._joined(run, "the park")])
 
+    def parked_for_cleanup(self) -> bool:
+        """Whether the cell's cleanup must be left out (the kernel is parked: a driver call would wait for the
+        restore): what the resume before the cell found, without asking the server again when it was not parked."""
+        known, self.parked_at_start = self.parked_at_start, None
+        return self.parked() if known is None else known
+
     def resume_before_cell(self, then: Optional[dict] = None) -> None:
         """Brings a parked kernel back before its cell runs, and says so in one line; ``then``: the
         cell's state, taken in the same step as the resume (no park can begin in between)."""
+        self.parked_at_start = None
         self.disarm()
         note = self.take_note()
         if note:
             self._say([self.PREFIX + note])
         if not self.parked():
+            self.parked_at_start = False
             return
         endpoint = self._endpoint()
         pid = os.getpid()

@@ -138,7 +138,8 @@ class StatusEndpoint:
         if not self._serving():
             return
         try:
-            self._refresh_notebook()
+            if not (isinstance(state, dict) and state.get("state") == "idle"):
+                self._refresh_notebook()  # not again as each cell ends: the frontend may name the notebook later
             lib = self._lib()
             fields = _state_fields(state)
             if fields is not None and hasattr(lib, "server_state"):

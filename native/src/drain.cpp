@@ -1,14 +1,19 @@
 #include "drain.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
+#include <cstdint>
 #include <cstdio>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <system_error>
+#include <thread>
 #include <vector>
+
+#include <sched.h>
 
 #include "accounting.hpp"
 #include "gil.hpp"
@@ -23,6 +28,12 @@ using Clock = std::chrono::steady_clock;
 // How long a wait keeps the caller's interpreter lock before giving it up (gil.hpp).
 constexpr auto kHoldGilFor = std::chrono::milliseconds(2);
 
+// How long the caller first watches for a watchdog's change without sleeping: an idle
+// device's pass is done in tens of microseconds, and waking a sleeping caller costs about
+// as much again (measured: tests/bench/driver_costs.cpp, BENCHMARKS.md). Only where the
+// process may run on more than one CPU: on one, the watchdog needs the CPU the caller holds.
+constexpr auto kWatchFor = std::chrono::microseconds(300);
+
 // Longest settle honoured: keeps deadline arithmetic far from overflow.
 constexpr double kMaxTimeoutS = 1e7;
 
@@ -33,7 +44,18 @@ enum class Mode { drain, after_cell, trim };
 struct Settling {
   std::mutex mutex;
   std::condition_variable changed;
+  std::atomic<std::uint64_t> changes{0};  // counted under mutex, read without it by a watching caller
 };
+
+bool several_cpus() {
+  static const bool several = [] {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set) > 1;
+    return std::thread::hardware_concurrency() > 1;
+  }();
+  return several;
+}
 
 // Where a device's pass is. The caller's limit applies before `settled`.
 enum class Phase { queued, measuring, settling, settled, done };
@@ -98,6 +120,7 @@ void under_lock(Pass& pass, Change&& change) {
   {
     std::lock_guard lock(pass.settling->mutex);
     change();
+    pass.settling->changes.fetch_add(1, std::memory_order_release);
   }
   pass.settling->changed.notify_all();
 }
@@ -132,6 +155,20 @@ bool failed(Pass& pass, const std::optional<CallFailure>& failure) {
 
 // The pass itself. Makes no driver call once the process is exiting; the
 // lease's reference is given back by whoever drops the pass last.
+// The memory read before the settle still holds after it: it was read, and every pool reserves
+// what it did before (no free was let go at the sync, no trim gave anything back). A cuMemGetInfo
+// is the dearest call of the pass (about 20 us on an H100), and an idle cell's pass needs none.
+bool pools_unchanged(const Pass& pass) {
+  if (!pass.measure_before || !pass.before.free_bytes || pass.before.failure) return false;
+  for (std::size_t i = 0; i < pass.reserved_before.size(); ++i) {
+    if (i >= pass.reserved_after.size() || !pass.reserved_before[i] || !pass.reserved_after[i] ||
+        *pass.reserved_before[i] != *pass.reserved_after[i]) {
+      return false;
+    }
+  }
+  return true;
+}
+
 void run_pass(Pass& pass) noexcept {
   try {
     bool abandoned = false;
@@ -210,7 +247,7 @@ void run_pass(Pass& pass) noexcept {
                                           ? pool_attribute(pass.driver, handle, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)
                                           : pass.reserved_before[pass.trimmed.size() - 1]);
       }
-      if (pass.read_after) {
+      if (pass.read_after && !pools_unchanged(pass)) {
         pass.after = memory_info(pass.driver);
         failed(pass, pass.after.failure);
       } else {
@@ -306,9 +343,22 @@ bool wait_for_watchdogs(std::vector<Listed>& listed, Settling& settling, Clock::
   // settling.mutex is let go.
   std::optional<gil::Released> released;
   const auto hold_gil_until = Clock::now() + kHoldGilFor;
+  const auto watch_until = several_cpus() ? Clock::now() + kWatchFor : Clock::now();
   std::unique_lock lock(settling.mutex);
   // Waits for a change until `until` (none: without a limit).
   auto wait_for_change = [&](std::optional<Clock::time_point> until) {
+    if (Clock::now() < watch_until) {
+      // Watched, not slept on: the caller looks at the passes again after any change, or once
+      // the watch is over (then it sleeps on the condition variable as below).
+      const std::uint64_t seen = settling.changes.load(std::memory_order_acquire);
+      lock.unlock();
+      while (settling.changes.load(std::memory_order_acquire) == seen && Clock::now() < watch_until &&
+             (!until || Clock::now() < *until)) {
+        std::this_thread::yield();
+      }
+      lock.lock();
+      return;
+    }
     if (!released) {
       if (Clock::now() < hold_gil_until) {
         settling.changed.wait_until(lock, until ? std::min(*until, hold_gil_until) : hold_gil_until);

@@ -97,6 +97,14 @@ const Counts kOneDeviceInUse = {
     {"cuDevicePrimaryCtxRelease", 1},
 };
 
+// A pass that finds nothing to give back: the free memory read before the settle stands after it
+// (every pool reserves what it did, the trim released nothing), so it is read once.
+Counts idle_pass() {
+  Counts counts = kOneDeviceInUse;
+  counts["cuMemGetInfo"] = 1;
+  return counts;
+}
+
 const Counts kNothingInUse = {
     {"cuDeviceGetCount", 1}, {"cuCtxGetCurrent", 1}, {"cuDeviceGet", 1},
     {"cuDeviceGetUuid", 1},  {"cuDevicePrimaryCtxGetState", 1},
@@ -242,6 +250,36 @@ TEST_F(AfterCell, NothingInUseIsTheProbeAloneAndNoThread) {
   EXPECT_EQ(fake.counter("contexts_created"), 0);
 }
 
+TEST_F(AfterCell, AnIdlePassReadsTheFreeMemoryOnceAndAPassThatReleasesReadsItAgain) {
+  fake.reset(one_device("GPU-af7e0000-0000-4000-8000-00000000000c"));
+  const Driver driver(FAKE_CUDA_PATH);
+  json report = gpucleanup::after_cell(driver, registry, with_timeout(30));  // trims the pool to what is used
+  const std::uint64_t free_now = report["devices"][0]["free_bytes"];
+
+  // Nothing changed since: one cuMemGetInfo, and the figures after are the ones read before.
+  Counts before = driver_calls(fake);
+  report = gpucleanup::after_cell(driver, registry, with_timeout(30));
+  EXPECT_EQ(minus(driver_calls(fake), before), idle_pass()) << show(minus(driver_calls(fake), before));
+  EXPECT_EQ(report["devices"][0]["released_bytes"], 0);
+  EXPECT_EQ(report["devices"][0]["free_before_bytes"], free_now);
+  EXPECT_EQ(report["devices"][0]["free_bytes"], free_now);
+
+  // Another process took 1 GiB meanwhile and nothing was released: the one read sees it.
+  fake.update({{"devices", {{{"free_bytes", free_now - 1 * GiB}}}}});
+  before = driver_calls(fake);
+  report = gpucleanup::after_cell(driver, registry, with_timeout(30));
+  EXPECT_EQ(minus(driver_calls(fake), before), idle_pass());
+  EXPECT_EQ(report["devices"][0]["free_bytes"], free_now - 1 * GiB);
+
+  // A cell freed 1 GiB into the pool: the trim gives it back, and the free memory is read again after it.
+  fake.update({{"devices", {{{"default_pool", {{"reserved_bytes", 1536 * MiB}, {"used_bytes", 512 * MiB}}}}}}});
+  before = driver_calls(fake);
+  report = gpucleanup::after_cell(driver, registry, with_timeout(30));
+  EXPECT_EQ(minus(driver_calls(fake), before), kOneDeviceInUse);
+  EXPECT_EQ(report["devices"][0]["released_bytes"], 1 * GiB);
+  EXPECT_EQ(report["devices"][0]["free_bytes"], report["devices"][0]["free_before_bytes"].get<std::uint64_t>() + 1 * GiB);
+}
+
 TEST_F(AfterCell, WithoutAWaitNoThreadIsWokenAndTheCallingThreadEntersOnce) {
   fake.reset(one_device("GPU-af7e0000-0000-4000-8000-000000000006"));
   const Driver driver(FAKE_CUDA_PATH);
@@ -249,7 +287,7 @@ TEST_F(AfterCell, WithoutAWaitNoThreadIsWokenAndTheCallingThreadEntersOnce) {
   const Counts before = driver_calls(fake);
   const json report = gpucleanup::after_cell(driver, registry, with_timeout(0));
   EXPECT_EQ(report["devices"][0]["settle"]["status"], "skipped");
-  Counts expected = kOneDeviceInUse;
+  Counts expected = idle_pass();
   expected.erase("cuCtxSynchronize");
   EXPECT_EQ(minus(driver_calls(fake), before), expected);
   EXPECT_EQ(fake.counter("threads"), 1);
@@ -512,7 +550,7 @@ TEST_F(AfterCell, CAbiHandsOutOneReplyAndChecksItsArguments) {
     const Counts before = driver_calls(fake);
     ASSERT_EQ(gpucleanup_after_cell(30.0, 1, nullptr, nullptr, &out), GPUCLEANUP_OK);
     gpucleanup_free(out);
-    ASSERT_EQ(minus(driver_calls(fake), before), kOneDeviceInUse) << "cell " << cell;
+    ASSERT_EQ(minus(driver_calls(fake), before), idle_pass()) << "cell " << cell;
   }
   EXPECT_EQ(fake.counter("threads"), threads);
 
