@@ -7,7 +7,7 @@
 # for the stage trace: trace-tests.log, trace-bench.json, trace-bench.log; for dask: dask-tests.log, dask-bench.*;
 # for server: server-tests.log and server/ (the page's data, /metrics, the plots);
 # and for the stage kernels: kernels.json, kernels.log, kernel-calls.json, kernel-calls.log.
-# Usage: scripts/gpu_run.sh [STAGE ...]   stages: tests facts bench demo kernels kernels-focus stages trace dask server reliability memcheck park park-kernels park-bench-kernels
+# Usage: scripts/gpu_run.sh [STAGE ...]   stages: tests facts bench demo kernels kernels-focus per-cell stages trace dask server reliability memcheck park park-kernels park-bench-kernels
 #        (default: tests facts bench demo)
 # The stage stages (tests/bench/profile_cell.py --stages --primitives, in-process, about a minute) writes
 # stages.log: where the per-cell time goes, step by step, with CUDA unused and PyTorch or CuPy idle; and
@@ -134,6 +134,19 @@ if [[ $stages == *" stages "* ]]; then
     echo "== $scenario"
     python3 tests/bench/profile_cell.py "$scenario" --stages --primitives --cells 300
   done 2>&1 | tee "$out/stages.log"
+fi
+if [[ $stages == *" per-cell "* ]]; then
+  # an idle cell's cost, three ways (about 4 min): the GPU test that idle cells are skipped; where the time
+  # goes in-process (CuPy and PyTorch idle); real kernels side by side, with release "cell" (the default)
+  # and "auto" for the pinned re-run
+  python3 -m pytest tests/gpu/test_idle_cell_gpu.py -q -p no:cacheprovider 2>&1 | tee "$out/idle-cell-tests.log"
+  for scenario in cupy_idle torch_idle; do
+    echo "== $scenario"
+    python3 tests/bench/profile_cell.py "$scenario" --stages --primitives --cells 300
+  done 2>&1 | tee "$out/stages.log"
+  python3 tests/bench/bench_kernels.py --scenario cupy-idle,torch-idle,rerun-cupy-pinned \
+    --variants bare,gpucleanup,gpucleanup-auto --cells 600 --budget-s 300 --json "$out/per-cell.json" 2>&1 \
+    | tee "$out/per-cell.log"
 fi
 if [[ $stages == *" kernels-focus "* ]]; then
   # the per-cell headline scenarios again with 600 timed cells per variant (about 4 min): the

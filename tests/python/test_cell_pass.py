@@ -211,12 +211,13 @@ def test_release_idle_with_a_cache_left_is_never_skipped(fake_cuda):
 class Endpoint:
     def __init__(self):
         self.published = []
+        self.states = []
 
     def start(self, shell):
         pass
 
     def set_state(self, state):
-        pass
+        self.states.append(state["state"])
 
     def publish(self, record):
         self.published.append(record)
@@ -248,14 +249,19 @@ def test_an_idle_cell_publishes_nothing_and_prints_nothing(shell, fake_cuda, mon
     shell.run_cell("a = 1", store_history=True)
     published, kept = len(endpoint.published), len(ext.history.last())
     capsys.readouterr()
+    endpoint.states.clear()
     for i in range(5):
         shell.run_cell(f"a = {i}", store_history=True)
     assert capsys.readouterr().out == ""
     assert len(endpoint.published) == published and len(ext.history.last()) == kept
     assert ext.engine.skipped == 5
+    # the status endpoint hears "running" and "idle", never of a drain that did not happen
+    assert endpoint.states == ["running", "idle"] * 5
+    endpoint.states.clear()
     fake_cuda.update({"devices": [{"free_bytes": TOTAL - 3 * GiB}]})  # the next cell keeps 1 GiB more
     shell.run_cell("a = 6", store_history=True)
     assert len(endpoint.published) == published + 1 and ext.history.last()[-1]["touched"] is True
+    assert endpoint.states == ["running", "draining", "idle"]
     assert "gpucleanup · GPU0" in capsys.readouterr().out
 
 

@@ -348,6 +348,18 @@ def test_torch_adapter_with_stand_in_module_releases_a_pinned_cache_whose_live_p
     assert torch.host_owned == 2 * MiB
 
 
+def test_torch_adapter_counts_scalar_staging_in_the_pinned_cache_live_and_leaves_it_alone(monkeypatch):
+    # torch 2.11 after a float(t): a few bytes pinned, never released (SMALL_PINNED_BYTES), so nothing is
+    # cached and the engine has no pinned release to try after each idle cell
+    world = World(n_devices=1)
+    torch = install_torch(monkeypatch, world, host_active=8, host_owned=8, host_keys="2.11")
+    stats = adapter("torch").stats([0])
+    assert stats["pinned"] == {"live_bytes": 8, "cached_bytes": 0}
+    assert stats["notes"] == []
+    assert adapter("torch").drain_pinned() == {"freed_bytes": 0, "notes": []}
+    assert torch.host_owned == 8
+
+
 def test_torch_adapter_with_stand_in_module_reports_an_empty_pinned_cache_without_a_note(monkeypatch):
     world = World(n_devices=1)
     install_torch(monkeypatch, world, host_active=0, host_owned=0, host_keys="2.11")

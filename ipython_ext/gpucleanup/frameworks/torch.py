@@ -211,6 +211,10 @@ class TorchAdapter(Adapter):
         owned = _host_owned(stats)
         if owned == 0:
             return _figures(0, 0)  # an empty cache: nothing live, nothing cached, nothing to say
+        if owned is not None and owned < SMALL_PINNED_BYTES:
+            # torch >= 2.11 with only scalar staging pinned: never released (_drain_pinned), so nothing of it
+            # is cached; counted live. Unknown figures would make every idle cell try a release in a thread.
+            return _figures(owned, 0)
         if owned is None:
             notes.append(self._note("pinned", "this torch does not report its pinned host cache", 206))
         else:
