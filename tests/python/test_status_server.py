@@ -182,7 +182,9 @@ def test_notebook_path_comes_from_the_frontend(runtime, shell, fake_cuda, monkey
     try:
         assert ep.info["notebook"] is None
         shell.user_ns["__session__"] = "/home/me/analysis.ipynb"
-        ep.set_state({"state": "idle"})
+        ep.set_state({"state": "idle"})  # as each cell ends: not looked for again
+        assert json.loads(ep.discovery_path.read_text())["notebook"] is None
+        ep.set_state({"state": "running", "cell": 1})  # the next cell: taken
         assert json.loads(ep.discovery_path.read_text())["notebook"] == "/home/me/analysis.ipynb"
     finally:
         ep.close()
