@@ -103,9 +103,14 @@ GiB = 1 << 30
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parents[2]
 VARIANTS = ("bare", "gpucleanup", "pasted", "ipyexperiments")
-# Run only when named (--variants): gpucleanup with release "auto" (pinned host pools given back once the
-# kernel has been idle idle_release_s, device caches after every cell), beside the default "cell".
-EXTRA_VARIANTS = ("gpucleanup-auto",)
+# Run only when named (--variants), each gpucleanup with one setting changed: where the added time of a cell
+# goes, and which release policy a re-run needs.
+EXTRA_VARIANTS = {
+    "gpucleanup-auto": ["GPUCleanup.release = 'auto'"],  # pinned host pools once idle, device caches per cell
+    "gpucleanup-idle": ["GPUCleanup.release = 'idle'"],  # every cache once the kernel has been idle
+    "gpucleanup-noserver": ["GPUCleanup.status_server = False"],  # no status endpoint, no state per cell
+}
+EXTRA_VARIANT_NAMES = (*EXTRA_VARIANTS, "gpucleanup-off")
 DEFAULT_NAMES = (10, 10_000, 100_000)
 DEFAULT_BLOCKS = (10, 1000, 100_000)
 # Grouped by framework (one set of kernels per group), the most expensive last.
@@ -465,7 +470,7 @@ def make_scenario(name: str, args, fw: Dict[str, Optional[str]]) -> dict:
         return "none"
 
     sc: dict = dict(name=name, setup="x = 0\n", teardown="", cell="x += 1\n", cells=args.cells, warmup=args.warmup,
-                    prep=None, release=None, pre_cells=0, variants=list(VARIANTS + EXTRA_VARIANTS), fake_scenario=FAKE_IN_USE,
+                    prep=None, release=None, pre_cells=0, variants=list(VARIANTS + EXTRA_VARIANT_NAMES), fake_scenario=FAKE_IN_USE,
                     extra_pasted="")
     if name == "cuda-unused":
         sc.update(framework="none", fake_scenario=FAKE_UNUSED)
@@ -566,9 +571,11 @@ GPUCLEANUP_CONFIG: List[str] = []  # --config: %config lines run after %load_ext
 def tool_cell(variant: str, framework: str) -> Optional[str]:
     if variant == "gpucleanup":
         return "\n".join(["%load_ext gpucleanup"] + [f"%config {line}" for line in GPUCLEANUP_CONFIG])
-    if variant == "gpucleanup-auto":
-        return "\n".join(["%load_ext gpucleanup", "%config GPUCleanup.release = 'auto'"]
-                         + [f"%config {line}" for line in GPUCLEANUP_CONFIG])
+    if variant in EXTRA_VARIANTS:  # set before the load: the status endpoint starts with it
+        return "\n".join([f"%config {line}" for line in EXTRA_VARIANTS[variant] + GPUCLEANUP_CONFIG]
+                         + ["%load_ext gpucleanup"])
+    if variant == "gpucleanup-off":  # loaded, its cleanup paused: the hooks and the status endpoint alone
+        return "%load_ext gpucleanup\n%gpumem --off"
     if variant == "ipyexperiments":
         cls = ipyexperiments_class(framework)
         return f"from ipyexperiments import {cls}\nexp = {cls}()"
@@ -1060,8 +1067,8 @@ def main() -> int:
     args.variants = [v for v in (s.strip() for s in args.variants.split(",")) if v]
     args.long_variants = [v for v in (s.strip() for s in args.long_variants.split(",")) if v]
     for v in args.variants + args.long_variants:
-        if v not in VARIANTS + EXTRA_VARIANTS:
-            parser.error(f"unknown variant {v} (known: {', '.join(VARIANTS + EXTRA_VARIANTS)})")
+        if v not in VARIANTS + EXTRA_VARIANT_NAMES:
+            parser.error(f"unknown variant {v} (known: {', '.join(VARIANTS + EXTRA_VARIANT_NAMES)})")
     if "bare" not in args.variants:
         args.variants.insert(0, "bare")
     if "bare" not in args.long_variants:

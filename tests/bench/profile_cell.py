@@ -15,7 +15,8 @@ statistics, ``gc.collect``, a native pass) in the cell's namespace after the set
 With ``--lines`` it prints each timed cell's gpucleanup lines and, at the end, what the
 framework's pool still holds (scripts/gpu_run.sh memcheck: what the cleanup did under the sanitizer).
 
-Usage: python tests/bench/profile_cell.py SCENARIO [--cells N] [--top K] [--stages] [--primitives] [--lines]
+Usage: python tests/bench/profile_cell.py SCENARIO [--cells N] [--top K] [--stages] [--primitives] [--lines] [--bare]
+       [--config LINE ...]
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ SCENARIOS.update({
     "torch_idle_2gpu": dict(needs="torch", setup=(
         "import torch\nw0 = torch.ones(1 << 20, device='cuda:0')\nw1 = torch.ones(1 << 20, device='cuda:1')\n"
         "torch.cuda.synchronize(0)\ntorch.cuda.synchronize(1)"), cell="x = 1"),
+    # bench_kernels.py's rerun-cupy-pinned: 64 MiB staged through pinned memory, freed, re-run back to back
+    "cupy_pinned_rerun": dict(needs="cupy", setup="import cupy as cp, cupyx, numpy as np", cell=(
+        "_h = cupyx.empty_pinned((16 << 20,), dtype=np.float32)\n_h[:] = 1.0\n_d = cp.asarray(_h)\n"
+        "s = float(_d.sum())\ndel _h, _d")),
     # each cell's last expression is a CUDA tensor: it stays in Out[N], and the holder check reads it
     "torch_out": dict(needs="torch", setup=(
         "import torch\nw = torch.ones(1 << 20, device='cuda')\ntorch.cuda.synchronize()"), cell="w"),
@@ -58,6 +63,18 @@ STAGES = [
     ("gpucleanup.extension", "GPUCleanup._status"),
     ("gpucleanup.extension", "GPUCleanup.settings"),
     ("gpucleanup.after_cell", "AfterCell.run"),
+    ("gpucleanup.after_cell", "CellPass.probe"),
+    ("gpucleanup.after_cell", "CellPass.clean"),
+    ("gpucleanup.after_cell", "CellPass.drain"),
+    ("gpucleanup.after_cell", "CellPass.trim"),
+    ("gpucleanup.after_cell", "CellPass.snapshot"),
+    ("gpucleanup.after_cell", "CellPass.release_pinned"),
+    ("gpucleanup.after_cell", "CellPass.record"),
+    ("gpucleanup.after_cell", "CellPass.remember"),
+    ("gpucleanup.after_cell", "AfterCell._start_pinned"),
+    ("gpucleanup.after_cell", "AfterCell._defer"),
+    ("gpucleanup.extension", "GPUCleanup._say"),
+    ("gpucleanup.extension", "GPUCleanup.cleanup"),
     ("gpucleanup.after_cell", "AfterCell._native_pass"),
     ("gpucleanup.after_cell", "AfterCell._settle"),
     ("gpucleanup.after_cell", "AfterCell.adapters"),
@@ -83,6 +100,7 @@ STAGES = [
     ("gpucleanup._native", "server_publish"),
     ("gpucleanup.frameworks.base", "Adapter.stats"),
     ("gpucleanup.frameworks.base", "Adapter.drain"),
+    ("gpucleanup.frameworks.base", "Adapter.drain_pinned"),
     ("gpucleanup.frameworks.base", "Adapter.in_use"),
     ("gpucleanup.frameworks", "active"),
     ("gc", "collect"),
@@ -130,6 +148,8 @@ def main() -> int:
     parser.add_argument("--filter", default=r"gpucleanup|cupy|torch|zmq|ctypes",
                         help="regular expression on the profile's file/function names ('.' for everything)")
     parser.add_argument("--bare", action="store_true", help="do not load gpucleanup (the baseline)")
+    parser.add_argument("--config", action="append", default=[], metavar="LINE",
+                        help="a %%config line run before loading gpucleanup (e.g. \"GPUCleanup.release = 'idle'\")")
     parser.add_argument("--stages", action="store_true", help="median microseconds per cell of each step, no profiler")
     parser.add_argument("--primitives", action="store_true", help="time single calls the steps are made of")
     parser.add_argument("--lines", action="store_true",
@@ -153,6 +173,8 @@ def main() -> int:
     # wrapped before loading, so that what the extension looks up once is the timed one
     stage_times = _time_stages(args.cells) if args.stages and not args.bare else None
     if not args.bare:
+        for line in args.config:
+            run(f"%config {line}")
         run("%load_ext gpucleanup")
         _time_hooks(shell, hook_times)
     cell_times = []
