@@ -664,7 +664,7 @@ def test_endpoint_on_a_full_disk_leaves_nothing_behind(runtime, monkeypatch, fak
         shell.user_ns["__session__"] = "/home/me/late.ipynb"
         with monkeypatch.context() as patch:
             patch.setattr(os, "write", full)
-            ep.set_state({"state": "idle"})
+            ep.set_state({"state": "running", "cell": 2})  # a cell starts: the name is taken then
         assert ep.error == "OSError: [Errno 28] No space left on device"
         assert ep.discovery_path.read_bytes() == before
         assert sorted(os.listdir(runtime)) == ["gpucleanup", ep.discovery_path.name]

@@ -719,7 +719,7 @@ if mode == "fills-later":
     first = open(path, "rb").read()
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.RLIM_INFINITY))
-    ip.user_ns["__session__"] = "named-later.ipynb"  # the endpoint rewrites its discovery file after this cell
+    ip.user_ns["__session__"] = "named-later.ipynb"  # the endpoint rewrites its discovery file as the next cell starts
     for code in ("x + 2", "x + 3"):
         r = ip.run_cell(code, store_history=True)
         out.append([repr(r.result), None if r.success else repr(r.error_in_exec)])
