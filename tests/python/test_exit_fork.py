@@ -550,8 +550,9 @@ CAME_AFTER = "after"
 PHASES = {
     # the native wait for queued work (Ctrl-C reaches Python at its progress report)
     "settle": (lambda ext, fw, mp: _interrupt_once(mp, ext.engine, "_progress"), STOPPED_ON_THE_DEVICE),
+    # said once the pass has found something to clean, in the device's steps: the device's line says it stopped
     "draining state": (lambda ext, fw, mp: _interrupt_once(mp, ext._endpoint, "set_state", _state_is("draining")),
-                       STOPPED_THE_HOOK),
+                       STOPPED_ON_THE_DEVICE),
     "gc": (lambda ext, fw, mp: _interrupt_once(mp, ext.engine, "_collect"), STOPPED_ON_THE_DEVICE),
     "framework stats": (lambda ext, fw, mp: _interrupt_once(mp, ext.engine, "stats"), STOPPED_ON_THE_DEVICE),
     "framework drain": (lambda ext, fw, mp: _interrupt_once(mp, fw, "drain"), STOPPED_ON_THE_DEVICE),
