@@ -629,6 +629,42 @@ nlohmann::json trim_entry(const Driver& driver, Listed& listed) {
   return entry;
 }
 
+// True when nothing is queued on the device now, asked without waiting: an event recorded over the whole
+// context (cuCtxRecordEvent, CUDA 12.5+ drivers: every stream of it, its green contexts too) and queried at
+// once. The after-cell pass of an idle device then runs on the calling thread: no watchdog is woken (in a
+// kernel the hand-off costs 0.16-0.20 ms a cell, BENCHMARKS.md). False when it is busy or the driver cannot
+// tell (no such calls, an error, a stream being captured): the watchdog's cuCtxSynchronize settles it.
+// Also false while a driver pool of the device reserves memory: a stream-ordered free counts as in use until
+// a synchronize has observed it (cuMemPoolTrimTo's documentation), so only the sync lets the trim give it back.
+bool nothing_queued(const Driver& driver, const DeviceUse& use) {
+  const EntryPoints& api = driver.api();
+  if (api.cuCtxRecordEvent == nullptr || api.cuEventCreate == nullptr || api.cuEventQuery == nullptr ||
+      api.cuEventDestroy == nullptr || process_is_exiting()) {
+    return false;
+  }
+  // A context current to this (the probing) thread is used as it is; a primary context is entered.
+  const bool current = use.context == ContextKind::current;
+  const CUcontext context = current ? use.current : use.lease ? use.lease->context() : nullptr;
+  if (context == nullptr || (!current && api.cuCtxPushCurrent(context) != CUDA_SUCCESS)) return false;
+  bool idle = true;
+  for (const PoolRef& pool : device_pools(driver, use.device)) {
+    const auto reserved = pool_attribute(driver, pool.handle, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT);
+    if (!reserved || *reserved > 0) idle = false;
+  }
+  CUevent event = nullptr;
+  if (idle && api.cuEventCreate(&event, CU_EVENT_DISABLE_TIMING) == CUDA_SUCCESS) {
+    idle = api.cuCtxRecordEvent(context, event) == CUDA_SUCCESS && api.cuEventQuery(event) == CUDA_SUCCESS;
+    api.cuEventDestroy(event);
+  } else {
+    idle = false;
+  }
+  if (!current) {
+    CUcontext popped = nullptr;
+    api.cuCtxPopCurrent(&popped);
+  }
+  return idle;
+}
+
 const char* kind_of(Mode mode) {
   switch (mode) {
     case Mode::drain: return "drain";
@@ -697,6 +733,10 @@ nlohmann::json run(Mode mode, const Driver& driver, DeviceRegistry& registry, co
   if (settle) {
     for (Listed& l : listed) {
       if (!l.pass || l.still_busy) continue;
+      if (mode == Mode::after_cell && nothing_queued(driver, l.use)) {
+        l.settle = Settle::done;  // nothing to wait for: the pass runs on this thread below
+        continue;
+      }
       Pass& pass = *l.pass;
       DeviceRecord& record = *l.record;
       try {

@@ -9,7 +9,7 @@ namespace {
 
 bool is_counter(const std::string& name) {
   static const char* const kPlain[] = {"cuInit",          "contexts_created", "retained",      "pushed",
-                                       "syncs_in_flight", "threads",          "primary_resets"};
+                                       "syncs_in_flight", "threads",          "primary_resets", "events"};
   for (const char* plain : kPlain) {
     if (name == plain) return true;
   }

@@ -295,6 +295,74 @@ FAKE_CUDA_EXPORT CUresult CUDAAPI cuCtxSynchronize(void) {
   return CUDA_SUCCESS;
 }
 
+// Events: enough for "is anything queued in this context now?" (cuCtxRecordEvent then cuEventQuery). A device
+// has queued work while its scripted synchronize would wait (sync_seconds != 0 and not released).
+namespace fake_cuda {
+namespace {
+bool has_queued_work(const State& s, const Device& device) { return !s.sync_released && device.sync_seconds != 0; }
+
+Event* find_event(State& s, CUevent handle) {
+  const auto it = s.events.find(handle);
+  return it == s.events.end() ? nullptr : it->second.get();
+}
+}  // namespace
+}  // namespace fake_cuda
+
+FAKE_CUDA_EXPORT CUresult CUDAAPI cuEventCreate(CUevent* event, unsigned int /*flags*/) {
+  Call call("cuEventCreate");
+  auto& s = call.state();
+  Context* context = call.usable_current();
+  Device* device = call.device_of(context);
+  if (auto refused = call.refuse(device)) return refused;
+  if (call.current_destroyed()) return CUDA_ERROR_CONTEXT_IS_DESTROYED;
+  if (context == nullptr) return CUDA_ERROR_INVALID_CONTEXT;
+  if (event == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  auto made = std::make_unique<fake_cuda::Event>();
+  made->generation = s.generation;
+  made->device = context->device;
+  *event = reinterpret_cast<CUevent>(made.get());
+  s.events[made.get()] = std::move(made);
+  ++s.counters["events"];  // made and not yet destroyed
+  return CUDA_SUCCESS;
+}
+
+FAKE_CUDA_EXPORT CUresult CUDAAPI cuEventDestroy_v2(CUevent event) {
+  Call call("cuEventDestroy");
+  auto& s = call.state();
+  if (auto refused = call.refuse(nullptr)) return refused;
+  if (s.events.erase(event) == 0) return CUDA_ERROR_INVALID_HANDLE;
+  --s.counters["events"];
+  return CUDA_SUCCESS;
+}
+
+FAKE_CUDA_EXPORT CUresult CUDAAPI cuCtxRecordEvent(CUcontext ctx, CUevent handle) {
+  Call call("cuCtxRecordEvent");
+  auto& s = call.state();
+  Context* context = s.find_context(ctx);
+  Device* device = call.device_of(context);
+  if (auto refused = call.refuse(device)) return refused;
+  if (context == nullptr) return CUDA_ERROR_INVALID_CONTEXT;
+  if (context->destroyed) return CUDA_ERROR_CONTEXT_IS_DESTROYED;
+  fake_cuda::Event* event = fake_cuda::find_event(s, handle);
+  if (event == nullptr || event->generation != s.generation || event->device != context->device) {
+    return CUDA_ERROR_INVALID_HANDLE;
+  }
+  if (device->sticky_error != CUDA_SUCCESS) return device->sticky_error;
+  event->busy = fake_cuda::has_queued_work(s, *device);
+  return CUDA_SUCCESS;
+}
+
+FAKE_CUDA_EXPORT CUresult CUDAAPI cuEventQuery(CUevent handle) {
+  Call call("cuEventQuery");
+  auto& s = call.state();
+  fake_cuda::Event* event = fake_cuda::find_event(s, handle);
+  Device* device = event != nullptr && event->generation == s.generation ? s.device(event->device) : nullptr;
+  if (auto refused = call.refuse(device)) return refused;
+  if (device == nullptr) return CUDA_ERROR_INVALID_HANDLE;
+  if (device->sticky_error != CUDA_SUCCESS) return device->sticky_error;
+  return event->busy && fake_cuda::has_queued_work(s, *device) ? CUDA_ERROR_NOT_READY : CUDA_SUCCESS;
+}
+
 FAKE_CUDA_EXPORT CUresult CUDAAPI cuMemGetInfo_v2(size_t* free, size_t* total) {
   Call call("cuMemGetInfo");
   Context* context = call.usable_current();

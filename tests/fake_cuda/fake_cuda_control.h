@@ -104,6 +104,7 @@ int fake_cuda_update(const char* patch_json);
  *                       that called fake_cuda_reset included): a library that
  *                       starts a thread per call shows one more per call
  *   "primary_resets"    calls of fake_cuda_reset_primary_context
+ *   "events"            events made (cuEventCreate) and not yet destroyed
  * Unknown names return -1. */
 long long fake_cuda_counter(const char* name);
 

@@ -519,7 +519,7 @@ std::string dump(const State& s) {
   }
   // The plain counters always appear; "calls.<entry>" once the entry was called.
   json counters = {{"cuInit", 0},  {"contexts_created", 0}, {"retained", 0},      {"pushed", 0},
-                   {"syncs_in_flight", 0}, {"threads", 0},     {"primary_resets", 0}};
+                   {"syncs_in_flight", 0}, {"threads", 0},     {"primary_resets", 0}, {"events", 0}};
   for (const auto& [name, value] : s.counters) counters[name] = value;
   json root = {{"initialized", s.initialized},
                {"driver_version", s.driver_version},

@@ -52,6 +52,13 @@ struct Context {
   bool destroyed = false;
 };
 
+// An event (cuEventCreate): what the context had queued when it was last recorded.
+struct Event {
+  std::uint64_t generation = 0;  // the scenario it was made in: an older one's device is gone
+  int device = 0;
+  bool busy = false;  // recorded (cuCtxRecordEvent) while the device had queued work (sync_seconds != 0)
+};
+
 struct Device {
   int index = 0;
   std::string name;
@@ -106,6 +113,8 @@ struct State {
 
   std::vector<std::unique_ptr<Device>> retired_devices;
   std::vector<std::unique_ptr<Context>> retired_contexts;
+  // Events made and not yet destroyed, kept across resets (a handle stays valid until destroyed).
+  std::map<const void*, std::unique_ptr<Event>> events;
   // Primary contexts of this scenario destroyed by reset_primary_context: their
   // handles can still be pushed (as on a real driver), calls in them fail.
   std::vector<Context*> destroyed_primaries;

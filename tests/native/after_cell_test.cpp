@@ -86,15 +86,26 @@ const Counts kOneDeviceInUse = {
     {"cuDeviceGetUuid", 1},             // probe: the registry's key
     {"cuDevicePrimaryCtxGetState", 1},  // probe: in use
     {"cuDevicePrimaryCtxRetain", 1},    // probe, right after the state said active
-    {"cuCtxPushCurrent", 1},            // watchdog: one push for the whole pass
+    {"cuCtxPushCurrent", 2},            // the look at the pools before the settle; watchdog: one for the pass
     {"cuMemGetInfo", 2},                // free before, free after
-    {"cuDeviceGetDefaultMemPool", 1},
-    {"cuDeviceGetMemPool", 1},
-    {"cuMemPoolGetAttribute", 2},       // reserved before, after
+    {"cuDeviceGetDefaultMemPool", 2},   // the look, the pass
+    {"cuDeviceGetMemPool", 2},
+    {"cuMemPoolGetAttribute", 3},       // the look: the pool reserves memory, so no event; the pass: before, after
     {"cuCtxSynchronize", 1},            // the settle
     {"cuMemPoolTrimTo", 1},
-    {"cuCtxPopCurrent", 1},
+    {"cuCtxPopCurrent", 2},
     {"cuDevicePrimaryCtxRelease", 1},
+};
+
+// A device whose driver pools reserve nothing and which has nothing queued: the event says so, and the
+// pass runs on the calling thread (no cuCtxSynchronize, no watchdog).
+const Counts kOneDeviceIdle = {
+    {"cuDeviceGetCount", 1},         {"cuCtxGetCurrent", 1},           {"cuDeviceGet", 1},
+    {"cuDeviceGetUuid", 1},          {"cuDevicePrimaryCtxGetState", 1}, {"cuDevicePrimaryCtxRetain", 1},
+    {"cuCtxPushCurrent", 2},         {"cuDeviceGetDefaultMemPool", 2}, {"cuDeviceGetMemPool", 2},
+    {"cuMemPoolGetAttribute", 3},    {"cuEventCreate", 1},             {"cuCtxRecordEvent", 1},
+    {"cuEventQuery", 1},             {"cuEventDestroy", 1},            {"cuMemGetInfo", 1},
+    {"cuMemPoolTrimTo", 1},          {"cuCtxPopCurrent", 2},           {"cuDevicePrimaryCtxRelease", 1},
 };
 
 // A pass that finds nothing to give back: the free memory read before the settle stands after it
@@ -212,7 +223,7 @@ TEST_F(AfterCell, ExactDriverCallsPerCallOverAHundredCellsAndNoThreadPerCall) {
     ASSERT_EQ(fake.counter("retained"), 0) << "cell " << cell;  // given back before the call returned
     ASSERT_EQ(fake.counter("pushed"), 0) << "cell " << cell;
   }
-  EXPECT_EQ(total(kOneDeviceInUse), 17);
+  EXPECT_EQ(total(kOneDeviceInUse), 22);
   EXPECT_EQ(gpucleanup::watchdog_threads_started(), started + 1);
   // Threads that ever called the driver: this one and the device's watchdog.
   EXPECT_EQ(fake.counter("threads"), 2);
@@ -280,6 +291,67 @@ TEST_F(AfterCell, AnIdlePassReadsTheFreeMemoryOnceAndAPassThatReleasesReadsItAga
   EXPECT_EQ(report["devices"][0]["free_bytes"], report["devices"][0]["free_before_bytes"].get<std::uint64_t>() + 1 * GiB);
 }
 
+json idle_device(const char* uuid, json extra = json::object()) {
+  json device = {{"uuid", uuid},
+                 {"primary_active", true},
+                 {"free_bytes", 10 * GiB},
+                 {"default_pool", {{"reserved_bytes", 0}, {"used_bytes", 0}}}};
+  device.update(extra);
+  return {{"devices", {device}}};
+}
+
+TEST_F(AfterCell, NothingQueuedIsAskedOfAnEventAndThePassRunsOnTheCallingThread) {
+  fake.reset(idle_device("GPU-af7e0000-0000-4000-8000-00000000000d"));
+  const Driver driver(FAKE_CUDA_PATH);
+  gpucleanup::after_cell(driver, registry, with_timeout(30));  // reads the static facts once
+  const auto started = gpucleanup::watchdog_threads_started();
+  for (int cell = 0; cell < 20; ++cell) {
+    const Counts before = driver_calls(fake);
+    const json report = gpucleanup::after_cell(driver, registry, with_timeout(30));
+    ASSERT_EQ(minus(driver_calls(fake), before), kOneDeviceIdle) << show(minus(driver_calls(fake), before));
+    const json& device = report["devices"][0];
+    ASSERT_EQ(device["state"], "drained");
+    ASSERT_EQ(device["settle"]["status"], "done");  // settled: nothing was queued
+    ASSERT_EQ(device["free_bytes"], 10 * GiB);
+    ASSERT_EQ(fake.counter("events"), 0) << "cell " << cell;  // every event made is destroyed
+    ASSERT_EQ(fake.counter("pushed"), 0);
+  }
+  EXPECT_EQ(gpucleanup::watchdog_threads_started(), started);  // no watchdog: nothing was waited for
+  EXPECT_EQ(fake.counter("threads"), 1);
+}
+
+TEST_F(AfterCell, QueuedWorkAnOldDriverOrAFailedEventFallBackToTheWatchdogsSynchronize) {
+  const Driver driver(FAKE_CUDA_PATH);
+  // Queued work (a synchronize would wait 10 ms): the event is not ready, the watchdog waits.
+  fake.reset(idle_device("GPU-af7e0000-0000-4000-8000-00000000000e", {{"sync_seconds", 0.01}}));
+  json report = gpucleanup::after_cell(driver, registry, with_timeout(30));
+  EXPECT_EQ(fake.counter("calls.cuEventQuery"), 1);
+  EXPECT_EQ(fake.counter("calls.cuCtxSynchronize"), 1);
+  EXPECT_EQ(report["devices"][0]["settle"]["status"], "done");
+  EXPECT_EQ(report["devices"][0]["state"], "drained");
+  EXPECT_EQ(fake.counter("events"), 0);
+
+  // The event's calls fail: the same.
+  for (const char* call : {"cuEventCreate", "cuCtxRecordEvent", "cuEventQuery"}) {
+    fake.reset(idle_device("GPU-af7e0000-0000-4000-8000-00000000000e"));
+    fake.update({{"errors", {{call, 900}}}});  // CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+    report = gpucleanup::after_cell(driver, registry, with_timeout(30));
+    EXPECT_EQ(fake.counter("calls.cuCtxSynchronize"), 1) << call;
+    EXPECT_EQ(report["devices"][0]["state"], "drained") << call;
+    EXPECT_EQ(report["devices"][0]["error"], nullptr) << call;
+    EXPECT_EQ(fake.counter("events"), 0) << call;
+  }
+
+  // A driver older than CUDA 12.5 has no cuCtxRecordEvent: the same, and no event is made.
+  fake.reset(idle_device("GPU-af7e0000-0000-4000-8000-00000000000f"));
+  fake.update({{"driver_version", 12040}});
+  const Driver older(FAKE_CUDA_PATH);
+  report = gpucleanup::after_cell(older, registry, with_timeout(30));
+  EXPECT_EQ(fake.counter("calls.cuEventCreate"), 0);
+  EXPECT_EQ(fake.counter("calls.cuCtxSynchronize"), 1);
+  EXPECT_EQ(report["devices"][0]["state"], "drained");
+}
+
 TEST_F(AfterCell, WithoutAWaitNoThreadIsWokenAndTheCallingThreadEntersOnce) {
   fake.reset(one_device("GPU-af7e0000-0000-4000-8000-000000000006"));
   const Driver driver(FAKE_CUDA_PATH);
@@ -289,6 +361,11 @@ TEST_F(AfterCell, WithoutAWaitNoThreadIsWokenAndTheCallingThreadEntersOnce) {
   EXPECT_EQ(report["devices"][0]["settle"]["status"], "skipped");
   Counts expected = idle_pass();
   expected.erase("cuCtxSynchronize");
+  // no settle: no look at the pools and the queue before it, only the pass
+  for (const char* call : {"cuCtxPushCurrent", "cuCtxPopCurrent", "cuDeviceGetDefaultMemPool", "cuDeviceGetMemPool"}) {
+    expected[call] = 1;
+  }
+  expected["cuMemPoolGetAttribute"] = 2;
   EXPECT_EQ(minus(driver_calls(fake), before), expected);
   EXPECT_EQ(fake.counter("threads"), 1);
 }

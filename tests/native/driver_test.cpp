@@ -37,9 +37,9 @@ TEST(Driver, FallsBackToFourArgumentGetProcAddressOnOlderDrivers) {
   const Driver driver(FAKE_CUDA_V1_PATH);
   ASSERT_TRUE(driver.usable()) << driver.message();
   EXPECT_EQ(driver.resolver(), Resolver::proc_address);
-  // Everything but the checkpoint calls, which came with CUDA 12.8.
+  // Everything but cuCtxRecordEvent (CUDA 12.5) and the checkpoint calls, which came with CUDA 12.8.
   EXPECT_EQ(driver.missing_optional(),
-            (std::vector<std::string>{"cuCheckpointProcessGetState", "cuCheckpointProcessLock",
+            (std::vector<std::string>{"cuCtxRecordEvent", "cuCheckpointProcessGetState", "cuCheckpointProcessLock",
                                       "cuCheckpointProcessCheckpoint", "cuCheckpointProcessRestore",
                                       "cuCheckpointProcessUnlock"}));
   EXPECT_GT(fake.counter("calls.cuGetProcAddress"), 0);
@@ -124,7 +124,8 @@ TEST(Driver, OlderDriverVersionLeavesNewerOptionalEntryPointsOut) {
   EXPECT_EQ(driver.version(), 11000);
   EXPECT_EQ(driver.missing_optional(),
             (std::vector<std::string>{"cuDeviceGetUuid", "cuDeviceGetDefaultMemPool", "cuDeviceGetMemPool",
-                                      "cuMemPoolTrimTo", "cuMemPoolGetAttribute", "cuCheckpointProcessGetState",
+                                      "cuMemPoolTrimTo", "cuMemPoolGetAttribute", "cuCtxRecordEvent",
+                                      "cuCheckpointProcessGetState",
                                       "cuCheckpointProcessLock", "cuCheckpointProcessCheckpoint",
                                       "cuCheckpointProcessRestore", "cuCheckpointProcessUnlock"}));
 }
