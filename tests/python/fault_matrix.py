@@ -107,12 +107,12 @@ def uuid_for(key: str) -> str:
     return f"GPU-fa017000-0000-4000-8001-{zlib.crc32(key.encode()):012x}"
 
 
-def scenario(uuid: str = STABLE_UUID, errors: Optional[dict] = None) -> dict:
-    """One device in use (its primary context active and current to this thread), 1 GiB reserved
-    by its driver pool, nothing queued."""
+def scenario(uuid: str = STABLE_UUID, errors: Optional[dict] = None, pool: int = GiB) -> dict:
+    """One device in use (its primary context active and current to this thread), ``pool`` bytes (1 GiB)
+    reserved by its driver pool, nothing queued."""
     out: Dict[str, Any] = {
         "devices": [{"name": DEVICE_NAME, "uuid": uuid, "primary_active": True, "free_bytes": FREE_BYTES,
-                     "default_pool": {"reserved_bytes": GiB, "used_bytes": 0}}],
+                     "default_pool": {"reserved_bytes": pool, "used_bytes": 0}}],
         "current_context": {"device": 0, "primary": True},
     }
     if errors:
@@ -222,7 +222,8 @@ def run_case(ip, fake, case: dict, clear: Optional[Callable[[], None]] = None,
 
     ``case``: ``errors`` ({entry point: CUresult}) injected ``at`` "start" (before the extension
     loads: the library may read it at load) or "cells" (after the load, before cell A);
-    ``uuid``; ``settle`` (the settle_timeout trait); ``hang`` (cuCtxSynchronize hangs from cell A on,
+    ``uuid``; ``pool`` (what the driver pool reserves before cells A and B, 1 GiB; before cell C always 1 GiB);
+    ``settle`` (the settle_timeout trait); ``hang`` (cuCtxSynchronize hangs from cell A on,
     released before cell C); ``code_a`` (cell A, default: print and return 42).
     ``clear``: called with the driver's errors removed, before cell C (an adapter's fault goes away).
     ``after_c``: called with the extension after cell C; its result is kept as ``after_c``.
@@ -238,7 +239,7 @@ def run_case(ip, fake, case: dict, clear: Optional[Callable[[], None]] = None,
     history_file = str(getattr(getattr(ip, "history_manager", None), "hist_file", "") or "")
     ignore = (os.path.dirname(history_file),) if history_file and history_file != ":memory:" else ()
 
-    fake.reset(scenario(case.get("uuid", STABLE_UUID), errors if at == "start" else None))
+    fake.reset(scenario(case.get("uuid", STABLE_UUID), errors if at == "start" else None, case.get("pool", GiB)))
     before = resources(ignore)
     loaded = io.StringIO()
     with contextlib.redirect_stdout(loaded):

@@ -63,7 +63,9 @@ INTERRUPTED = f"gpucleanup · GPU0 {DEVICE} · interrupted (Ctrl-C): cleanup sto
 #: The calls in which a failure stops that device's cleanup for the cell (and is said).
 IN_THE_PASS = {"cuDevicePrimaryCtxRetain", "cuCtxPushCurrent", "cuMemGetInfo", "cuCtxSynchronize", "cuMemPoolTrimTo"}
 #: Driver calls that enter a device: none of them after it was marked unusable.
-ENTERING = IN_THE_PASS | {"cuMemPoolGetAttribute", "cuDeviceGetDefaultMemPool"}
+ENTERING = IN_THE_PASS | {"cuMemPoolGetAttribute", "cuDeviceGetDefaultMemPool", "cuEventCreate", "cuCtxRecordEvent"}
+#: The question "is anything queued?" asked before the settle without waiting (drain.cpp, nothing_queued).
+EVENT_CALLS = ("cuEventCreate", "cuCtxRecordEvent", "cuEventQuery", "cuEventDestroy")
 
 # ------------------------------------------------------------------ what each entry point's failure does
 
@@ -99,6 +101,15 @@ WHY = {
                                  "answers) has no pool to trim: nothing is freed, nothing said",
     "cuMemPoolGetAttribute": "the pools' reserved bytes are figures only: the trim runs, but what it freed is "
                              "not known, so there is nothing to report",
+    # Asked only of a device whose driver pools reserve nothing (a stream-ordered free needs the synchronize):
+    # these rows' cells A and B run with an empty pool, so nothing is freed and nothing said; cell C as usual.
+    "cuEventCreate": "asks whether anything is queued without waiting; a failure means the driver cannot tell, "
+                     "and the watchdog's cuCtxSynchronize settles the device as it always did",
+    "cuCtxRecordEvent": "asks whether anything is queued without waiting; a failure (a stream being captured, "
+                        "an old driver) means the driver cannot tell, and the watchdog's synchronize settles it",
+    "cuEventQuery": "a failure or 'not ready' sends the device to the watchdog's synchronize, as before",
+    "cuEventDestroy": "frees the event of that question: a failure leaves a small driver object, none of the "
+                      "device's memory, and changes no cleanup",
 }
 
 
@@ -116,6 +127,7 @@ class Expect:
     also: Tuple[Tuple[str, str], ...] = ()  # other entry points failing with it (entry point, error)
     named: str = ""  # the call the line names, when not the injected one
     keeps: str = ""  # the driver counter a failed call leaves raised ("retained", "pushed")
+    pool: int = fm.GiB  # what the driver pool reserves before cells A and B (0: the event is asked)
 
 
 def expect(entry: str, error: str) -> Expect:
@@ -158,6 +170,8 @@ def expect(entry: str, error: str) -> Expect:
         return Expect(QUIET, (NORMAL,), WHY[entry], keeps="pushed")
     if entry in ("cuDeviceGetDefaultMemPool", "cuMemPoolGetAttribute"):
         return Expect(QUIET, (), WHY[entry])
+    if entry in EVENT_CALLS:
+        return Expect(QUIET, (), WHY[entry], pool=0)
     raise LookupError(f"{entry} is called by the library but the fault matrix does not know what its failure "
                       "does: add it to expect() in tests/python/test_fault_matrix.py")
 
@@ -278,7 +292,7 @@ def _expect_or_none(entry: str, error: str) -> Optional[Expect]:
 
 def _case(entry: str, error: str, exp: Expect, warm_up: bool = False) -> dict:
     errors = {entry: CODE[error], **{e: CODE[err] for e, err in exp.also}}
-    case = {"errors": errors, "at": exp.at, "settle": exp.settle,
+    case = {"errors": errors, "at": exp.at, "settle": exp.settle, "pool": exp.pool,
             "uuid": fm.uuid_for(f"{entry}:{error}") if exp.fresh else fm.STABLE_UUID}
     if warm_up:
         case["warm_up"] = True

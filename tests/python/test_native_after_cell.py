@@ -28,14 +28,14 @@ ONE_DEVICE_IN_USE = {
     "cuDeviceGetUuid": 1,
     "cuDevicePrimaryCtxGetState": 1,
     "cuDevicePrimaryCtxRetain": 1,
-    "cuCtxPushCurrent": 1,
+    "cuCtxPushCurrent": 2,  # the look at the pools before the settle (one reserves memory: no event), the pass
     "cuMemGetInfo": 2,
-    "cuDeviceGetDefaultMemPool": 1,
-    "cuDeviceGetMemPool": 1,
-    "cuMemPoolGetAttribute": 2,
+    "cuDeviceGetDefaultMemPool": 2,
+    "cuDeviceGetMemPool": 2,
+    "cuMemPoolGetAttribute": 3,
     "cuCtxSynchronize": 1,
     "cuMemPoolTrimTo": 1,
-    "cuCtxPopCurrent": 1,
+    "cuCtxPopCurrent": 2,
     "cuDevicePrimaryCtxRelease": 1,
 }
 
