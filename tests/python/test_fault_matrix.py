@@ -344,14 +344,18 @@ def test_the_rows_are_every_entry_point_the_library_calls():
 def test_a_clean_cell_calls_every_row_but_the_version_and_the_error_names(matrix_shell, fake_cuda):
     # A device's name and total are read at its first cell (a device the library has not seen, no
     # settle: no watchdog thread for it); the settle's synchronize, on a device with a settle limit.
+    # And a device whose driver pool reserves nothing: the event says nothing is queued, no synchronize.
     first = fm.run_case(matrix_shell, fake_cuda, {"uuid": fm.uuid_for("a clean first cell"), "settle": 0.0})
     settled = fm.run_case(matrix_shell, fake_cuda, {})
+    idle = fm.run_case(matrix_shell, fake_cuda, {"pool": 0})
     assert lines(first["A"]) == lines(settled["A"]) == [NORMAL]
-    called = set(first["A"]["calls"]) | set(settled["A"]["calls"])
+    assert lines(idle["A"]) == []  # nothing to free, nothing said
+    called = set(first["A"]["calls"]) | set(settled["A"]["calls"]) | set(idle["A"]["calls"])
     assert called == set(ENTRY_POINTS) - NOT_CALLED_BY_A_CLEAN_CELL
     assert set(first["A"]["calls"]) ^ set(settled["A"]["calls"]) == {"cuDeviceGetName", "cuDeviceTotalMem",
                                                                       "cuCtxSynchronize"}
-    for obs in (first, settled):
+    assert set(idle["A"]["calls"]) ^ set(settled["A"]["calls"]) == {"cuCtxSynchronize", *EVENT_CALLS}
+    for obs in (first, settled, idle):
         assert_nothing_left_behind(obs)
 
 

@@ -126,7 +126,7 @@ def test_a_hundred_cells_cost_the_same_driver_calls_each_and_no_thread_each(sett
         assert result["devices"][0]["released_bytes"] == 1 * GiB
         assert settled.counter("retained") == 0
     schemas["after_cell.schema.json"].validate(result)
-    assert sum(ONE_DEVICE_IN_USE.values()) == 17
+    assert sum(ONE_DEVICE_IN_USE.values()) == 22
     # Threads that ever called the driver: the test's and the device's watchdog.
     assert settled.counter("threads") == 2
     assert settled.counter("contexts_created") == 0
