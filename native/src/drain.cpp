@@ -634,8 +634,8 @@ nlohmann::json trim_entry(const Driver& driver, Listed& listed) {
 // once. The after-cell pass of an idle device then runs on the calling thread: no watchdog is woken (in a
 // kernel the hand-off costs 0.16-0.20 ms a cell, BENCHMARKS.md). False when it is busy or the driver cannot
 // tell (no such calls, an error, a stream being captured): the watchdog's cuCtxSynchronize settles it.
-// Also false while a driver pool of the device reserves memory: a stream-ordered free counts as in use until
-// a synchronize has observed it (cuMemPoolTrimTo's documentation), so only the sync lets the trim give it back.
+// Also false while a driver pool of the device reserves memory: a stream-ordered free may count as in use until
+// a synchronize has observed it, so only the sync lets the trim give it back (share/FACTS.md §1.5, §1.6).
 bool nothing_queued(const Driver& driver, const DeviceUse& use) {
   const EntryPoints& api = driver.api();
   if (api.cuCtxRecordEvent == nullptr || api.cuEventCreate == nullptr || api.cuEventQuery == nullptr ||
