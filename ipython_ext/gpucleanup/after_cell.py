@@ -37,15 +37,15 @@ import dataclasses
 import gc
 import signal
 import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 try:  # the C module under signal: no enum made per call (the cleanup arms its handler once per cell)
     import _signal as _raw_signal
 except ImportError:  # pragma: no cover - not CPython
     _raw_signal = signal
-import threading
-import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 from . import report
 from .frameworks.objects import gpu_holder_names

@@ -297,8 +297,8 @@ class InKernel:
 
     def resume_before_cell(self, then: Optional[dict] = None) -> None:
         """Brings a parked kernel back before its cell runs, and says so in one line; ``then``: the
-        cell's state, taken in the same step as the resume (no park can begin in between)."""
-        self.parked_at_start = None
+        cell's state, taken in the same step as the resume (no park can begin in between); sets
+        ``parked_at_start``, which the extension clears as each cell starts."""
         self.disarm()
         note = self.take_note()
         if note:

@@ -153,8 +153,6 @@ bool failed(Pass& pass, const std::optional<CallFailure>& failure) {
   return true;
 }
 
-// The pass itself. Makes no driver call once the process is exiting; the
-// lease's reference is given back by whoever drops the pass last.
 // The memory read before the settle still holds after it: it was read, and every pool reserves
 // what it did before (no free was let go at the sync, no trim gave anything back). A cuMemGetInfo
 // is the dearest call of the pass (about 20 us on an H100), and an idle cell's pass needs none.
@@ -169,6 +167,8 @@ bool pools_unchanged(const Pass& pass) {
   return true;
 }
 
+// The pass itself. Makes no driver call once the process is exiting; the
+// lease's reference is given back by whoever drops the pass last.
 void run_pass(Pass& pass) noexcept {
   try {
     bool abandoned = false;

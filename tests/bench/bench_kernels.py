@@ -109,8 +109,8 @@ EXTRA_VARIANTS = {
     "gpucleanup-auto": ["GPUCleanup.release = 'auto'"],  # pinned host pools once idle, device caches per cell
     "gpucleanup-idle": ["GPUCleanup.release = 'idle'"],  # every cache once the kernel has been idle
     "gpucleanup-noserver": ["GPUCleanup.status_server = False"],  # no status endpoint, no state per cell
-    # no wait for queued work: the pass runs on the kernel's thread, no hand-off to the device's watchdog (what
-    # an idle cell would cost if the driver could say "nothing queued" without a wait)
+    # no wait for queued work: the pass runs on the kernel's thread, no hand-off to the device's watchdog (the
+    # bound of what asking the driver whether anything is queued, without a wait, can save)
     "gpucleanup-nosettle": ["GPUCleanup.settle_timeout = 0"],
 }
 EXTRA_VARIANT_NAMES = (*EXTRA_VARIANTS, "gpucleanup-off")
