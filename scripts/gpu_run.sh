@@ -7,7 +7,7 @@
 # for the stage trace: trace-tests.log, trace-bench.json, trace-bench.log; for dask: dask-tests.log, dask-bench.*;
 # for server: server-tests.log and server/ (the page's data, /metrics, the plots);
 # and for the stage kernels: kernels.json, kernels.log, kernel-calls.json, kernel-calls.log.
-# Usage: scripts/gpu_run.sh [STAGE ...]   stages: tests facts bench demo kernels kernels-focus per-cell stages trace dask server reliability memcheck park park-kernels park-bench-kernels
+# Usage: scripts/gpu_run.sh [STAGE ...]   stages: tests facts bench demo kernels kernels-focus per-cell paired stages trace dask server reliability memcheck park park-kernels park-bench-kernels
 #        (default: tests facts bench demo)
 # The stage stages (tests/bench/profile_cell.py --stages --primitives, in-process, about a minute) writes
 # stages.log: where the per-cell time goes, step by step, with CUDA unused and PyTorch or CuPy idle; and
@@ -146,6 +146,17 @@ if [[ $stages == *" per-cell "* ]]; then
   done 2>&1 | tee "$out/stages.log"
   python3 tests/bench/bench_kernels.py --scenario cupy-idle,torch-idle,rerun-cupy-pinned \
     --variants bare,gpucleanup,gpucleanup-auto --cells 600 --budget-s 300 --json "$out/per-cell.json" 2>&1 \
+    | tee "$out/per-cell.log"
+fi
+if [[ $stages == *" paired "* ]]; then
+  # the per-cell goals measured on and off inside each kernel (tests/bench/bench_paired.py, about 3 min): the
+  # default release ("rerun") and "cell", 3 kernels each, so the noise between kernel processes drops out;
+  # then the same scenarios side by side in separate kernels (bench_kernels.py, about 3 min)
+  python3 tests/bench/bench_paired.py --json "$out/paired.json" 2>&1 | tee "$out/paired.log"
+  python3 tests/bench/bench_paired.py --scenario rerun-cupy-pinned --config "GPUCleanup.release = 'cell'" \
+    --json "$out/paired-cell.json" 2>&1 | tee "$out/paired-cell.log"
+  python3 tests/bench/bench_kernels.py --scenario cupy-idle,torch-idle,rerun-cupy-pinned \
+    --variants bare,gpucleanup,gpucleanup-cell --cells 400 --budget-s 240 --json "$out/per-cell.json" 2>&1 \
     | tee "$out/per-cell.log"
 fi
 if [[ $stages == *" kernels-focus "* ]]; then

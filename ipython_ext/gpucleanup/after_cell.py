@@ -54,6 +54,8 @@ from .unraisable import CAPTURE, summarize_unraisables
 
 __all__ = ["AfterCell", "Settings", "adapter_note"]
 
+# The release policies that leave the device caches and the driver's pools to a release once idle.
+DEFERRED = ("idle", "rerun")
 _PINNED_REPORT_WAIT_S = 0.005  # a pinned release this quick is reported by its own cell
 _ADAPTER_LOCK_WAIT_S = 0.05  # how long a cell waits for a background pinned release of the same adapter
 
@@ -71,7 +73,9 @@ class Settings:
     show: str = "auto"
     frameworks: Mapping[str, bool] = field(default_factory=dict)
     #: "cell": every cache after every cell; "auto": device caches after every cell, pinned
-    #: host pools once the kernel is idle; "idle": everything once the kernel is idle
+    #: host pools once the kernel is idle; "idle": everything once the kernel is idle; "rerun":
+    #: the driver's pools after every cell, the frameworks' caches once the kernel is idle or as
+    #: soon as a cell other than the one that left them starts
     release: str = "cell"
     #: how long the kernel must stay idle before a deferred release runs
     idle_release_s: float = 1.0
@@ -158,15 +162,17 @@ class Release:
 class IdleRelease:
     """What a cell left cached, given back once the kernel has been idle ``delay_s`` seconds.
 
-    A cell that starts before then cancels it (``AfterCell.cell_starts``): what the cell
+    A cell that starts before then holds it (``AfterCell.cell_starts``): what the cell
     re-uses from the caches is not torn down and rebuilt between two cells run back to
-    back. Once started it runs to its end on its own thread; the frameworks' pools and the
-    driver serialise it with a cell that starts meanwhile. Its result is reported by the
-    next cell's line ("freed 1.5 GiB when idle").
+    back. When the cell ends, a cleanup that found nothing changed re-arms it, on the same
+    thread (a cell re-run back to back starts no thread); any other cancels it and defers
+    what is cached then. Once started it runs to its end on its own thread; the frameworks'
+    pools and the driver serialise it with a cell that starts meanwhile. Its result is
+    reported by the next cell's line ("freed 1.5 GiB when idle").
     """
 
     def __init__(self, engine: "AfterCell", adapters: list, devices: List[int], cell: Optional[int],
-                 what: Release, delay_s: float):
+                 what: Release, delay_s: float, name: str = "gpucleanup-idle-release"):
         self.engine = engine
         self.adapters = adapters
         self.devices = list(devices)
@@ -179,14 +185,49 @@ class IdleRelease:
         self.elapsed_s = 0.0
         self.done = threading.Event()
         self.reported = False
+        self.delay_s = max(0.0, float(delay_s))
         self._lock = threading.Lock()
-        self._state = "waiting"  # waiting -> running -> done, or waiting -> cancelled
-        self._timer = threading.Timer(max(0.0, float(delay_s)), self._run)
-        self._timer.name = "gpucleanup-idle-release"
-        self._timer.daemon = True
+        self._wake = threading.Condition(self._lock)
+        # waiting -> running -> done, or waiting -> cancelled; while waiting it runs at _deadline
+        # (time.monotonic()), or not at all while held (None: a cell runs)
+        self._state = "waiting"
+        self._deadline: Optional[float] = None
+        self._thread = threading.Thread(target=self._wait, name=name, daemon=True)
+        #: release "rerun": the source of the cell that left the caches; any other cell gives them back
+        self.source: Optional[str] = None
+        self.when = "idle"  # what started it: "idle", or "cell" (another cell began)
 
     def start(self) -> None:
-        self._timer.start()
+        self._deadline = time.monotonic() + self.delay_s
+        self._thread.start()
+
+    def hold(self) -> bool:
+        """A cell starts: not before it has ended (:meth:`rearm` or :meth:`cancel` then); True if held."""
+        with self._lock:
+            if self._state != "waiting" or self.when != "idle":
+                return False
+            self._deadline = None
+            return True
+
+    def run_now(self) -> bool:
+        """Another cell starts (release "rerun"): run now on its thread, alongside the cell; True if it will."""
+        with self._lock:
+            if self._state != "waiting":
+                return False
+            self.when = "cell"
+            self._deadline = time.monotonic()
+            self._wake.notify()
+            return True
+
+    def rearm(self) -> bool:
+        """The cell that held it changed nothing: wait ``delay_s`` again from now, on the same thread
+        (a cell re-run back to back costs no thread); True if it still waits."""
+        with self._lock:
+            if self._state != "waiting":
+                return False
+            self._deadline = time.monotonic() + self.delay_s
+            self._wake.notify()
+            return True
 
     def cancel(self) -> bool:
         """Drop it if it has not started; True if it was dropped."""
@@ -194,7 +235,7 @@ class IdleRelease:
             if self._state != "waiting":
                 return False
             self._state = "cancelled"
-        self._timer.cancel()
+            self._wake.notify()
         self.done.set()
         return True
 
@@ -202,11 +243,24 @@ class IdleRelease:
     def cancelled(self) -> bool:
         return self._state == "cancelled"
 
-    def _run(self) -> None:
+    def _wait(self) -> None:
+        """The job's thread: wait for the deadline (moved by :meth:`hold` and :meth:`rearm`), then run."""
         with self._lock:
-            if self._state != "waiting" or self.engine.parked():
+            while self._state == "waiting":
+                left = None if self._deadline is None else self._deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    if not self.engine.parked():
+                        break
+                    # parked: a driver call would wait for the restore; the next cell rearms or cancels it
+                    self._deadline = None
+                    continue
+                self._wake.wait(left)
+            if self._state != "waiting":
                 return
             self._state = "running"
+        self._run()
+
+    def _run(self) -> None:
         engine = self.engine
         start = time.perf_counter()
         try:
@@ -267,6 +321,7 @@ class IdleRelease:
             "devices": [{"index": i, "freed_bytes": dict(f)} for i, f in sorted(self.freed_device.items()) if f],
             "pinned_freed_bytes": dict(self.freed_pinned),
             "elapsed_s": round(self.elapsed_s, 6),
+            "when": self.when,
         }
 
 
@@ -275,8 +330,7 @@ class PinnedRelease(IdleRelease):
     free makes driver calls made meanwhile wait for it, so it starts after the cell's last one."""
 
     def __init__(self, engine: "AfterCell", adapters: list, cell: Optional[int]):
-        super().__init__(engine, adapters, [], cell, Release(pinned=True), delay_s=0.0)
-        self._timer.name = "gpucleanup-pinned"
+        super().__init__(engine, adapters, [], cell, Release(pinned=True), delay_s=0.0, name="gpucleanup-pinned")
 
     @property
     def freed(self) -> Dict[str, int]:
@@ -462,6 +516,8 @@ class AfterCell:
         self.last_driver_state: Optional[str] = None
         self.pinned_job: Optional[PinnedRelease] = None
         self.idle_job: Optional[IdleRelease] = None  # the latest, while it may still be cancelled
+        self._held: Optional[IdleRelease] = None  # ... held while a cell runs (cell_starts)
+        self._source: Optional[str] = None  # the source of the cell that runs or ran last
         self._idle_jobs: List[IdleRelease] = []  # started, not yet reported by a cell's line
         self._warned: set = set()
         self._unusable: set = set()
@@ -618,16 +674,45 @@ class AfterCell:
         if self._seen_in_use is None:
             self._seen_in_use = set()
 
-    def cell_starts(self) -> None:
-        """A cell starts: a release waiting for the kernel to be idle is not wanted now."""
-        job, self.idle_job = self.idle_job, None
+    def cell_starts(self, source: Optional[str] = None) -> None:
+        """A cell starts: a release waiting for the kernel to be idle waits for the cell's end (held);
+        under release "rerun" a cell other than the one that left the caches (its ``source`` differs)
+        has them given back now, on the release's thread."""
+        job = self.idle_job
+        if source is not None:
+            self._source = source
+            if job is not None and job.source is not None and job.source != source and job.run_now():
+                self.idle_job = None  # it runs: the line of the cell that ends after it reports it
+                return
+        if job is not None and job.hold():
+            self._held = job
+        elif job is not None:
+            self.idle_job = None  # it runs or ran: the next cell's line reports it
+
+    def held(self) -> Optional[IdleRelease]:
+        """The release the last cleanup deferred, held while this cell runs (None: none)."""
+        return self._held
+
+    def rearm_held(self) -> None:
+        """The cell changed nothing: the held release waits its full delay again from now."""
+        job, self._held = self._held, None
+        if job is not None and not job.rearm():
+            self.idle_job = None
+
+    def cell_ends(self) -> None:
+        """A held release not re-armed is not wanted any more: this cleanup released or deferred what
+        is cached now (also called before it defers anew, and by the extension when no cleanup ran)."""
+        job, self._held = self._held, None
         if job is not None and job.cancel():
             with contextlib.suppress(ValueError):
                 self._idle_jobs.remove(job)
+            if self.idle_job is job:
+                self.idle_job = None
 
     def stop(self) -> None:
         """Unload or exit: nothing waits any more to run later."""
         self.cell_starts()
+        self.cell_ends()
 
     # ------------------------------------------------------------ the cell
 
@@ -648,9 +733,12 @@ class AfterCell:
         the cell's holders no variable names, or a callable asked for them once a device is in use.
         """
         self.progress_opened = False
-        self.cell_starts()  # a release still waiting is replaced by this cleanup's
+        self.cell_starts()  # a release still waiting is re-armed, or replaced by this cleanup's
         self._cell = cell
-        return CellPass(self, settings, Cell(cell, namespace, forced, after_forced, hidden)).run()
+        try:
+            return CellPass(self, settings, Cell(cell, namespace, forced, after_forced, hidden)).run()
+        finally:
+            self.cell_ends()
 
     # ------------------------------------------------------------ steps
 
@@ -874,9 +962,12 @@ class AfterCell:
         for a in pinned_adapters:
             if a not in adapters:
                 adapters.append(a)
-        device = bool(device_adapters) or settings.release == "idle"
+        device = bool(device_adapters) or settings.release in DEFERRED
         what = Release(device=device, pinned=bool(pinned_adapters), trim=device and settings.driver_pools)
+        self.cell_ends()  # the release an earlier cell deferred is replaced by this one
         job = IdleRelease(self, adapters, devices, cell, what, delay_s=settings.idle_release_s)
+        if settings.release == "rerun":
+            job.source = self._source
         self.idle_job = job
         self._idle_jobs.append(job)
         job.start()
@@ -1042,7 +1133,8 @@ class CellPass:
         self.settings = dataclasses.replace(settings, release="cell") if cell.forced else settings
         self.cell = cell
         self.start = time.perf_counter()
-        self.now_device = self.settings.release != "idle"  # device caches and the driver trim, now or when idle
+        self.now_device = self.settings.release not in DEFERRED  # the frameworks' device caches, now or later
+        self.now_trim = self.settings.release != "idle"  # the driver's pools: "idle" alone leaves them to later
         self.notes: List[Note] = []
         self.captured: List[dict] = []
         self.first: dict = {}  # the one-pass native call's result
@@ -1105,7 +1197,7 @@ class CellPass:
         engine = self.engine
         notes_first: List[Note] = []
         first = engine._native_pass(engine._settle_limit(self.settings, self.cell.after_forced), self.settings,
-                                    notes_first, trim=self.now_device and self.settings.driver_pools)
+                                    notes_first, trim=self.now_trim and self.settings.driver_pools)
         if first is not None and ctrl_c.pressed:
             first["keyboard_interrupt"] = True  # the settle step stops there
         if first is None:
@@ -1181,7 +1273,7 @@ class CellPass:
         gc_freed = bool(self.gc_record.collected) and (
             engine._last_live is None or engine.live_total(self.stats_settled, self.settled) < engine._last_live)
         self.figures_stale = bool(self.given_back or gc_freed)
-        if self.now_device and self.settings.driver_pools and self.settled and self.figures_stale:
+        if self.now_trim and self.settings.driver_pools and self.settled and self.figures_stale:
             reported = {i for i, work in self.work.items() if work.after is not None}
             fresh = engine._trim(self.work, self.notes)
             # the trim reported every device's memory after it: as fresh as a snapshot
@@ -1213,12 +1305,14 @@ class CellPass:
     def unchanged(self) -> bool:
         """Nothing changed since the last cleanup, as far as can be proven: the native pass found
         every device settled with the very free bytes and driver pools that cleanup left and
-        released nothing; each framework's figures equal those after it, with nothing new cached;
-        no pinned pool to release; nothing queued or finished in the background; nothing to say."""
-        engine, last = self.engine, self.engine._last_pass
+        released nothing; each framework's figures equal those after it, with nothing new cached
+        (what the release it deferred covers is not new); no pinned pool to release; nothing queued
+        or finished in the background; nothing to say."""
+        engine, last, held = self.engine, self.engine._last_pass, self.engine.held()
         if (last is None or self.cell.forced or self.cell.after_forced is not None or self.settings.show == "always"
                 or engine.progress_opened or self.notes or self.background or self.idle_done
-                or engine.pinned_job is not None or engine._idle_jobs or self._tracing()):
+                or engine.pinned_job is not None or any(job is not held for job in engine._idle_jobs)
+                or self._tracing()):
             return False
         if set(self.work) != set(last.devices) or self.settled != list(self.work):
             return False
@@ -1229,12 +1323,15 @@ class CellPass:
                 return False
         if self.stats_settled != last.stats:
             return False
-        if any(getattr(a, "can_release", True) and not _nothing_new_cached(
+        # What the release the last cleanup deferred covers is cached as it was then (the figures are
+        # the same): it is not new, and that release, held during the cell, gives it back once idle.
+        deferred = held.adapters if held is not None and self.settings.release != "cell" else []
+        if any(getattr(a, "can_release", True) and not (a in deferred and held.device) and not _nothing_new_cached(
                 self.stats_settled.get(a.name), self.settled, engine._kept.get(a.name, {})) for a in self.adapters):
             return False  # something to give back now, or when idle
         candidates, pending = engine._pinned_candidates(self.settings, self.adapters, self.stats_settled,
                                                         self.settled, self.devices)
-        return not candidates and not pending
+        return not pending and all(a in deferred and held.pinned for a in candidates)
 
     def _tracing(self) -> bool:
         """The allocation trace (opt-in) runs: every cell gets its record of what it traced."""
@@ -1249,6 +1346,7 @@ class CellPass:
         The names that held GPU memory are still checked (cheap: no walk)."""
         engine = self.engine
         engine.skipped += 1
+        engine.rearm_held()  # what the last cleanup deferred is still to be given back once idle
         if self.cell.namespace is not None:
             engine.holders.update(self.cell.namespace, engine._last_live)
         record = CellRecord(cell=self.cell.number, time_ns=time.time_ns(), driver_state=self.state,
@@ -1283,16 +1381,24 @@ class CellPass:
 
     def release_pinned(self) -> None:
         """Step 6: pinned host pools on a background thread after the cell's last driver call,
-        or everything left for the kernel's idle time (release "auto" and "idle")."""
+        or what is left for later (release "auto", "idle" and "rerun"): "idle" always defers
+        (the driver's pools too), "rerun" only a cache that holds something."""
         if self.interrupted:
             return
-        if self.candidates and self.settings.release == "cell":
+        release = self.settings.release
+        if self.candidates and release == "cell":
             self.pinned_now, started = self.engine._start_pinned(self.candidates, self.cell.number, self.notes,
                                                                  self.captured)
             self.pending = self.pending or started
-        elif self.settled and (self.candidates or not self.now_device):
+        elif self.settled and (self.candidates or release == "idle" or (release == "rerun" and self._cached())):
             self.deferred = self.engine._defer(self.settings, self.adapters if not self.now_device else [],
                                                self.candidates, self.settled, self.cell.number)
+
+    def _cached(self) -> bool:
+        """A framework that can give memory back caches some on a settled device (or its figures are not known)."""
+        stats = self.stats_after or {}
+        return any(getattr(a, "can_release", True) and (
+            a.name not in stats or any(stats[a.name].on(i).cached > 0 for i in self.settled)) for a in self.adapters)
 
     def record(self) -> CellRecord:
         """Step 7: the record of this cell."""

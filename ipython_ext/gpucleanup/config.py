@@ -36,7 +36,7 @@ __all__ = ["GPUCleanupOptions", "GC_POLICIES", "SHOW_POLICIES", "known_framework
 
 GC_POLICIES = ("auto", "always", "never")
 SHOW_POLICIES = ("auto", "always", "never")
-RELEASE_POLICIES = ("cell", "auto", "idle")
+RELEASE_POLICIES = ("cell", "auto", "idle", "rerun")
 # A record is a few KiB: 100,000 of them is already hundreds of MiB of host memory.
 MAX_HISTORY_SIZE = 100_000
 # A settle longer than a day is a hang by another name.
@@ -173,6 +173,9 @@ class GPUCleanupOptions(Configurable):
             "pinned host pools once the kernel has been idle idle_release_s seconds (pinning again costs "
             "about 145 ms per GiB, so cells run back to back keep them). 'idle': everything once the kernel "
             "has been idle idle_release_s seconds; a cell that starts sooner finds the caches it left. "
+            "'rerun': the driver's pools after every cell; the frameworks' device caches and pinned host "
+            "pools once the kernel has been idle idle_release_s seconds or as soon as another cell starts, "
+            "so only the same cell run again finds them. "
             "%gpumem --drain always gives everything back at once."
         ),
     ).tag(config=True)

@@ -388,7 +388,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             self._forced_in_cell = None
             if info is not None and getattr(info, "silent", False):
                 return  # a frontend's silent request (no cleanup follows it) leaves a pending release alone
-            self.engine.cell_starts()  # a release waiting for the kernel to be idle is not wanted now
+            # a release waiting for the kernel to be idle waits for this cell's end, or runs now if it is another cell
+            self.engine.cell_starts(getattr(info, "raw_cell", None))
             if self.tracer.active:
                 self.tracer.set_cell(running_cell_number(self.shell, info))
             if self.engine.exiting:
@@ -449,6 +450,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             with contextlib.suppress(Exception):
                 self._warn_once_now(f"internal:{type(exc).__name__}", f"cleanup failed ({type(exc).__name__}: {exc}); the cell is not affected")
         finally:
+            self.engine.cell_ends()  # a release the cell held and no cleanup re-armed (paused, parked) is dropped
             self._forced_in_cell = None
             self._interrupt_the_cell.pending = False
             with contextlib.suppress(Exception):

@@ -94,6 +94,19 @@ def progress_line(device: int, waited_s: float) -> str:
     return f"{PREFIX}{SEP}waiting for GPU{device} to finish queued work … {int(waited_s)} s"
 
 
+def _until(record: Optional[dict]) -> str:
+    """Until when a deferred release keeps what a cell cached (release "idle" or "rerun")."""
+    return "until idle or another cell" if (record or {}).get("release") == "rerun" else "until idle"
+
+
+def _when(job: dict) -> str:
+    """When a deferred release ran: the kernel stayed idle, or another cell began (release "rerun")."""
+    cell = job.get("cell")
+    if job.get("when") == "cell":
+        return f"left by [{cell}]" if cell is not None else "left by the last cell"
+    return "when idle"
+
+
 def _pinned_segment(pinned: dict, record: Optional[dict] = None) -> Optional[str]:
     segs = []
     now = _sum(pinned.get("freed_bytes"))
@@ -108,11 +121,11 @@ def _pinned_segment(pinned: dict, record: Optional[dict] = None) -> Optional[str
     for job in (record or {}).get("idle") or []:
         freed = _sum(job.get("pinned_freed_bytes"))
         if freed:
-            segs.append(f"pinned {format_bytes(freed)} freed when idle")
+            segs.append(f"pinned {format_bytes(freed)} freed {_when(job)}")
     deferred = (record or {}).get("deferred") or {}
     if deferred.get("pinned"):
         held = sum(int((p or {}).get("cached_bytes") or 0) for p in (pinned.get("pools") or {}).values())
-        segs.append(f"pinned {format_bytes(held)} cached until idle" if held else "pinned release when idle")
+        segs.append(f"pinned {format_bytes(held)} cached {_until(record)}" if held else "pinned release when idle")
     return SEP.join(segs) if segs else None
 
 
@@ -151,7 +164,7 @@ def _device_line(dev: dict, record: dict, pinned: Optional[str]) -> str:
             if entry.get("index") == dev.get("index"):
                 total = _sum(entry.get("freed_bytes"))
                 if total:
-                    segs.append(f"freed {format_bytes(total)} when idle ({_parts(entry['freed_bytes'], total)})")
+                    segs.append(f"freed {format_bytes(total)} {_when(job)} ({_parts(entry['freed_bytes'], total)})")
     if pinned:
         segs.append(pinned)
     growth = dev.get("outside_growth_bytes")
@@ -177,8 +190,8 @@ def _device_line(dev: dict, record: dict, pinned: Optional[str]) -> str:
     if cached:
         cached_total = _sum(cached)
         if (record.get("deferred") or {}).get("device"):
-            # release = "idle": the caches stay for a next cell, and go once the kernel is idle
-            segs.append(f"cached {format_bytes(cached_total)} until idle ({_parts(cached, cached_total)})")
+            # release "idle" ("rerun"): the caches stay for a next cell (a re-run), and go once the kernel is idle
+            segs.append(f"cached {format_bytes(cached_total)} {_until(record)} ({_parts(cached, cached_total)})")
         else:
             segs.append(f"held {format_bytes(cached_total)} cached ({_parts(cached, cached_total)})")
     segs.extend(_reserved_segments(dev, record))

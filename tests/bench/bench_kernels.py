@@ -106,6 +106,7 @@ VARIANTS = ("bare", "gpucleanup", "pasted", "ipyexperiments")
 # Run only when named (--variants), each gpucleanup with one setting changed: where the added time of a cell
 # goes, and which release policy a re-run needs.
 EXTRA_VARIANTS = {
+    "gpucleanup-cell": ["GPUCleanup.release = 'cell'"],  # every cache after every cell (the default before 'rerun')
     "gpucleanup-auto": ["GPUCleanup.release = 'auto'"],  # pinned host pools once idle, device caches per cell
     "gpucleanup-idle": ["GPUCleanup.release = 'idle'"],  # every cache once the kernel has been idle
     "gpucleanup-noserver": ["GPUCleanup.status_server = False"],  # no status endpoint, no state per cell

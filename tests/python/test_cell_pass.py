@@ -6,6 +6,7 @@ cleanup is skipped because nothing changed since the last one (no record, no pub
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import pytest
 
@@ -192,16 +193,107 @@ def test_show_always_and_gpumem_drain_never_skip(fake_cuda, settings, forced):
     assert engine.skipped == 0
 
 
-def test_release_idle_with_a_cache_left_is_never_skipped(fake_cuda):
-    # release "idle" leaves the cache to a release once the kernel is idle: each cell queues it again
+def test_release_idle_a_re_run_that_leaves_the_same_cache_is_skipped_and_its_release_re_armed(fake_cuda):
+    # release "idle" leaves the cache to a release once the kernel is idle: a cell re-run back to back
+    # that leaves the very same cache changes nothing, so the release deferred by the first is re-armed
+    _device(fake_cuda)
+    cupy = Framework(live={0: GiB}, cached={0: GiB})
+    engine, native = _engine(cupy)
+    settings = _settings(release="idle", idle_release_s=60.0)
+    first = engine.run(settings, cell=1)
+    assert first.keep and first.record.deferred == {"device": True, "pinned": False, "after_s": 60.0}
+    job = engine.idle_job
+    for cell in range(2, 6):
+        outcome = engine.run(settings, cell=cell)
+        assert outcome.lines == [] and not outcome.keep and outcome.record.deferred is None
+    assert engine.skipped == 4 and engine.idle_job is job and engine._idle_jobs == [job] and not job.cancelled
+    assert cupy.calls["drain"] == 0 and cupy.cached == {0: GiB}
+    cupy.cached[0] = 2 * GiB  # the next cell caches more: a full cleanup defers it all anew
+    outcome = engine.run(settings, cell=6)
+    assert outcome.keep and outcome.record.devices[0].cached_bytes == {"cupy": 2 * GiB}
+    assert job.cancelled and engine.idle_job is not job and engine._idle_jobs == [engine.idle_job]
+    engine.stop()
+    assert engine.idle_job is None and engine._idle_jobs == []
+
+
+def test_release_idle_a_re_armed_release_still_runs_once_the_kernel_is_idle(fake_cuda):
     _device(fake_cuda)
     cupy = Framework(live={0: GiB}, cached={0: GiB})
     engine, _ = _engine(cupy)
-    settings = _settings(release="idle", idle_release_s=60.0)
+    settings = _settings(release="idle", idle_release_s=0.05)
     engine.run(settings, cell=1)
+    job = engine.idle_job
+    engine.cell_starts()  # the next cell holds it: it does not run while the cell runs
+    assert not job.done.wait(0.3) and cupy.calls["drain"] == 0
+    assert not engine.run(settings, cell=2).keep  # nothing changed: re-armed
+    assert job.done.wait(30) and not job.cancelled
+    assert cupy.calls["drain"] == 1 and cupy.cached == {}
+    outcome = engine.run(settings, cell=3)  # the next cell says what was given back while idle
+    assert outcome.keep and outcome.record.idle[0]["devices"] == [{"index": 0, "freed_bytes": {"cupy": GiB}}]
+    engine.stop()
+
+
+def test_release_rerun_keeps_the_cache_for_the_same_cell_and_gives_it_back_as_another_starts(fake_cuda):
+    # release "rerun": what a cell caches stays while that very cell is re-run, and goes (on the
+    # release's own thread) as soon as any other cell starts
+    _device(fake_cuda)
+    cupy = Framework(live={0: GiB}, cached={0: GiB})
+    engine, _ = _engine(cupy)
+    settings = _settings(release="rerun", idle_release_s=3600.0)
+    shown = dataclasses.replace(settings, show="always")  # the line even where the driver saw no change
+    engine.cell_starts("train()")  # what the extension says as a cell starts
+    first = engine.run(shown, cell=1)
+    assert first.record.deferred == {"device": True, "pinned": False, "after_s": 3600.0}
+    assert "cached 1.0 GiB until idle or another cell (cupy 1.0)" in first.lines[0]
+    job = engine.idle_job
+    assert job.source == "train()"
+    for cell in (2, 3):  # re-run back to back: nothing changed, the release is re-armed
+        engine.cell_starts("train()")
+        assert not engine.run(settings, cell=cell).keep
+    assert engine.skipped == 2 and engine.idle_job is job and cupy.calls["drain"] == 0
+    engine.cell_starts("evaluate()")  # another cell: the caches go now, not after an hour
+    assert engine.idle_job is None and job.done.wait(30) and not job.cancelled
+    assert cupy.calls["drain"] == 1 and cupy.cached == {}
+    outcome = engine.run(shown, cell=4)
+    assert outcome.keep and outcome.record.idle == [job.result()]
+    assert job.result()["when"] == "cell" and job.result()["devices"] == [{"index": 0, "freed_bytes": {"cupy": GiB}}]
+    assert "freed 1.0 GiB left by [1] (cupy 1.0)" in outcome.lines[0]
+    engine.stop()
+
+
+def test_release_rerun_a_cell_whose_source_is_not_known_keeps_the_cache_until_idle(fake_cuda):
+    _device(fake_cuda)
+    cupy = Framework(live={0: GiB}, cached={0: GiB})
+    engine, _ = _engine(cupy)
+    settings = _settings(release="rerun", idle_release_s=3600.0)
+    engine.run(settings, cell=1)  # no source said (the engine used without the extension): as "idle"
+    job = engine.idle_job
+    assert job.source is None
+    engine.cell_starts("other()")
+    assert engine.held() is job and not job.done.is_set() and cupy.calls["drain"] == 0
+    engine.stop()
+    assert job.cancelled
+
+
+@pytest.mark.parametrize("exc_type", [RuntimeError, MemoryError, KeyboardInterrupt])
+def test_release_rerun_a_framework_that_fails_on_the_release_thread_is_said_by_the_next_cell(fake_cuda, exc_type):
+    _device(fake_cuda)
+    class Broken(Framework):
+        def drain(self, devices):
+            self.calls["drain"] += 1
+            raise exc_type("the pool is corrupt")
+
+    broken = Broken(live={0: GiB}, cached={0: GiB})
+    engine, _ = _engine(broken)
+    settings = _settings(release="rerun", idle_release_s=3600.0)
+    engine.cell_starts("a()")
+    engine.run(settings, cell=1)
+    job = engine.idle_job
+    engine.cell_starts("b()")  # another cell: the release runs on its thread, and its adapter raises there
+    assert job.done.wait(30) and broken.calls["drain"] == 1
     outcome = engine.run(settings, cell=2)
-    assert outcome.keep and outcome.record.deferred == {"device": True, "pinned": False, "after_s": 60.0}
-    assert engine.skipped == 0
+    assert outcome.keep and any("the pool is corrupt" in note for note in outcome.record.notes)
+    assert any(exc_type.__name__ in note for note in outcome.record.notes)
     engine.stop()
 
 

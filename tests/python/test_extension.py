@@ -1396,21 +1396,61 @@ def test_release_idle_keeps_the_caches_for_the_next_cell_and_gives_them_back_whe
     assert _ext(shell).history.last()[-1]["idle"][0]["devices"] == [{"index": 0, "freed_bytes": {"cupy": GiB}}]
 
 
-def test_release_idle_a_cell_run_back_to_back_cancels_the_pending_release_stand_in(shell, stand_in, capsys):
+def test_release_idle_a_cell_re_run_back_to_back_keeps_one_pending_release_re_armed_stand_in(shell, stand_in, capsys):
     shell.run_line_magic("load_ext", "gpucleanup")
     shell.run_line_magic("config", "GPUCleanup.release = 'idle'")
     shell.run_line_magic("config", "GPUCleanup.idle_release_s = 3600")  # never reached in this test
     stand_in.cupy.cached[0] = GiB
     drains = stand_in.cupy.calls["drain"]
-    for i in range(5):
-        _run(shell, f"x = {i}", capsys)
+    _run(shell, "x = 0", capsys)
+    assert _ext(shell).history.last()[-1]["deferred"] == {"device": True, "pinned": True, "after_s": 3600.0}
     engine = _ext(shell).engine
     first = engine.idle_job
-    _run(shell, "x = 9", capsys)
-    assert first.cancelled and engine.idle_job is not first
+    skipped, records = engine.skipped, len(_ext(shell).history.last())
+    for i in range(1, 5):  # the same caches after every cell: nothing changed since the release was deferred
+        _, out = _run(shell, f"x = {i}", capsys)
+        assert _lines(out.out) == []
+    assert engine.skipped == skipped + 4 and len(_ext(shell).history.last()) == records
+    assert engine.idle_job is first and not first.cancelled and not first.done.is_set()
+    assert engine._idle_jobs == [first]
+    assert first._deadline is not None and first._deadline > time.monotonic() + 3000  # re-armed for its whole delay
+    assert [t.name for t in threading.enumerate()].count("gpucleanup-idle-release") == 1
     assert stand_in.cupy.calls["drain"] == drains and stand_in.cupy.cached[0] == GiB
     shell.run_line_magic("unload_ext", "gpucleanup")
-    assert engine.idle_job is None and engine.pinned_job is None or engine.pinned_job.done.is_set()
+    assert first.cancelled and engine.idle_job is None
+    first._thread.join(5)
+    assert not first._thread.is_alive()  # its thread ended with it
+
+
+def test_release_idle_a_cell_that_caches_more_replaces_the_pending_release_stand_in(shell, stand_in, capsys):
+    shell.run_line_magic("load_ext", "gpucleanup")
+    shell.run_line_magic("config", "GPUCleanup.release = 'idle'")
+    shell.run_line_magic("config", "GPUCleanup.idle_release_s = 3600")
+    stand_in.cupy.cached[0] = GiB
+    _run(shell, "x = 1", capsys)
+    engine = _ext(shell).engine
+    first = engine.idle_job
+    stand_in.cupy.cached[0] = 2 * GiB
+    _run(shell, "x = 2", capsys)
+    record = _ext(shell).history.last()[-1]
+    assert record["devices"][0]["cached_bytes"] == {"cupy": 2 * GiB} and record["deferred"]["device"] is True
+    first._thread.join(5)
+    assert first.cancelled and first.done.is_set() and not first._thread.is_alive()
+    assert engine.idle_job is not first and engine._idle_jobs == [engine.idle_job]
+    assert stand_in.cupy.calls["drain"] == 0
+
+
+def test_release_idle_a_cell_with_the_cleanup_paused_drops_the_pending_release_stand_in(shell, stand_in, capsys):
+    shell.run_line_magic("load_ext", "gpucleanup")
+    shell.run_line_magic("config", "GPUCleanup.release = 'idle'")
+    shell.run_line_magic("config", "GPUCleanup.idle_release_s = 3600")
+    stand_in.cupy.cached[0] = GiB
+    _run(shell, "x = 1", capsys)
+    engine = _ext(shell).engine
+    first = engine.idle_job
+    _run(shell, "%gpumem --off", capsys)  # paused during this cell: no cleanup after it, nothing re-arms
+    assert first.cancelled and engine.idle_job is None and engine.held() is None
+    assert stand_in.cupy.calls["drain"] == 0
 
 
 def test_release_auto_frees_device_caches_now_and_pinned_pools_when_idle_stand_in(shell, stand_in, capsys):
