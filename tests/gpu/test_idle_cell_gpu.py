@@ -53,3 +53,43 @@ def test_idle_cells_are_skipped_and_an_allocating_cell_is_not(framework):
     assert r["idle_skipped"] == 20 and r["idle_kept"] == 0
     assert r["after"] == 20 and r["last"] is True  # the cell that allocated 256 MiB was cleaned and recorded
     assert any(line.startswith("gpucleanup · GPU0") for line in r["grown"]), r["grown"]
+
+
+RERUN = '''
+_h = cupyx.empty_pinned((16 << 20,), dtype=np.float32)  # 64 MiB staged through pinned memory
+_h[:] = 1.0
+_d = cp.asarray(_h)
+s = float(_d.sum())
+del _h, _d
+'''
+
+
+def test_release_rerun_keeps_the_caches_for_a_re_run_and_gives_them_back_as_another_cell_starts():
+    # release "rerun": a cell re-run back to back finds CuPy's device and pinned caches as it left them
+    # (nothing torn down, no record, no line), and a different cell has them given back as it starts
+    require("cupy")
+    r = run_script(SHELL, f'''
+        run("%config GPUCleanup.release = 'rerun'")
+        run("%config GPUCleanup.idle_release_s = 3600")
+        run("import cupy as cp, cupyx, numpy as np")
+        first = run({RERUN!r})
+        import cupy
+        pool, pinned = cupy.get_default_memory_pool(), cupy.get_default_pinned_memory_pool()
+        cached = (pool.total_bytes(), pinned.n_free_blocks())
+        job, skipped = ext.engine.idle_job, ext.engine.skipped
+        reruns = [run({RERUN!r}) for _ in range(10)]
+        same_job = ext.engine.idle_job is job and not job.done.is_set()
+        after_reruns = (pool.total_bytes(), pinned.n_free_blocks())
+        other = run("z = 1")
+        done = job.done.wait(60)
+        figure(f"rerun: {{ext.engine.skipped - skipped}} of 10 re-runs skipped, caches {{cached}} -> {{after_reruns}}")
+        result(first=first, reruns=reruns, skipped=ext.engine.skipped - skipped, same_job=same_job, cached=cached,
+               after_reruns=after_reruns, other=other, done=done, when=job.when,
+               after_other=(pool.total_bytes(), pinned.n_free_blocks()))
+    ''')
+    assert any("cached 64 MiB until idle or another cell (cupy 64)" in line for line in r["first"]), r["first"]
+    assert r["cached"][0] >= 64 << 20  # CuPy's device pool keeps the 64 MiB (its pinned pool may free late)
+    assert r["reruns"] == [[]] * 10 and r["skipped"] == 10 and r["same_job"]
+    assert r["after_reruns"][0] == r["cached"][0]  # the re-runs re-used the device cache, nothing was rebuilt
+    assert r["done"] and r["when"] == "cell"
+    assert r["after_other"] == [0, 0], r  # device pool and pinned pool empty once another cell started
