@@ -101,7 +101,7 @@ class CellRecord:
     touched: bool = False
     #: a summary line was printed
     shown: bool = False
-    #: the release policy this cleanup ran under: "cell", "auto" or "idle"
+    #: the release policy this cleanup ran under: "cell", "auto", "idle" or "rerun"
     release: str = "cell"
     #: what this cleanup left for later: {"device": bool, "pinned": bool, "after_s": seconds idle}
     deferred: Optional[dict] = None
