@@ -1396,16 +1396,20 @@ def test_release_idle_keeps_the_caches_for_the_next_cell_and_gives_them_back_whe
     assert _ext(shell).history.last()[-1]["idle"][0]["devices"] == [{"index": 0, "freed_bytes": {"cupy": GiB}}]
 
 
-def test_release_idle_a_cell_re_run_back_to_back_keeps_one_pending_release_re_armed_stand_in(shell, stand_in, capsys):
+def _a_release_deferred_for_an_hour(shell, stand_in, capsys):
+    """release "idle" with 1 GiB cached by CuPy after cell "x = 0": the engine and the release it deferred."""
     shell.run_line_magic("load_ext", "gpucleanup")
     shell.run_line_magic("config", "GPUCleanup.release = 'idle'")
-    shell.run_line_magic("config", "GPUCleanup.idle_release_s = 3600")  # never reached in this test
+    shell.run_line_magic("config", "GPUCleanup.idle_release_s = 3600")  # never reached in these tests
     stand_in.cupy.cached[0] = GiB
-    drains = stand_in.cupy.calls["drain"]
     _run(shell, "x = 0", capsys)
-    assert _ext(shell).history.last()[-1]["deferred"] == {"device": True, "pinned": True, "after_s": 3600.0}
     engine = _ext(shell).engine
-    first = engine.idle_job
+    return engine, engine.idle_job
+
+
+def test_release_idle_a_cell_re_run_back_to_back_keeps_one_pending_release_re_armed_stand_in(shell, stand_in, capsys):
+    engine, first = _a_release_deferred_for_an_hour(shell, stand_in, capsys)
+    assert _ext(shell).history.last()[-1]["deferred"] == {"device": True, "pinned": True, "after_s": 3600.0}
     skipped, records = engine.skipped, len(_ext(shell).history.last())
     for i in range(1, 5):  # the same caches after every cell: nothing changed since the release was deferred
         _, out = _run(shell, f"x = {i}", capsys)
@@ -1415,7 +1419,7 @@ def test_release_idle_a_cell_re_run_back_to_back_keeps_one_pending_release_re_ar
     assert engine._idle_jobs == [first]
     assert first._deadline is not None and first._deadline > time.monotonic() + 3000  # re-armed for its whole delay
     assert [t.name for t in threading.enumerate()].count("gpucleanup-idle-release") == 1
-    assert stand_in.cupy.calls["drain"] == drains and stand_in.cupy.cached[0] == GiB
+    assert stand_in.cupy.calls["drain"] == 0 and stand_in.cupy.cached[0] == GiB
     shell.run_line_magic("unload_ext", "gpucleanup")
     assert first.cancelled and engine.idle_job is None
     first._thread.join(5)
@@ -1423,13 +1427,7 @@ def test_release_idle_a_cell_re_run_back_to_back_keeps_one_pending_release_re_ar
 
 
 def test_release_idle_a_cell_that_caches_more_replaces_the_pending_release_stand_in(shell, stand_in, capsys):
-    shell.run_line_magic("load_ext", "gpucleanup")
-    shell.run_line_magic("config", "GPUCleanup.release = 'idle'")
-    shell.run_line_magic("config", "GPUCleanup.idle_release_s = 3600")
-    stand_in.cupy.cached[0] = GiB
-    _run(shell, "x = 1", capsys)
-    engine = _ext(shell).engine
-    first = engine.idle_job
+    engine, first = _a_release_deferred_for_an_hour(shell, stand_in, capsys)
     stand_in.cupy.cached[0] = 2 * GiB
     _run(shell, "x = 2", capsys)
     record = _ext(shell).history.last()[-1]
@@ -1441,13 +1439,7 @@ def test_release_idle_a_cell_that_caches_more_replaces_the_pending_release_stand
 
 
 def test_release_idle_a_cell_with_the_cleanup_paused_drops_the_pending_release_stand_in(shell, stand_in, capsys):
-    shell.run_line_magic("load_ext", "gpucleanup")
-    shell.run_line_magic("config", "GPUCleanup.release = 'idle'")
-    shell.run_line_magic("config", "GPUCleanup.idle_release_s = 3600")
-    stand_in.cupy.cached[0] = GiB
-    _run(shell, "x = 1", capsys)
-    engine = _ext(shell).engine
-    first = engine.idle_job
+    engine, first = _a_release_deferred_for_an_hour(shell, stand_in, capsys)
     _run(shell, "%gpumem --off", capsys)  # paused during this cell: no cleanup after it, nothing re-arms
     assert first.cancelled and engine.idle_job is None and engine.held() is None
     assert stand_in.cupy.calls["drain"] == 0
