@@ -75,7 +75,8 @@ class Settings:
     #: "cell": every cache after every cell; "auto": device caches after every cell, pinned
     #: host pools once the kernel is idle; "idle": everything once the kernel is idle; "rerun":
     #: the driver's pools after every cell, the frameworks' caches once the kernel is idle or as
-    #: soon as a cell other than the one that left them starts
+    #: soon as a cell other than the one that left them starts. "cell" here, for callers without
+    #: cells (the Dask worker plugin); the extension's trait defaults to "rerun"
     release: str = "cell"
     #: how long the kernel must stay idle before a deferred release runs
     idle_release_s: float = 1.0
@@ -674,20 +675,22 @@ class AfterCell:
         if self._seen_in_use is None:
             self._seen_in_use = set()
 
-    def cell_starts(self, source: Optional[str] = None) -> None:
+    def cell_starts(self, source: Optional[str] = None) -> Optional[IdleRelease]:
         """A cell starts: a release waiting for the kernel to be idle waits for the cell's end (held);
         under release "rerun" a cell other than the one that left the caches (its ``source`` differs)
-        has them given back now, on the release's thread."""
+        has them given back now, on the release's thread: that release is returned (the caller may
+        wait for it, bounded), else None."""
         job = self.idle_job
         if source is not None:
             self._source = source
             if job is not None and job.source is not None and job.source != source and job.run_now():
                 self.idle_job = None  # it runs: the line of the cell that ends after it reports it
-                return
+                return job
         if job is not None and job.hold():
             self._held = job
         elif job is not None:
             self.idle_job = None  # it runs or ran: the next cell's line reports it
+        return None
 
     def held(self) -> Optional[IdleRelease]:
         """The release the last cleanup deferred, held while this cell runs (None: none)."""

@@ -166,16 +166,16 @@ class GPUCleanupOptions(Configurable):
 
     release = Enum(
         RELEASE_POLICIES,
-        default_value="cell",
+        default_value="rerun",
         help=(
             "When the caches a cell leaves are given back. 'cell': device caches, pinned host pools and "
             "the driver's pools after every cell. 'auto': device caches and driver pools after every cell, "
             "pinned host pools once the kernel has been idle idle_release_s seconds (pinning again costs "
             "about 145 ms per GiB, so cells run back to back keep them). 'idle': everything once the kernel "
             "has been idle idle_release_s seconds; a cell that starts sooner finds the caches it left. "
-            "'rerun': the driver's pools after every cell; the frameworks' device caches and pinned host "
-            "pools once the kernel has been idle idle_release_s seconds or as soon as another cell starts, "
-            "so only the same cell run again finds them. "
+            "'rerun' (the default): the driver's pools after every cell; the frameworks' device caches and "
+            "pinned host pools once the kernel has been idle idle_release_s seconds, or as another cell "
+            "starts (it waits for them, at most settle_timeout), so only the same cell run again finds them. "
             "%gpumem --drain always gives everything back at once."
         ),
     ).tag(config=True)

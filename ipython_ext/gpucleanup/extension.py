@@ -389,7 +389,9 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             if info is not None and getattr(info, "silent", False):
                 return  # a frontend's silent request (no cleanup follows it) leaves a pending release alone
             # a release waiting for the kernel to be idle waits for this cell's end, or runs now if it is another cell
-            self.engine.cell_starts(getattr(info, "raw_cell", None))
+            released = self.engine.cell_starts(getattr(info, "raw_cell", None))
+            if released is not None:
+                self._wait_for_release(released)
             if self.tracer.active:
                 self.tracer.set_cell(running_cell_number(self.shell, info))
             if self.engine.exiting:
@@ -557,6 +559,15 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         if self.parking.parked():
             return "the kernel is parked"
         return None
+
+    def _wait_for_release(self, job: Any) -> None:
+        """Another cell starts under release "rerun": it finds the caches the last cell left given back, as
+        after release "cell". The release runs on its own thread; the cell waits for it at most
+        ``settle_timeout`` seconds (past that it runs alongside the release, and says so once)."""
+        limit = float(self.settle_timeout)
+        if limit > 0 and not job.done.wait(limit):
+            self._warn_once_now("release:late", f"the release of what cell [{job.cell}] left still ran after "
+                                f"{limit:g} s: this cell runs alongside it (a framework's free waits for the GPU)")
 
     def _wait_for_outside_drain(self) -> None:
         """A cell starts while a drain from outside runs the kernel's cleanup: the cell waits for it, bounded

@@ -107,6 +107,18 @@ def _when(job: dict) -> str:
     return "when idle"
 
 
+def _released_later(record: dict, dev: dict) -> List[str]:
+    """What releases deferred by earlier cells gave back on this device since the last line (the kernel
+    stayed idle, or this cell started: release "idle" and "rerun")."""
+    segs = []
+    for job in record.get("idle") or []:
+        for entry in job.get("devices") or []:
+            total = _sum(entry.get("freed_bytes"))
+            if entry.get("index") == dev.get("index") and total:
+                segs.append(f"freed {format_bytes(total)} {_when(job)} ({_parts(entry['freed_bytes'], total)})")
+    return segs
+
+
 def _pinned_segment(pinned: dict, record: Optional[dict] = None) -> Optional[str]:
     segs = []
     now = _sum(pinned.get("freed_bytes"))
@@ -121,11 +133,13 @@ def _pinned_segment(pinned: dict, record: Optional[dict] = None) -> Optional[str
     for job in (record or {}).get("idle") or []:
         freed = _sum(job.get("pinned_freed_bytes"))
         if freed:
-            segs.append(f"pinned {format_bytes(freed)} freed {_when(job)}")
+            segs.append(f"pinned {format_bytes(freed)} {_when(job)} freed" if job.get("when") == "cell"
+                        else f"pinned {format_bytes(freed)} freed {_when(job)}")
     deferred = (record or {}).get("deferred") or {}
     if deferred.get("pinned"):
         held = sum(int((p or {}).get("cached_bytes") or 0) for p in (pinned.get("pools") or {}).values())
-        segs.append(f"pinned {format_bytes(held)} cached {_until(record)}" if held else "pinned release when idle")
+        segs.append(f"pinned {format_bytes(held)} cached {_until(record)}" if held
+                    else f"pinned release {_until(record).replace('until', 'when')}")
     return SEP.join(segs) if segs else None
 
 
@@ -153,18 +167,13 @@ def _device_line(dev: dict, record: dict, pinned: Optional[str]) -> str:
         total = _sum(freed)
         if total:
             segs.append(f"freed {format_bytes(total)} ({_parts(freed, total)})")
-        else:
+        elif not _released_later(record, dev):
             segs.append("freed 0 B")
         # work the cell left queued, waited for before freeing: said when it is worth noticing
         waited = settle.get("waited_s") or 0.0
         if settle.get("status") == "done" and waited >= QUEUED_WORK_NOTICE_S:
             segs.append(f"waited {format_duration(waited)} for queued work")
-    for job in record.get("idle") or []:  # what was given back while the kernel was idle
-        for entry in job.get("devices") or []:
-            if entry.get("index") == dev.get("index"):
-                total = _sum(entry.get("freed_bytes"))
-                if total:
-                    segs.append(f"freed {format_bytes(total)} {_when(job)} ({_parts(entry['freed_bytes'], total)})")
+    segs.extend(_released_later(record, dev))
     if pinned:
         segs.append(pinned)
     growth = dev.get("outside_growth_bytes")

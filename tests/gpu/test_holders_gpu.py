@@ -19,6 +19,7 @@ def test_out_and_an_out_of_memory_traceback_are_named_and_given_back():
                 res = shell.run_cell(code, store_history=True)
             return res, [l for l in sink.getvalue().splitlines() if l.startswith("gpucleanup")]
         run("import torch\\nw = torch.ones(1024, device='cuda')\\ntorch.cuda.synchronize()")
+        run("%config GPUCleanup.release = 'cell'")  # the memory is checked right after each cell
         run("%load_ext gpucleanup")
         base_alloc = torch.cuda.memory_allocated(0)
         base_free = torch.cuda.mem_get_info(0)[0]
@@ -73,6 +74,7 @@ def test_a_training_step_leaves_nothing_allocated_once_its_objects_are_deleted()
             assert res.error_in_exec is None, sink.getvalue()
             return [l for l in sink.getvalue().splitlines() if l.startswith("gpucleanup")]
         run("import torch\\nx0 = torch.ones(1, device='cuda')\\ntorch.cuda.synchronize()")
+        run("%config GPUCleanup.release = 'cell'")  # the memory is checked right after each cell
         run("%load_ext gpucleanup")
         base = torch.cuda.memory_allocated(0)
         run("model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(4)]).cuda()\\n"

@@ -583,6 +583,8 @@ def shell(runtime, fake_cuda, monkeypatch):
     ip.run_line_magic("load_ext", "gpucleanup")
     ip.run_line_magic("config", "GPUCleanup.show = 'always'")
     ip.run_line_magic("config", f"GPUCleanup.settle_timeout = {SETTLE_S}")
+    # every phase in the cell's own cleanup: the caches given back as it ends, not once idle ("rerun")
+    ip.run_line_magic("config", "GPUCleanup.release = 'cell'")
     ip.framework = framework
     yield ip
     fake_cuda.release_sync()

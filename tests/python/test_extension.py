@@ -278,7 +278,12 @@ class StandIn(types.SimpleNamespace):
 
 @pytest.fixture
 def stand_in(monkeypatch):
-    """Stand-in native module, one cupy-like adapter and a recording status endpoint, injected."""
+    """Stand-in native module, one cupy-like adapter and a recording status endpoint, injected. Its tests
+    check what a cell's own cleanup does, so every cache is given back as the cell ends (release "cell");
+    the default, "rerun", and the other policies have tests of their own that set them."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    monkeypatch.setitem(InteractiveShell.instance().config.GPUCleanup, "release", "cell")
     native = StandInNative()
     cupy = StandInAdapter("cupy", native, live={0: 2 * GiB}, cached={0: 3 * GiB}, pinned_cached=GiB)
     native.device(0).used += 5 * GiB
@@ -1443,6 +1448,44 @@ def test_release_idle_a_cell_with_the_cleanup_paused_drops_the_pending_release_s
     _run(shell, "%gpumem --off", capsys)  # paused during this cell: no cleanup after it, nothing re-arms
     assert first.cancelled and engine.idle_job is None and engine.held() is None
     assert stand_in.cupy.calls["drain"] == 0
+
+
+def test_release_rerun_is_the_default_and_another_cell_starts_with_the_caches_given_back_stand_in(shell, stand_in, capsys):
+    del shell.config.GPUCleanup["release"]  # the default, not the stand-in's "cell"
+    shell.run_line_magic("load_ext", "gpucleanup")
+    assert _ext(shell).release == "rerun"
+    shell.run_line_magic("config", "GPUCleanup.idle_release_s = 3600")  # never reached in this test
+    stand_in.cupy.cached[0] = GiB
+    _run(shell, "x = 0", capsys)
+    job = _ext(shell).engine.idle_job
+    assert job is not None and stand_in.cupy.calls["drain"] == 0
+    _run(shell, "x = 0", capsys)  # the same cell again: it finds the cache
+    assert _ext(shell).engine.idle_job is job and stand_in.cupy.calls["drain"] == 0
+    shell.user_ns["drains"] = lambda: stand_in.cupy.calls["drain"]
+    _run(shell, "seen = drains()", capsys)  # another cell: the release ran before its body
+    assert shell.user_ns["seen"] == 1 and stand_in.cupy.cached.get(0, 0) == 0
+    assert job.result()["when"] == "cell" and _ext(shell).history.last()[-1]["idle"] == [job.result()]
+
+
+def test_release_rerun_another_cell_waits_for_the_release_at_most_settle_timeout_stand_in(shell, stand_in, capsys):
+    shell.config.GPUCleanup.release = "rerun"
+    shell.run_line_magic("load_ext", "gpucleanup")
+    shell.run_line_magic("config", "GPUCleanup.idle_release_s = 3600")
+    shell.run_line_magic("config", "GPUCleanup.settle_timeout = 0.2")
+    stand_in.cupy.cached[0] = GiB
+    _run(shell, "x = 0", capsys)
+    job = _ext(shell).engine.idle_job
+    stuck = threading.Event()
+    stand_in.cupy.on_drain = lambda: stuck.wait(60)  # a framework's free that waits for a busy GPU
+    try:
+        _, out = _run(shell, "y = 1", capsys)  # runs after the bound, alongside the release
+        assert shell.user_ns["y"] == 1 and not job.done.is_set()
+        assert "the release of what cell [" in out.out and "still ran after 0.2 s: this cell runs alongside it" in out.out
+    finally:
+        stuck.set()
+    assert job.done.wait(30)
+    _, out = _run(shell, "y = 2", capsys)
+    assert "still ran after" not in out.out  # said once
 
 
 def test_release_auto_frees_device_caches_now_and_pinned_pools_when_idle_stand_in(shell, stand_in, capsys):

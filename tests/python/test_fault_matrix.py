@@ -264,11 +264,16 @@ def matrix_shell():
     ip = InteractiveShell.instance()
     ip.extension_manager.unload_extension("gpucleanup")
     saved = ip.config.pop("GPUCleanup", None)
+    # Every adapter verb fails in turn inside a cell's own cleanup, so every cache is given back as each
+    # cell ends (release "cell"): under the default, "rerun", the drains run later on the release's own
+    # thread, whose faults test_cell_pass.py covers.
+    ip.config.GPUCleanup.release = "cell"
     fake = FakeCuda(FAKE_CUDA)
     warm = fm.run_case(ip, fake, {}, settled=False)
     assert lines(warm["A"]) == [NORMAL], warm["A"]["stdout"]
     yield ip
     fake.reset({})
+    ip.config.pop("GPUCleanup", None)
     if saved is not None:
         ip.config["GPUCleanup"] = saved
 

@@ -16,6 +16,10 @@ from test_extension import GiB, MiB, StandInAdapter, StandInEndpoint, StandInNat
 
 @pytest.fixture
 def stand_in(monkeypatch):
+    """The stand-ins of test_extension.py; as there, a cell's caches given back as it ends (release "cell")."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    monkeypatch.setitem(InteractiveShell.instance().config.GPUCleanup, "release", "cell")
     native = StandInNative()
     cupy = StandInAdapter("cupy", native, live={0: 2 * GiB}, cached={0: 512 * MiB}, pinned_cached=GiB)
     native.device(0).used += 2 * GiB + 512 * MiB

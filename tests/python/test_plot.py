@@ -378,6 +378,7 @@ def fake_cupy(fake_cuda, monkeypatch):
 def _fake_session(shell, fake_cuda, cupy, capsys):  # noqa: F811
     """Three cells and a drain over the fake driver (a 512 MiB context at the start); the cells' numbers."""
     fake_cuda.reset({"devices": [{"name": "Fake H100", "primary_active": True}]})
+    shell.run_line_magic("config", "GPUCleanup.release = 'cell'")  # each cell's frees on its own record
     shell.run_line_magic("load_ext", "gpucleanup")
     cupy.allocate(live=2 * GiB, cached=512 * MiB)  # arrays kept, temporaries left in the pool
     first, _ = _run(shell, "x = 1", capsys)

@@ -80,6 +80,7 @@ def fill(notebook: Notebook) -> None:
     """Cells with GPU work: 5 GiB live (stand-in CuPy), 2 GiB outside every pool, 2 GiB freed from the
     driver pool twice; the device ends at 7.0/80.0 GiB used."""
     notebook.run(STAND_IN_CUPY)
+    notebook.run("%config GPUCleanup.release = 'cell'")  # each cell's frees on its own record, as it ends
     notebook.load_gpucleanup()
     for code in (fake_update(device_used(6 * GiB)),
                  f"cp.pool.used[0] = {5 * GiB}; cp.pool.free[0] = {GiB}",
