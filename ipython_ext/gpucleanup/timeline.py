@@ -18,7 +18,9 @@ kernel from the records its status endpoint keeps. One shape for all of them
               "live_bytes": ...,         # held by live arrays and tensors, all frameworks
               "cached_bytes": ...,       # kept by a framework, not freeable now
               "outside_bytes": ... | None,  # in no pool at all (context, raw allocations, ...)
-              "freed_bytes": ...,        # freed by this cell's cleanup, pools and driver together
+              "freed_bytes": ...,        # freed by this cell's cleanup, pools and driver together, plus
+                                         # what releases deferred by earlier cells gave back since the
+                                         # last record (release "rerun" and "idle": the record's "idle")
               "state": "drained",
           }],
       }],
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, List, Optional
 
-__all__ = ["series", "VERSION"]
+__all__ = ["series", "released_later", "VERSION"]
 
 VERSION = 1
 
@@ -45,6 +47,16 @@ def _sum(mapping) -> int:
     if not isinstance(mapping, dict):
         return 0
     return sum(v for v in mapping.values() if isinstance(v, int) and not isinstance(v, bool) and v > 0)
+
+
+def released_later(record: dict, index: int) -> int:
+    """What the releases a record reports (deferred by earlier cells, run since) gave back on device ``index``."""
+    total = 0
+    for job in record.get("idle") or ():
+        for device in (job.get("devices") or ()) if isinstance(job, dict) else ():
+            if isinstance(device, dict) and device.get("index") == index:
+                total += _sum(device.get("freed_bytes"))
+    return total
 
 
 def series(records: Iterable[dict]) -> dict:
@@ -78,7 +90,7 @@ def series(records: Iterable[dict]) -> dict:
                     "live_bytes": _sum(device.get("live_bytes")),
                     "cached_bytes": _sum(device.get("cached_bytes")),
                     "outside_bytes": _int(device.get("outside_bytes")),
-                    "freed_bytes": _sum(device.get("freed_bytes")),
+                    "freed_bytes": _sum(device.get("freed_bytes")) + released_later(record, index),
                     "state": device.get("state") if isinstance(device.get("state"), str) else None,
                 }
             )

@@ -147,3 +147,19 @@ def test_series_sums_frameworks_and_keeps_unknowns_unknown():
 def test_series_skips_what_is_not_a_record():
     data = timeline.series([None, "x", {"devices": [None, {"index": -1}, {"index": True}, {"name": "no index"}]}])
     assert data["cells"] == 1 and data["devices"] == []
+
+
+def test_series_and_the_pages_cell_count_what_a_release_left_by_an_earlier_cell_gave_back():
+    # release "rerun": cell 3 started, the release cell 2 deferred gave back 1.5 GiB of CuPy's cache and
+    # 64 MiB of pinned memory, and cell 3's record reports it; its own cleanup freed 4 MiB
+    from gpucleanup.server import model
+
+    record = _record(3, 100, 60, 0, 30, 4 << 20)
+    record["idle"] = [{"cell": 2, "when": "cell", "elapsed_s": 0.01, "pinned_freed_bytes": {"cupy": 64 << 20},
+                       "devices": [{"index": 0, "freed_bytes": {"cupy": 1536 << 20}},
+                                   {"index": 1, "freed_bytes": {"cupy": 1 << 20}}]}]
+    (device,) = timeline.series([record])["devices"]
+    assert device["points"][0]["freed_bytes"] == (1536 << 20) + (4 << 20)  # device 1's share is not GPU0's
+    cell = model.compact_cell(record)
+    assert cell["freed_bytes"] == (1536 << 20) + (4 << 20) and cell["pinned_freed_bytes"] == 64 << 20
+    assert cell["devices"][0]["freed_bytes"] == (1536 << 20) + (4 << 20)

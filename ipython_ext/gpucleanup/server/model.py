@@ -52,7 +52,8 @@ def compact_cell(record: dict) -> dict:
     for dev in record.get("devices") or ():
         if not isinstance(dev, dict):
             continue
-        dev_freed = kernels.total(dev.get("freed_bytes"))
+        # with what releases deferred by earlier cells gave back since (release "rerun"): as the timeline counts it
+        dev_freed = kernels.total(dev.get("freed_bytes")) + timeline.released_later(record, dev.get("index"))
         freed += dev_freed
         devices.append({
             "index": dev.get("index"),
@@ -64,6 +65,7 @@ def compact_cell(record: dict) -> dict:
             "outside_bytes": dev.get("outside_bytes"),
         })
     pinned = kernels.total((record.get("pinned") or {}).get("freed_bytes")) if isinstance(record.get("pinned"), dict) else 0
+    pinned += sum(kernels.total(job.get("pinned_freed_bytes")) for job in record.get("idle") or () if isinstance(job, dict))
     return {
         "cell": record.get("cell"),
         "time_ns": record.get("time_ns"),
