@@ -54,7 +54,8 @@ from .unraisable import CAPTURE, summarize_unraisables
 
 __all__ = ["AfterCell", "Settings", "adapter_note"]
 
-# The release policies that leave the device caches and the driver's pools to a release once idle.
+# The release policies that leave the frameworks' device caches to a release deferred by the cell ("idle" leaves
+# the driver's pools to it too; "rerun" trims them after every cell and runs the release as another cell starts).
 DEFERRED = ("idle", "rerun")
 _PINNED_REPORT_WAIT_S = 0.005  # a pinned release this quick is reported by its own cell
 _ADAPTER_LOCK_WAIT_S = 0.05  # how long a cell waits for a background pinned release of the same adapter
@@ -167,9 +168,11 @@ class IdleRelease:
     re-uses from the caches is not torn down and rebuilt between two cells run back to
     back. When the cell ends, a cleanup that found nothing changed re-arms it, on the same
     thread (a cell re-run back to back starts no thread); any other cancels it and defers
-    what is cached then. Once started it runs to its end on its own thread; the frameworks'
-    pools and the driver serialise it with a cell that starts meanwhile. Its result is
-    reported by the next cell's line ("freed 1.5 GiB when idle").
+    what is cached then. Under release "rerun" a cell with another source runs it at once
+    (:meth:`run_now`; the extension waits for it, bounded, before that cell runs). Once
+    started it runs to its end on its own thread; the frameworks' pools and the driver
+    serialise it with a cell that starts meanwhile. Its result is reported by the next
+    cell's line ("freed 1.5 GiB when idle", "freed 1.5 GiB left by [4]").
     """
 
     def __init__(self, engine: "AfterCell", adapters: list, devices: List[int], cell: Optional[int],
