@@ -7,7 +7,7 @@
 # for the stage trace: trace-tests.log, trace-bench.json, trace-bench.log; for dask: dask-tests.log, dask-bench.*;
 # for server: server-tests.log and server/ (the page's data, /metrics, the plots);
 # and for the stage kernels: kernels.json, kernels.log, kernel-calls.json, kernel-calls.log.
-# Usage: scripts/gpu_run.sh [STAGE ...]   stages: tests facts bench demo kernels kernels-focus per-cell paired stages trace dask server reliability memcheck park park-kernels park-bench-kernels
+# Usage: scripts/gpu_run.sh [STAGE ...]   stages: tests facts bench demo kernels kernels-focus per-cell paired paired-stages stages trace dask server reliability memcheck park park-kernels park-bench-kernels
 #        (default: tests facts bench demo)
 # The stage stages (tests/bench/profile_cell.py --stages --primitives, in-process, about a minute) writes
 # stages.log: where the per-cell time goes, step by step, with CUDA unused and PyTorch or CuPy idle; and
@@ -158,6 +158,12 @@ if [[ $stages == *" paired "* ]]; then
   python3 tests/bench/bench_kernels.py --scenario cupy-idle,torch-idle,rerun-cupy-pinned \
     --variants bare,gpucleanup,gpucleanup-cell --cells 400 --budget-s 240 --json "$out/per-cell.json" 2>&1 \
     | tee "$out/per-cell.log"
+fi
+if [[ $stages == *" paired-stages "* ]]; then
+  # where an idle cell's added time goes inside each kernel (bench_paired.py --stages, about a minute): the hooks,
+  # the rest of the cell, and what lies outside the cell, with the engine's steps timed in the kernel
+  python3 tests/bench/bench_paired.py --stages --scenario cupy-idle,torch-idle --cells 300 \
+    --json "$out/paired-stages.json" 2>&1 | tee "$out/paired-stages.log"
 fi
 if [[ $stages == *" kernels-focus "* ]]; then
   # the per-cell headline scenarios again with 600 timed cells per variant (about 4 min): the

@@ -19,6 +19,11 @@ import time
 from importlib import resources
 from typing import Any, Callable, Optional
 
+try:  # the C module: signal.getsignal makes an enum of the handler it returns, which costs 15-20 µs a call
+    import _signal as _raw_signal
+except ImportError:  # pragma: no cover - CPython has it
+    _raw_signal = signal
+
 __all__ = [
     "NativeError",
     "library",
@@ -30,6 +35,7 @@ __all__ = [
     "cuda_initialized",
     "drain",
     "after_cell",
+    "quiet",
     "trim",
     "shutdown",
     "server_start",
@@ -152,6 +158,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     if trim is not None:
         trim.argtypes = [c_char_pp]
         trim.restype = ctypes.c_int
+    # Added to ABI version 2 later: a library from before has none (quiet() says so; the cleanup runs whole).
+    quiet_fn = getattr(lib, "gpucleanup_quiet", None)
+    if quiet_fn is not None:
+        quiet_fn.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        quiet_fn.restype = ctypes.c_int
     lib.gpucleanup_shutdown.argtypes = []
     lib.gpucleanup_shutdown.restype = None
     lib.gpucleanup_server_start.argtypes = [ctypes.c_char_p, c_char_pp]
@@ -316,7 +327,7 @@ def _waiting_call(call: Callable[[Any], dict], progress: Optional[Callable[[dict
     """
     interrupted: list = []
     swap = (threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+            and _raw_signal.getsignal(signal.SIGINT) is signal.default_int_handler)
 
     def _on_sigint(_signum: int, _frame: Any) -> None:
         interrupted.append(True)
@@ -336,12 +347,12 @@ def _waiting_call(call: Callable[[Any], dict], progress: Optional[Callable[[dict
 
     callback = PROGRESS_FN(_on_progress)
     if swap:
-        signal.signal(signal.SIGINT, _on_sigint)
+        _raw_signal.signal(signal.SIGINT, _on_sigint)
     try:
         result = call(callback)
     finally:
         if swap:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            _raw_signal.signal(signal.SIGINT, signal.default_int_handler)
     if interrupted:
         result["keyboard_interrupt"] = True
     return result
@@ -380,6 +391,19 @@ def after_cell(timeout: float = 30.0, progress: Optional[Callable[[dict], bool]]
     seconds = _check_timeout(timeout)
     fn = _entry("gpucleanup_after_cell")
     return _waiting_call(lambda callback: _call_json(fn, seconds, 1 if trim else 0, callback, None), progress)
+
+
+def quiet() -> bool:
+    """Whether the after-cell pass would find nothing to do now (gpucleanup_quiet): the same devices in use as
+    the last :func:`after_cell` left, each through its primary context with nothing queued, no driver pool
+    reserving memory and the same free memory. False when anything differs or cannot be told. The probe, one
+    event and one cuMemGetInfo per device; no wait, no JSON, never cuInit."""
+    fn = _entry("gpucleanup_quiet")
+    out = ctypes.c_int(0)
+    status = fn(ctypes.byref(out))
+    if status != OK:
+        _raise(held(), status)
+    return out.value == 1
 
 
 def trim() -> dict:

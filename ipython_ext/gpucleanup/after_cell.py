@@ -537,6 +537,9 @@ class AfterCell:
         self._drained_now: List[str] = []  # frameworks drained by this cleanup
         #: the last full cleanup, for an idle cell to be compared with (None: none to compare with)
         self._last_pass: Optional[LastPass] = None
+        #: the last cleanup proved nothing had changed, from a native pass whose state the library keeps
+        #: (or from the quiet check since): the next cell may ask the library's quiet check first
+        self._quiet_ok = False
         self.skipped = 0  # idle cells whose cleanup was skipped: nothing had changed since the last
         self._last_used: Dict[int, int] = {}
         #: devices seen with a context of this process, at load or by a cleanup (None: nothing known
@@ -1167,10 +1170,15 @@ class CellPass:
         if self.nothing_initialised():
             return None
         with engine.ctrl_c.armed() as ctrl_c:  # once for the driver pass and steps 1 to 4
+            quiet_before, engine._quiet_ok = engine._quiet_ok, False  # set again only by a cell proven idle
+            if quiet_before and self.quiet(ctrl_c):
+                engine._quiet_ok = True
+                return self.unchanged_outcome()
             if not self.probe(ctrl_c):
                 return engine._nothing_in_use(self.driver, self.cell.number, self.cell.forced)
             self.begin()
             if self.clean(ctrl_c):
+                engine._quiet_ok = True  # this pass left the library the state the next cell's quiet check compares with
                 return self.unchanged_outcome()
         self.snapshot()
         self.read_frameworks_after()
@@ -1220,6 +1228,39 @@ class CellPass:
         self.work = {int(d["index"]): DeviceWork(int(d["index"])) for d in in_use}
         return True
 
+    def quiet(self, ctrl_c: CtrlC) -> bool:
+        """The idle cell without the driver pass: True when the last cleanup proved nothing had changed,
+        the library's quiet check (``native.quiet``: the same devices in use, nothing queued, no driver
+        pool reserving memory, the same free memory as the pass behind that proof left) says nothing
+        changed since, and the frameworks' figures are those the last cleanup left with nothing new to
+        give back (:meth:`unchanged`, over the last cleanup's devices). False: not proven (or Ctrl-C);
+        what this tried is forgotten and the whole pass runs."""
+        engine, last = self.engine, self.engine._last_pass
+        if last is None or self.cell.forced or engine._unusable or engine.pinned_job is not None:
+            return False
+        try:
+            if engine.native.quiet() is not True:
+                return False
+        except Exception:  # a library without the check, or one that fails: the pass says what is wrong
+            return False
+        self.state = engine.last_driver_state = "ready"
+        for i, (free, pools) in last.devices.items():
+            work = self.work[i] = DeviceWork(i, state="drained", settle={"status": "done"}, free_before=free)
+            work.pools = pools
+        self.devices = self.settled = list(self.work)
+        same = False
+        with engine.unraisables.capture() as captured:
+            try:
+                self.collect(ctrl_c)
+                same = self.unchanged()
+            except KeyboardInterrupt:
+                same = False
+        if same and not captured and not self.notes and not ctrl_c.pressed:
+            return True
+        self.work, self.devices, self.settled, self.adapters, self.notes = {}, [], [], [], []
+        self.stats_settled, self.gc_record, self.state = {}, GcRecord(policy=self.settings.gc), None
+        return False
+
     def begin(self) -> None:
         """The devices of this cell, its first uses, and what background releases finished since the last."""
         engine = self.engine
@@ -1251,15 +1292,40 @@ class CellPass:
 
     def collect(self, ctrl_c: CtrlC) -> None:
         """Step 2: collect first, then read the frameworks once: what the collection freed is in
-        those figures, and only a cache that holds something is emptied."""
+        those figures, and only a cache that holds something is emptied.
+
+        When the driver saw no change since the last cleanup and no framework keeps a cache, the
+        frameworks are read first: figures equal to those the last cleanup left mean the cell made
+        no GPU object a collection could find (a new one would be new bytes), and unbound no name
+        that held GPU memory; the collection is then skipped and those figures stand. A collection
+        that finds garbage has the frameworks read again."""
         engine = self.engine
         self.adapters = engine.adapters(self.settings, self.notes) if self.settled else []
         # not known (the device's memory changed, or a framework keeps a cache): a young
         # collection, cheaper than reading every framework to decide
         live = engine._live_hint([self.work[i] for i in self.settled]) if self.adapters else None
+        early, early_notes = self._early_figures(live)
+        if early is not None and early == self.engine._last_pass.stats:
+            live = 0  # nothing a collection could give back
         self.gc_record = engine._collect(self.settings, self.adapters, live, self.settled, self.cell.namespace)
         ctrl_c.check()
-        self.stats_settled = engine.stats(self.adapters, self.settled, self.notes) if self.adapters else {}
+        if early is not None and not self.gc_record.collected:
+            self.stats_settled = early  # nothing collected: the figures read before stand
+            self.notes.extend(early_notes)
+        else:
+            self.stats_settled = engine.stats(self.adapters, self.settled, self.notes) if self.adapters else {}
+
+    def _early_figures(self, live: Optional[int]) -> Tuple[Optional[Stats], List[Note]]:
+        """The frameworks' figures read before the collection, with their notes, when they may
+        prove it useless: the driver saw no change (``live`` known and not 0), garbage policy
+        "auto", a last cleanup to compare with, and no name that held GPU memory unbound (that
+        asks for a collection anyway); else (None, [])."""
+        engine = self.engine
+        if (not live or self.settings.gc != "auto" or engine._last_pass is None or self.cell.forced
+                or engine.holders.unbound(self.cell.namespace)):
+            return None, []
+        notes: List[Note] = []
+        return engine.stats(self.adapters, self.settled, notes), notes
 
     def drain(self, ctrl_c: CtrlC) -> None:
         """Step 3: the frameworks' caches on the settled devices; which pinned pools go after the last driver call."""

@@ -125,8 +125,10 @@ class GPUCleanupOptions(Configurable):
         default_value="auto",
         help=(
             "Garbage collection after a cell. 'auto': only when it can release GPU memory: skipped when "
-            "the last cleanup left no live GPU memory and no framework cache and the driver has seen no "
-            "change since; otherwise first a young collection (generations 0 and 1, cheap); "
+            "no framework keeps a cache, the driver has seen no change since the last cleanup, and either "
+            "that cleanup left no live GPU memory or the frameworks' figures are still the ones it left "
+            "(with no name that held GPU memory unbound); otherwise first a young collection "
+            "(generations 0 and 1, cheap); "
             "a full collection only when the cell also unbound a name of the user namespace or a GPU "
             "array/tensor from it and GPU memory is still live. 'always': a full gc.collect() after every "
             "cell that used the GPU. 'never': no collection."

@@ -45,6 +45,8 @@ struct ApiState {
   std::atomic<bool> outside_drain{false};
   std::atomic<bool> stop_outside_drain{false};
   DeviceRegistry registry;
+  // What the last after-cell pass left, for gpucleanup_quiet (nullopt: nothing it can compare with).
+  std::optional<QuietMark> quiet;
   std::mutex server_mutex;
   std::unique_ptr<StatusServer> server;
 };
@@ -322,7 +324,9 @@ gpucleanup_status drain_call(double timeout_s, gpucleanup_progress_fn progress, 
         return progress(text.c_str(), user) != 0;
       };
     }
-    hand_out(entry(usable_driver(), state.registry, options), json_out);
+    const nlohmann::json report = entry(usable_driver(), state.registry, options);
+    if (entry == &after_cell) state.quiet = quiet_mark(report);
+    hand_out(report, json_out);
   });
 }
 
@@ -341,6 +345,17 @@ gpucleanup_status gpucleanup_settle(double timeout_s, gpucleanup_progress_fn pro
 gpucleanup_status gpucleanup_after_cell(double timeout_s, int trim, gpucleanup_progress_fn progress, void* user,
                                         char** json_out) {
   return drain_call(timeout_s, progress, user, json_out, trim != 0, &after_cell);
+}
+
+gpucleanup_status gpucleanup_quiet(int* quiet_out) {
+  return guarded([&] {
+    if (quiet_out == nullptr) fail(GPUCLEANUP_ERR_INVALID_ARGUMENT, "[gpucleanup.api.135] quiet_out is NULL: pass the address of an int");
+    *quiet_out = 0;
+    require_running();
+    ApiState& state = api_state().get();
+    auto lock = kernel_lock(state);
+    if (state.quiet) *quiet_out = quiet_since(usable_driver(), state.registry, *state.quiet) ? 1 : 0;
+  });
 }
 
 gpucleanup_status gpucleanup_trim(char** json_out) {

@@ -636,7 +636,10 @@ nlohmann::json trim_entry(const Driver& driver, Listed& listed) {
 // tell (no such calls, an error, a stream being captured): the watchdog's cuCtxSynchronize settles it.
 // Also false while a driver pool of the device reserves memory: a stream-ordered free may count as in use until
 // a synchronize has observed it, so only the sync lets the trim give it back (share/FACTS.md §1.5, §1.6).
-bool nothing_queued(const Driver& driver, const DeviceUse& use) {
+//
+// `free_out`: also the device's free memory, read inside the same push once nothing is queued (nullopt when
+// cuMemGetInfo fails).
+bool nothing_queued(const Driver& driver, const DeviceUse& use, std::optional<std::uint64_t>* free_out = nullptr) {
   const EntryPoints& api = driver.api();
   if (api.cuCtxRecordEvent == nullptr || api.cuEventCreate == nullptr || api.cuEventQuery == nullptr ||
       api.cuEventDestroy == nullptr || process_is_exiting()) {
@@ -658,6 +661,7 @@ bool nothing_queued(const Driver& driver, const DeviceUse& use) {
   } else {
     idle = false;
   }
+  if (idle && free_out != nullptr) *free_out = memory_info(driver).free_bytes;
   if (!current) {
     CUcontext popped = nullptr;
     api.cuCtxPopCurrent(&popped);
@@ -804,6 +808,61 @@ nlohmann::json trim_pools(const Driver& driver, DeviceRegistry& registry) {
   DrainOptions options;
   options.timeout_s = 0;
   return run(Mode::trim, driver, registry, options);
+}
+
+std::optional<QuietMark> quiet_mark(const nlohmann::json& report) {
+  if (!report.is_object()) return std::nullopt;
+  const auto driver = report.find("driver");
+  const auto devices = report.find("devices");
+  if (report.value("kind", "") != "after_cell" || driver == report.end() || !driver->is_object() ||
+      driver->value("state", "") != "ready" || devices == report.end() || !devices->is_array() || devices->empty()) {
+    return std::nullopt;
+  }
+  QuietMark mark;
+  for (const nlohmann::json& dev : *devices) {
+    if (!dev.is_object()) return std::nullopt;
+    const auto index = dev.find("index");
+    const auto free = dev.find("free_bytes");
+    const auto settle = dev.find("settle");
+    const auto pools = dev.find("pools");
+    if (index == dev.end() || !index->is_number_integer() || free == dev.end() || !free->is_number_unsigned() ||
+        dev.value("context", nlohmann::json()) != "primary" || dev.value("state", "") != "drained" ||
+        !dev.value("error", nlohmann::json()).is_null() || settle == dev.end() || !settle->is_object() ||
+        settle->value("status", "") != "done" || pools == dev.end() || !pools->is_array()) {
+      return std::nullopt;
+    }
+    for (const nlohmann::json& pool : *pools) {
+      if (!pool.is_object()) return std::nullopt;
+      const auto reserved = pool.find("reserved_after_bytes");
+      if (reserved == pool.end() || !reserved->is_number_unsigned() || reserved->get<std::uint64_t>() != 0) {
+        return std::nullopt;
+      }
+    }
+    mark.push_back({index->get<int>(), free->get<std::uint64_t>()});
+  }
+  return mark;
+}
+
+bool quiet_since(const Driver& driver, DeviceRegistry& registry, const QuietMark& mark) {
+  if (mark.empty() || process_is_exiting()) return false;
+  // Retained as the after-cell pass retains them: devices that are neither unusable nor busy.
+  const Probe found = probe(driver, [&](const DeviceUse& use) {
+    const DeviceRecord& record = registry.refresh(use);
+    return !record.sticky && !record.wait;
+  });
+  if (found.state != DriverState::ready) return false;
+  std::size_t matched = 0;
+  for (const DeviceUse& use : found.devices) {
+    const DeviceRecord& record = registry.refresh(use);
+    if (!use.in_use() && !record.sticky) continue;
+    if (record.sticky || record.wait || use.failure || use.context != ContextKind::primary || !use.lease) return false;
+    const auto it = std::find_if(mark.begin(), mark.end(), [&](const QuietDevice& d) { return d.index == use.index; });
+    if (it == mark.end()) return false;  // a device in use that the pass did not see: its first use
+    std::optional<std::uint64_t> free;
+    if (!nothing_queued(driver, use, &free) || free != it->free_bytes) return false;
+    ++matched;
+  }
+  return matched == mark.size();  // fewer: a context went away
 }
 
 }  // namespace gpucleanup

@@ -17,7 +17,10 @@
 #pragma once
 
 #include <chrono>
+#include <cstdint>
 #include <functional>
+#include <optional>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -51,5 +54,24 @@ nlohmann::json after_cell(const Driver& driver, DeviceRegistry& registry, const 
 // on every device in use that is not busy, on the calling thread, no wait;
 // released bytes and free memory afterwards.
 nlohmann::json trim_pools(const Driver& driver, DeviceRegistry& registry);
+
+// What an after-cell pass left on one device, for quiet_since().
+struct QuietDevice {
+  int index = 0;
+  std::uint64_t free_bytes = 0;
+};
+using QuietMark = std::vector<QuietDevice>;
+
+// The mark of an after_cell() report, when quiet_since() can compare with it: the driver ready, at least one
+// device listed, each through its primary context, drained, settled ("done"), without an error, with no driver
+// pool reserving memory after the trim and its free memory known. nullopt otherwise: the next pass runs whole.
+std::optional<QuietMark> quiet_mark(const nlohmann::json& report);
+
+// True when nothing changed on the devices this process uses since the pass that left `mark`, as far as the
+// driver tells without waiting: the same devices in use, each through its primary context and not busy or
+// unusable; nothing queued on any (nothing_queued: an event recorded over the context, CUDA 12.5+ drivers; no
+// driver pool reserving memory); and the same free memory on each (one cuMemGetInfo). False when anything
+// differs or cannot be told. No wait, no trim, no JSON; the probe's calls, never cuInit.
+bool quiet_since(const Driver& driver, DeviceRegistry& registry, const QuietMark& mark);
 
 }  // namespace gpucleanup

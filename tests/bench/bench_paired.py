@@ -27,11 +27,16 @@ rerun-cupy-pinned; with --fake-driver: cuda-unused, names-10):
     that printed gpucleanup output (idle scenarios should print nothing), with a sample.
   * At the end: the scenario's teardown, then the kernels shut down (also on error).
 
+--stages: before gpucleanup is first loaded, each kernel installs tests/bench/kernel_probe.py's
+timers (the steps of profile_cell.py --stages, and ipykernel's do_execute on and off);
+the table then also splits the added time into the execution inside the kernel (of which
+the hooks) and what lies outside it (ipykernel's messages, other threads).
+
 --quick: 40 cells, blocks of 10, 3 warm-up cells, 2 kernels. --json PATH: everything,
 every cell's time in ms included. Exit code 1 when a scenario failed.
 
 Usage: python tests/bench/bench_paired.py [--scenario NAME ...] [--kernels K] [--cells N]
-       [--block N] [--config LINE ...] [--fake-driver PATH] [--quick] [--json PATH]
+       [--block N] [--config LINE ...] [--fake-driver PATH] [--stages] [--quick] [--json PATH]
 """
 
 from __future__ import annotations
@@ -60,6 +65,9 @@ UNSUPPORTED = ("long-session", "pinned-8g")  # cells before the timed ones / a s
 HOOKS_EXPR = ("sum(1 for f in get_ipython().events.callbacks['post_run_cell'] "
               "if (getattr(f, '__module__', None) or '').startswith('gpucleanup'))")
 UNLOAD = "%unload_ext gpucleanup"
+# --stages: kernel_probe's timers, installed before gpucleanup is first loaded
+PROBE_INSTALL = (f"import sys as _s; _s.path.insert(0, {str(Path(__file__).resolve().parent)!r}); "
+                 "import kernel_probe as _kp; _kp.install(get_ipython()); del _s, _kp")
 
 
 class SwitchFailed(CellFailed):
@@ -167,6 +175,8 @@ def run_scenario(sc: dict, args, load: str, workroot: Path) -> dict:
     try:
         start(sc, args, workroot / sc["name"], kernels)
         ps = [Paired(k, sc, load, args.settle) for k in kernels]
+        if args.stages:
+            everywhere(kernels, PROBE_INSTALL)
         everywhere(kernels, load)
         for p in ps:
             p.verify()
@@ -178,6 +188,11 @@ def run_scenario(sc: dict, args, load: str, workroot: Path) -> dict:
         host_after = [host_figures(k.pid) for k in kernels]
         everywhere(kernels, sc["teardown"])
         per = res["per_kernel"] = {p.k.variant: kernel_result(p) for p in ps}
+        if args.stages:  # the untimed cells before the rounds: load, set-up, warm-up, settle
+            skip = 3 + 2 * sc["warmup"] + 2 * args.settle
+            for p in ps:
+                per[p.k.variant]["probe"] = p.k.expressions({"r": f"__import__('json').dumps("
+                                                                  f"__import__('kernel_probe').report({skip}))"})["r"]
         for i, e in enumerate(per.values()):
             e["host"] = {"before": host_before[i], "after": host_after[i]}
         res["across"] = {"added_ms": spread([e["added_ms"] for e in per.values()]),
@@ -217,9 +232,27 @@ def print_table(name: str, res: dict) -> None:
           f"ratio {r['mean']:.2f} (min {r['min']:.2f}, max {r['max']:.2f})")
     print(f"  pooled: on {pooled['on_median_ms']:.3f} - off {pooled['off_median_ms']:.3f} = {pooled['added_ms']:+.3f} ms "
           f"(ratio {pooled['ratio']:.2f})")
+    print_probe(res)
     for k, e in res["per_kernel"].items():
         if e["output_sample"]:
             print(f"  gpucleanup said ({k}, last): {e['output_sample'].strip().splitlines()[-1][:160]}")
+
+
+def print_probe(res: dict) -> None:
+    """--stages: per kernel, the added time split by where it goes, then the steps (median µs per on cell)."""
+    probes = {k: e["probe"] for k, e in res["per_kernel"].items() if isinstance(e.get("probe"), dict)}
+    for k, pr in probes.items():
+        rc, added = pr["run_cell_us"], res["per_kernel"][k]["added_ms"] * 1e3
+        hooks = sum(us for label, us, _ in pr["stages"] if label.endswith(("GPUCleanup.pre_run_cell",
+                                                                          "GPUCleanup.post_run_cell")))
+        inside = (rc["on"] or 0) - (rc["off"] or 0)
+        print(f"  {k}: added {added:.0f} µs = execution in the kernel {inside:+.0f} µs (on {rc['on']}, off {rc['off']}; "
+              f"hooks {hooks:.0f} µs) + outside it {added - inside:+.0f} µs")
+    if probes:
+        k, pr = next(iter(probes.items()))
+        print(f"  steps in {k} (median µs per on cell, inclusive, calls per cell):")
+        for label, us, calls in pr["stages"][:30]:
+            print(f"    {us:9.1f} µs  {calls:5.2f}  {label}")
 
 
 def print_summary(results: Dict[str, dict]) -> None:
@@ -255,6 +288,8 @@ def main() -> int:
     parser.add_argument("--settle", type=int, default=3, help="untimed cells after each switch (default 3)")
     parser.add_argument("--config", action="append", default=[],
                         help="a %%config line run after each %%load_ext gpucleanup, e.g. \"GPUCleanup.release = 'auto'\"")
+    parser.add_argument("--stages", action="store_true",
+                        help="time the steps inside each kernel (tests/bench/kernel_probe.py) and split the added time")
     parser.add_argument("--quick", action="store_true", help="40 cells, blocks of 10, 3 warm-up, 2 kernels")
     parser.add_argument("--fake-driver", help="the fake libcuda.so.1 (no GPU): GPUCLEANUP_LIBCUDA and a fake scenario for the kernels")
     parser.add_argument("--python", default=sys.executable, help="interpreter of the kernels (default: this one)")

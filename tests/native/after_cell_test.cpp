@@ -352,6 +352,102 @@ TEST_F(AfterCell, QueuedWorkAnOldDriverOrAFailedEventFallBackToTheWatchdogsSynch
   EXPECT_EQ(report["devices"][0]["state"], "drained");
 }
 
+// The quiet check of an idle device: the probe and its retain, one push, the pools, one event, one cuMemGetInfo.
+const Counts kQuietCheck = {
+    {"cuDeviceGetCount", 1},         {"cuCtxGetCurrent", 1},           {"cuDeviceGet", 1},
+    {"cuDeviceGetUuid", 1},          {"cuDevicePrimaryCtxGetState", 1}, {"cuDevicePrimaryCtxRetain", 1},
+    {"cuCtxPushCurrent", 1},         {"cuDeviceGetDefaultMemPool", 1}, {"cuDeviceGetMemPool", 1},
+    {"cuMemPoolGetAttribute", 1},    {"cuEventCreate", 1},             {"cuCtxRecordEvent", 1},
+    {"cuEventQuery", 1},             {"cuEventDestroy", 1},            {"cuMemGetInfo", 1},
+    {"cuCtxPopCurrent", 1},          {"cuDevicePrimaryCtxRelease", 1},
+};
+
+TEST_F(AfterCell, QuietHoldsOnlyWhileNothingChangedSinceThePassThatLeftTheMark) {
+  fake.reset(idle_device("GPU-af7e0000-0000-4000-8000-000000000031"));
+  const Driver driver(FAKE_CUDA_PATH);
+  const auto mark = gpucleanup::quiet_mark(gpucleanup::after_cell(driver, registry, with_timeout(30)));
+  ASSERT_TRUE(mark.has_value());
+  ASSERT_EQ(mark->size(), 1u);
+  EXPECT_EQ((*mark)[0].index, 0);
+  EXPECT_EQ((*mark)[0].free_bytes, 10 * GiB);
+  const auto threads = fake.counter("threads");
+  for (int cell = 0; cell < 20; ++cell) {
+    const Counts before = driver_calls(fake);
+    ASSERT_TRUE(gpucleanup::quiet_since(driver, registry, *mark)) << "cell " << cell;
+    ASSERT_EQ(minus(driver_calls(fake), before), kQuietCheck) << show(minus(driver_calls(fake), before));
+    ASSERT_EQ(fake.counter("events"), 0);  // the event made is destroyed
+    ASSERT_EQ(fake.counter("pushed"), 0);
+  }
+  EXPECT_EQ(fake.counter("threads"), threads);  // no thread woken, no wait
+  EXPECT_EQ(fake.counter("calls.cuCtxSynchronize"), 0);
+  EXPECT_EQ(fake.counter("calls.cuMemPoolTrimTo"), 1);  // the pass's own trim; the check trims nothing
+
+  // Memory taken during the cell (a raw allocation, a framework's pool growing): not quiet; given back: quiet.
+  fake.update({{"devices", {{{"free_bytes", 10 * GiB - 256 * MiB}}}}});
+  EXPECT_FALSE(gpucleanup::quiet_since(driver, registry, *mark));
+  fake.update({{"devices", {{{"free_bytes", 10 * GiB}}}}});
+  EXPECT_TRUE(gpucleanup::quiet_since(driver, registry, *mark));
+  // Work still queued: not quiet, and nothing waits for it.
+  fake.update({{"devices", {{{"sync_seconds", 0.01}}}}});
+  EXPECT_FALSE(gpucleanup::quiet_since(driver, registry, *mark));
+  EXPECT_EQ(fake.counter("calls.cuCtxSynchronize"), 0);
+  fake.update({{"devices", {{{"sync_seconds", 0}}}}});
+  // A driver pool that reserves memory (a stream-ordered free): not quiet, the pass must trim it.
+  fake.update({{"devices", {{{"default_pool", {{"reserved_bytes", 64 * MiB}, {"used_bytes", 0}}}}}}});
+  EXPECT_FALSE(gpucleanup::quiet_since(driver, registry, *mark));
+  fake.update({{"devices", {{{"default_pool", {{"reserved_bytes", 0}, {"used_bytes", 0}}}}}}});
+  EXPECT_TRUE(gpucleanup::quiet_since(driver, registry, *mark));
+  // The context went away (a framework reset it): not quiet.
+  fake.update({{"devices", {{{"primary_active", false}}}}});
+  EXPECT_FALSE(gpucleanup::quiet_since(driver, registry, *mark));
+  EXPECT_EQ(fake.counter("contexts_created"), 0);
+  // An empty mark (nothing to compare with) is never quiet.
+  EXPECT_FALSE(gpucleanup::quiet_since(driver, registry, gpucleanup::QuietMark{}));
+}
+
+TEST_F(AfterCell, QuietSeesADeviceFirstUsedSinceTheMarkAndAnOlderDriver) {
+  json two = idle_device("GPU-af7e0000-0000-4000-8000-000000000032");
+  json second = idle_device("GPU-af7e0000-0000-4000-8000-000000000033")["devices"][0];
+  second["primary_active"] = false;
+  two["devices"].push_back(second);
+  fake.reset(two);
+  const Driver driver(FAKE_CUDA_PATH);
+  const auto mark = gpucleanup::quiet_mark(gpucleanup::after_cell(driver, registry, with_timeout(30)));
+  ASSERT_TRUE(mark.has_value());
+  ASSERT_EQ(mark->size(), 1u);
+  EXPECT_TRUE(gpucleanup::quiet_since(driver, registry, *mark));
+  fake.update({{"devices", {json::object(), {{"primary_active", true}}}}});  // GPU1's first use
+  EXPECT_FALSE(gpucleanup::quiet_since(driver, registry, *mark));
+  EXPECT_EQ(fake.counter("contexts_created"), 0);
+
+  // A driver older than CUDA 12.5 cannot tell whether work is queued without waiting: never quiet.
+  fake.reset(idle_device("GPU-af7e0000-0000-4000-8000-000000000034"));
+  fake.update({{"driver_version", 12040}});
+  const Driver older(FAKE_CUDA_PATH);
+  const auto old_mark = gpucleanup::quiet_mark(gpucleanup::after_cell(older, registry, with_timeout(30)));
+  ASSERT_TRUE(old_mark.has_value());
+  EXPECT_FALSE(gpucleanup::quiet_since(older, registry, *old_mark));
+  EXPECT_EQ(fake.counter("calls.cuEventCreate"), 0);
+}
+
+TEST_F(AfterCell, NoMarkIsLeftByAPassThatLeavesWorkForTheNext) {
+  const Driver driver(FAKE_CUDA_PATH);
+  // A pool still reserving memory after the trim (memory in use in it): the next pass must look again.
+  fake.reset(one_device("GPU-af7e0000-0000-4000-8000-000000000035"));
+  EXPECT_FALSE(gpucleanup::quiet_mark(gpucleanup::after_cell(driver, registry, with_timeout(30))).has_value());
+  // A device busy at the limit.
+  fake.reset(idle_device("GPU-af7e0000-0000-4000-8000-000000000036", {{"sync_seconds", -1}}));
+  EXPECT_FALSE(gpucleanup::quiet_mark(gpucleanup::after_cell(driver, registry, with_timeout(0.05))).has_value());
+  fake.release_sync();
+  // Nothing in use, a report of another kind, or not a report at all.
+  fake.reset({{"devices", {{{"primary_active", false}}}}});
+  EXPECT_FALSE(gpucleanup::quiet_mark(gpucleanup::after_cell(driver, registry, with_timeout(30))).has_value());
+  fake.reset(idle_device("GPU-af7e0000-0000-4000-8000-000000000037"));
+  EXPECT_FALSE(gpucleanup::quiet_mark(gpucleanup::trim_pools(driver, registry)).has_value());
+  EXPECT_FALSE(gpucleanup::quiet_mark(json::object()).has_value());
+  EXPECT_FALSE(gpucleanup::quiet_mark(json::array()).has_value());
+}
+
 TEST_F(AfterCell, WithoutAWaitNoThreadIsWokenAndTheCallingThreadEntersOnce) {
   fake.reset(one_device("GPU-af7e0000-0000-4000-8000-000000000006"));
   const Driver driver(FAKE_CUDA_PATH);
@@ -636,6 +732,34 @@ TEST_F(AfterCell, CAbiHandsOutOneReplyAndChecksItsArguments) {
   gpucleanup_free(out);
   EXPECT_EQ(trimmed["kind"], "trim");
   EXPECT_EQ(trimmed["devices"][0]["state"], "trimmed");
+  EXPECT_EQ(fake.counter("contexts_created"), 0);
+}
+
+TEST_F(AfterCell, CAbiQuietComparesWithTheLastAfterCellPass) {
+  EXPECT_EQ(gpucleanup_quiet(nullptr), GPUCLEANUP_ERR_INVALID_ARGUMENT);
+  EXPECT_STREQ(gpucleanup_last_error(), "[gpucleanup.api.135] quiet_out is NULL: pass the address of an int");
+  char* out = nullptr;
+  int quiet = -1;
+  // A pass that leaves memory in a pool leaves no mark: not quiet.
+  fake.reset(one_device("GPU-af7e0000-0000-4000-8000-000000000038"));
+  ASSERT_EQ(gpucleanup_after_cell(5.0, 1, nullptr, nullptr, &out), GPUCLEANUP_OK) << gpucleanup_last_error();
+  gpucleanup_free(out);
+  ASSERT_EQ(gpucleanup_quiet(&quiet), GPUCLEANUP_OK) << gpucleanup_last_error();
+  EXPECT_EQ(quiet, 0);
+  fake.reset(idle_device("GPU-af7e0000-0000-4000-8000-000000000039"));
+  ASSERT_EQ(gpucleanup_after_cell(5.0, 1, nullptr, nullptr, &out), GPUCLEANUP_OK) << gpucleanup_last_error();
+  gpucleanup_free(out);
+  ASSERT_EQ(gpucleanup_quiet(&quiet), GPUCLEANUP_OK);
+  EXPECT_EQ(quiet, 1);
+  fake.update({{"devices", {{{"free_bytes", 9 * GiB}}}}});
+  ASSERT_EQ(gpucleanup_quiet(&quiet), GPUCLEANUP_OK);
+  EXPECT_EQ(quiet, 0);
+  // A trim in between leaves the mark of the last after-cell pass: the memory is compared with it.
+  ASSERT_EQ(gpucleanup_trim(&out), GPUCLEANUP_OK);
+  gpucleanup_free(out);
+  fake.update({{"devices", {{{"free_bytes", 10 * GiB}}}}});
+  ASSERT_EQ(gpucleanup_quiet(&quiet), GPUCLEANUP_OK);
+  EXPECT_EQ(quiet, 1);
   EXPECT_EQ(fake.counter("contexts_created"), 0);
 }
 

@@ -20,7 +20,7 @@ TOTAL = 80 * GiB
 class Native:
     """The real _native module, its calls counted."""
 
-    COUNTED = ("probe", "snapshot", "drain", "after_cell", "trim", "cuda_initialized")
+    COUNTED = ("probe", "snapshot", "drain", "after_cell", "trim", "cuda_initialized", "quiet")
 
     def __init__(self):
         from gpucleanup import _native
@@ -139,9 +139,124 @@ def test_idle_cells_build_no_record_and_read_each_framework_once(fake_cuda, sche
         assert (outcome.record.cell, outcome.record.devices, outcome.record.driver_state) == (cell, [], "ready")
         schemas["cell_record.schema.json"].validate(outcome.as_dict())
     assert engine.skipped == 10
-    # per idle cell: the native pass and one read of each framework, nothing else
-    assert dict(native.calls) == {"cuda_initialized": 10, "after_cell": 10}
+    # the first idle cell: the native pass proves it idle; every one after it: the library's quiet check
+    # (no pass, no JSON); each reads each framework once, nothing else
+    assert dict(native.calls) == {"cuda_initialized": 10, "after_cell": 1, "quiet": 9}
     assert dict(cupy.calls) == {"stats": 10}
+
+
+def test_once_an_idle_cell_is_proven_the_library_quiet_check_stands_for_the_pass_until_anything_changes(fake_cuda):
+    _device(fake_cuda)
+    cupy = Framework(live={0: GiB})
+    engine, native = _engine(cupy)
+    engine.run(_settings(), cell=1)  # a first cleanup: a record
+    assert not engine.run(_settings(), cell=2).keep  # proven idle by the whole pass
+    native.calls.clear()
+    for cell in range(3, 6):
+        assert not engine.run(_settings(), cell=cell).keep
+    assert native.calls["after_cell"] == 0 and native.calls["quiet"] == 3
+    # a framework figure the driver does not see: the quiet check says nothing changed, the figures do
+    cupy.live[0] += 256 * MiB
+    outcome = engine.run(_settings(), cell=6)
+    assert outcome.keep and outcome.record.devices[0].live_bytes == {"cupy": GiB + 256 * MiB}
+    assert native.calls["after_cell"] == 1
+    # memory taken outside every pool: the quiet check sees it, the whole pass says it
+    assert not engine.run(_settings(), cell=7).keep and native.calls["after_cell"] == 2  # proven idle again
+    fake_cuda.update({"devices": [{"free_bytes": TOTAL - 2 * GiB - 128 * MiB}]})
+    outcome = engine.run(_settings(), cell=8)
+    assert outcome.keep and outcome.record.devices[0].outside_growth_bytes == 128 * MiB
+    assert native.calls["after_cell"] == 3 and native.calls["quiet"] == 5
+    assert engine.skipped == 5
+
+
+def test_ctrl_c_during_the_quiet_check_stops_the_cleanup_as_during_the_pass(fake_cuda):
+    _device(fake_cuda)
+    engine = None
+
+    class PressesCtrlC(Framework):
+        pressing = False
+
+        def stats(self, devices):
+            if self.pressing:
+                engine.ctrl_c.pressed = True  # what the SIGINT handler armed for the cleanup does
+            return super().stats(devices)
+
+    cupy = PressesCtrlC(live={0: GiB})
+    engine, native = _engine(cupy)
+    engine.run(_settings(), cell=1)
+    engine.run(_settings(), cell=2)
+    native.calls.clear()
+    cupy.pressing = True
+    outcome = engine.run(_settings(), cell=3)
+    assert native.calls["quiet"] == 1 and native.calls["after_cell"] == 1
+    assert outcome.record.interrupted is True
+    cupy.pressing = False
+    engine.run(_settings(), cell=4)  # the cell after it: a whole pass again (nothing was proven)
+    assert native.calls["after_cell"] == 2
+
+
+class CountedGc:
+    """gc.collect as the engine calls it, counted by generation; ``found`` objects "collected" each call, and
+    ``on_collect`` run (a collection that frees GPU memory)."""
+
+    def __init__(self, monkeypatch, found=0, on_collect=None):
+        self.calls = []
+        self.found, self.on_collect = found, on_collect
+        monkeypatch.setattr(after_cell.gc, "collect", self)
+
+    def __call__(self, generation=2):
+        self.calls.append(generation)
+        if self.on_collect is not None:
+            self.on_collect()
+        return self.found
+
+
+def test_an_idle_cell_with_live_gpu_memory_runs_no_collection(fake_cuda, monkeypatch):
+    _device(fake_cuda)
+    cupy = Framework(live={0: GiB})
+    engine, _ = _engine(cupy)
+    collections_ = CountedGc(monkeypatch)
+    engine.run(_settings(), cell=1)
+    assert collections_.calls == [1]  # the first cleanup has nothing to compare with: a young collection
+    for cell in range(2, 6):
+        assert not engine.run(_settings(), cell=cell, namespace={}).keep
+    # the driver saw no change and the figures are the last cleanup's: nothing a collection could give back
+    assert collections_.calls == [1] and cupy.calls["stats"] == 5 and engine.skipped == 4
+
+
+def test_a_cell_that_unbinds_a_name_holding_gpu_memory_still_collects(fake_cuda, monkeypatch):
+    _device(fake_cuda)
+    cupy = Framework(live={0: GiB})
+    engine, _ = _engine(cupy)
+    model = object()
+    namespace = {"model": model, "In": []}
+    engine.run(_settings(), cell=1, namespace=namespace)
+    engine.holders.names = {"model": id(model)}  # what the walk of the namespace found holding GPU memory
+    collections_ = CountedGc(monkeypatch)
+    del namespace["model"]  # `del model`, its memory still live behind a reference cycle
+    engine.run(_settings(), cell=2, namespace=namespace)
+    assert collections_.calls == [1, 2]  # young, then full: GPU memory is still live after the young one
+
+
+def test_a_collection_that_finds_garbage_has_the_frameworks_read_again(fake_cuda, monkeypatch):
+    _device(fake_cuda)
+    cupy = Framework(live={0: GiB})
+    engine, _ = _engine(cupy)
+    engine.run(_settings(), cell=1)
+    cupy.live[0] = GiB + 256 * MiB  # handed out of the pool during the cell: the driver sees no change
+
+    def frees_the_cycle():
+        cupy.live[0] = GiB  # the cycle held those 256 MiB: the collection gave them back to the pool
+        cupy.cached[0] = 256 * MiB
+
+    collections_ = CountedGc(monkeypatch, found=4, on_collect=frees_the_cycle)
+    stats_before = cupy.calls["stats"]
+    outcome = engine.run(_settings(), cell=2)
+    assert collections_.calls == [1]
+    # read before the collection, again after it found garbage, and after the drain gave the 256 MiB back
+    assert cupy.calls["stats"] - stats_before == 3
+    dev = outcome.record.devices[0]
+    assert dev.live_bytes == {"cupy": GiB} and dev.freed_bytes == {"cupy": 256 * MiB}
 
 
 def test_a_new_allocation_in_the_driver_is_not_skipped(fake_cuda):

@@ -515,8 +515,9 @@ class ScriptedFramework:
         def _drain_pinned(result):
             result["freed_bytes"], self.pinned = self.pinned, 0
 
+        # "modules": the scripted framework is no imported module: frameworks.active() asks the adapter anyway
         return {"_in_use": lambda: True, "_stats": _stats, "_drain": _drain, "_pinned_stats": _pinned_stats,
-                "_drain_pinned": _drain_pinned}
+                "_drain_pinned": _drain_pinned, "modules": ()}
 
     def refill(self):
         self.cached, self.pinned = 128 * fm.MiB, 32 * fm.MiB

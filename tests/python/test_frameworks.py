@@ -77,6 +77,20 @@ def test_active_lists_adapters_in_use_and_counts_a_failing_check_as_not_in_use(m
     assert [a.name for a in active()] == ["cupy"]
 
 
+def test_active_asks_only_the_adapters_whose_framework_was_imported(monkeypatch):
+    world = World()
+    install_cupy(monkeypatch, world)
+    asked = []
+    for a in ADAPTERS:
+        monkeypatch.setattr(a, "_in_use", lambda name=a.name: asked.append(name) or name == "cupy")
+    assert [a.name for a in active()] == ["cupy"]
+    assert asked == ["cupy"]  # no other framework's module is in sys.modules: none of them is asked
+    assert {a.name: a.modules for a in ADAPTERS} == {
+        "cupy": ("cupy",), "torch": ("torch",), "numba": ("numba.cuda.cudadrv.devices",
+                                                          "numba_cuda.numba.cuda.cudadrv.devices"),
+        "pycuda": ("pycuda.driver",), "jax": ("jax",), "rmm": ("rmm",), "tensorflow": ("tensorflow",)}
+
+
 # -- cupy --------------------------------------------------------------------------
 
 
@@ -88,6 +102,15 @@ def test_cupy_adapter_with_stand_in_module_reports_exact_bytes_of_given_devices_
     assert result["notes"] == []
     assert [c for c in world.calls if c[0] == "setDevice"] == [("setDevice", 1)]
     assert world.current == 0 and world.violations == []
+
+
+def test_cupy_adapter_on_the_device_current_to_the_thread_switches_and_puts_back_nothing(monkeypatch):
+    world = World(n_devices=1, active=(0,), current=0)
+    cupy = install_cupy(monkeypatch, world, used={0: 100}, free={0: 1000})
+    assert adapter("cupy").stats([0])["devices"] == {0: {"live_bytes": 100, "cached_bytes": 1000}}
+    assert adapter("cupy").drain([0]) == {"freed_bytes": {0: 1000}, "notes": []}
+    assert [c for c in world.calls if c[0] in ("setDevice", "ctxSetCurrent")] == []
+    assert world.current == 0 and world.violations == [] and cupy.pool.free == {0: 0}
 
 
 def test_cupy_adapter_with_stand_in_module_frees_only_given_devices(monkeypatch):

@@ -351,6 +351,30 @@ def test_a_library_without_the_new_functions_is_said_plainly(monkeypatch):
         _native.after_cell()
     with pytest.raises(_native.NativeError, match=r"^\[gpucleanup\.python\.102\] .* has no gpucleanup_trim"):
         _native.trim()
+    with pytest.raises(_native.NativeError, match=r"^\[gpucleanup\.python\.102\] .* has no gpucleanup_quiet"):
+        _native.quiet()
+
+
+def test_quiet_compares_with_what_the_last_after_cell_pass_left(settled):
+    settled.reset(one_device("GPU-af7e0000-0000-4000-8000-0000000000b1", default_pool={"reserved_bytes": 0,
+                                                                                      "used_bytes": 0}))
+    _native.after_cell(timeout=5)
+    assert _native.quiet() is True
+    calls_before = settled.counter("calls.cuMemGetInfo"), settled.counter("calls.cuCtxSynchronize")
+    for _ in range(10):
+        assert _native.quiet() is True
+    # one cuMemGetInfo a check, no synchronize, nothing trimmed, no context made
+    assert (settled.counter("calls.cuMemGetInfo"), settled.counter("calls.cuCtxSynchronize")) == (
+        calls_before[0] + 10, calls_before[1])
+    settled.update({"devices": [{"free_bytes": 10 * GiB - 64 * MiB}]})  # memory taken
+    assert _native.quiet() is False
+    settled.update({"devices": [{"free_bytes": 10 * GiB}]})
+    assert _native.quiet() is True
+    # a pass that leaves memory in a driver pool leaves nothing to compare with
+    settled.update({"devices": [{"default_pool": {"reserved_bytes": 256 * MiB, "used_bytes": 256 * MiB}}]})
+    _native.after_cell(timeout=5)
+    assert _native.quiet() is False
+    assert settled.counter("contexts_created") == 0
 
 
 # ---------------------------------------------------------------- the interpreter lock

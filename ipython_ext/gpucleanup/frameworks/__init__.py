@@ -32,6 +32,8 @@ memory pools, so ``frameworks/pycuda.py`` watches their making from PyCUDA's imp
 
 from __future__ import annotations
 
+import sys
+
 from .base import Adapter
 from .cupy import CupyAdapter
 from .torch import TorchAdapter
@@ -58,7 +60,10 @@ ADAPTERS: tuple[Adapter, ...] = (
 def active() -> list[Adapter]:
     """The adapters whose framework is imported and in use (a failing check counts as not in use)."""
     found = []
+    imported = sys.modules
     for adapter in ADAPTERS:
+        if adapter.modules and not any(name in imported for name in adapter.modules):
+            continue  # never imported: not in use, and its in_use would say so at a higher cost
         try:
             if adapter.in_use():
                 found.append(adapter)

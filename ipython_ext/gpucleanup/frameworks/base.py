@@ -48,6 +48,9 @@ class Adapter:
     """
 
     name: str = ""
+    #: modules of which one must be imported for the framework to be in use (empty: always asked);
+    #: ``active()`` asks ``in_use`` only then, so a framework never imported costs a dict lookup a cell
+    modules: tuple[str, ...] = ()
     #: False: the framework's pool never gives memory back (its cache is "reserved", not "cached")
     can_release: bool = True
     #: for a pool that never gives memory back: what the user can set so that it does, or takes less

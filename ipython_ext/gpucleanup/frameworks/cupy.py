@@ -75,6 +75,7 @@ def _pinned_pool_bytes(pool: Any) -> Optional[tuple[int, int]]:
 
 class CupyAdapter(Adapter):
     name = "cupy"
+    modules = ("cupy",)
     can_release = True
 
     def _in_use(self) -> bool:
@@ -110,17 +111,30 @@ class CupyAdapter(Adapter):
 
     @contextlib.contextmanager
     def _on_devices(self, cupy: Any, devices: list[int]) -> Iterator[Any]:
+        """Yields ``select(i)``, which makes device ``i`` current; afterwards the calling thread's
+        device and context are put back. A device whose context is already current to the thread is
+        not selected again: on one GPU (the common case) the verbs switch nothing and put nothing back."""
         runtime = cupy.cuda.runtime
         driver = getattr(cupy.cuda, "driver", None)
         previous = runtime.getDevice()
         saved_ctx = driver.ctxGetCurrent() if hasattr(driver, "ctxGetCurrent") else None
+        switched = False
+
+        def select(i: int) -> None:
+            nonlocal switched
+            if i == previous and saved_ctx and not switched:
+                return  # its context is current: nothing to switch (a thread with none gets it selected)
+            switched = True
+            runtime.setDevice(i)
+
         try:
-            yield runtime.setDevice
+            yield select
         finally:
-            if previous in devices:
-                runtime.setDevice(previous)
-            if saved_ctx is not None and hasattr(driver, "ctxSetCurrent"):
-                driver.ctxSetCurrent(saved_ctx)
+            if switched:
+                if previous in devices:
+                    runtime.setDevice(previous)
+                if saved_ctx is not None and hasattr(driver, "ctxSetCurrent"):
+                    driver.ctxSetCurrent(saved_ctx)
 
     def _fft_cache(self) -> Any:
         cache_mod = _module("cupy.fft._cache")

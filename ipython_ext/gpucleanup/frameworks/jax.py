@@ -42,6 +42,7 @@ def _platform_allocator() -> bool:
 
 class JaxAdapter(Adapter):
     name = "jax"
+    modules = ("jax",)
 
     @property
     def can_release(self) -> bool:  # type: ignore[override]

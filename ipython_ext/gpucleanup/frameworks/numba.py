@@ -66,6 +66,7 @@ def _live_bytes(ctx: Any) -> int:
 
 class NumbaAdapter(Adapter):
     name = "numba"
+    modules = _DEVICES_MODULES
     can_release = True
 
     def _in_use(self) -> bool:

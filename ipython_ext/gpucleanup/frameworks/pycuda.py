@@ -352,6 +352,7 @@ def uninstall() -> None:
 
 class PycudaAdapter(Adapter):
     name = "pycuda"
+    modules = ("pycuda.driver",)
     can_release = True
 
     def __init__(self) -> None:

@@ -62,6 +62,7 @@ def _figures_of(chain: list) -> tuple[Optional[int], Optional[int], list[str]]:
 
 class RmmAdapter(Adapter):
     name = "rmm"
+    modules = ("rmm",)
     can_release = False
     #: what gives an RMM pool back (said once per kernel on the line)
     reserved_fix = "rmm.reinitialize() destroys the pool; a smaller initial_pool_size takes less"

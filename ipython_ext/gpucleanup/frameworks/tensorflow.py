@@ -45,6 +45,7 @@ def _async_allocator() -> bool:
 
 class TensorflowAdapter(Adapter):
     name = "tensorflow"
+    modules = ("tensorflow",)
     can_release = False
     #: what lets tensorflow's memory be given back (said once per kernel on the line)
     reserved_fix = "TF_GPU_ALLOCATOR=cuda_malloc_async before import"

@@ -103,6 +103,7 @@ def _host_empty_cache(torch: Any) -> Optional[Any]:
 
 class TorchAdapter(Adapter):
     name = "torch"
+    modules = ("torch",)
     can_release = True
 
     def _torch(self) -> Any:

@@ -149,6 +149,20 @@ GPUCLEANUP_API gpucleanup_status gpucleanup_after_cell(double timeout_s,
                                                        void* user,
                                                        char** json_out);
 
+/* Whether the after-cell pass would find nothing to do: nothing changed on
+ * the devices this process uses since the last gpucleanup_after_cell, as far
+ * as the driver tells without waiting. *quiet_out is 1 when
+ *   - the same devices are in use, each through its primary context, none
+ *     busy from an earlier wait or unusable;
+ *   - nothing is queued on any (an event recorded over the whole context and
+ *     queried at once: CUDA 12.5+ drivers) and no driver pool reserves memory;
+ *   - each has the free memory that pass left (one cuMemGetInfo).
+ * 0 when anything differs or cannot be told: no such pass yet, or it did not
+ * leave every device drained, settled and error-free with its pools empty.
+ * For the idle cell: the probe, one event and one cuMemGetInfo per device, no
+ * wait, no trim, no JSON. Never initialises CUDA. */
+GPUCLEANUP_API gpucleanup_status gpucleanup_quiet(int* quiet_out);
+
 /* The trim alone, without a wait: cuMemPoolTrimTo(pool, 0) on the default and
  * the current pool of every device in use, on the calling thread (for the
  * second trim after frameworks gave memory back to the driver's pools). A
