@@ -7,7 +7,7 @@
 # for the stage trace: trace-tests.log, trace-bench.json, trace-bench.log; for dask: dask-tests.log, dask-bench.*;
 # for server: server-tests.log and server/ (the page's data, /metrics, the plots);
 # and for the stage kernels: kernels.json, kernels.log, kernel-calls.json, kernel-calls.log.
-# Usage: scripts/gpu_run.sh [STAGE ...]   stages: tests facts bench demo kernels kernels-focus per-cell paired paired-stages stages trace dask server reliability memcheck park park-kernels park-bench-kernels
+# Usage: scripts/gpu_run.sh [STAGE ...]   stages: tests facts bench demo kernels kernels-focus per-cell paired paired-stages paired-ab stages trace dask server reliability memcheck park park-kernels park-bench-kernels
 #        (default: tests facts bench demo)
 # The stage stages (tests/bench/profile_cell.py --stages --primitives, in-process, about a minute) writes
 # stages.log: where the per-cell time goes, step by step, with CUDA unused and PyTorch or CuPy idle; and
@@ -164,6 +164,30 @@ if [[ $stages == *" paired-stages "* ]]; then
   # the rest of the cell, and what lies outside the cell, with the engine's steps timed in the kernel
   python3 tests/bench/bench_paired.py --stages --scenario cupy-idle,torch-idle --cells 300 \
     --json "$out/paired-stages.json" 2>&1 | tee "$out/paired-stages.log"
+fi
+if [[ $stages == *" paired-ab "* ]]; then
+  # this build (the carried wheel's native library with this working tree's Python) against a baseline on the
+  # same machine (about 3 min): .whl/baseline/ holds the baseline's
+  # gpucleanup wheel and, optionally, gpucleanup-src-<commit>.tar (git archive <commit> ipython_ext/gpucleanup,
+  # put over that wheel's Python). Two rounds, each running bench_paired.py for CuPy and PyTorch idle with the
+  # baseline, then with this build (added = on minus off within each kernel): paired-ab.log, paired-ab-*.json
+  base=/tmp/site-base
+  cp -r ipython_ext/gpucleanup/. /tmp/site/gpucleanup/
+  rm -rf "$base" && mkdir -p "$base"
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$base" .whl/baseline/gpucleanup-*.whl
+  for tar in .whl/baseline/gpucleanup-src-*.tar; do
+    [ -f "$tar" ] && tar -xf "$tar" --strip-components=1 -C "$base" && echo "baseline Python: $tar"
+  done 2>&1 | tee "$out/paired-ab.log"
+  for round in 1 2; do
+    for build in baseline this; do
+      path=$PYTHONPATH
+      [ "$build" = baseline ] && path=$base:$PYTHONPATH
+      PYTHONPATH=$path python3 -c "import gpucleanup._native as n; print('$build:', n.library_path(), 'quiet check:', hasattr(n, 'quiet'))"
+      echo "== round $round, $build"
+      PYTHONPATH=$path python3 tests/bench/bench_paired.py --scenario cupy-idle,torch-idle --cells 300 \
+        --json "$out/paired-ab-$build-$round.json"
+    done
+  done 2>&1 | tee -a "$out/paired-ab.log"  # few files: a GPU run brings back at most 8
 fi
 if [[ $stages == *" kernels-focus "* ]]; then
   # the per-cell headline scenarios again with 600 timed cells per variant (about 4 min): the

@@ -838,10 +838,12 @@ class AfterCell:
             # a framework kept a cache (release "auto"/"idle", or one that cannot release):
             # it can hand out memory again without the driver seeing any change
             return None
-        for work in settled:
-            if work.free_before is None or self._last_free.get(work.index) != work.free_before:
-                return None
-        return self._last_live
+        return self._last_live if self._driver_unchanged(settled) else None
+
+    def _driver_unchanged(self, settled: List[DeviceWork]) -> bool:
+        """Every device has the free memory the last cleanup left (False: one changed, or not known)."""
+        return all(work.free_before is not None and self._last_free.get(work.index) == work.free_before
+                   for work in settled)
 
     def _collect(self, settings: Settings, adapters: list, live: Optional[int], settled: List[int],
                  namespace: Optional[dict]) -> GcRecord:
@@ -1233,8 +1235,9 @@ class CellPass:
         the library's quiet check (``native.quiet``: the same devices in use, nothing queued, no driver
         pool reserving memory, the same free memory as the pass behind that proof left) says nothing
         changed since, and the frameworks' figures are those the last cleanup left with nothing new to
-        give back (:meth:`unchanged`, over the last cleanup's devices). False: not proven (or Ctrl-C);
-        what this tried is forgotten and the whole pass runs."""
+        give back (:meth:`unchanged`, over the last cleanup's devices): then no collection could find
+        anything either (:meth:`collect`). False: not proven (or Ctrl-C); what this tried is forgotten
+        and the whole pass runs, its collection included."""
         engine, last = self.engine, self.engine._last_pass
         if last is None or self.cell.forced or engine._unusable or engine.pinned_job is not None:
             return False
@@ -1250,11 +1253,12 @@ class CellPass:
         self.devices = self.settled = list(self.work)
         same = False
         with engine.unraisables.capture() as captured:
-            try:
-                self.collect(ctrl_c)
+            self.adapters = engine.adapters(self.settings, self.notes)
+            figures, notes = self._early_figures(None)
+            if figures is not None and figures == last.stats:
+                self.stats_settled = figures
+                self.notes.extend(notes)
                 same = self.unchanged()
-            except KeyboardInterrupt:
-                same = False
         if same and not captured and not self.notes and not ctrl_c.pressed:
             return True
         self.work, self.devices, self.settled, self.adapters, self.notes = {}, [], [], [], []
@@ -1294,17 +1298,17 @@ class CellPass:
         """Step 2: collect first, then read the frameworks once: what the collection freed is in
         those figures, and only a cache that holds something is emptied.
 
-        When the driver saw no change since the last cleanup and no framework keeps a cache, the
-        frameworks are read first: figures equal to those the last cleanup left mean the cell made
-        no GPU object a collection could find (a new one would be new bytes), and unbound no name
-        that held GPU memory; the collection is then skipped and those figures stand. A collection
-        that finds garbage has the frameworks read again."""
+        When the driver saw no change since the last cleanup, the frameworks are read first: figures
+        equal to those the last cleanup left (live and cached alike: a new object handed memory from
+        a cache would be new live bytes) mean the cell made no GPU object a collection could find,
+        and it unbound no name that held GPU memory; the collection is then skipped and those figures
+        stand. A collection that finds garbage has the frameworks read again."""
         engine = self.engine
         self.adapters = engine.adapters(self.settings, self.notes) if self.settled else []
         # not known (the device's memory changed, or a framework keeps a cache): a young
         # collection, cheaper than reading every framework to decide
         live = engine._live_hint([self.work[i] for i in self.settled]) if self.adapters else None
-        early, early_notes = self._early_figures(live)
+        early, early_notes = self._early_figures(live) if live != 0 else (None, [])
         if early is not None and early == self.engine._last_pass.stats:
             live = 0  # nothing a collection could give back
         self.gc_record = engine._collect(self.settings, self.adapters, live, self.settled, self.cell.namespace)
@@ -1317,11 +1321,12 @@ class CellPass:
 
     def _early_figures(self, live: Optional[int]) -> Tuple[Optional[Stats], List[Note]]:
         """The frameworks' figures read before the collection, with their notes, when they may
-        prove it useless: the driver saw no change (``live`` known and not 0), garbage policy
-        "auto", a last cleanup to compare with, and no name that held GPU memory unbound (that
-        asks for a collection anyway); else (None, [])."""
+        prove it useless: garbage policy "auto", a last cleanup to compare with, the driver saw no
+        change on any device since it, and no name that held GPU memory unbound (that asks for a
+        collection anyway); else (None, [])."""
         engine = self.engine
-        if (not live or self.settings.gc != "auto" or engine._last_pass is None or self.cell.forced
+        if (not self.adapters or self.settings.gc != "auto" or engine._last_pass is None or self.cell.forced
+                or not engine._driver_unchanged([self.work[i] for i in self.settled])
                 or engine.holders.unbound(self.cell.namespace)):
             return None, []
         notes: List[Note] = []

@@ -57,17 +57,23 @@ _STATE_KEYS = {"idle": {"state", "since_ns"}, "running": {"state", "cell", "sinc
 
 
 def _state_fields(state: Any) -> Optional[tuple]:
-    """(state, cell, since_ns, device) when ``state`` is one the server takes without JSON, else None."""
-    if not isinstance(state, dict):
+    """(state, cell, since_ns, device) when ``state`` is one the server takes without JSON, else None.
+    Twice per cell: plain lookups, no set or generator made."""
+    if type(state) is not dict:
         return None
     name = state.get("state")
-    keys = _STATE_KEYS.get(name) if isinstance(name, str) else None
-    if keys is None or not set(state) <= keys:
+    keys = _STATE_KEYS.get(name) if type(name) is str else None  # a list would not even hash
+    if keys is None:
         return None
-    values = (state.get("cell"), state.get("since_ns"), state.get("device"))
-    if any(v is not None and (not isinstance(v, int) or isinstance(v, bool)) for v in values):
+    for key in state:
+        if key not in keys:
+            return None
+    cell, since_ns, device = state.get("cell"), state.get("since_ns"), state.get("device")
+    # plain ints only (a bool, or an int subclass, goes the JSON way, which says what is wrong with it)
+    if ((cell is not None and type(cell) is not int) or (since_ns is not None and type(since_ns) is not int)
+            or (device is not None and type(device) is not int)):
         return None
-    return (name, *values)
+    return (name, cell, since_ns, device)
 
 
 def _sweep(runtime: Path) -> None:

@@ -224,6 +224,26 @@ def test_an_idle_cell_with_live_gpu_memory_runs_no_collection(fake_cuda, monkeyp
     assert collections_.calls == [1] and cupy.calls["stats"] == 5 and engine.skipped == 4
 
 
+def test_an_idle_cell_whose_framework_keeps_what_it_cannot_give_back_runs_no_collection(fake_cuda, monkeypatch):
+    # PyTorch keeps the rest of a 20 MiB segment that a live tensor is in: cached, never given back
+    class Segmented(Framework):
+        def drain(self, devices):
+            self.calls["drain"] += 1
+            return {"freed_bytes": {i: 0 for i in devices}, "notes": []}
+
+    _device(fake_cuda)
+    torch = Segmented(name="torch", live={0: 4 * MiB}, cached={0: 16 * MiB})
+    engine, _ = _engine(torch)
+    collections_ = CountedGc(monkeypatch)
+    engine.run(_settings(), cell=1)
+    for cell in range(2, 6):
+        assert not engine.run(_settings(), cell=cell, namespace={}).keep
+    assert collections_.calls == [1] and engine.skipped == 4
+    torch.live[0] += 2 * MiB  # handed out of that cache: the driver sees nothing, the figures do
+    assert engine.run(_settings(), cell=6).keep
+    assert collections_.calls == [1, 1]
+
+
 def test_a_cell_that_unbinds_a_name_holding_gpu_memory_still_collects(fake_cuda, monkeypatch):
     _device(fake_cuda)
     cupy = Framework(live={0: GiB})
