@@ -92,3 +92,42 @@ def test_drain_returns_memory_freed_from_a_cupy_async_pool_to_the_device():
     assert r["free_start"] - r["free_held"] >= 4 * GiB - TOLERANCE, "the pool did not keep the freed memory"
     assert r["released"] >= 4 * GiB - TOLERANCE
     assert abs(r["free_start"] - r["free_end"]) <= TOLERANCE
+
+
+def test_the_quiet_check_holds_on_an_idle_device_and_sees_an_allocation_queued_work_and_a_pool():
+    require("cupy")
+    r = run_script('''
+        import time, cupy, gpucleanup._native as native
+        x = cupy.ones(1 << 28, dtype=cupy.float32)       # 1 GiB live, nothing cached
+        x *= 1.0                                          # its kernel loaded now, not during the checks
+        cupy.cuda.runtime.deviceSynchronize()
+        native.after_cell(timeout=5)                      # the pass that leaves what the check compares with
+        idle = [native.quiet() for _ in range(20)]
+        t0 = time.perf_counter()
+        for _ in range(200):
+            native.quiet()
+        us = (time.perf_counter() - t0) / 200 * 1e6
+        y = cupy.ones(64 << 20, dtype=cupy.uint8)          # 64 MiB more: CuPy asks the driver for it
+        cupy.cuda.runtime.deviceSynchronize()
+        after_alloc = native.quiet()
+        del y
+        cupy.get_default_memory_pool().free_all_blocks()   # given back: the device as the pass left it
+        back = native.quiet()
+        for _ in range(200):
+            x *= 1.0                                       # queued in place: no memory changes hands
+        queued = native.quiet()
+        cupy.cuda.runtime.deviceSynchronize()
+        settled = native.quiet()
+        pool = cupy.cuda.MemoryAsyncPool()                 # the device's stream-ordered pool
+        b = pool.malloc(32 << 20)
+        cupy.cuda.runtime.deviceSynchronize()
+        with_pool = native.quiet()
+        figure(f"quiet check: {us:.1f} µs a call in a loop; idle {sum(idle)}/20; after a 64 MiB allocation "
+               f"{after_alloc}, given back {back}; 200 kernels queued {queued}, done {settled}; "
+               f"a stream-ordered pool holding 32 MiB {with_pool}")
+        result(idle=idle, after_alloc=after_alloc, back=back, queued=queued, settled=settled, with_pool=with_pool)
+    ''')
+    assert r["idle"] == [True] * 20
+    assert r["after_alloc"] is False and r["back"] is True
+    assert r["queued"] is False and r["settled"] is True
+    assert r["with_pool"] is False
