@@ -207,30 +207,29 @@ class IdleRelease:
 
     def hold(self) -> bool:
         """A cell starts: not before it has ended (:meth:`rearm` or :meth:`cancel` then); True if held."""
-        with self._lock:
-            if self._state != "waiting" or self.when != "idle":
-                return False
-            self._deadline = None
-            return True
+        return self._move(None, only_idle=True)
 
     def run_now(self) -> bool:
         """Another cell starts (release "rerun"): run now on its thread, alongside the cell; True if it will."""
-        with self._lock:
-            if self._state != "waiting":
-                return False
-            self.when = "cell"
-            self._deadline = time.monotonic()
-            self._wake.notify()
-            return True
+        return self._move(0.0, when="cell")
 
     def rearm(self) -> bool:
         """The cell that held it changed nothing: wait ``delay_s`` again from now, on the same thread
         (a cell re-run back to back costs no thread); True if it still waits."""
+        return self._move(self.delay_s)
+
+    def _move(self, after_s: Optional[float], when: Optional[str] = None, only_idle: bool = False) -> bool:
+        """While it still waits (and, ``only_idle``, for the kernel to be idle): run ``after_s`` seconds from
+        now (None: not until moved again), said to be started by ``when``; the thread is woken to look at the
+        new deadline. False when it runs, ran or was cancelled."""
         with self._lock:
-            if self._state != "waiting":
+            if self._state != "waiting" or (only_idle and self.when != "idle"):
                 return False
-            self._deadline = time.monotonic() + self.delay_s
-            self._wake.notify()
+            if when is not None:
+                self.when = when
+            self._deadline = None if after_s is None else time.monotonic() + after_s
+            if after_s is not None:
+                self._wake.notify()
             return True
 
     def cancel(self) -> bool:
