@@ -1235,10 +1235,12 @@ class CellPass:
         pool reserving memory, the same free memory as the pass behind that proof left) says nothing
         changed since, and the frameworks' figures are those the last cleanup left with nothing new to
         give back (:meth:`unchanged`, over the last cleanup's devices): then no collection could find
-        anything either (:meth:`collect`). False: not proven (or Ctrl-C); what this tried is forgotten
-        and the whole pass runs, its collection included."""
+        anything either (:meth:`collect`), unless the policy is "always" or the cell unbound a name that
+        held GPU memory (those collect: the whole pass runs). False: not proven (or Ctrl-C); what this
+        tried is forgotten, but for what an unraisable hook caught, and the whole pass runs."""
         engine, last = self.engine, self.engine._last_pass
-        if last is None or self.cell.forced or engine._unusable or engine.pinned_job is not None:
+        if (last is None or self.cell.forced or engine._unusable or engine.pinned_job is not None
+                or self.settings.gc == "always" or engine.holders.unbound(self.cell.namespace)):
             return False
         try:
             if engine.native.quiet() is not True:
@@ -1253,13 +1255,13 @@ class CellPass:
         same = False
         with engine.unraisables.capture() as captured:
             self.adapters = engine.adapters(self.settings, self.notes)
-            figures, notes = self._early_figures(None)
-            if figures is not None and figures == last.stats:
+            figures = engine.stats(self.adapters, self.settled, self.notes) if self.adapters else {}
+            if figures == last.stats:
                 self.stats_settled = figures
-                self.notes.extend(notes)
                 same = self.unchanged()
         if same and not captured and not self.notes and not ctrl_c.pressed:
             return True
+        self.captured.extend(captured)  # said by the whole pass's record
         self.work, self.devices, self.settled, self.adapters, self.notes = {}, [], [], [], []
         self.stats_settled, self.gc_record, self.state = {}, GcRecord(policy=self.settings.gc), None
         return False

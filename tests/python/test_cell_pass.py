@@ -169,6 +169,25 @@ def test_once_an_idle_cell_is_proven_the_library_quiet_check_stands_for_the_pass
     assert engine.skipped == 5
 
 
+@pytest.mark.parametrize("gc_policy, frameworks, quiet_cells", [
+    ("auto", 1, 3),
+    ("never", 1, 3),  # nothing to collect anyway: as quiet as "auto"
+    ("auto", 0, 3),  # raw CUDA (cuda-python, ctypes) with no framework in use: the check alone proves it
+    ("always", 1, 0),  # a full collection after every cell: the whole pass runs it
+])
+def test_the_quiet_check_under_each_garbage_policy_and_with_no_framework(fake_cuda, gc_policy, frameworks, quiet_cells):
+    _device(fake_cuda)
+    adapters = [Framework(live={0: GiB})][:frameworks]
+    engine, native = _engine(*adapters)
+    engine.run(_settings(gc=gc_policy), cell=1)
+    assert not engine.run(_settings(gc=gc_policy), cell=2).keep
+    native.calls.clear()
+    for cell in range(3, 6):
+        assert not engine.run(_settings(gc=gc_policy), cell=cell).keep
+    assert (native.calls["quiet"], native.calls["after_cell"]) == (quiet_cells, 3 - quiet_cells)
+    assert engine.skipped == 4
+
+
 def test_ctrl_c_during_the_quiet_check_stops_the_cleanup_as_during_the_pass(fake_cuda):
     _device(fake_cuda)
     engine = None
