@@ -125,9 +125,9 @@ class GPUCleanupOptions(Configurable):
         default_value="auto",
         help=(
             "Garbage collection after a cell. 'auto': only when it can release GPU memory: skipped when "
-            "no framework keeps a cache, the driver has seen no change since the last cleanup, and either "
-            "that cleanup left no live GPU memory or the frameworks' figures are still the ones it left "
-            "(with no name that held GPU memory unbound); otherwise first a young collection "
+            "the driver has seen no change since the last cleanup and either no framework kept a cache and "
+            "that cleanup left no live GPU memory, or the frameworks' figures are still the ones it left and "
+            "no name that held GPU memory was unbound; otherwise first a young collection "
             "(generations 0 and 1, cheap); "
             "a full collection only when the cell also unbound a name of the user namespace or a GPU "
             "array/tensor from it and GPU memory is still live. 'always': a full gc.collect() after every "
