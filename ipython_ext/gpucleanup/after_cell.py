@@ -1251,7 +1251,7 @@ class CellPass:
         for i, (free, pools) in last.devices.items():
             work = self.work[i] = DeviceWork(i, state="drained", settle={"status": "done"}, free_before=free)
             work.pools = pools
-        self.devices = self.settled = list(self.work)
+        self.devices, self.settled = list(self.work), list(self.work)
         same = False
         with engine.unraisables.capture() as captured:
             self.adapters = engine.adapters(self.settings, self.notes)

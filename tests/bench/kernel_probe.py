@@ -87,18 +87,6 @@ def report(skip: int) -> dict:
         key = "on" if state else "off"
         out["run_cell_us"][key] = round(statistics.median(times), 1) if times else None
         out["run_cell_us"][f"n_{key}"] = len(times)
-    rows = []
-    for label, samples in _stages.items():
-        if label == "_counter":
-            continue
-        per_cell: dict = {}
-        for cell, us in samples:
-            if cell in on_cells:
-                per_cell[cell] = per_cell.get(cell, 0.0) + us
-        if not per_cell:
-            continue
-        values = [per_cell.get(c, 0.0) for c in on_cells]
-        calls = sum(1 for cell, _ in samples if cell in on_cells) / len(on_cells)
-        rows.append([label, round(statistics.median(values), 1), round(calls, 2)])
-    out["stages"] = sorted(rows, key=lambda r: -r[1])
+    out["stages"] = [[label, round(median, 1), round(calls, 2)]
+                     for median, _worst, calls, label in profile_cell.stage_rows(_stages, sorted(on_cells))]
     return out

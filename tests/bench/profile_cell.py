@@ -267,22 +267,33 @@ def _time_stages(cells: int) -> dict:
     return times
 
 
-def _print_stages(times: dict, cells: int) -> None:
-    """Median over cells of each step's summed time in a cell (0 for a cell where it did not run)."""
-    counter = times.pop("_counter")
-    print(f"per-stage: median µs per cell (inclusive) and calls per cell, over {cells} cells")
+def stage_rows(times: dict, cells) -> list:
+    """(median, max, calls per cell, label) of each step over ``cells`` (cell numbers), largest first: the
+    step's summed time in each cell, 0 in a cell where it did not run; a step that ran in none is left out.
+    Also what tests/bench/kernel_probe.py reports from inside a kernel."""
+    cells = list(cells)
+    wanted = set(cells)
     rows = []
     for label, samples in times.items():
-        per_cell: dict = {}
-        calls: dict = {}
-        for cell, us in samples:
-            per_cell[cell] = per_cell.get(cell, 0.0) + us
-            calls[cell] = calls.get(cell, 0) + 1
-        values = [per_cell.get(c, 0.0) for c in range(1, counter["cell"] + 1)]
-        if not samples or not values:
+        if label == "_counter":
             continue
-        rows.append((statistics.median(values), max(values), sum(calls.values()) / max(len(values), 1), label))
-    for median, worst, n, label in sorted(rows, reverse=True):
+        per_cell: dict = {}
+        calls = 0
+        for cell, us in samples:
+            if cell in wanted:
+                per_cell[cell] = per_cell.get(cell, 0.0) + us
+                calls += 1
+        if per_cell:
+            values = [per_cell.get(c, 0.0) for c in cells]
+            rows.append((statistics.median(values), max(values), calls / len(cells), label))
+    return sorted(rows, reverse=True)
+
+
+def _print_stages(times: dict, cells: int) -> None:
+    """Median over cells of each step's summed time in a cell (0 for a cell where it did not run)."""
+    counter = times["_counter"]
+    print(f"per-stage: median µs per cell (inclusive) and calls per cell, over {cells} cells")
+    for median, worst, n, label in stage_rows(times, range(1, counter["cell"] + 1)):
         print(f"  {median:9.1f} µs  (max {worst:9.1f})  {n:5.2f} calls  {label}")
 
 
