@@ -440,10 +440,9 @@ def server_start(config: dict) -> dict:
 
 
 def _call_status(fn: Callable[..., int], *args: Any) -> None:
-    lib = library()
     status = fn(*args)
     if status != OK:
-        _raise(lib, status)
+        _raise(library(), status)
 
 
 def sigterm_cleanup(paths: Optional[dict]) -> bool:

@@ -123,25 +123,10 @@ class CtrlC:
     def __init__(self):
         self.pressed = False
 
-    @contextlib.contextmanager
-    def armed(self):
-        self.pressed = False
-        previous = None
-        installed = False
-        if threading.current_thread() is threading.main_thread():
-            try:
-                previous = _raw_signal.getsignal(signal.SIGINT)
-                if previous is not None:
-                    _raw_signal.signal(signal.SIGINT, self._handler)
-                    installed = True
-            except (ValueError, TypeError, OSError):
-                installed = False
-        try:
-            yield self
-        finally:
-            if installed:
-                with contextlib.suppress(Exception):
-                    _raw_signal.signal(signal.SIGINT, previous)
+    def armed(self) -> "_Armed":
+        """A context manager: this handler for SIGINT while it is entered (on the main thread), the
+        previous one back as it exits. A small object rather than a generator: it runs once per cell."""
+        return _Armed(self)
 
     def _handler(self, signum, frame) -> None:
         self.pressed = True
@@ -149,6 +134,36 @@ class CtrlC:
     def check(self) -> None:
         if self.pressed:
             raise KeyboardInterrupt
+
+
+class _Armed:
+    """:meth:`CtrlC.armed`'s context: what it installed is its own, so two threads arming one
+    :class:`CtrlC` (a drain from outside and a cell) never restore each other's handler."""
+
+    __slots__ = ("ctrl_c", "previous", "installed")
+
+    def __init__(self, ctrl_c: CtrlC):
+        self.ctrl_c = ctrl_c
+        self.previous: Any = None
+        self.installed = False
+
+    def __enter__(self) -> CtrlC:
+        ctrl_c = self.ctrl_c
+        ctrl_c.pressed = False
+        if threading.current_thread() is threading.main_thread():
+            try:
+                self.previous = _raw_signal.getsignal(signal.SIGINT)
+                if self.previous is not None:
+                    _raw_signal.signal(signal.SIGINT, ctrl_c._handler)
+                    self.installed = True
+            except (ValueError, TypeError, OSError):
+                self.installed = False
+        return ctrl_c
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.installed:
+            with contextlib.suppress(Exception):
+                _raw_signal.signal(signal.SIGINT, self.previous)
 
 
 @dataclass(frozen=True)
@@ -531,8 +546,10 @@ class AfterCell:
         self._last_cached: Optional[int] = None  # and the bytes they kept cached
         self._last_outside: Dict[int, int] = {}  # per device: outside every pool after the last cleanup
         self._outside_base: Dict[int, int] = {}  # ... after the first cleanup
-        self._kept: Dict[str, Dict[int, int]] = {}
-        self._fixes: Dict[str, str] = {}  # per framework whose pool never gives memory back: what to set  # per framework and device: cached bytes its last drain left
+        self._kept: Dict[str, Dict[int, int]] = {}  # per framework and device: cached bytes its last drain left
+        self._fixes: Dict[str, str] = {}  # per framework whose pool never gives memory back: what to set
+        #: per framework: (adapter, its last stats answer, the figures read from it), see :meth:`stats`
+        self._figures_read: Dict[str, Tuple[Any, dict, FrameworkFigures]] = {}
         self._drained_now: List[str] = []  # frameworks drained by this cleanup
         #: the last full cleanup, for an idle cell to be compared with (None: none to compare with)
         self._last_pass: Optional[LastPass] = None
@@ -590,7 +607,9 @@ class AfterCell:
         return [a for a in adapters if settings.framework_enabled(str(getattr(a, "name", "?")))]
 
     def stats(self, adapters: list, devices: List[int], notes: List[Note]) -> Stats:
-        """Each adapter's figures on ``devices``, read once into a :class:`FrameworkFigures`."""
+        """Each adapter's figures on ``devices``, read once into a :class:`FrameworkFigures`. An adapter
+        that answers what it answered last time gets the very figures built then: on an idle cell the
+        comparison with the last cleanup's figures is then one of identity."""
         out: Stats = {}
         for adapter in adapters:
             result, note = self.guarded(adapter, "stats", list(devices))
@@ -599,7 +618,12 @@ class AfterCell:
                 continue
             if not isinstance(result, dict):
                 continue
-            figures = out[adapter.name] = FrameworkFigures.read(adapter, result)
+            last = self._figures_read.get(adapter.name)
+            if last is not None and last[0] is adapter and last[1] == result:
+                figures = out[adapter.name] = last[2]
+            else:
+                figures = out[adapter.name] = FrameworkFigures.read(adapter, result)
+                self._figures_read[adapter.name] = (adapter, result, figures)
             if figures.fix:
                 self._fixes[adapter.name] = figures.fix
         return out
@@ -1193,7 +1217,8 @@ class CellPass:
     def nothing_initialised(self) -> bool:
         """The common cell of a kernel that never used CUDA: one driver call, no JSON."""
         engine = self.engine
-        if self.cell.forced or engine._idle_jobs != [] or engine.pinned_job is not None:
+        # the last cell was proven idle with a device in use: CUDA stays initialised once it is
+        if engine._quiet_ok or self.cell.forced or engine._idle_jobs != [] or engine.pinned_job is not None:
             return False
         try:
             initialised = engine.native.cuda_initialized()
@@ -1234,7 +1259,7 @@ class CellPass:
         the library's quiet check (``native.quiet``: the same devices in use, nothing queued, no driver
         pool reserving memory, the same free memory as the pass behind that proof left) says nothing
         changed since, and the frameworks' figures are those the last cleanup left with nothing new to
-        give back (:meth:`unchanged`, over the last cleanup's devices): then no collection could find
+        give back (:meth:`nothing_new`, over the last cleanup's devices): then no collection could find
         anything either (:meth:`collect`), unless the policy is "always" or the cell unbound a name that
         held GPU memory (those collect: the whole pass runs). False: not proven (or Ctrl-C); what this
         tried is forgotten, but for what an unraisable hook caught, and the whole pass runs."""
@@ -1248,21 +1273,19 @@ class CellPass:
         except Exception:  # a library without the check, or one that fails: the pass says what is wrong
             return False
         self.state = engine.last_driver_state = "ready"
-        for i, (free, pools) in last.devices.items():
-            work = self.work[i] = DeviceWork(i, state="drained", settle={"status": "done"}, free_before=free)
-            work.pools = pools
-        self.devices, self.settled = list(self.work), list(self.work)
+        # the devices, their free bytes and pools are the last cleanup's: what the library just compared
+        self.devices, self.settled = list(last.devices), list(last.devices)
         same = False
         with engine.unraisables.capture() as captured:
             self.adapters = engine.adapters(self.settings, self.notes)
             figures = engine.stats(self.adapters, self.settled, self.notes) if self.adapters else {}
             if figures == last.stats:
-                self.stats_settled = figures
-                same = self.unchanged()
+                self.stats_settled = last.stats  # the same figures: nothing_new() compares them by identity
+                same = self.nothing_new()
         if same and not captured and not self.notes and not ctrl_c.pressed:
             return True
         self.captured.extend(captured)  # said by the whole pass's record
-        self.work, self.devices, self.settled, self.adapters, self.notes = {}, [], [], [], []
+        self.devices, self.settled, self.adapters, self.notes = [], [], [], []
         self.stats_settled, self.gc_record, self.state = {}, GcRecord(policy=self.settings.gc), None
         return False
 
@@ -1383,23 +1406,33 @@ class CellPass:
     def unchanged(self) -> bool:
         """Nothing changed since the last cleanup, as far as can be proven: the native pass found
         every device settled with the very free bytes and driver pools that cleanup left and
-        released nothing; each framework's figures equal those after it, with nothing new cached
-        (what the release it deferred covers is not new); no pinned pool to release; nothing queued
-        or finished in the background; nothing to say."""
-        engine, last, held = self.engine, self.engine._last_pass, self.engine.held()
-        if (last is None or self.cell.forced or self.cell.after_forced is not None or self.settings.show == "always"
-                or engine.progress_opened or self.notes or self.background or self.idle_done
-                or engine.pinned_job is not None or any(job is not held for job in engine._idle_jobs)
-                or self._tracing()):
-            return False
-        if set(self.work) != set(last.devices) or self.settled != list(self.work):
+        released nothing (:meth:`same_devices`), and there is nothing new (:meth:`nothing_new`)."""
+        return self.same_devices() and self.nothing_new()
+
+    def same_devices(self) -> bool:
+        """The native pass found the devices the last cleanup left, each settled, with its free bytes
+        and driver pools, a first use of none, nothing released."""
+        last = self.engine._last_pass
+        if last is None or set(self.work) != set(last.devices) or self.settled != list(self.work):
             return False
         for i, work in self.work.items():
             free_after = (work.after or {}).get("free_bytes")
             if (work.first_use or work.freed or last.devices[i] != (work.free_before, work.pools)
                     or free_after not in (None, work.free_before)):
                 return False
-        if self.stats_settled != last.stats:
+        return True
+
+    def nothing_new(self) -> bool:
+        """Each framework's figures equal those after the last cleanup, with nothing new cached (what
+        the release it deferred covers is not new); no pinned pool to release; nothing queued or
+        finished in the background; nothing to say; no line asked for."""
+        engine, last, held = self.engine, self.engine._last_pass, self.engine.held()
+        if (last is None or self.cell.forced or self.cell.after_forced is not None or self.settings.show == "always"
+                or engine.progress_opened or self.notes or self.background or self.idle_done
+                or engine.pinned_job is not None or any(job is not held for job in engine._idle_jobs)
+                or self._tracing()):
+            return False
+        if self.stats_settled is not last.stats and self.stats_settled != last.stats:
             return False
         # What the release the last cleanup deferred covers is cached as it was then (the figures are
         # the same): it is not new, and that release, held during the cell, gives it back once idle.

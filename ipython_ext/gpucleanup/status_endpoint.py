@@ -347,8 +347,8 @@ class StatusEndpoint:
         except Exception as exc:  # an older library, a path too long: files stay for the next load or ps
             self._note(exc)
 
-    def _notebook(self) -> Optional[str]:
-        name = os.environ.get("JPY_SESSION_NAME")
+    def _notebook(self, environment: bool = True) -> Optional[str]:
+        name = os.environ.get("JPY_SESSION_NAME") if environment else None
         if name:
             # bytes that are not UTF-8 (surrogate escapes) cannot go into the JSON the server takes
             return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
@@ -359,10 +359,12 @@ class StatusEndpoint:
         return value if isinstance(value, str) and value else None
 
     def _refresh_notebook(self) -> None:
-        # The frontend may name the notebook after the kernel started.
+        # The frontend may name the notebook after the kernel started, in __session__. JPY_SESSION_NAME
+        # is not read again: Jupyter Server sets it as it launches the kernel, and the start read it (a
+        # missing one would cost a KeyError raised and caught inside os.environ.get on every cell).
         if self.info is None or self.info.get("notebook") or self._discovery_path is None:
             return
-        notebook = self._notebook()
+        notebook = self._notebook(environment=False)
         if notebook:
             self.info["notebook"] = notebook
             discovery.write(self._discovery_path, self.info)

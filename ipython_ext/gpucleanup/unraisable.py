@@ -33,28 +33,30 @@ class UnraisableCapture:
         self._by_thread: Dict[int, List[List[dict]]] = {}
         self._local = threading.local()
 
-    @contextlib.contextmanager
-    def capture(self):
-        tid = threading.get_ident()
-        entries: List[dict] = []
+    def capture(self) -> "_Capture":
+        """A context manager whose value is the list that gets what arrives on this thread while it is
+        entered. A small object rather than a generator: the engine enters one on every cell."""
+        return _Capture(self)
+
+    def _begin(self, entries: List[dict]) -> None:
         with self._lock:
             if not self._by_thread:
                 self._saved = sys.unraisablehook
                 sys.unraisablehook = self._hook
-            self._by_thread.setdefault(tid, []).append(entries)
-        try:
-            yield entries
-        finally:
-            with self._lock:
-                stack = self._by_thread.get(tid, [])
-                if stack and stack[-1] is entries:
-                    stack.pop()
-                if not stack:
-                    self._by_thread.pop(tid, None)
-                if not self._by_thread:
-                    if sys.unraisablehook == self._hook:
-                        sys.unraisablehook = self._saved or sys.__unraisablehook__
-                    self._saved = None
+            self._by_thread.setdefault(threading.get_ident(), []).append(entries)
+
+    def _end(self, entries: List[dict]) -> None:
+        tid = threading.get_ident()
+        with self._lock:
+            stack = self._by_thread.get(tid, [])
+            if stack and stack[-1] is entries:
+                stack.pop()
+            if not stack:
+                self._by_thread.pop(tid, None)
+            if not self._by_thread:
+                if sys.unraisablehook == self._hook:
+                    sys.unraisablehook = self._saved or sys.__unraisablehook__
+                self._saved = None
 
     @contextlib.contextmanager
     def source(self, name: str):
@@ -88,6 +90,23 @@ class UnraisableCapture:
                 "err_msg": str(getattr(unraisable, "err_msg", "") or "")[:200],
             }
         )
+
+
+class _Capture:
+    """:meth:`UnraisableCapture.capture`'s context: its own list of entries."""
+
+    __slots__ = ("owner", "entries")
+
+    def __init__(self, owner: UnraisableCapture):
+        self.owner = owner
+        self.entries: List[dict] = []
+
+    def __enter__(self) -> List[dict]:
+        self.owner._begin(self.entries)
+        return self.entries
+
+    def __exit__(self, *exc: object) -> None:
+        self.owner._end(self.entries)
 
 
 def summarize_unraisables(entries: List[dict]) -> Optional[str]:

@@ -121,6 +121,12 @@ STAGES = [
     ("gpucleanup.frameworks.base", "Adapter.drain_pinned"),
     ("gpucleanup.frameworks.base", "Adapter.in_use"),
     ("gpucleanup.frameworks", "active"),
+    ("gpucleanup.frameworks.cupy", "CupyAdapter._stats"),
+    ("gpucleanup.frameworks.cupy", "CupyAdapter._pinned_stats"),
+    ("gpucleanup.frameworks.torch", "TorchAdapter._stats"),
+    ("gpucleanup.frameworks.torch", "TorchAdapter._pinned_stats"),
+    ("gpucleanup.after_cell", "FrameworkFigures.read"),
+    ("gpucleanup.parking", "InKernel.parked"),
     ("gc", "collect"),
 ]
 

@@ -62,7 +62,7 @@ def active() -> list[Adapter]:
     found = []
     imported = sys.modules
     for adapter in ADAPTERS:
-        if adapter.modules and not any(name in imported for name in adapter.modules):
+        if adapter.modules and imported.keys().isdisjoint(adapter.modules):
             continue  # never imported: not in use, and its in_use would say so at a higher cost
         try:
             if adapter.in_use():
