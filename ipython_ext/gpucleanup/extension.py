@@ -96,6 +96,7 @@ class _InterruptTheCell:
 
     def __init__(self):
         self.pending = False
+        self.installed = False  # in the shell's ast_transformers until the cell's post_run_cell
 
     def visit(self, node):
         if not self.pending:
@@ -379,12 +380,14 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         """Before a cell: mark it running for the status endpoint. No driver call."""
         with self._outside_cv:
             self._cells_under_way += 1  # from here no drain from outside runs the kernel's cleanup
+            outside_drain = self._outside_running
         self._depth += 1  # run_cell inside a cell (%%capture, %run -i): its post_run_cell leaves it to the cell's
         if self._depth > 1:
             return
         self.parking.parked_at_start = None  # set again below by the resume, once the cell says "running"
         try:
-            self._wait_for_outside_drain()  # one that began before this cell: it ends first
+            if outside_drain:
+                self._wait_for_outside_drain()  # one that began before this cell: it ends first
             self._forced_in_cell = None
             if info is not None and getattr(info, "silent", False):
                 return  # a frontend's silent request (no cleanup follows it) leaves a pending release alone
@@ -408,6 +411,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             with contextlib.suppress(Exception):
                 if self._interrupt_the_cell not in self.shell.ast_transformers:
                     self.shell.ast_transformers.append(self._interrupt_the_cell)
+                self._interrupt_the_cell.installed = True
         except Exception as exc:
             with contextlib.suppress(Exception):
                 self._warn_once_now(f"pre:{type(exc).__name__}", f"before the cell: {type(exc).__name__}: {exc}")
@@ -455,9 +459,11 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             self.engine.cell_ends()  # a release the cell held and no cleanup re-armed (paused, parked) is dropped
             self._forced_in_cell = None
             self._interrupt_the_cell.pending = False
-            with contextlib.suppress(Exception):
-                if self._interrupt_the_cell in self.shell.ast_transformers:
-                    self.shell.ast_transformers.remove(self._interrupt_the_cell)
+            if self._interrupt_the_cell.installed:  # only by a Ctrl-C in this cell's pre_run_cell
+                self._interrupt_the_cell.installed = False
+                with contextlib.suppress(Exception):
+                    if self._interrupt_the_cell in self.shell.ast_transformers:
+                        self.shell.ast_transformers.remove(self._interrupt_the_cell)
             self._say_idle()
             with contextlib.suppress(Exception):
                 self.parking.park_after_cell()  # %gpumem --park: the cell has ended, the kernel is idle

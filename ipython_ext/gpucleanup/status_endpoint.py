@@ -144,10 +144,10 @@ class StatusEndpoint:
         if not self._serving():
             return
         try:
-            if not (isinstance(state, dict) and state.get("state") == "idle"):
-                self._refresh_notebook()  # not again as each cell ends: the frontend may name the notebook later
-            lib = self._lib()
             fields = _state_fields(state)
+            if fields is None or fields[0] != "idle":
+                self._refresh_notebook()  # not again as each cell ends: the frontend may name the notebook later
+            lib = self._native or self._lib()
             if fields is not None and hasattr(lib, "server_state"):
                 lib.server_state(*fields)  # the per-cell path: no JSON
             else:

@@ -22,31 +22,26 @@ SMALL_PINNED_BYTES = 1 << 20
 
 
 def _host_stats(torch: Any) -> Optional[dict]:
-    """The pinned host cache's counters as ``{"reserved_bytes.current": n, ...}``, or None.
-
-    Read through ``host_memory_stats_as_nested_dict`` where this torch has it:
-    ``host_memory_stats`` returns the same figures but flattens every counter in
-    Python first (30 µs against a few on the GPU machine, tests/bench/profile_cell.py).
-    """
+    """The pinned host cache's counters, or None: nested (``{"reserved_bytes": {"current": n}, ...}``)
+    through ``host_memory_stats_as_nested_dict`` where this torch has it, else flat
+    (``{"reserved_bytes.current": n, ...}``). ``host_memory_stats`` returns the same figures but flattens
+    every counter in Python first (30 µs against a few on the GPU machine, tests/bench/profile_cell.py);
+    :func:`_current` reads either shape, so nothing is flattened here either."""
     memory = getattr(getattr(torch, "cuda", None), "memory", None)
     nested = getattr(memory, "host_memory_stats_as_nested_dict", None)
     if nested is not None:
-        return _flatten(nested())
+        return nested()
     fn = getattr(memory, "host_memory_stats", None)
     return None if fn is None else fn()
 
 
-def _flatten(nested: Any) -> dict:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``, two levels deep (all the counters read here need)."""
-    flat: dict = {}
-    for key, value in (nested or {}).items():
-        if isinstance(value, dict):
-            for inner, number in value.items():
-                if not isinstance(number, dict):
-                    flat[f"{key}.{inner}"] = number
-        else:
-            flat[key] = value
-    return flat
+def _current(stats: Optional[dict], counter: str) -> Optional[int]:
+    """The current value of one counter of the host cache's statistics, nested or flat; None where absent."""
+    if not stats:
+        return None
+    entry = stats.get(counter)
+    value = entry.get("current") if isinstance(entry, dict) else stats.get(f"{counter}.current")
+    return None if value is None else int(value)
 
 
 def _device_figures(cuda: Any, index: int) -> tuple[int, int]:
@@ -71,12 +66,11 @@ def _host_owned(stats: Optional[dict]) -> Optional[int]:
     torch 2.5-2.10 call them ``reserved_bytes``; torch >= 2.11 ``allocated_bytes``
     (next to ``active_bytes``).
     """
-    if not stats:
-        return None
-    if "reserved_bytes.current" in stats:
-        return int(stats["reserved_bytes.current"])
-    if "active_bytes.current" in stats and "allocated_bytes.current" in stats:
-        return int(stats["allocated_bytes.current"])
+    reserved = _current(stats, "reserved_bytes")
+    if reserved is not None:
+        return reserved
+    if _current(stats, "active_bytes") is not None:
+        return _current(stats, "allocated_bytes")
     return None
 
 
@@ -87,10 +81,10 @@ def _host_figures(stats: Optional[dict]) -> Optional[tuple[int, int]]:
     ``active_bytes`` does not drop when a pinned tensor is freed (measured on the GPU
     machine: 8 MiB stayed active after ``del``), so it cannot say what is live.
     """
-    if stats and "reserved_bytes.current" in stats and "allocated_bytes.current" in stats:
-        owned, live = int(stats["reserved_bytes.current"]), int(stats["allocated_bytes.current"])
-        return min(live, owned), max(owned - live, 0)
-    return None
+    owned, live = _current(stats, "reserved_bytes"), _current(stats, "allocated_bytes")
+    if owned is None or live is None:
+        return None
+    return min(live, owned), max(owned - live, 0)
 
 
 def _host_empty_cache(torch: Any) -> Optional[Any]:
