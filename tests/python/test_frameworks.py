@@ -300,6 +300,17 @@ def test_torch_adapter_with_stand_in_module_reports_exact_bytes(monkeypatch):
     assert world.calls == [("host_memory_stats_as_nested_dict", None)]
 
 
+def test_torch_adapter_through_the_python_wrappers_of_the_nested_statistics_reads_the_same_figures(monkeypatch):
+    # a torch whose C functions have other names: the public wrappers answer the same nested figures
+    world = World(n_devices=2, active=(0, 1))
+    install_torch(monkeypatch, world, allocated={0: 100, 1: 10}, reserved={0: 1100, 1: 20},
+                  host_active=8 * MiB, host_owned=24 * MiB, host_keys="2.5", nested="wrappers")
+    assert adapter("torch").stats([0, 1]) == {
+        "devices": {0: {"live_bytes": 100, "cached_bytes": 1000}, 1: {"live_bytes": 10, "cached_bytes": 10}},
+        "pinned": {"live_bytes": 8 * MiB, "cached_bytes": 16 * MiB}, "notes": []}
+    assert world.calls == [("host_memory_stats_as_nested_dict", None)]
+
+
 def test_torch_adapter_without_the_nested_statistics_reads_the_flat_ones_with_the_same_figures(monkeypatch):
     world = World(n_devices=2, active=(0, 1))
     install_torch(monkeypatch, world, allocated={0: 100, 1: 10}, reserved={0: 1100, 1: 20},

@@ -11,9 +11,8 @@ devices, and puts the same context back with ``cuCtxSetCurrent`` (NULL included)
 from __future__ import annotations
 
 import collections
-import contextlib
 import gc
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Optional
 
 from ..unraisable import CAPTURE
 from .base import Adapter, Figures, _bytes_text, _figures, _fault, _module
@@ -109,32 +108,11 @@ class CupyAdapter(Adapter):
                 "gpucleanup drains only cupy's default pool"), 202))
         return pools
 
-    @contextlib.contextmanager
-    def _on_devices(self, cupy: Any, devices: list[int]) -> Iterator[Any]:
-        """Yields ``select(i)``, which makes device ``i`` current; afterwards the calling thread's
-        device and context are put back. A device whose context is already current to the thread is
-        not selected again: on one GPU (the common case) the verbs switch nothing and put nothing back."""
-        runtime = cupy.cuda.runtime
-        driver = getattr(cupy.cuda, "driver", None)
-        previous = runtime.getDevice()
-        saved_ctx = driver.ctxGetCurrent() if hasattr(driver, "ctxGetCurrent") else None
-        switched = False
-
-        def select(i: int) -> None:
-            nonlocal switched
-            if i == previous and saved_ctx and not switched:
-                return  # its context is current: nothing to switch (a thread with none gets it selected)
-            switched = True
-            runtime.setDevice(i)
-
-        try:
-            yield select
-        finally:
-            if switched:
-                if previous in devices:
-                    runtime.setDevice(previous)
-                if saved_ctx is not None and hasattr(driver, "ctxSetCurrent"):
-                    driver.ctxSetCurrent(saved_ctx)
+    def _on_devices(self, cupy: Any, devices: list[int]) -> "_OnDevices":
+        """A context whose value is ``select(i)``, which makes device ``i`` current; afterwards the calling
+        thread's device and context are put back. A device whose context is already current to the thread
+        is not selected again: on one GPU (the common case) the verbs switch nothing and put nothing back."""
+        return _OnDevices(cupy, devices)
 
     def _fft_cache(self) -> Any:
         cache_mod = _module("cupy.fft._cache")
@@ -231,6 +209,38 @@ class CupyAdapter(Adapter):
         if pinned is not None:
             text += f" and {_bytes_text(pinned['cached_bytes'])} cached in its pinned pool"
         return text + "; gpucleanup frees the cached part after every cell"
+
+
+class _OnDevices:
+    """:meth:`CupyAdapter._on_devices`'s context (a small object: the figures are read on every cell)."""
+
+    __slots__ = ("runtime", "driver", "devices", "previous", "saved_ctx", "switched")
+
+    def __init__(self, cupy: Any, devices: list[int]):
+        self.runtime = cupy.cuda.runtime
+        self.driver = getattr(cupy.cuda, "driver", None)
+        self.devices = devices
+        self.previous: Optional[int] = None
+        self.saved_ctx: Any = None
+        self.switched = False
+
+    def __enter__(self) -> Callable[[int], None]:
+        self.previous = self.runtime.getDevice()
+        self.saved_ctx = self.driver.ctxGetCurrent() if hasattr(self.driver, "ctxGetCurrent") else None
+        return self.select
+
+    def select(self, i: int) -> None:
+        if i == self.previous and self.saved_ctx and not self.switched:
+            return  # its context is current: nothing to switch (a thread with none gets it selected)
+        self.switched = True
+        self.runtime.setDevice(i)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.switched:
+            if self.previous in self.devices:
+                self.runtime.setDevice(self.previous)
+            if self.saved_ctx is not None and hasattr(self.driver, "ctxSetCurrent"):
+                self.driver.ctxSetCurrent(self.saved_ctx)
 
 
 def _held(pool: Any) -> int:

@@ -27,8 +27,9 @@ def _host_stats(torch: Any) -> Optional[dict]:
     (``{"reserved_bytes.current": n, ...}``). ``host_memory_stats`` returns the same figures but flattens
     every counter in Python first (30 µs against a few on the GPU machine, tests/bench/profile_cell.py);
     :func:`_current` reads either shape, so nothing is flattened here either."""
+    nested = getattr(getattr(torch, "_C", None), "_cuda_hostMemoryStats", None)  # the function behind it
     memory = getattr(getattr(torch, "cuda", None), "memory", None)
-    nested = getattr(memory, "host_memory_stats_as_nested_dict", None)
+    nested = nested or getattr(memory, "host_memory_stats_as_nested_dict", None)
     if nested is not None:
         return nested()
     fn = getattr(memory, "host_memory_stats", None)
@@ -44,17 +45,22 @@ def _current(stats: Optional[dict], counter: str) -> Optional[int]:
     return None if value is None else int(value)
 
 
-def _device_figures(cuda: Any, index: int) -> tuple[int, int]:
+def _device_figures(torch: Any, index: int) -> tuple[int, int]:
     """(allocated, reserved) bytes of torch's caching allocator on one device.
 
-    One ``memory_stats_as_nested_dict`` call: ``memory_allocated`` and
-    ``memory_reserved`` each build and flatten every counter of the allocator
-    (about 140 µs each against 22 µs for the nested one on the GPU machine).
+    One call of the nested statistics: ``memory_allocated`` and ``memory_reserved`` each build
+    and flatten every counter of the allocator (about 140 µs each against 22 µs for the nested
+    one on the GPU machine). The C function behind ``memory_stats_as_nested_dict`` is called
+    directly where this torch has it: the adapter reads only once CUDA is initialised, which is
+    all that wrapper checks before it normalises the device index it is given.
     """
-    nested = getattr(cuda, "memory_stats_as_nested_dict", None)
-    if nested is None:
-        return int(cuda.memory_allocated(index)), int(cuda.memory_reserved(index))
-    stats = nested(index)
+    read = getattr(getattr(torch, "_C", None), "_cuda_memoryStats", None)
+    if read is None:
+        cuda = torch.cuda
+        read = getattr(cuda, "memory_stats_as_nested_dict", None)
+        if read is None:
+            return int(cuda.memory_allocated(index)), int(cuda.memory_reserved(index))
+    stats = read(index)
     if not stats:  # torch answers {} before its CUDA state exists
         return 0, 0
     return int(stats["allocated_bytes"]["all"]["current"]), int(stats["reserved_bytes"]["all"]["current"])
@@ -109,10 +115,11 @@ class TorchAdapter(Adapter):
         return cuda is not None and bool(cuda.is_initialized())
 
     def _stats(self, devices: list[int], result: dict) -> None:
-        cuda = self._torch().cuda
+        torch = self._torch()
+        cuda = torch.cuda
         for i in devices:
             try:
-                allocated, reserved = _device_figures(cuda, i)
+                allocated, reserved = _device_figures(torch, i)
                 result["devices"][i] = _figures(allocated, max(reserved - allocated, 0))
             except Exception as exc:
                 result["notes"].append(self._note("stats", f"could not read torch's cache on GPU{i}: {_fault(exc)}"))
@@ -125,7 +132,7 @@ class TorchAdapter(Adapter):
     def _drain(self, devices: list[int], result: dict) -> None:
         torch = self._torch()
         cuda = torch.cuda
-        before = {i: self._reserved(cuda, i) for i in devices}
+        before = {i: self._reserved(torch, i) for i in devices}
         drained: list[int] = []
         capturing = self._capturing(cuda, devices)
         if not capturing:
@@ -149,7 +156,7 @@ class TorchAdapter(Adapter):
             except Exception as exc:
                 result["notes"].append(self._note("drain", f"torch.cuda.ipc_collect failed: {_fault(exc)}", 205))
         for i in devices:
-            after = self._reserved(cuda, i)
+            after = self._reserved(torch, i)
             if before[i] is not None and after is not None:
                 result["freed_bytes"][i] = max(before[i] - after, 0)
 
@@ -192,9 +199,9 @@ class TorchAdapter(Adapter):
                                                            f"{_fault(exc)}", 210))
 
     @staticmethod
-    def _reserved(cuda: Any, i: int) -> Optional[int]:
+    def _reserved(torch: Any, i: int) -> Optional[int]:
         try:
-            return _device_figures(cuda, i)[1]
+            return _device_figures(torch, i)[1]
         except Exception:
             return None
 

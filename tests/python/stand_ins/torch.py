@@ -30,9 +30,11 @@ class TorchStandIn:
 def install_torch(monkeypatch, world: World, initialised=True, allocated=None, reserved=None,
                   host_active=0, host_owned=0, backend="native", capturing=(), host_keys="2.11",
                   host_empty="_C", nested=True) -> TorchStandIn:
-    """``nested``: this torch has ``memory_stats_as_nested_dict`` and
-    ``host_memory_stats_as_nested_dict`` (every torch the adapter reads them from); without
-    them the adapter falls back to ``memory_allocated``/``memory_reserved``/``host_memory_stats``."""
+    """``nested``: True, this torch has ``memory_stats_as_nested_dict`` and
+    ``host_memory_stats_as_nested_dict`` and the C functions behind them (``torch._C._cuda_memoryStats``,
+    ``_cuda_hostMemoryStats``: every torch the adapter reads them from calls those); "wrappers": only the
+    Python functions; False: neither, the adapter falls back to
+    ``memory_allocated``/``memory_reserved``/``host_memory_stats``."""
     t = TorchStandIn(world, initialised, allocated, reserved, host_active, host_owned, backend, capturing, host_keys)
 
     def is_initialized():
@@ -131,6 +133,9 @@ def install_torch(monkeypatch, world: World, initialised=True, allocated=None, r
     if nested:
         cuda.memory_stats_as_nested_dict = memory_stats_as_nested_dict
     c = module("torch._C", _cuda_clearCublasWorkspaces=clear_cublas_workspaces)
+    if nested is True:  # the C functions behind the nested wrappers, as every torch that has those
+        c._cuda_memoryStats = memory_stats_as_nested_dict
+        c._cuda_hostMemoryStats = host_memory_stats_as_nested_dict
     torch = module("torch", cuda=cuda, _C=c, _cufft_clear_plan_cache=cufft_clear_plan_cache)
     if host_empty == "_C":
         c._host_emptyCache = host_empty_cache
