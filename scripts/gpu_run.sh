@@ -167,10 +167,11 @@ if [[ $stages == *" paired-stages "* ]]; then
 fi
 if [[ $stages == *" paired-ab "* ]]; then
   # this build (the carried wheel's native library with this working tree's Python) against a baseline on the
-  # same machine (about 3 min): .whl/baseline/ holds the baseline's
+  # same machine (about 4 min): .whl/baseline/ holds the baseline's
   # gpucleanup wheel and, optionally, gpucleanup-src-<commit>.tar (git archive <commit> ipython_ext/gpucleanup,
   # put over that wheel's Python). Two rounds, each running bench_paired.py for CuPy and PyTorch idle with the
-  # baseline, then with this build (added = on minus off within each kernel): paired-ab.log, paired-ab-*.json
+  # baseline, then with this build (added = on minus off within each kernel): paired-ab.log, paired-ab-*.json;
+  # before them, each build once with its steps timed in the kernels: paired-ab-stages-{baseline,this}.log
   base=/tmp/site-base
   cp -r ipython_ext/gpucleanup/. /tmp/site/gpucleanup/
   rm -rf "$base" && mkdir -p "$base"
@@ -178,6 +179,13 @@ if [[ $stages == *" paired-ab "* ]]; then
   for tar in .whl/baseline/gpucleanup-src-*.tar; do
     [ -f "$tar" ] && tar -xf "$tar" --strip-components=1 -C "$base" && echo "baseline Python: $tar"
   done 2>&1 | tee "$out/paired-ab.log"
+  # where each build's idle cell spends its time inside the kernels (the steps timed, about 40 s a build)
+  for build in baseline this; do
+    path=$PYTHONPATH
+    [ "$build" = baseline ] && path=$base:$PYTHONPATH
+    PYTHONPATH=$path python3 tests/bench/bench_paired.py --stages --scenario cupy-idle,torch-idle --cells 300 \
+      --json "/tmp/paired-ab-stages-$build.json" >"$out/paired-ab-stages-$build.log" 2>&1
+  done
   for round in 1 2; do
     for build in baseline this; do
       path=$PYTHONPATH

@@ -604,6 +604,8 @@ class AfterCell:
         except Exception as exc:
             notes.append(("adapters:active", f"framework detection failed: {type(exc).__name__}: {exc}"))
             return []
+        if not settings.frameworks:  # none turned off (the default): nothing to filter, on every cell
+            return adapters
         return [a for a in adapters if settings.framework_enabled(str(getattr(a, "name", "?")))]
 
     def stats(self, adapters: list, devices: List[int], notes: List[Note]) -> Stats:
