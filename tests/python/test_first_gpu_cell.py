@@ -188,6 +188,11 @@ def shell():
     ip.extension_manager.unload_extension("gpucleanup")
     ip.user_ns.pop("make", None)
     ip.run_line_magic("reset", "-f out")  # the shell is the process's: no array left in its output cache
+    # %reset out sets _, __ and ___ to "" in user_ns but not in user_ns_hidden, where IPython 9's displayhook
+    # then sees values the user assigned and stops updating them: every later test of this shell would find
+    # _ empty (the fault matrix's cells check it)
+    for name in ("_", "__", "___"):
+        ip.user_ns_hidden.pop(name, None)
     ip.config.pop("GPUCleanup", None)
 
 
