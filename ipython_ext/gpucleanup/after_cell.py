@@ -10,13 +10,18 @@ The steps, each a method of :class:`CellPass` over one :class:`DeviceWork` per d
 in use (built once from the native pass's entry for it) and the frameworks' figures read
 once into :class:`FrameworkFigures`:
 
+0. ``quiet``: once a cell has been proven idle, the next asks the library's quiet check
+   (``_native.quiet``: the same devices, free memory and pools as that pass left, nothing
+   queued) and reads each framework once; figures equal to the last cleanup's with nothing new
+   to give back (``nothing_new``) end the cell there. Anything else runs the steps below.
 1. ``settle``: the driver pass (``_native.after_cell``, the only native protocol). On every
    device already in use, wait (at most ``settle_timeout``) for queued work, then trim the
    driver's pools once; busy devices are skipped. Past 2 s a progress line is written.
 2. ``collect``: garbage collection, only when it can release GPU memory; then each
-   framework's figures. ``unchanged``: nothing changed since the last cleanup (same free
-   memory and pools on every settled device, same framework figures, nothing cached or
-   queued): the steps below are skipped, no record is built, kept or published.
+   framework's figures. ``unchanged``: nothing changed since the last cleanup (``same_devices``:
+   the same free memory and pools on every settled device; ``nothing_new``: the same framework
+   figures, nothing cached or queued): the steps below are skipped, no record is built, kept
+   or published.
 3. ``drain``: each framework adapter empties its caches on the settled devices.
 4. ``trim``: the driver's pools again, only if a framework gave memory back to them.
 5. ``snapshot``: device figures after the cleanup (the driver pass's own, or the trim's,
