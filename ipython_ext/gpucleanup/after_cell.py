@@ -107,6 +107,15 @@ def _adapter_failed(adapter: Any, verb: str, exc: BaseException) -> Note:
     return f"adapter:{name}:{verb}:{type(exc).__name__}", f"{name}.{verb} failed: {what}"
 
 
+def _same_answer(last: dict, now: dict) -> bool:
+    """Two answers of an adapter's ``stats`` are equal; one holding values that cannot be compared
+    (an array's ``==`` has no single truth) is taken as different."""
+    try:
+        return bool(last == now)
+    except Exception:
+        return False
+
+
 def _index(key: Any) -> Optional[int]:
     try:
         return int(key)
@@ -626,7 +635,7 @@ class AfterCell:
             if not isinstance(result, dict):
                 continue
             last = self._figures_read.get(adapter.name)
-            if last is not None and last[0] is adapter and last[1] == result:
+            if last is not None and last[0] is adapter and _same_answer(last[1], result):
                 figures = out[adapter.name] = last[2]
             else:
                 figures = out[adapter.name] = FrameworkFigures.read(adapter, result)

@@ -146,6 +146,36 @@ def test_idle_cells_build_no_record_and_read_each_framework_once(fake_cuda, sche
     assert dict(cupy.calls) == {"stats": 10}
 
 
+def test_an_adapter_answering_as_before_gets_the_same_figures_and_one_with_no_single_truth_is_read_afresh():
+    class Ambiguous:
+        """A value like an array's: == gives no single truth."""
+
+        def __eq__(self, other):
+            raise ValueError("the truth value of an array with more than one element is ambiguous")
+
+        __hash__ = None
+
+    engine = after_cell.AfterCell(Native(), adapters=list, write=lambda text: None)
+    cupy = Framework(live={0: GiB})
+    first = engine.stats([cupy], [0], [])["cupy"]
+    again = engine.stats([cupy], [0], [])["cupy"]
+    assert again is first and again == after_cell.FrameworkFigures.read(cupy, cupy.stats([0]))
+    cupy.live = {0: 2 * GiB}
+    changed = engine.stats([cupy], [0], [])["cupy"]
+    assert changed is not first and changed.on(0) == after_cell.Held(live=2 * GiB)
+
+    class Odd(Framework):
+        def stats(self, devices):
+            answer = super().stats(devices)
+            answer["notes"] = [Ambiguous()]
+            return answer
+
+    odd, notes = Odd(name="odd", live={0: GiB}), []
+    one = engine.stats([odd], [0], notes)["odd"]
+    two = engine.stats([odd], [0], notes)["odd"]
+    assert one is not two and two.on(0) == after_cell.Held(live=GiB) and notes == []
+
+
 def test_once_an_idle_cell_is_proven_the_library_quiet_check_stands_for_the_pass_until_anything_changes(fake_cuda):
     _device(fake_cuda)
     cupy = Framework(live={0: GiB})
