@@ -147,7 +147,7 @@ class StatusEndpoint:
             fields = _state_fields(state)
             if fields is None or fields[0] != "idle":
                 self._refresh_notebook()  # not again as each cell ends: the frontend may name the notebook later
-            lib = self._native or self._lib()
+            lib = self._lib()
             if fields is not None and hasattr(lib, "server_state"):
                 lib.server_state(*fields)  # the per-cell path: no JSON
             else:
@@ -347,11 +347,15 @@ class StatusEndpoint:
         except Exception as exc:  # an older library, a path too long: files stay for the next load or ps
             self._note(exc)
 
-    def _notebook(self, environment: bool = True) -> Optional[str]:
-        name = os.environ.get("JPY_SESSION_NAME") if environment else None
+    def _notebook(self) -> Optional[str]:
+        name = os.environ.get("JPY_SESSION_NAME")
         if name:
             # bytes that are not UTF-8 (surrogate escapes) cannot go into the JSON the server takes
             return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+        return self._session_notebook()
+
+    def _session_notebook(self) -> Optional[str]:
+        """The notebook a frontend named in the kernel's ``__session__``, or None."""
         try:
             value = self._shell.user_ns.get("__session__") if self._shell is not None else None
         except Exception:
@@ -364,7 +368,7 @@ class StatusEndpoint:
         # missing one would cost a KeyError raised and caught inside os.environ.get on every cell).
         if self.info is None or self.info.get("notebook") or self._discovery_path is None:
             return
-        notebook = self._notebook(environment=False)
+        notebook = self._session_notebook()
         if notebook:
             self.info["notebook"] = notebook
             discovery.write(self._discovery_path, self.info)

@@ -23,11 +23,12 @@ SMALL_PINNED_BYTES = 1 << 20
 
 def _host_stats(torch: Any) -> Optional[dict]:
     """The pinned host cache's counters, or None: nested (``{"reserved_bytes": {"current": n}, ...}``)
-    through ``host_memory_stats_as_nested_dict`` where this torch has it, else flat
+    through ``torch._C._cuda_hostMemoryStats`` (the function behind ``host_memory_stats_as_nested_dict``,
+    which is the fallback) where this torch has it, else flat
     (``{"reserved_bytes.current": n, ...}``). ``host_memory_stats`` returns the same figures but flattens
     every counter in Python first (30 µs against a few on the GPU machine, tests/bench/profile_cell.py);
     :func:`_current` reads either shape, so nothing is flattened here either."""
-    nested = getattr(getattr(torch, "_C", None), "_cuda_hostMemoryStats", None)  # the function behind it
+    nested = getattr(getattr(torch, "_C", None), "_cuda_hostMemoryStats", None)
     memory = getattr(getattr(torch, "cuda", None), "memory", None)
     nested = nested or getattr(memory, "host_memory_stats_as_nested_dict", None)
     if nested is not None:
