@@ -191,6 +191,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         lib.gpucleanup_server_park.restype = ctypes.c_int
         lib.gpucleanup_server_parked.argtypes = []
         lib.gpucleanup_server_parked.restype = ctypes.c_int
+    # A cell's state and the park state in one call (a later addition to ABI version 2).
+    if getattr(lib, "gpucleanup_server_cell", None) is not None:
+        lib.gpucleanup_server_cell.argtypes = [ctypes.c_int, ctypes.c_longlong]
+        lib.gpucleanup_server_cell.restype = ctypes.c_int
     # SIGTERM's cleanup of the status endpoint's files (a later addition to ABI version 2).
     if getattr(lib, "gpucleanup_sigterm_cleanup", None) is not None:
         lib.gpucleanup_sigterm_cleanup.argtypes = [ctypes.c_char_p]
@@ -499,6 +503,21 @@ def server_park(step: str, parked_bytes: Optional[int] = None, then: Optional[di
                               "reinstall gpucleanup")
     return _call_json(fn, step.encode(), -1 if parked_bytes is None else int(parked_bytes),
                       None if then is None else json.dumps(then).encode())
+
+
+def server_cell(running: bool, cell: Optional[int] = None) -> int:
+    """A cell's own state, said twice per cell, in one call (gpucleanup_server_cell): "running" with ``cell``
+    as it starts (``running``), "idle" as its hooks end; since now. Returns the park state after it, as
+    :func:`server_parked` does (0, 1 parking, 2 parked: a park in place keeps its state). Raises NativeError
+    when the server is not running."""
+    fn = getattr(held(), "gpucleanup_server_cell", None)
+    if fn is None:  # a build older than the call: the two it stands for
+        server_state("running" if running else "idle", cell if running else None)
+        return server_parked()
+    parked = fn(1 if running else 0, -1 if cell is None else int(cell))
+    if parked < 0:
+        _raise(held(), ERR_SERVER)
+    return parked
 
 
 def server_parked() -> int:

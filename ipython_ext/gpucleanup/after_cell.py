@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import signal
 import sys
@@ -1195,7 +1196,7 @@ class CellPass:
         self.adapters: list = []
         self.stats_settled: Stats = {}  # the frameworks' figures after the collection
         self.stats_after: Optional[Stats] = {}  # ... after the cleanup; None: not known
-        self.gc_record = GcRecord(policy=self.settings.gc)
+        self.gc_record: Optional[GcRecord] = None  # the collection's, made by begin(): an idle cell needs none
         self.candidates: list = []  # adapters whose pinned pools are released after the last driver call
         self.pending = False  # a pinned release still runs
         self.interrupted = False
@@ -1302,12 +1303,13 @@ class CellPass:
             return True
         self.captured.extend(captured)  # said by the whole pass's record
         self.devices, self.settled, self.adapters, self.notes = [], [], [], []
-        self.stats_settled, self.gc_record, self.state = {}, GcRecord(policy=self.settings.gc), None
+        self.stats_settled, self.state = {}, None
         return False
 
     def begin(self) -> None:
         """The devices of this cell, its first uses, and what background releases finished since the last."""
         engine = self.engine
+        self.gc_record = GcRecord(policy=self.settings.gc)
         seen = engine._seen_in_use
         for i, work in self.work.items():
             work.first_use = seen is not None and i not in seen
@@ -1453,9 +1455,10 @@ class CellPass:
         # What the release the last cleanup deferred covers is cached as it was then (the figures are
         # the same): it is not new, and that release, held during the cell, gives it back once idle.
         deferred = held.adapters if held is not None and self.settings.release != "cell" else []
-        if any(getattr(a, "can_release", True) and not (a in deferred and held.device) and not _nothing_new_cached(
-                self.stats_settled.get(a.name), self.settled, engine._kept.get(a.name, {})) for a in self.adapters):
-            return False  # something to give back now, or when idle
+        for a in self.adapters:  # a loop, not any(): this runs on every idle cell
+            if getattr(a, "can_release", True) and not (a in deferred and held.device) and not _nothing_new_cached(
+                    self.stats_settled.get(a.name), self.settled, engine._kept.get(a.name, {})):
+                return False  # something to give back now, or when idle
         candidates, pending = engine._pinned_candidates(self.settings, self.adapters, self.stats_settled,
                                                         self.settled, self.devices)
         return not pending and all(a in deferred and held.pinned for a in candidates)
@@ -1476,9 +1479,10 @@ class CellPass:
         engine.rearm_held()  # what the last cleanup deferred is still to be given back once idle
         if self.cell.namespace is not None:
             engine.holders.update(self.cell.namespace, engine._last_live)
-        record = CellRecord(cell=self.cell.number, time_ns=time.time_ns(), driver_state=self.state,
-                            release=self.settings.release, elapsed_s=round(time.perf_counter() - self.start, 6))
-        return Outcome(record=record, lines=[], keep=False)
+        # built when asked for (the Dask plugin's summary): most idle cells' records are never read
+        make = functools.partial(CellRecord, cell=self.cell.number, time_ns=time.time_ns(), driver_state=self.state,
+                                 release=self.settings.release, elapsed_s=round(time.perf_counter() - self.start, 6))
+        return Outcome(lines=[], keep=False, make=make)
 
     def stop_here(self) -> None:
         """Ctrl-C: the steps left are skipped; devices not yet done say so."""
@@ -1630,7 +1634,10 @@ def _nothing_new_cached(stats: Optional[FrameworkFigures], devices: List[int], k
     """True when an adapter's figures name every device and each caches nothing, or the
     very bytes its last drain left there (``kept``)."""
     per_device = stats.devices if stats is not None else {}
-    return bool(devices) and all(i in per_device and per_device[i].cached in (0, kept.get(i, 0)) for i in devices)
+    for i in devices:  # a loop, not all(): this runs on every idle cell
+        if i not in per_device or per_device[i].cached not in (0, kept.get(i, 0)):
+            return False
+    return bool(devices)
 
 
 def _per_framework(stats: Stats, i: int, live: bool, releases: Optional[bool] = None) -> Dict[str, int]:

@@ -19,7 +19,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, NamedTuple, Optional
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
@@ -75,6 +75,14 @@ def running_cell_number(shell: Any, info: Any = None) -> Optional[int]:
     if stores and _counts_before_pre_run_cell():
         count -= 1
     return count
+
+
+class _HookTraits(NamedTuple):
+    """What :meth:`GPUCleanup._hook_traits` keeps."""
+
+    enabled: bool
+    trace_allocations: bool
+    park_after_idle_s: float
 
 
 def outside_drain_gave_no_way(exc: BaseException) -> bool:
@@ -151,7 +159,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         # A drain from outside (gpucleanup drain, the page's Drain button) runs the kernel's cleanup on the
         # status server's thread only while no cell is under way, and a cell that starts meanwhile waits for it
         # (outside_drain): both under this condition.
-        self._outside_cv = threading.Condition()
+        self._outside_lock = threading.RLock()  # the condition's: taken alone where nothing waits or is woken
+        self._outside_cv = threading.Condition(self._outside_lock)
         self._cells_under_way = 0  # from pre_run_cell to the end of its post_run_cell (nested ones too)
         self._outside_running = False
         self._outside_deadline = 0.0  # time.monotonic() by which it has ended
@@ -176,9 +185,19 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         )
         return kept
 
+    def _hook_traits(self) -> "_HookTraits":
+        """The traits the hooks read on every cell, besides the engine's settings: kept as
+        :meth:`settings` is, until a trait changes."""
+        kept = self.__dict__.get("_hook_traits_kept")
+        if kept is None:
+            kept = self.__dict__["_hook_traits_kept"] = _HookTraits(
+                bool(self.enabled), bool(self.trace_allocations), float(self.park_after_idle_s))
+        return kept
+
     @observe(All)
     def _forget_settings(self, change) -> None:
         self.__dict__.pop("_settings_kept", None)
+        self.__dict__.pop("_hook_traits_kept", None)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -335,6 +354,20 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         except Exception as exc:
             self._warn_once_now("status:drain-hook", f"a drain from outside cannot empty the frameworks' caches ({exc})")
 
+    def _cell_state(self, state: dict) -> Optional[int]:
+        """A cell's "running" or "idle" for the status endpoint, twice per cell: through the endpoint's
+        ``cell_state`` (no dict to check, no JSON) where it has one, which answers the park state in
+        the same call (None: not known, ask :meth:`InKernel.parked`)."""
+        say = getattr(self._endpoint, "cell_state", None)
+        if say is None:
+            self._status("set_state", state)
+            return None
+        try:
+            return say(state["state"], state.get("cell"), state["since_ns"])
+        except Exception as exc:
+            self._warn_once_now("status:set_state", f"status endpoint failed ({type(exc).__name__}: {exc})")
+            return None
+
     def _status(self, method: str, payload: dict) -> None:
         endpoint = self._endpoint
         if endpoint is None:
@@ -378,7 +411,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
 
     def pre_run_cell(self, info: Any = None) -> None:
         """Before a cell: mark it running for the status endpoint. No driver call."""
-        with self._outside_cv:
+        with self._outside_lock:
             self._cells_under_way += 1  # from here no drain from outside runs the kernel's cleanup
             outside_drain = self._outside_running
         self._depth += 1  # run_cell inside a cell (%%capture, %run -i): its post_run_cell leaves it to the cell's
@@ -402,8 +435,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             # Said with the cleanup paused too (%gpumem --off): no park or drain may begin during a cell,
             # and a parked kernel is resumed first whatever the settings.
             running = {"state": "running", "cell": running_cell_number(self.shell, info), "since_ns": time.time_ns()}
-            self._status("set_state", running)
-            self.parking.resume_before_cell(running)
+            self.parking.resume_before_cell(running, parked=self._cell_state(running))
         except KeyboardInterrupt:
             # Ctrl-C is the user's: it stops the cell. The transformer is there only
             # for this cell (IPython makes cyclic garbage per cell while one is set).
@@ -424,7 +456,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         try:
             self._post_run_cell(result)
         finally:
-            with self._outside_cv:
+            with self._outside_lock:
                 self._cells_under_way = max(0, self._cells_under_way - 1)
 
     def _post_run_cell(self, result: Any = None) -> None:
@@ -434,7 +466,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         try:
             if result is not None and getattr(getattr(result, "info", None), "silent", False):
                 return
-            if not self.enabled or self.engine.exiting or self.parking.parked_for_cleanup():
+            traits = self._hook_traits()
+            if not traits.enabled or self.engine.exiting or self.parking.parked_for_cleanup():
                 return  # parked (its resume failed): a driver call would wait for the restore
             cell = getattr(result, "execution_count", None) if result is not None else None
             self._release_after_oom(result, cell)
@@ -443,7 +476,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             outcome = self.cleanup(cell=cell, after_forced=self._forced_in_cell, hidden=hidden)
             if outcome is not None:
                 self._say(outcome.lines, cell)
-            if self.trace_allocations and not self.tracer.active and outcome is not None:
+            if traits.trace_allocations and not self.tracer.active and outcome is not None:
                 self._start_trace(automatic=True)
         except KeyboardInterrupt:
             with contextlib.suppress(Exception):
@@ -465,9 +498,11 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                     if self._interrupt_the_cell in self.shell.ast_transformers:
                         self.shell.ast_transformers.remove(self._interrupt_the_cell)
             self._say_idle()
-            with contextlib.suppress(Exception):
+            try:
                 self.parking.park_after_cell()  # %gpumem --park: the cell has ended, the kernel is idle
-                self.parking.arm(float(self.park_after_idle_s))  # park_after_idle_s: parked if it stays idle
+                self.parking.arm(self._hook_traits().park_after_idle_s)  # parked if it stays idle that long
+            except Exception:
+                pass
 
     def _say_idle(self) -> None:
         """The status endpoint's "idle" as a cell's hook ends. A Ctrl-C that lands here comes after
@@ -476,7 +511,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         for _ in range(3):
             try:
                 if self._endpoint is not None:
-                    self._status("set_state", {"state": "idle", "since_ns": time.time_ns()})
+                    self._cell_state({"state": "idle", "since_ns": time.time_ns()})
                 return
             except KeyboardInterrupt:
                 continue

@@ -225,10 +225,11 @@ class InKernel:
 
     def arm(self, after_s: float) -> None:
         """Parks the kernel once it has stayed idle ``after_s`` seconds (0: never); re-armed after every cell."""
-        import threading
-
-        self.disarm()
+        if self._timer is not None:
+            self.disarm()
         if after_s and after_s > 0:
+            import threading
+
             self._timer = threading.Timer(after_s, self._park_when_idle, args=(after_s,))
             self._timer.daemon = True
             self._timer.name = "gpucleanup-park-timer"
@@ -295,15 +296,17 @@ class InKernel:
         known, self.parked_at_start = self.parked_at_start, None
         return self.parked() if known is None else known
 
-    def resume_before_cell(self, then: Optional[dict] = None) -> None:
+    def resume_before_cell(self, then: Optional[dict] = None, parked: Optional[int] = None) -> None:
         """Brings a parked kernel back before its cell runs, and says so in one line; ``then``: the
-        cell's state, taken in the same step as the resume (no park can begin in between); sets
+        cell's state, taken in the same step as the resume (no park can begin in between); ``parked``:
+        the server's park state as the call that said ``then`` answered it (None: asked here); sets
         ``parked_at_start``, which the extension clears as each cell starts."""
-        self.disarm()
-        note = self.take_note()
+        if self._timer is not None:
+            self.disarm()
+        note = self.take_note() if self._auto_note is not None else None  # set by the timer's thread
         if note:
             self._say([self.PREFIX + note])
-        if not self.parked():
+        if not (self.parked() if parked is None else parked):
             self.parked_at_start = False
             return
         endpoint = self._endpoint()

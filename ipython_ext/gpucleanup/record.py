@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 __all__ = ["DeviceRecord", "PinnedRecord", "GcRecord", "CellRecord", "Outcome"]
 
@@ -126,21 +126,39 @@ class CellRecord:
         return _as_dict(self)
 
 
-@dataclass
 class Outcome:
-    """What the engine hands back for one cell: the record and the lines to print."""
+    """What the engine hands back for one cell: the record and the lines to print.
 
-    record: CellRecord
-    lines: List[str] = field(default_factory=list)
-    #: goes to the history and the status endpoint (not: a %gpumem --drain with no GPU in
-    #: use, or a cell's own cleanup that added nothing to its %gpumem --drain)
-    keep: bool = True
-    #: ``record.to_dict()`` as the engine made it for the lines: the history and the status
-    #: endpoint keep this one (asdict is the dearest step of building a record)
-    data: Optional[dict] = None
+    ``record``: the cell's :class:`CellRecord`, or ``make``, which builds it when first asked for:
+    an idle cell's record is wanted by few (the Dask plugin's summary), and is built on every cell."""
+
+    __slots__ = ("_record", "_make", "lines", "keep", "data")
+
+    def __init__(self, record: Optional[CellRecord] = None, lines: Optional[List[str]] = None, keep: bool = True,
+                 data: Optional[dict] = None, make: Optional[Callable[[], CellRecord]] = None):
+        if (record is None) == (make is None):
+            raise TypeError("an Outcome takes its record, or make (what builds it), not both")
+        self._record = record
+        self._make = make
+        self.lines: List[str] = [] if lines is None else lines
+        #: goes to the history and the status endpoint (not: a %gpumem --drain with no GPU in
+        #: use, or a cell's own cleanup that added nothing to its %gpumem --drain)
+        self.keep = keep
+        #: ``record.to_dict()`` as the engine made it for the lines: the history and the status
+        #: endpoint keep this one (asdict is the dearest step of building a record)
+        self.data = data
+
+    @property
+    def record(self) -> CellRecord:
+        if self._record is None:
+            self._record, self._make = self._make(), None
+        return self._record
 
     def as_dict(self) -> dict:
         return self.data if self.data is not None else self.record.to_dict()
+
+    def __repr__(self) -> str:
+        return f"Outcome(record={self.record!r}, lines={self.lines!r}, keep={self.keep!r})"
 
 
 _RECORDS = (DeviceRecord, PinnedRecord, GcRecord, CellRecord)

@@ -159,6 +159,31 @@ class StatusEndpoint:
         except Exception as exc:
             self._note(exc)
 
+    def cell_state(self, state: str, cell: Optional[int], since_ns: int) -> Optional[int]:
+        """A cell's "running" (as it starts) or "idle" (as its hooks end), said twice per cell: what
+        :meth:`set_state` does for these, with no dict built and checked, in one library call that also
+        answers :meth:`parked`. Returns that park state (None: not asked); never raises."""
+        if not self._serving():
+            return None
+        try:
+            if state != "idle":
+                self._refresh_notebook()
+            lib = self._native or self._lib()
+            parked = None
+            if hasattr(lib, "server_cell"):
+                parked = lib.server_cell(state != "idle", cell)
+            elif hasattr(lib, "server_state"):
+                lib.server_state(state, cell, since_ns)
+            else:  # a library without either takes the JSON way
+                lib.server_set_state({"state": state, "since_ns": since_ns} if state == "idle"
+                                     else {"state": state, "cell": cell, "since_ns": since_ns})
+            if not self._refusals_logged:
+                self._log_refusals()
+            return parked
+        except Exception as exc:
+            self._note(exc)
+            return None
+
     def publish(self, record: dict) -> None:
         """One finished cell's record: kept in the server's history and sent to watchers; never raises."""
         if not self._serving():
@@ -185,7 +210,7 @@ class StatusEndpoint:
         if not self._serving():
             return 0
         try:
-            fn = getattr(self._lib(), "server_parked", None)
+            fn = getattr(self._native or self._lib(), "server_parked", None)
             return int(fn()) if fn is not None else 0
         except Exception:
             return 0

@@ -4,6 +4,7 @@
 #include "gpucleanup/gpucleanup.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -255,6 +256,19 @@ void stop_server() noexcept {
   stop_server();
 }
 
+// The state object gpucleanup_server_set_state would take for these fields (kind already checked).
+nlohmann::json state_value(int kind, long long cell, long long since_ns, int device) {
+  static const char* const names[] = {"idle", "running", "draining", "waiting"};
+  nlohmann::json value = nlohmann::json::object();
+  value["state"] = names[kind];
+  value["since_ns"] = static_cast<std::int64_t>(since_ns);
+  if (kind != GPUCLEANUP_STATE_IDLE) {
+    value["cell"] = cell < 0 ? nlohmann::json(nullptr) : nlohmann::json(static_cast<std::int64_t>(cell));
+  }
+  if (kind == GPUCLEANUP_STATE_WAITING && device >= 0) value["device"] = device;
+  return value;
+}
+
 }  // namespace
 }  // namespace gpucleanup
 
@@ -444,18 +458,28 @@ gpucleanup_status gpucleanup_server_set_state(const char* state_json) {
 
 gpucleanup_status gpucleanup_server_state(int kind, long long cell, long long since_ns, int device) {
   return guarded([&] {
-    static const char* const names[] = {"idle", "running", "draining", "waiting"};
     if (kind < GPUCLEANUP_STATE_IDLE || kind > GPUCLEANUP_STATE_WAITING) {
       fail(GPUCLEANUP_ERR_INVALID_ARGUMENT, "[gpucleanup.api.112] state is " + std::to_string(kind) +
                                                 ": pass a GPUCLEANUP_STATE_* value (0 idle, 1 running, 2 draining, 3 waiting)");
     }
-    nlohmann::json value = {{"state", names[kind]}, {"since_ns", static_cast<std::int64_t>(since_ns)}};
-    if (kind != GPUCLEANUP_STATE_IDLE) {
-      value["cell"] = cell < 0 ? nlohmann::json(nullptr) : nlohmann::json(static_cast<std::int64_t>(cell));
-    }
-    if (kind == GPUCLEANUP_STATE_WAITING && device >= 0) value["device"] = device;
+    nlohmann::json value = state_value(kind, cell, since_ns, device);
     on_server([&](StatusServer& server) { server.set_state(std::move(value)); });
   });
+}
+
+int gpucleanup_server_cell(int running, long long cell) {
+  int parked = -1;
+  const gpucleanup_status status = guarded([&] {
+    const auto since = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                           std::chrono::system_clock::now().time_since_epoch()).count();
+    nlohmann::json value = state_value(running != 0 ? GPUCLEANUP_STATE_RUNNING : GPUCLEANUP_STATE_IDLE, cell,
+                                       static_cast<long long>(since), -1);
+    on_server([&](StatusServer& server) {
+      server.set_state(std::move(value));
+      parked = server.park_state();  // a park in place kept its state: "running" can no longer let one begin
+    });
+  });
+  return status == GPUCLEANUP_OK ? parked : -1;
 }
 
 gpucleanup_status gpucleanup_server_park(const char* step, long long bytes, const char* then_json, char** json_out) {

@@ -136,6 +136,43 @@ TEST_F(CApi, ServerCallsWithoutARunningServerSaySo) {
   EXPECT_STREQ(gpucleanup_last_error(),
                "[gpucleanup.api.107] the status server is not running: call gpucleanup_server_start first");
   EXPECT_EQ(gpucleanup_server_publish(R"({"cell": 1})"), GPUCLEANUP_ERR_SERVER);
+  EXPECT_EQ(gpucleanup_server_cell(1, 3), -1);
+  EXPECT_STREQ(gpucleanup_last_error(),
+               "[gpucleanup.api.107] the status server is not running: call gpucleanup_server_start first");
+}
+
+TEST_F(CApi, ACellsStateIsSaidInOneCallThatAnswersTheParkState) {
+  char* out = nullptr;
+  const auto status = gpucleanup_server_start(R"({"endpoint": "inproc://gpucleanup-c-api-cell"})", &out);
+  if (status != GPUCLEANUP_OK) GTEST_SKIP() << "no status server in this build: " << gpucleanup_last_error();
+  gpucleanup_free(out);
+  const auto park = [](const char* step, std::string* state) {
+    char* after = nullptr;
+    const auto result = gpucleanup_server_park(step, -1, nullptr, &after);
+    if (result == GPUCLEANUP_OK) {
+      *state = json::parse(after).value("state", "");
+      gpucleanup_free(after);
+    } else {
+      *state = gpucleanup_last_error();
+    }
+    return result;
+  };
+  std::string state;
+  EXPECT_EQ(gpucleanup_server_cell(1, 7), 0);  // running: no park may begin
+  EXPECT_EQ(park("begin", &state), GPUCLEANUP_ERR_INTERNAL);
+  EXPECT_NE(state.find("park refused: the kernel is running"), std::string::npos) << state;
+  EXPECT_EQ(gpucleanup_server_cell(0, -1), 0);  // idle: one may
+  ASSERT_EQ(park("begin", &state), GPUCLEANUP_OK) << state;
+  EXPECT_EQ(state, "parking");
+  EXPECT_EQ(gpucleanup_server_cell(1, 8), 1);  // a park under way keeps its state, and says so
+  EXPECT_EQ(gpucleanup_server_parked(), 1);
+  ASSERT_EQ(park("parked", &state), GPUCLEANUP_OK) << state;
+  EXPECT_EQ(gpucleanup_server_cell(0, -1), 2);
+  ASSERT_EQ(park("resumed", &state), GPUCLEANUP_OK) << state;
+  EXPECT_EQ(state, "idle");
+  EXPECT_EQ(gpucleanup_server_cell(1, -1), 0);  // running again, with no cell number
+  EXPECT_EQ(park("begin", &state), GPUCLEANUP_ERR_INTERNAL);
+  EXPECT_EQ(gpucleanup_server_stop(), GPUCLEANUP_OK);
 }
 
 TEST_F(CApi, StartingARunningServerIsAServerError) {

@@ -564,7 +564,8 @@ PHASES = {
     "summary": (lambda ext, fw, mp: _interrupt_once(mp, ext.engine, "_outcome"), STOPPED_THE_HOOK),
     "publish": (lambda ext, fw, mp: _interrupt_once(mp, ext._endpoint, "publish"), STOPPED_THE_HOOK),
     "summary line": (None, STOPPED_THE_HOOK),
-    "idle state": (lambda ext, fw, mp: _interrupt_once(mp, ext._endpoint, "set_state", _state_is("idle")),
+    # said as the hook ends, through the endpoint's call for a cell's own states
+    "idle state": (lambda ext, fw, mp: _interrupt_once(mp, ext._endpoint, "cell_state", lambda state, *a: state == "idle"),
                    CAME_AFTER),
 }
 

@@ -37,7 +37,10 @@ def eventually(condition, timeout=10.0):
 
 
 def eight_devices_three_in_use():
-    return {"devices": [{"primary_active": i in (1, 4, 6)} for i in range(8)]}
+    # UUIDs of their own: the library remembers a device's name by its UUID, and the fake driver's default
+    # UUIDs are those of every other test's devices (one named "Fake H100" would keep that name here)
+    return {"devices": [{"primary_active": i in (1, 4, 6), "uuid": f"GPU-8d000000-0000-4000-8000-00000000000{i}"}
+                        for i in range(8)]}
 
 
 @pytest.fixture

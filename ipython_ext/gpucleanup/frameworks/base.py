@@ -96,14 +96,16 @@ class Adapter:
                 try:
                     pinned = self._pinned_stats(result["notes"])
                     with self._state_lock:
-                        self._last_pinned = None if pinned is None else dict(pinned)
+                        self._last_pinned = pinned  # describe() copies what it reads
                     result["pinned"] = pinned
                 except Exception as exc:
                     result["notes"].append(
                         self._note("pinned", f"could not read {self.name}'s pinned pool: {_fault(exc)}")
                     )
+        # Kept as read, not copied (this runs on every cell): the figures are made afresh by each read, the
+        # engine only reads them, and describe() copies them under the lock.
         with self._state_lock:
-            self._last_devices = {i: dict(f) for i, f in result["devices"].items()}
+            self._last_devices = result["devices"]
         return result
 
     def drain(self, devices: list[int]) -> dict:

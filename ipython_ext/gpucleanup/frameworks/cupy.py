@@ -33,6 +33,10 @@ def _is_async(pool: Any) -> bool:
     return isinstance(cls, type) and isinstance(pool, cls)
 
 
+#: per type of pinned pool: whether it counts its bytes itself (used_bytes and free_bytes)
+_COUNTS_BYTES: "dict[type, bool]" = {}
+
+
 def _pinned_pool_bytes(pool: Any) -> Optional[tuple[int, int]]:
     """(live, cached) bytes of a PinnedMemoryPool, or None where CuPy does not tell.
 
@@ -42,7 +46,10 @@ def _pinned_pool_bytes(pool: Any) -> Optional[tuple[int, int]]:
     collector sees. They are read through ``gc.get_referents`` and only when they
     have exactly one of these shapes; anything else gives None.
     """
-    if all(callable(getattr(pool, m, None)) for m in ("used_bytes", "free_bytes")):
+    counts = _COUNTS_BYTES.get(type(pool))
+    if counts is None:  # asked once per type of pool: a Cython class raises inside getattr for what it lacks
+        counts = _COUNTS_BYTES[type(pool)] = all(callable(getattr(pool, m, None)) for m in ("used_bytes", "free_bytes"))
+    if counts:
         return int(pool.used_bytes()), int(pool.free_bytes())
     refs = gc.get_referents(pool)
     dicts = [r for r in refs if isinstance(r, dict)]
@@ -59,17 +66,26 @@ def _pinned_pool_bytes(pool: Any) -> Optional[tuple[int, int]]:
         return None
     for _ in range(3):  # another thread may change the pool while it is read
         try:
-            if not all(isinstance(v, list) for v in list(free_map.values())):
-                return None
-            cached = sum(int(size) * len(blocks) for size, blocks in list(free_map.items()))
-            blocks_in_use = list(in_use.values()) if isinstance(in_use, dict) else list(in_use)
-            if not all(hasattr(b, "size") for b in blocks_in_use):
-                return None
-            live = sum(int(b.size) for b in blocks_in_use)
-            return live, cached
+            return _blocks_bytes(list(free_map.items()), list(in_use.values()) if isinstance(in_use, dict) else list(in_use))
         except RuntimeError:
             continue
     return None
+
+
+def _blocks_bytes(free: list, in_use: list) -> Optional[tuple[int, int]]:
+    """(live, cached) of the pinned pool's blocks: ``free`` as (size, [block, ...]) pairs, ``in_use`` the
+    blocks handed out; None where a value is not of that shape. Loops, not generators: read on every cell."""
+    cached = live = 0
+    for size, blocks in free:
+        if not isinstance(blocks, list):
+            return None
+        cached += int(size) * len(blocks)
+    for block in in_use:
+        size = getattr(block, "size", None)
+        if size is None:
+            return None
+        live += int(size)
+    return live, cached
 
 
 class CupyAdapter(Adapter):

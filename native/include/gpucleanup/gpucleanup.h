@@ -253,6 +253,15 @@ GPUCLEANUP_API gpucleanup_status gpucleanup_server_park(const char* step, long l
  * no JSON, no driver call. */
 GPUCLEANUP_API int gpucleanup_server_parked(void);
 
+/* A cell's own state, said twice per cell: running != 0 as the cell starts
+ * ("running", with cell, or no cell number when cell < 0), running == 0 as its
+ * hooks end ("idle"), since now (CLOCK_REALTIME); the same as
+ * gpucleanup_server_state with those fields. Returns the park state after the
+ * call, as gpucleanup_server_parked does (0, 1 or 2: a park in place keeps
+ * its state), or -1 when it failed (the server is not running):
+ * gpucleanup_last_error says why. */
+GPUCLEANUP_API int gpucleanup_server_cell(int running, long long cell);
+
 /* Whether anything in this process has initialised CUDA, in one driver call
  * and without JSON: 1 yes, 0 no (the probe would say "not_initialized"), -1
  * anything else (no driver, unusable, exiting, forked: ask the probe, which
