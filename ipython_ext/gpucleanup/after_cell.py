@@ -571,6 +571,9 @@ class AfterCell:
         #: the last cleanup proved nothing had changed, from a native pass whose state the library keeps
         #: (or from the quiet check since): the next cell may ask the library's quiet check first
         self._quiet_ok = False
+        #: (the number of modules imported, the settings, the adapters in use) as the last idle cell proved
+        #: them; a full pass forgets them (see :meth:`CellPass._adapters_in_use`)
+        self._quiet_adapters: Optional[Tuple[int, Settings, list]] = None
         self.skipped = 0  # idle cells whose cleanup was skipped: nothing had changed since the last
         self._last_used: Dict[int, int] = {}
         #: devices seen with a context of this process, at load or by a cleanup (None: nothing known
@@ -1252,6 +1255,7 @@ class CellPass:
         """The driver pass: probe, settle, trim and the figures after in one native call (when
         nothing in the process uses CUDA it is a probe and nothing else). True when a device is in use."""
         engine = self.engine
+        engine._quiet_adapters = None  # what an idle cell kept stands only until the next full pass
         notes_first: List[Note] = []
         first = engine._native_pass(engine._settle_limit(self.settings, self.cell.after_forced), self.settings,
                                     notes_first, trim=self.now_trim and self.settings.driver_pools)
@@ -1294,17 +1298,32 @@ class CellPass:
         self.devices, self.settled = list(last.devices), list(last.devices)
         same = False
         with engine.unraisables.capture() as captured:
-            self.adapters = engine.adapters(self.settings, self.notes)
+            self.adapters = self._adapters_in_use()
             figures = engine.stats(self.adapters, self.settled, self.notes) if self.adapters else {}
             if figures == last.stats:
                 self.stats_settled = last.stats  # the same figures: nothing_new() compares them by identity
                 same = self.nothing_new()
         if same and not captured and not self.notes and not ctrl_c.pressed:
             return True
+        engine._quiet_adapters = None
         self.captured.extend(captured)  # said by the whole pass's record
         self.devices, self.settled, self.adapters, self.notes = [], [], [], []
         self.stats_settled, self.state = {}, None
         return False
+
+    def _adapters_in_use(self) -> list:
+        """The adapters in use, as the last idle cell found them when nothing was imported since and the
+        settings are the same, else asked afresh. Sound only behind the library's quiet check: a framework
+        that starts using the GPU during a cell allocates, which changes the free memory that check compares,
+        and the full pass that follows forgets what was kept here (a framework whose use begins without an
+        allocation, a context already made by another, holds nothing to give back)."""
+        engine, imported = self.engine, len(sys.modules)
+        kept = engine._quiet_adapters
+        if kept is not None and kept[0] == imported and (kept[1] is self.settings or kept[1] == self.settings):
+            return list(kept[2])
+        adapters = engine.adapters(self.settings, self.notes)
+        engine._quiet_adapters = (imported, self.settings, list(adapters))
+        return adapters
 
     def begin(self) -> None:
         """The devices of this cell, its first uses, and what background releases finished since the last."""

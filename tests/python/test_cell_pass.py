@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import sys
+import types
 
 import pytest
 
@@ -198,6 +200,39 @@ def test_once_an_idle_cell_is_proven_the_library_quiet_check_stands_for_the_pass
     assert outcome.keep and outcome.record.devices[0].outside_growth_bytes == 128 * MiB
     assert native.calls["after_cell"] == 3 and native.calls["quiet"] == 5
     assert engine.skipped == 5
+
+
+def test_idle_cells_ask_which_frameworks_are_in_use_once_until_an_import_or_a_full_pass(fake_cuda, monkeypatch):
+    _device(fake_cuda)
+    cupy, torch = Framework(live={0: GiB}), Framework("torch")
+    in_use, asked = [cupy], []
+    engine, native = _engine()
+    engine._adapters_fn = lambda: asked.append(1) or list(in_use)
+    engine.run(_settings(), cell=1)
+    assert not engine.run(_settings(), cell=2).keep  # proven idle by the whole pass
+    asked.clear()
+    for cell in range(3, 6):
+        assert not engine.run(_settings(), cell=cell).keep
+    assert len(asked) == 1 and native.calls["quiet"] == 3  # the first idle cell asked; the next two kept its answer
+    monkeypatch.setitem(sys.modules, "gpucleanup_test_imported_meanwhile", types.ModuleType("imported"))
+    assert not engine.run(_settings(), cell=6).keep
+    assert len(asked) == 2  # a module imported since: asked again
+    # a full pass whose cell skipped the quiet check (%gpumem --drain here) forgets the answer kept
+    engine.run(_settings(), cell=6, forced=True)
+    assert engine._quiet_adapters is None
+    # PyTorch starts using the GPU: an allocation the quiet check sees, so the whole pass runs and reads it
+    in_use.append(torch)
+    torch.live[0] = GiB
+    fake_cuda.update({"devices": [{"free_bytes": TOTAL - 3 * GiB}]})
+    outcome = engine.run(_settings(), cell=7)
+    assert outcome.keep and outcome.record.devices[0].live_bytes == {"cupy": GiB, "torch": GiB}
+    assert not engine.run(_settings(), cell=8).keep  # proven idle by the whole pass again
+    # its tensor deleted: the memory stays in its cache, unseen by the driver; the idle cell asks afresh
+    # (the full passes forgot what was kept) and gives it back
+    torch.live[0], torch.cached[0] = 0, GiB
+    outcome = engine.run(_settings(), cell=9)
+    assert outcome.keep and torch.calls["drain"] == 1 and torch.cached == {}
+    assert outcome.record.devices[0].freed_bytes.get("torch") == GiB
 
 
 @pytest.mark.parametrize("gc_policy, frameworks, quiet_cells", [
