@@ -12,8 +12,10 @@ once into :class:`FrameworkFigures`:
 
 0. ``quiet``: once a cell has been proven idle, the next asks the library's quiet check
    (``_native.quiet``: the same devices, free memory and pools as that pass left, nothing
-   queued) and reads each framework once; figures equal to the last cleanup's with nothing new
-   to give back (``nothing_new``) end the cell there. Anything else runs the steps below.
+   queued) and reads each framework once (which frameworks are in use: as the last idle cell
+   found them while nothing was imported since, ``_adapters_in_use``); figures equal to the last
+   cleanup's with nothing new to give back (``nothing_new``) end the cell there. Anything else
+   runs the steps below.
 1. ``settle``: the driver pass (``_native.after_cell``, the only native protocol). On every
    device already in use, wait (at most ``settle_timeout``) for queued work, then trim the
    driver's pools once; busy devices are skipped. Past 2 s a progress line is written.

@@ -22,6 +22,7 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 import types
 import uuid
 from pathlib import Path
@@ -762,6 +763,52 @@ def test_ensure_private_dir_narrows_a_real_directory_and_refuses_a_file(runtime)
     (runtime / "afile").write_text("")
     with pytest.raises(PermissionError, match="is not a directory"):
         discovery.ensure_private_dir(runtime / "afile")
+
+
+def test_a_cells_running_and_idle_go_in_one_call_that_answers_the_park_state(kernel):
+    from gpucleanup import status_client
+
+    info = json.loads(kernel.discovery_path.read_text())
+    target = status_client.Target(info["endpoint"], Path(info["key_file"]).read_bytes())
+
+    def state() -> dict:
+        return status_client.request(target, "status", timeout=10)["state"]
+
+    before = time.time_ns()
+    assert kernel.cell_state("running", 12, 0) == 0  # not parked
+    told = state()
+    assert (told["state"], told["cell"]) == ("running", 12)
+    assert before <= told["since_ns"] <= time.time_ns()  # "since" is the library's now, not the argument
+    assert kernel.cell_state("idle", None, 0) == 0
+    assert state()["state"] == "idle" and "cell" not in state()
+    assert kernel.park_step("begin")["state"] == "parking"
+    assert kernel.cell_state("running", 13, 0) == 1  # a park under way keeps its state, and says so
+    assert state()["state"] == "parking"
+    kernel.park_step("failed")
+    assert kernel.cell_state("running", None, 0) == 0
+    told = state()
+    assert (told["state"], told["cell"]) == ("running", None)
+
+
+def test_a_library_older_than_the_one_call_gets_the_two_calls_it_stands_for(kernel, monkeypatch):
+    from gpucleanup import _native, status_client
+
+    info = json.loads(kernel.discovery_path.read_text())
+    target = status_client.Target(info["endpoint"], Path(info["key_file"]).read_bytes())
+    real = _native.held()
+
+    class Older:  # the library of a build from before gpucleanup_server_cell
+        def __getattr__(self, name):
+            if name == "gpucleanup_server_cell":
+                raise AttributeError(name)
+            return getattr(real, name)
+
+    monkeypatch.setattr(_native, "held", lambda: Older())
+    assert _native.server_cell(True, 5) == 0
+    told = status_client.request(target, "status", timeout=10)["state"]
+    assert (told["state"], told["cell"]) == ("running", 5)
+    assert _native.server_cell(False, 5) == 0
+    assert status_client.request(target, "status", timeout=10)["state"]["state"] == "idle"
 
 
 def test_the_status_server_takes_the_per_cell_states_without_json(kernel):
