@@ -1307,7 +1307,6 @@ class CellPass:
                 same = self.nothing_new()
         if same and not captured and not self.notes and not ctrl_c.pressed:
             return True
-        engine._quiet_adapters = None
         self.captured.extend(captured)  # said by the whole pass's record
         self.devices, self.settled, self.adapters, self.notes = [], [], [], []
         self.stats_settled, self.state = {}, None
