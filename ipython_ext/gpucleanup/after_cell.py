@@ -43,6 +43,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import math
 import signal
 import sys
 import threading
@@ -228,6 +229,9 @@ class IdleRelease:
         # (time.monotonic()), or not at all while held (None: a cell runs)
         self._state = "waiting"
         self._deadline: Optional[float] = None
+        # when the thread's wait ends by itself (None: only when woken; -inf: not waiting): a deadline moved later
+        # than that needs no wake-up, which matters to a cell re-run back to back (every one re-arms it)
+        self._asleep_until: Optional[float] = -math.inf
         self._thread = threading.Thread(target=self._wait, name=name, daemon=True)
         #: release "rerun": the source of the cell that left the caches; any other cell gives them back
         self.source: Optional[str] = None
@@ -247,21 +251,23 @@ class IdleRelease:
 
     def rearm(self) -> bool:
         """The cell that held it changed nothing: wait ``delay_s`` again from now, on the same thread
-        (a cell re-run back to back costs no thread); True if it still waits."""
+        (a cell re-run back to back costs no thread, and wakes none); True if it still waits."""
         return self._move(self.delay_s)
 
     def _move(self, after_s: Optional[float], when: Optional[str] = None, only_idle: bool = False) -> bool:
         """While it still waits (and, ``only_idle``, for the kernel to be idle): run ``after_s`` seconds from
-        now (None: not until moved again), said to be started by ``when``; the thread is woken to look at the
-        new deadline. False when it runs, ran or was cancelled."""
+        now (None: not until moved again), said to be started by ``when``; the thread is woken only when its
+        wait would end after the new deadline (a later deadline is seen when the wait ends). False when it
+        runs, ran or was cancelled."""
         with self._lock:
             if self._state != "waiting" or (only_idle and self.when != "idle"):
                 return False
             if when is not None:
                 self.when = when
             self._deadline = None if after_s is None else time.monotonic() + after_s
-            if after_s is not None:
-                self._wake.notify()
+            asleep_until = self._asleep_until
+            if self._deadline is not None and (asleep_until is None or self._deadline < asleep_until):
+                self._wake.notify()  # it would wake too late: waking a thread costs the cell's thread the GIL
             return True
 
     def cancel(self) -> bool:
@@ -289,7 +295,9 @@ class IdleRelease:
                     # parked: a driver call would wait for the restore; the next cell rearms or cancels it
                     self._deadline = None
                     continue
+                self._asleep_until = self._deadline
                 self._wake.wait(left)
+                self._asleep_until = -math.inf
             if self._state != "waiting":
                 return
             self._state = "running"
@@ -565,8 +573,9 @@ class AfterCell:
         self._outside_base: Dict[int, int] = {}  # ... after the first cleanup
         self._kept: Dict[str, Dict[int, int]] = {}  # per framework and device: cached bytes its last drain left
         self._fixes: Dict[str, str] = {}  # per framework whose pool never gives memory back: what to set
-        #: per framework: (adapter, its last stats answer, the figures read from it), see :meth:`stats`
-        self._figures_read: Dict[str, Tuple[Any, dict, FrameworkFigures]] = {}
+        #: per framework: (adapter, its last stats answer, the figures read from it, its quiet token read just
+        #: before that answer), see :meth:`stats`
+        self._figures_read: Dict[str, Tuple[Any, dict, FrameworkFigures, Optional[tuple]]] = {}
         self._drained_now: List[str] = []  # frameworks drained by this cleanup
         #: the last full cleanup, for an idle cell to be compared with (None: none to compare with)
         self._last_pass: Optional[LastPass] = None
@@ -628,27 +637,49 @@ class AfterCell:
             return adapters
         return [a for a in adapters if settings.framework_enabled(str(getattr(a, "name", "?")))]
 
-    def stats(self, adapters: list, devices: List[int], notes: List[Note]) -> Stats:
+    def stats(self, adapters: list, devices: List[int], notes: List[Note], by_token: bool = False) -> Stats:
         """Each adapter's figures on ``devices``, read once into a :class:`FrameworkFigures`. An adapter
         that answers what it answered last time gets the very figures built then: on an idle cell the
-        comparison with the last cleanup's figures is then one of identity."""
+        comparison with the last cleanup's figures is then one of identity. Each read is preceded by the
+        adapter's quiet token (``Adapter.quiet_token``, where it has one); ``by_token`` (an idle cell): an
+        adapter whose token is the one read before its last figures is not asked for them again, they stand
+        (a change after that token was read shows in the next one)."""
         out: Stats = {}
         for adapter in adapters:
-            result, note = self.guarded(adapter, "stats", list(devices))
-            if note:
-                notes.append(note)
-                continue
-            if not isinstance(result, dict):
-                continue
             last = self._figures_read.get(adapter.name)
-            if last is not None and last[0] is adapter and _same_answer(last[1], result):
+            if last is not None and last[0] is not adapter:
+                last = None
+            token = self._quiet_token(adapter, devices)
+            if by_token and token is not None and last is not None and last[3] == token:
                 figures = out[adapter.name] = last[2]
             else:
-                figures = out[adapter.name] = FrameworkFigures.read(adapter, result)
-                self._figures_read[adapter.name] = (adapter, result, figures)
+                result, note = self.guarded(adapter, "stats", list(devices))
+                if note:
+                    notes.append(note)
+                    continue
+                if not isinstance(result, dict):
+                    continue
+                if last is not None and _same_answer(last[1], result):
+                    figures = out[adapter.name] = last[2]
+                    result = last[1]
+                else:
+                    figures = out[adapter.name] = FrameworkFigures.read(adapter, result)
+                self._figures_read[adapter.name] = (adapter, result, figures, token)
             if figures.fix:
                 self._fixes[adapter.name] = figures.fix
         return out
+
+    @staticmethod
+    def _quiet_token(adapter: Any, devices: List[int]) -> Optional[tuple]:
+        """The adapter's quiet token, None where it has none or fails (its figures are read then)."""
+        read = getattr(adapter, "quiet_token", None)
+        if read is None:
+            return None
+        try:
+            token = read(list(devices))
+        except Exception:
+            return None
+        return token if isinstance(token, tuple) else None
 
     def memory_status(self, settings: Settings) -> dict:
         """The process's GPU memory as data with exact bytes (what %gpumem shows): per device in
@@ -1301,7 +1332,7 @@ class CellPass:
         same = False
         with engine.unraisables.capture() as captured:
             self.adapters = self._adapters_in_use()
-            figures = engine.stats(self.adapters, self.settled, self.notes) if self.adapters else {}
+            figures = engine.stats(self.adapters, self.settled, self.notes, by_token=True) if self.adapters else {}
             if figures == last.stats:
                 self.stats_settled = last.stats  # the same figures: nothing_new() compares them by identity
                 same = self.nothing_new()

@@ -11,7 +11,10 @@ Figures: ``FIGURE`` lines (run pytest with -s).
 from __future__ import annotations
 
 import json
+import os
+import queue
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -22,6 +25,7 @@ import pytest
 from conftest import GiB, require, stop_kernel, subprocess_env
 
 TIMEOUT = 300
+RESUME_TIMEOUT = 120  # a resume of these sizes takes seconds: past this the kernel is stuck
 
 FILL = {
     "cupy": ("import cupy as cp, hashlib\n"
@@ -58,12 +62,13 @@ class Kernel:
         self.kc.wait_for_ready(timeout=TIMEOUT)
         self.pid = self.km.provisioner.pid
 
-    def run(self, code: str) -> str:
-        """The cell's stdout and gpucleanup's lines; fails on an error in the cell."""
+    def run(self, code: str, timeout: float = TIMEOUT) -> str:
+        """The cell's stdout and gpucleanup's lines; fails on an error in the cell (queue.Empty: no message
+        within ``timeout`` seconds)."""
         msg_id = self.kc.execute(code)
         out, error = [], None
         while True:
-            msg = self.kc.get_iopub_msg(timeout=TIMEOUT)
+            msg = self.kc.get_iopub_msg(timeout=timeout)
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue
             kind, content = msg["msg_type"], msg["content"]
@@ -85,6 +90,37 @@ class Kernel:
     def close(self) -> None:
         stop_kernel(self.km, self.kc)
 
+    def dump_on_signal(self) -> None:
+        """The kernel writes every Python thread's stack to a file on SIGUSR2 (for :meth:`diagnose`)."""
+        self.stacks = self.runtime.parent / "stacks.txt"
+        self.run(f"import faulthandler as _fh, signal as _sig\n"
+                 f"_fh.register(_sig.SIGUSR2, file=open({str(self.stacks)!r}, 'w'), all_threads=True)\n"
+                 "del _fh, _sig")
+
+    def diagnose(self) -> str:
+        """What the kernel's threads do now (a failure's message): ps and status asked again with 5 s each,
+        each thread's name, state and wait channel (and kernel stack where readable), every Python stack."""
+        out = []
+        for args in (("ps", "--timeout", "5"), ("status", str(self.pid), "--json", "--timeout", "5")):
+            started = time.monotonic()
+            done = self.cli(*args)
+            out.append(f"$ gpucleanup {' '.join(args)} ({time.monotonic() - started:.2f} s, rc {done.returncode})\n"
+                       f"{done.stdout}{done.stderr}")
+        for task in sorted(Path(f"/proc/{self.pid}/task").glob("*")):
+            def read(name):
+                try:
+                    return (task / name).read_text(errors="replace").strip()
+                except OSError as exc:
+                    return f"({exc.strerror})"
+            state = read("stat").rsplit(")", 1)[-1].split()[:1]
+            out.append(f"thread {task.name} {read('comm')!r} state {state} wchan {read('wchan')}\n{read('stack')}")
+        stacks = getattr(self, "stacks", None)
+        if stacks is not None:
+            os.kill(self.pid, signal.SIGUSR2)
+            time.sleep(1.0)  # faulthandler writes from its signal handler, without the GIL
+            out.append("Python stacks:\n" + (stacks.read_text(errors="replace") if stacks.exists() else "(none written)"))
+        return "\n".join(out)
+
 
 @pytest.mark.parametrize("framework, how", [("cupy", "magic"), ("torch", "command"), ("jax", "command")])
 def test_a_notebook_is_parked_to_zero_and_resumed_with_every_byte(framework, how, tmp_path):
@@ -94,6 +130,7 @@ def test_a_notebook_is_parked_to_zero_and_resumed_with_every_byte(framework, how
         env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = "0.05"
     kernel = Kernel(tmp_path, **env)
     try:
+        kernel.dump_on_signal()
         kernel.run("%load_ext gpucleanup")
         out = kernel.run(FILL[framework].format(count=GiB // 4) + "before = digest()\nprint(before)")
         before = [line for line in out.splitlines() if re.fullmatch(r"[0-9a-f]{64}", line)][0]
@@ -110,11 +147,14 @@ def test_a_notebook_is_parked_to_zero_and_resumed_with_every_byte(framework, how
         parked_s = time.monotonic() - started
         assert used_mib(kernel.pid) == 0
         listed = kernel.cli("ps")
-        assert "parked" in listed.stdout, listed.stdout
+        assert "parked" in listed.stdout, f"{listed.stdout}\n{kernel.diagnose()}"
         print(f"FIGURE park kernel {framework} ({how}): {used} MiB -> 0 MiB in {parked_s:.2f} s: {out.strip()}")
 
         started = time.monotonic()
-        out = kernel.run("print(digest() == before)")
+        try:
+            out = kernel.run("print(digest() == before)", timeout=RESUME_TIMEOUT)
+        except queue.Empty:
+            pytest.fail(f"the next cell said nothing for {RESUME_TIMEOUT} s while resuming\n{kernel.diagnose()}")
         resumed_s = time.monotonic() - started
         lines = out.splitlines()
         assert lines[0].startswith("gpucleanup · resumed "), out

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import sys
+import time
 import types
 
 import pytest
@@ -235,6 +237,40 @@ def test_idle_cells_ask_which_frameworks_are_in_use_once_until_an_import_or_a_fu
     assert outcome.record.devices[0].freed_bytes.get("torch") == GiB
 
 
+class Tokened(Framework):
+    """A framework with a quiet token: its figures' counters, read without building them."""
+
+    def quiet_token(self, devices):
+        self.calls["quiet_token"] += 1
+        return tuple((self.live.get(i, 0), self.cached.get(i, 0)) for i in devices)
+
+
+def test_idle_cells_read_no_figures_of_a_framework_whose_quiet_token_is_the_one_read_before_them(fake_cuda):
+    _device(fake_cuda)
+    cupy, torch = Tokened(live={0: GiB}), Framework("torch", live={0: GiB})
+    engine, native = _engine(cupy, torch)
+    engine.run(_settings(), cell=1)
+    assert not engine.run(_settings(), cell=2).keep  # proven idle by the whole pass
+    assert cupy.calls["quiet_token"] == cupy.calls["stats"] == 2  # a token before each read of the figures
+    read = dict(cupy.calls), torch.calls["stats"]
+    for cell in range(3, 6):
+        assert not engine.run(_settings(), cell=cell).keep
+    assert native.calls["quiet"] == 3 and engine.skipped == 4
+    assert cupy.calls["stats"] == read[0]["stats"] and cupy.calls["quiet_token"] == read[0]["quiet_token"] + 3
+    assert torch.calls["stats"] == read[1] + 3  # no token: its figures are read on every idle cell
+    # an array deleted: its memory stays in the pool, unseen by the driver; the token differs, so the
+    # figures are read, and the whole pass gives the cache back
+    cupy.live[0], cupy.cached[0] = 0, GiB
+    outcome = engine.run(_settings(), cell=6)
+    assert outcome.keep and cupy.calls["drain"] == 1 and cupy.cached == {}
+    assert outcome.record.devices[0].freed_bytes.get("cupy") == GiB
+    # a token that fails is no token: the figures are read, the cell is still proven idle
+    assert not engine.run(_settings(), cell=7).keep
+    stats = cupy.calls["stats"]
+    cupy.quiet_token = lambda devices: 1 / 0
+    assert not engine.run(_settings(), cell=8).keep and cupy.calls["stats"] == stats + 1
+
+
 @pytest.mark.parametrize("gc_policy, frameworks, quiet_cells", [
     ("auto", 1, 3),
     ("never", 1, 3),  # nothing to collect anyway: as quiet as "auto"
@@ -434,6 +470,39 @@ def test_release_idle_a_re_run_that_leaves_the_same_cache_is_skipped_and_its_rel
     assert job.cancelled and engine.idle_job is not job and engine._idle_jobs == [engine.idle_job]
     engine.stop()
     assert engine.idle_job is None and engine._idle_jobs == []
+
+
+def _asleep(job, until):
+    """Waits (bounded) until the release's thread sleeps in its wait, ``until`` as given (None: until woken)."""
+    for _ in range(3000):
+        with job._lock:
+            asleep = job._asleep_until
+        if asleep != -math.inf and (asleep is None) == (until is None):
+            return asleep
+        time.sleep(0.01)
+    raise AssertionError(f"the release's thread never slept as expected (it sleeps until {job._asleep_until})")
+
+
+def test_release_idle_re_arming_wakes_no_thread_while_its_wait_ends_before_the_new_deadline(fake_cuda):
+    # a cell re-run back to back re-arms the release on every cell: waking its thread each time would take
+    # the GIL from the cell's thread while the kernel replies; the thread sees the later deadline on its own
+    _device(fake_cuda)
+    cupy = Framework(live={0: GiB}, cached={0: GiB})
+    engine, _ = _engine(cupy)
+    settings = _settings(release="idle", idle_release_s=3600.0)
+    engine.run(settings, cell=1)
+    job = engine.idle_job
+    first = _asleep(job, until=3600.0)
+    woken = []
+    notify = job._wake.notify
+    job._wake.notify = lambda *a: (woken.append(a), notify(*a))[1]
+    for cell in (2, 3, 4):
+        engine.cell_starts()
+        assert not engine.run(settings, cell=cell).keep  # nothing changed: re-armed
+    assert woken == [] and job._deadline > first and job._asleep_until == first and engine.idle_job is job
+    assert job.run_now()  # moved sooner (another cell under release "rerun"): this one wakes it
+    assert woken == [()] and job.done.wait(30) and cupy.calls["drain"] == 1
+    engine.stop()
 
 
 def test_release_idle_a_re_armed_release_still_runs_once_the_kernel_is_idle(fake_cuda):

@@ -201,6 +201,48 @@ def test_cupy_adapter_with_stand_in_module_reports_and_releases_the_pinned_pool_
         "gpucleanup frees the cached part after every cell")
 
 
+def test_cupy_quiet_token_stays_while_nothing_changes_and_differs_for_every_figure_stats_reads(monkeypatch):
+    world = World(n_devices=1)
+    cupy = install_cupy(monkeypatch, world, used={0: MiB}, free={0: 0}, pinned_free=(4 * MiB,),
+                        pinned_in_use=(8 * MiB,), plan_caches={0: PlanCache(0, 0)})
+    cupy_adapter = adapter("cupy")
+    token = cupy_adapter.quiet_token([0])
+    assert isinstance(token, tuple) and cupy_adapter.quiet_token([0]) == token
+    assert not world.violations and ("setDevice", 0) not in world.calls, "on the current device: nothing switched"
+
+    def changed(change, undo):
+        change()
+        now = cupy_adapter.quiet_token([0])
+        undo()
+        assert cupy_adapter.quiet_token([0]) == token
+        return now != token
+
+    pool, pinned, plans = cupy.pool, cupy.pinned, cupy.plan_caches[0]
+    block = next(iter(pinned._in_use))
+    assert changed(lambda: pool.used.update({0: 2 * MiB}), lambda: pool.used.update({0: MiB}))  # an allocation
+    assert changed(lambda: pool.free.update({0: MiB}), lambda: pool.free.update({0: 0}))  # a del: cached
+    assert changed(lambda: pinned._free[4 * MiB].append(block), lambda: pinned._free[4 * MiB].pop())  # pinned freed
+    extra = type(block)(2 * MiB)
+    assert changed(lambda: pinned._in_use.add(extra), lambda: pinned._in_use.discard(extra))  # pinned allocated
+    assert changed(lambda: setattr(plans, "plans", 1), lambda: setattr(plans, "plans", 0))  # an FFT plan
+    other = type(pool)(world, {0: MiB}, {0: 0})
+    assert changed(lambda: setattr(cupy, "allocator", other.malloc), lambda: setattr(cupy, "allocator", pool.malloc))
+
+
+def test_cupy_quiet_token_is_none_where_reading_would_switch_devices(monkeypatch):
+    # the figures are then read as always: the token only ever saves a read on the thread's own device
+    world = World(n_devices=2, active=(0, 1), current=0)
+    install_cupy(monkeypatch, world, used={0: 1, 1: 2}, free={0: 0, 1: 0})
+    cupy_adapter = adapter("cupy")
+    assert cupy_adapter.quiet_token([0, 1]) is None
+    assert cupy_adapter.quiet_token([1]) is None
+    world.current = None  # no context current to the thread: the runtime says device 0
+    assert cupy_adapter.quiet_token([0]) is None
+    assert not world.violations
+    for other in ADAPTERS[1:]:
+        assert other.quiet_token([0]) is None
+
+
 def test_cupy_adapter_with_stand_in_module_stats_never_wait_for_a_pinned_release(monkeypatch):
     world = World(n_devices=1)
     cupy = install_cupy(monkeypatch, world, used={0: 1}, free={0: 2}, pinned_free=(GiB,))

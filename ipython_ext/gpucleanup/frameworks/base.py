@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from ..units import format_bytes as _bytes_text  # noqa: F401  (the adapters' byte formatter)
 
@@ -142,6 +142,18 @@ class Adapter:
                 self._releasing = False
         return result
 
+    def quiet_token(self, devices: list[int]) -> Optional[tuple]:
+        """A cheap value that differs whenever ``stats(devices)`` could answer otherwise: read just before
+        the figures, it tells an idle cell that they still stand. None: the adapter cannot tell without
+        reading them (the default), or a fault of the framework (the figures then say what is wrong)."""
+        read = self._quiet_token
+        if read is None:  # most adapters: not even asked whether the framework is in use (an idle cell's cost)
+            return None
+        try:
+            return read(devices) if self.in_use() else None
+        except Exception:
+            return None
+
     def describe(self) -> str:
         """One line for users: what the framework holds (as of the last stats) and what can be released."""
         if not self.in_use():
@@ -171,6 +183,9 @@ class Adapter:
 
     def _drain(self, devices: list[int], result: dict) -> None:
         result["freed_bytes"] = {i: 0 for i in devices}
+
+    #: an adapter with a quiet token defines ``_quiet_token(self, devices) -> Optional[tuple]``
+    _quiet_token: Optional[Callable[[list[int]], Optional[tuple]]] = None
 
     def _pinned_stats(self, notes: list[str]) -> Optional[Figures]:
         return None

@@ -28,13 +28,29 @@ def _pool_figures(pool: Any) -> tuple[int, int]:
 
 
 def _is_async(pool: Any) -> bool:
-    cuda = getattr(_module("cupy"), "cuda", None)
-    cls = getattr(cuda, "MemoryAsyncPool", None)
-    return isinstance(cls, type) and isinstance(pool, cls)
+    kind = type(pool)
+    known = _ASYNC.get(kind)
+    if known is None:  # once per type of pool: read on every cell
+        cls = getattr(getattr(_module("cupy"), "cuda", None), "MemoryAsyncPool", None)
+        known = _ASYNC[kind] = isinstance(cls, type) and issubclass(kind, cls)
+    return known
+
+
+#: per type of device pool: whether it is CuPy's MemoryAsyncPool (read as used and reserved)
+_ASYNC: "dict[type, bool]" = {}
 
 
 #: per type of pinned pool: whether it counts its bytes itself (used_bytes and free_bytes)
 _COUNTS_BYTES: "dict[type, bool]" = {}
+
+
+def _counts_bytes(pool: Any) -> bool:
+    """Whether a pinned pool counts its bytes itself; asked once per type of pool (a Cython class raises
+    inside getattr for what it lacks, which costs on every cell)."""
+    counts = _COUNTS_BYTES.get(type(pool))
+    if counts is None:
+        counts = _COUNTS_BYTES[type(pool)] = all(callable(getattr(pool, m, None)) for m in ("used_bytes", "free_bytes"))
+    return counts
 
 
 def _pinned_pool_bytes(pool: Any) -> Optional[tuple[int, int]]:
@@ -46,10 +62,7 @@ def _pinned_pool_bytes(pool: Any) -> Optional[tuple[int, int]]:
     collector sees. They are read through ``gc.get_referents`` and only when they
     have exactly one of these shapes; anything else gives None.
     """
-    counts = _COUNTS_BYTES.get(type(pool))
-    if counts is None:  # asked once per type of pool: a Cython class raises inside getattr for what it lacks
-        counts = _COUNTS_BYTES[type(pool)] = all(callable(getattr(pool, m, None)) for m in ("used_bytes", "free_bytes"))
-    if counts:
+    if _counts_bytes(pool):
         return int(pool.used_bytes()), int(pool.free_bytes())
     refs = gc.get_referents(pool)
     dicts = [r for r in refs if isinstance(r, dict)]
@@ -70,6 +83,21 @@ def _pinned_pool_bytes(pool: Any) -> Optional[tuple[int, int]]:
         except RuntimeError:
             continue
     return None
+
+
+def _pinned_pool_counts(pool: Any) -> tuple:
+    """What changes whenever :func:`_pinned_pool_bytes` would answer otherwise, without summing the blocks:
+    the pool's own byte counters where it has them, else its count of free blocks with the sizes of the
+    containers the collector sees (the free blocks by size, the blocks handed out). A cell that takes a free
+    block and frees one of another size leaves the counts as they were: its cache is still given back by
+    the release the last cleanup deferred (a release "cell" leaves no free block to take)."""
+    if _counts_bytes(pool):
+        return int(pool.used_bytes()), int(pool.free_bytes())
+    sizes = [int(pool.n_free_blocks())]
+    for ref in gc.get_referents(pool):
+        if isinstance(ref, (dict, set, frozenset)):
+            sizes.append(len(ref))
+    return tuple(sizes)
 
 
 def _blocks_bytes(free: list, in_use: list) -> Optional[tuple[int, int]]:
@@ -158,6 +186,28 @@ class CupyAdapter(Adapter):
                             f"{cache.get_curr_memsize()} bytes of work area (counted as live)"), 203))
                 except Exception as exc:
                     notes.append(self._note("stats", f"could not read cupy's pool on GPU{i}: {_fault(exc)}"))
+
+    def _quiet_token(self, devices: list[int]) -> Optional[tuple]:
+        """What ``stats`` reads, read without building figures: the pools (which ones and their counters), the
+        FFT plan cache's size, and the pinned pool's counters. Only for one device that is the calling
+        thread's current one with its context current (the common case: no device is switched); else None."""
+        cupy = _module("cupy")
+        cuda = cupy.cuda
+        if len(devices) != 1 or devices[0] != cuda.runtime.getDevice() or not cuda.driver.ctxGetCurrent():
+            return None
+        token: list = [devices[0]]
+        for pool in self._pools(cupy, token):  # the notes it would say are part of the token
+            token.append(id(pool))
+            token.append(int(pool.used_bytes()))
+            token.append(int(pool.total_bytes()) if _is_async(pool) else int(pool.free_bytes()))
+        cache = self._fft_cache()
+        if cache is not None:
+            token.append(cache.get_curr_size())
+            token.append(cache.get_curr_memsize())
+        pinned = cupy.get_default_pinned_memory_pool()
+        token.append(id(pinned))
+        token.extend(_pinned_pool_counts(pinned))
+        return tuple(token)
 
     def _drain(self, devices: list[int], result: dict) -> None:
         cupy = _module("cupy")
