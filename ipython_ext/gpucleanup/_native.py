@@ -195,6 +195,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     if getattr(lib, "gpucleanup_server_cell", None) is not None:
         lib.gpucleanup_server_cell.argtypes = [ctypes.c_int, ctypes.c_longlong]
         lib.gpucleanup_server_cell.restype = ctypes.c_int
+    if getattr(lib, "gpucleanup_server_background", None) is not None:
+        lib.gpucleanup_server_background.argtypes = [ctypes.c_int]
+        lib.gpucleanup_server_background.restype = ctypes.c_int
     # SIGTERM's cleanup of the status endpoint's files (a later addition to ABI version 2).
     if getattr(lib, "gpucleanup_sigterm_cleanup", None) is not None:
         lib.gpucleanup_sigterm_cleanup.argtypes = [ctypes.c_char_p]
@@ -518,6 +521,21 @@ def server_cell(running: bool, cell: Optional[int] = None) -> int:
     if parked < 0:
         _raise(held(), ERR_SERVER)
     return parked
+
+
+def server_background(begin: bool) -> int:
+    """The kernel's own work on a thread of its own (a release once idle) begins or ends
+    (gpucleanup_server_background): begin answers 0 when it may run (counted: a park asked for before it
+    ends is refused), or the park state (1 parking, 2 parked) when it must wait for the resume; end
+    answers 0. A library older than the call coordinates nothing: begin answers :func:`server_parked`.
+    Raises NativeError when the server is not running."""
+    fn = getattr(held(), "gpucleanup_server_background", None)
+    if fn is None:
+        return server_parked() if begin else 0
+    answer = fn(1 if begin else 0)
+    if answer < 0:
+        _raise(held(), ERR_SERVER)
+    return answer
 
 
 def server_parked() -> int:

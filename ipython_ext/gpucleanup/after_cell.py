@@ -236,6 +236,7 @@ class IdleRelease:
         #: release "rerun": the source of the cell that left the caches; any other cell gives them back
         self.source: Optional[str] = None
         self.when = "idle"  # what started it: "idle", or "cell" (another cell began)
+        self._began = False  # the status server was told it runs (and is told when it ends)
 
     def start(self) -> None:
         self._deadline = time.monotonic() + self.delay_s
@@ -290,9 +291,9 @@ class IdleRelease:
             while self._state == "waiting":
                 left = None if self._deadline is None else self._deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    if not self.engine.parked():
+                    if self._begin():
                         break
-                    # parked: a driver call would wait for the restore; the next cell rearms or cancels it
+                    # a park under way: a driver call would wait for the restore; the next cell rearms or cancels it
                     self._deadline = None
                     continue
                 self._asleep_until = self._deadline
@@ -301,7 +302,26 @@ class IdleRelease:
             if self._state != "waiting":
                 return
             self._state = "running"
-        self._run()
+        try:
+            self._run()
+        finally:
+            self._end()
+
+    def _begin(self) -> bool:
+        """Said to the status server before the release runs: False while a park is under way."""
+        try:
+            self._began = bool(self.engine.background(True))
+        except Exception:
+            self._began = True  # a failing hook must not keep the caches forever: nothing could park anyway
+        return self._began
+
+    def _end(self) -> None:
+        if self._began:
+            self._began = False
+            try:
+                self.engine.background(False)
+            except Exception:
+                pass
 
     def _run(self) -> None:
         engine = self.engine
@@ -552,9 +572,12 @@ class AfterCell:
         #: whether the allocation trace runs now: while it does, no cell is skipped as idle (what it
         #: traced may change with no change the driver sees)
         self.tracing: Callable[[], bool] = lambda: False
-        # Whether the kernel is parked or parking (gpucleanup.parking): a release when idle then makes no call
-        # at all, since a driver call of a parked process waits until it is restored.
-        self.parked: Callable[[], bool] = lambda: False
+        # A release on a thread of its own begins (True) or ends (False), said to the status server: begin
+        # answers False while the kernel is parking or parked (the release then makes no call at all, since a
+        # driver call of a parked process waits until it is restored), and until it ends no park may begin
+        # (a thread that waits for the restore while it holds the interpreter lock keeps the kernel from ever
+        # running the cell that would resume it). Without a server nothing can park the kernel: always True.
+        self.background: Callable[[bool], bool] = lambda begin: True
         self.exiting = False
         self.last_driver_state: Optional[str] = None
         self.pinned_job: Optional[PinnedRelease] = None

@@ -154,7 +154,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         self._forced_in_cell: Optional[CellRecord] = None  # what %gpumem --drain did in the running cell
         self._interrupt_the_cell = _InterruptTheCell()
         self.parking = InKernel(lambda: self._endpoint, self._say)
-        self.engine.parked = self.parking.parked
+        self.engine.background = self._background
         self._depth = 0  # cells running: more than one while a cell runs another (%%capture)
         # A drain from outside (gpucleanup drain, the page's Drain button) runs the kernel's cleanup on the
         # status server's thread only while no cell is under way, and a cell that starts meanwhile waits for it
@@ -367,6 +367,13 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         except Exception as exc:
             self._warn_once_now("status:set_state", f"status endpoint failed ({type(exc).__name__}: {exc})")
             return None
+
+    def _background(self, begin: bool) -> bool:
+        """A release on a thread of the engine's own begins or ends (AfterCell.background): said to the
+        status endpoint, which refuses a park meanwhile; False while a park is under way."""
+        endpoint = self._endpoint
+        say = getattr(endpoint, "background", None) if endpoint is not None else None
+        return True if say is None else bool(say(begin))
 
     def _status(self, method: str, payload: dict) -> None:
         endpoint = self._endpoint

@@ -213,6 +213,20 @@ class StatusEndpoint:
         except Exception:
             return 0
 
+    def background(self, begin: bool) -> bool:
+        """The kernel's own work on a thread of its own (a release once idle) begins or ends. Begin: True
+        when it may run, and until it ends a park is refused; False while a park is under way (its driver
+        calls would wait for the resume). With the endpoint off, or a native module without the call (a
+        test's stand-in), nothing can park this kernel: True. Never raises."""
+        if not self._serving():
+            return True
+        try:
+            fn = getattr(self._native or self._lib(), "server_background", None)
+            return fn is None or fn(begin) == 0 or not begin
+        except Exception as exc:
+            self._note(exc)
+            return True
+
     def park_step(self, step: str, parked_bytes: Optional[int] = None, then: Optional[dict] = None) -> dict:
         """One park step in the server's state (share/protocol.md, ``park``): the state after it.
 

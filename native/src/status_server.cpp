@@ -560,6 +560,10 @@ struct StatusServer::Impl {
 
   // Shared with set_state and publish, which come from Python's threads.
   std::mutex state_mutex;
+  // The kernel's own releases under way on threads of their own (state_mutex): no park begins while one runs,
+  // because a driver call made after the lock waits for the restore, and a thread that holds the interpreter
+  // lock while it waits keeps the kernel from ever running the cell that would resume it.
+  int background = 0;
   json state = json{{"state", "unknown"}};
   std::int64_t state_since_ns = 0;
   std::int64_t state_updated_ns = 0;
@@ -740,6 +744,10 @@ struct StatusServer::Impl {
       {
         std::lock_guard<std::mutex> jobs(job_mutex);
         if (drain_running) return std::string("park refused: a drain is running; ask again when it has answered");
+      }
+      if (background > 0) {
+        return std::string("park refused: gpucleanup is giving the frameworks' caches back on a thread of its own; "
+                           "ask again in a few seconds");
       }
       state = json{{"state", "parking"}};
     } else if (step == "parked" || step == "failed") {
@@ -1232,6 +1240,22 @@ nlohmann::json StatusServer::park_step(const std::string& step, std::optional<st
   nlohmann::json after;
   if (auto refused = impl_->park_transition(step, bytes, after, then)) GPUCLEANUP_FAIL("gpucleanup.server.509", *refused);
   return after;
+}
+
+int StatusServer::background(bool begin) noexcept {
+  if (!impl_) return 0;
+  try {
+    std::lock_guard<std::mutex> lock(impl_->state_mutex);
+    if (!begin) {
+      if (impl_->background > 0) --impl_->background;
+      return 0;
+    }
+    if (const int parked = impl_->park_state_locked(); parked != 0) return parked;
+    ++impl_->background;
+    return 0;
+  } catch (...) {
+    return 0;
+  }
 }
 
 int StatusServer::park_state() const noexcept {

@@ -113,6 +113,11 @@ class StatusServer {
                            const nlohmann::json* then = nullptr);
   // 0: not parked; 1: parking; 2: parked. Safe from any thread.
   int park_state() const noexcept;
+  // The kernel's own work on a thread of its own (a release once the kernel is idle) begins (begin) or ends.
+  // Begin: counted, and 0 returned, unless a park is under way: then its park_state() and nothing counted
+  // (the work must not run: its driver calls would wait for the restore). Until every counted one has ended,
+  // park_step("begin") is refused. End: always 0. Safe from any thread.
+  int background(bool begin) noexcept;
   // One finished cell's record: kept in the bounded history, sent on PUB.
   void publish(const nlohmann::json& record);
   // The same from its JSON text, which the caller has checked to be one JSON

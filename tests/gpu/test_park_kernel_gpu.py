@@ -48,6 +48,10 @@ def used_mib(pid: int) -> int:
                if p.strip() == str(pid) and used.strip().isdigit())
 
 
+class KernelDied(AssertionError):
+    pass
+
+
 class Kernel:
     def __init__(self, tmp_path: Path, **env: str):
         from jupyter_client.manager import KernelManager
@@ -56,7 +60,9 @@ class Kernel:
         self.env = subprocess_env(JUPYTER_RUNTIME_DIR=str(self.runtime), IPYTHONDIR=str(tmp_path / "ipython"), **env)
         self.km = KernelManager()
         self.km.kernel_spec.argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
-        self.km.start_kernel(env=self.env, cwd=str(tmp_path))
+        self.output = tmp_path / "kernel-output.txt"  # the kernel's own stdout and stderr (a failure says them)
+        with open(self.output, "wb") as output:
+            self.km.start_kernel(env=self.env, cwd=str(tmp_path), stdout=output, stderr=output)
         self.kc = self.km.client()
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=TIMEOUT)
@@ -67,7 +73,16 @@ class Kernel:
         within ``timeout`` seconds)."""
         msg_id = self.kc.execute(code)
         out, error = [], None
+        deadline = time.monotonic() + timeout
         while True:
+            # a kernel that dies says nothing more: asked every second, not waited for
+            while not self.kc.iopub_channel.msg_ready():
+                if not self.km.is_alive():
+                    raise KernelDied(f"the kernel died (exit status {self.exit_status()}) in a cell\n{self.diagnose()}")
+                if time.monotonic() > deadline:
+                    raise queue.Empty
+                self.kc.iopub_channel.socket.poll(1000)
+            deadline = time.monotonic() + timeout
             msg = self.kc.get_iopub_msg(timeout=timeout)
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue
@@ -90,17 +105,26 @@ class Kernel:
     def close(self) -> None:
         stop_kernel(self.km, self.kc)
 
+    def exit_status(self) -> object:
+        """The kernel process's exit status (a negative number: the signal that ended it), None while it runs."""
+        process = getattr(self.km.provisioner, "process", None)
+        return None if process is None else process.poll()
+
     def dump_on_signal(self) -> None:
-        """The kernel writes every Python thread's stack to a file on SIGUSR2 (for :meth:`diagnose`)."""
+        """The kernel writes every Python thread's stack to a file on SIGUSR2 (for :meth:`diagnose`), and to
+        another file on a fatal signal (a crash then says where each thread was: ipykernel's stderr is a pipe
+        that dies with the process)."""
         self.stacks = self.runtime.parent / "stacks.txt"
+        self.crash = self.runtime.parent / "crash.txt"
         self.run(f"import faulthandler as _fh, signal as _sig\n"
                  f"_fh.register(_sig.SIGUSR2, file=open({str(self.stacks)!r}, 'w'), all_threads=True)\n"
+                 f"_fh.enable(file=open({str(self.crash)!r}, 'w'), all_threads=True)\n"
                  "del _fh, _sig")
 
     def diagnose(self) -> str:
         """What the kernel's threads do now (a failure's message): ps and status asked again with 5 s each,
         each thread's name, state and wait channel (and kernel stack where readable), every Python stack."""
-        out = []
+        out = [f"kernel {self.pid}: exit status {self.exit_status()}"]
         for args in (("ps", "--timeout", "5"), ("status", str(self.pid), "--json", "--timeout", "5")):
             started = time.monotonic()
             done = self.cli(*args)
@@ -115,10 +139,15 @@ class Kernel:
             state = read("stat").rsplit(")", 1)[-1].split()[:1]
             out.append(f"thread {task.name} {read('comm')!r} state {state} wchan {read('wchan')}\n{read('stack')}")
         stacks = getattr(self, "stacks", None)
-        if stacks is not None:
+        if stacks is not None and self.exit_status() is None:
             os.kill(self.pid, signal.SIGUSR2)
             time.sleep(1.0)  # faulthandler writes from its signal handler, without the GIL
             out.append("Python stacks:\n" + (stacks.read_text(errors="replace") if stacks.exists() else "(none written)"))
+        crash = getattr(self, "crash", None)
+        if crash is not None and crash.exists() and crash.stat().st_size:
+            out.append("a fatal signal's Python stacks:\n" + crash.read_text(errors="replace")[-6000:])
+        output = self.output.read_text(errors="replace") if self.output.exists() else ""
+        out.append("the kernel's stdout and stderr (last 6000 characters):\n" + output[-6000:])
         return "\n".join(out)
 
 
@@ -142,7 +171,7 @@ def test_a_notebook_is_parked_to_zero_and_resumed_with_every_byte(framework, how
             assert "gpucleanup · parked " in out, out
         else:
             done = kernel.cli("park", str(kernel.pid))
-            assert done.returncode == 0, done.stderr
+            assert done.returncode == 0, f"{done.stderr}\n{kernel.diagnose()}"
             out = done.stdout
         parked_s = time.monotonic() - started
         assert used_mib(kernel.pid) == 0

@@ -141,22 +141,28 @@ TEST_F(CApi, ServerCallsWithoutARunningServerSaySo) {
                "[gpucleanup.api.107] the status server is not running: call gpucleanup_server_start first");
 }
 
+namespace {
+
+// One park step through the C ABI: its status, and in *state the state after it (or the error's sentence).
+gpucleanup_status park(const char* step, std::string* state) {
+  char* after = nullptr;
+  const auto result = gpucleanup_server_park(step, -1, nullptr, &after);
+  if (result == GPUCLEANUP_OK) {
+    *state = json::parse(after).value("state", "");
+    gpucleanup_free(after);
+  } else {
+    *state = gpucleanup_last_error();
+  }
+  return result;
+}
+
+}  // namespace
+
 TEST_F(CApi, ACellsStateIsSaidInOneCallThatAnswersTheParkState) {
   char* out = nullptr;
   const auto status = gpucleanup_server_start(R"({"endpoint": "inproc://gpucleanup-c-api-cell"})", &out);
   if (status != GPUCLEANUP_OK) GTEST_SKIP() << "no status server in this build: " << gpucleanup_last_error();
   gpucleanup_free(out);
-  const auto park = [](const char* step, std::string* state) {
-    char* after = nullptr;
-    const auto result = gpucleanup_server_park(step, -1, nullptr, &after);
-    if (result == GPUCLEANUP_OK) {
-      *state = json::parse(after).value("state", "");
-      gpucleanup_free(after);
-    } else {
-      *state = gpucleanup_last_error();
-    }
-    return result;
-  };
   std::string state;
   EXPECT_EQ(gpucleanup_server_cell(1, 7), 0);  // running: no park may begin
   EXPECT_EQ(park("begin", &state), GPUCLEANUP_ERR_INTERNAL);
@@ -173,6 +179,34 @@ TEST_F(CApi, ACellsStateIsSaidInOneCallThatAnswersTheParkState) {
   EXPECT_EQ(gpucleanup_server_cell(1, -1), 0);  // running again, with no cell number
   EXPECT_EQ(park("begin", &state), GPUCLEANUP_ERR_INTERNAL);
   EXPECT_EQ(gpucleanup_server_stop(), GPUCLEANUP_OK);
+}
+
+TEST_F(CApi, NoParkBeginsWhileTheKernelsOwnBackgroundWorkRunsAndNoneBeginsWhileAParkIsUnderWay) {
+  char* out = nullptr;
+  const auto status = gpucleanup_server_start(R"({"endpoint": "inproc://gpucleanup-c-api-background"})", &out);
+  if (status != GPUCLEANUP_OK) GTEST_SKIP() << "no status server in this build: " << gpucleanup_last_error();
+  gpucleanup_free(out);
+  std::string state;
+  ASSERT_EQ(gpucleanup_server_cell(0, -1), 0);  // idle: a park could begin
+  EXPECT_EQ(gpucleanup_server_background(1), 0);  // two releases begin, on threads of their own
+  EXPECT_EQ(gpucleanup_server_background(1), 0);
+  EXPECT_EQ(park("begin", &state), GPUCLEANUP_ERR_INTERNAL);
+  EXPECT_NE(state.find("park refused: gpucleanup is giving the frameworks' caches back on a thread of its own"),
+            std::string::npos) << state;
+  EXPECT_EQ(gpucleanup_server_background(0), 0);
+  EXPECT_EQ(park("begin", &state), GPUCLEANUP_ERR_INTERNAL) << "one release still runs";
+  EXPECT_EQ(gpucleanup_server_background(0), 0);
+  EXPECT_EQ(gpucleanup_server_background(0), 0) << "an end without a begin counts nothing";
+  ASSERT_EQ(park("begin", &state), GPUCLEANUP_OK) << state;
+  EXPECT_EQ(gpucleanup_server_background(1), 1);  // parking: the release must not run, and is not counted
+  ASSERT_EQ(park("parked", &state), GPUCLEANUP_OK) << state;
+  EXPECT_EQ(gpucleanup_server_background(1), 2);
+  ASSERT_EQ(park("resumed", &state), GPUCLEANUP_OK) << state;
+  ASSERT_EQ(park("begin", &state), GPUCLEANUP_OK) << "the refused begins were not counted: " << state;
+  ASSERT_EQ(park("failed", &state), GPUCLEANUP_OK) << state;
+  EXPECT_EQ(gpucleanup_server_stop(), GPUCLEANUP_OK);
+  EXPECT_EQ(gpucleanup_server_background(1), -1);  // no server: nothing coordinates
+  EXPECT_NE(std::string(gpucleanup_last_error()).find("the status server is not running"), std::string::npos);
 }
 
 TEST_F(CApi, StartingARunningServerIsAServerError) {

@@ -713,3 +713,63 @@ def test_a_busy_device_is_skipped_and_its_frameworks_are_left_alone(fake_cuda):
         assert second.keep and second.record.devices[0].state == "busy" and engine.skipped == 0
     finally:
         _settled(fake_cuda)
+
+
+# ------------------------------------------------------------------ a release on its own thread, and parking
+
+
+def test_no_park_begins_while_a_release_runs_on_its_thread_and_none_runs_while_a_park_is_under_way(
+        fake_cuda, tmp_path, monkeypatch):
+    # A release's driver calls made after a park's lock wait for the restore; the thread that waits holds the
+    # interpreter lock (the library is called through ctypes.PyDLL), so the kernel could never run the cell
+    # that resumes it. The status server therefore refuses a park while a release runs, and a release whose
+    # deadline comes while a park is under way waits for the next cell.
+    import threading
+
+    from gpucleanup.status_endpoint import StatusEndpoint
+
+    runtime = tmp_path / "runtime"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(runtime))
+    endpoint = StatusEndpoint()
+    endpoint.start(types.SimpleNamespace(user_ns={}))
+    assert endpoint.error is None, endpoint.error
+    draining, let_go = threading.Event(), threading.Event()
+
+    class Slow(Framework):
+        def drain(self, devices):
+            draining.set()
+            let_go.wait(30)
+            return super().drain(devices)
+
+    _device(fake_cuda)
+    cupy = Slow(live={0: GiB}, cached={0: GiB})
+    engine, _ = _engine(cupy)
+    engine.background = endpoint.background
+    settings = _settings(release="idle", idle_release_s=0.05)
+    try:
+        engine.run(settings, cell=1)
+        job = engine.idle_job
+        endpoint.cell_state("idle", None, 0)
+        assert draining.wait(30)  # the release runs on its thread, in the framework's drain
+        with pytest.raises(RuntimeError, match="park refused: gpucleanup is giving the frameworks' caches back"):
+            endpoint.park_step("begin")
+        let_go.set()
+        assert job.done.wait(30) and cupy.calls["drain"] == 1
+        assert endpoint.park_step("begin")["state"] == "parking"  # it has ended: a park may begin
+        cupy.cached[0] = GiB  # the next cell caches again; its release comes due while the park is under way
+        draining.clear()
+        engine.cell_starts()
+        engine.run(settings, cell=2)
+        job = engine.idle_job
+        _asleep(job, until=None)  # its deadline came: refused, it now waits for the next cell
+        assert not draining.is_set() and cupy.calls["drain"] == 1 and not job.done.is_set()
+        endpoint.park_step("failed")  # the park ended: the next cell re-arms it, and it runs
+        engine.cell_starts()
+        assert not engine.run(settings, cell=3).keep
+        assert job.done.wait(30) and cupy.calls["drain"] == 2
+        assert endpoint.park_step("begin")["state"] == "parking"  # every release that began has ended
+    finally:
+        let_go.set()
+        engine.stop()
+        endpoint.close()

@@ -811,6 +811,36 @@ def test_a_library_older_than_the_one_call_gets_the_two_calls_it_stands_for(kern
     assert status_client.request(target, "status", timeout=10)["state"]["state"] == "idle"
 
 
+def test_the_kernels_own_background_work_and_a_park_keep_out_of_each_others_way(kernel, monkeypatch):
+    from gpucleanup import _native
+
+    kernel.cell_state("idle", None, 0)
+    assert kernel.background(True) is True  # a release on its thread: may run, and is counted
+    with pytest.raises(RuntimeError, match="park refused: gpucleanup is giving the frameworks' caches back"):
+        kernel.park_step("begin")
+    assert kernel.background(False) is True
+    assert kernel.park_step("begin")["state"] == "parking"
+    assert kernel.background(True) is False  # a park under way: the release must wait for the resume
+    kernel.park_step("failed")
+    assert kernel.park_step("begin")["state"] == "parking"  # the refused begin was not counted
+    kernel.park_step("failed")
+    real = _native.held()
+
+    class Older:  # the library of a build from before gpucleanup_server_background: nothing is counted
+        def __getattr__(self, name):
+            if name == "gpucleanup_server_background":
+                raise AttributeError(name)
+            return getattr(real, name)
+
+    monkeypatch.setattr(_native, "held", lambda: Older())
+    assert _native.server_background(True) == 0 and _native.server_background(False) == 0
+    assert kernel.park_step("begin")["state"] == "parking"
+    assert _native.server_background(True) == 1  # it still says a park under way, from the park state
+    kernel.park_step("failed")
+    kernel.close()
+    assert kernel.background(True) is True  # the endpoint off: nothing can park the kernel
+
+
 def test_the_status_server_takes_the_per_cell_states_without_json(kernel):
     from gpucleanup import _native, status_client
 

@@ -262,6 +262,15 @@ GPUCLEANUP_API int gpucleanup_server_parked(void);
  * gpucleanup_last_error says why. */
 GPUCLEANUP_API int gpucleanup_server_cell(int running, long long cell);
 
+/* The kernel's own work on a thread of its own (a release once the kernel is
+ * idle) begins (begin != 0) or ends (begin == 0). Begin returns 0 when the
+ * work may run (counted: a park begun before it ends is refused), or 1 or 2
+ * when a park is under way (parking, parked: nothing counted, and the work
+ * must wait for the resume, as its driver calls would); end returns 0. -1:
+ * no server runs (gpucleanup_last_error says why); nothing is coordinated
+ * then, and the caller may run the work. */
+GPUCLEANUP_API int gpucleanup_server_background(int begin);
+
 /* Whether anything in this process has initialised CUDA, in one driver call
  * and without JSON: 1 yes, 0 no (the probe would say "not_initialized"), -1
  * anything else (no driver, unusable, exiting, forked: ask the probe, which
