@@ -302,10 +302,7 @@ class IdleRelease:
             if self._state != "waiting":
                 return
             self._state = "running"
-        try:
-            self._run()
-        finally:
-            self._end()
+        self._run()
 
     def _begin(self) -> bool:
         """Said to the status server before the release runs: False while a park is under way."""
@@ -348,6 +345,7 @@ class IdleRelease:
             self.notes.append(("idle:internal", f"release when idle failed: {type(exc).__name__}: {exc}"))
         finally:
             self.elapsed_s = time.perf_counter() - start
+            self._end()  # before done: whoever waits for it may park at once
             self._state = "done"
             self.done.set()
 
