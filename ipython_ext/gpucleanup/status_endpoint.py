@@ -222,7 +222,7 @@ class StatusEndpoint:
             return True
         try:
             fn = getattr(self._native or self._lib(), "server_background", None)
-            return fn is None or fn(begin) == 0 or not begin
+            return fn is None or fn(begin) == 0  # an end always answers 0
         except Exception as exc:
             self._note(exc)
             return True
