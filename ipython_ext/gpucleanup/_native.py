@@ -78,11 +78,14 @@ DRAIN_HOOK_FN = ctypes.CFUNCTYPE(ctypes.c_longlong, ctypes.c_double, ctypes.c_vo
 
 
 class NativeError(RuntimeError):
-    """A call into libgpucleanup failed; ``status`` is the gpucleanup_status code."""
+    """A call into libgpucleanup failed; ``status`` is the gpucleanup_status code, ``error_id`` the message's
+    ``[gpucleanup.<area>.<number>]`` id (None when it has none)."""
 
     def __init__(self, status: int, message: str):
         super().__init__(message)
         self.status = status
+        end = message.find("]")
+        self.error_id = message[1:end] if message.startswith("[gpucleanup.") and end > 0 else None
 
 
 _lock = threading.Lock()

@@ -107,10 +107,32 @@ def remote_record(target, timeout: float) -> RecordStep:
     return record
 
 
+#: The refusals of a park's ``begin`` that pass by themselves (share/protocol.md): a drain, or the kernel's own
+#: release on a thread, is under way; on the socket and in the kernel's own process.
+PASSING_REFUSALS = ("gpucleanup.server.421", "gpucleanup.server.510")
+BEGIN_WAIT_S = 10.0  # how long a park asks again while a refusal passes (a release takes milliseconds to seconds)
+
+
+def _begin(record: RecordStep, wait_s: float) -> dict:
+    """The park's ``begin``, asked again every 50 ms for at most ``wait_s`` seconds while the kernel answers
+    with a passing refusal; any other refusal, or a passing one past the wait, is raised as it came."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return record("begin", None)
+        except Exception as exc:
+            if getattr(exc, "error_id", None) not in PASSING_REFUSALS or time.monotonic() >= deadline:
+                raise
+        time.sleep(0.05)
+
+
 def park_kernel(pid: int, record: RecordStep, lock_file: os.PathLike,
                 limits: park_steps.Limits = park_steps.Limits(), env: Optional[dict] = None,
-                lock_timeout: float = 1.0) -> park_steps.Outcome:
+                lock_timeout: float = 1.0, begin_wait_s: float = BEGIN_WAIT_S) -> park_steps.Outcome:
     """Parks kernel ``pid``: its state to parking, the driver's steps, its state to parked (or back to idle).
+
+    A ``begin`` refused only for a moment (a drain or the kernel's own release under way) is asked again
+    for at most ``begin_wait_s`` seconds: the release ends by itself, and a park must not fail for it.
 
     Raises :class:`~gpucleanup.park.ParkRefused` with the sentence when nothing was done (the kernel
     runs a cell, is parked already, cannot be parked), :class:`LockBusy` when another park or resume
@@ -118,7 +140,7 @@ def park_kernel(pid: int, record: RecordStep, lock_file: os.PathLike,
     state is ``parked`` all the same: its next cell (or ``gpucleanup resume``) brings it back.
     """
     with ParkLock(lock_file, lock_timeout):
-        record("begin", None)
+        _begin(record, begin_wait_s)
         try:
             outcome = park_steps.park(pid, limits, env=env)
         except BaseException:

@@ -516,6 +516,15 @@ ServerConfig server_config_from_json(const json& config) {
   return out;
 }
 
+// Why a park step was refused. `passing`: only for a moment (a drain, or the
+// kernel's own release on a thread, is under way): the caller may ask again
+// at once (server.421 on the socket, server.510 in the process), where every
+// other refusal (server.420, server.509) stands until the state changes.
+struct ParkRefusal {
+  bool passing;
+  std::string message;
+};
+
 struct StatusServer::Impl {
   struct PendingDrain {
     std::vector<std::string> envelope;
@@ -727,9 +736,9 @@ struct StatusServer::Impl {
     return name == "parking" ? 1 : name == "parked" ? 2 : 0;
   }
 
-  // One park step under the state lock; the refusal's sentence, or nullopt
-  // with the new state in `after`.
-  std::optional<std::string> park_transition(const std::string& step, std::optional<std::int64_t> bytes,
+  // One park step under the state lock; the refusal, or nullopt with the new
+  // state in `after`.
+  std::optional<ParkRefusal> park_transition(const std::string& step, std::optional<std::int64_t> bytes,
                                              json& after, const json* then = nullptr) {
     std::lock_guard<std::mutex> lock(state_mutex);
     const int parked = park_state_locked();
@@ -738,24 +747,27 @@ struct StatusServer::Impl {
     const std::int64_t now = now_ns();
     if (step == "begin") {
       if (name != "idle") {
-        return "park refused: the kernel is " + name +
-               (parked ? "" : "; a park starts only between cells (state idle): ask again when the cell has ended");
+        return ParkRefusal{false, "park refused: the kernel is " + name +
+                                      (parked ? "" : "; a park starts only between cells (state idle): ask again when "
+                                                     "the cell has ended")};
       }
       {
         std::lock_guard<std::mutex> jobs(job_mutex);
-        if (drain_running) return std::string("park refused: a drain is running; ask again when it has answered");
+        if (drain_running) return ParkRefusal{true, "park refused: a drain is running; ask again when it has answered"};
       }
       if (background > 0) {
-        return std::string("park refused: gpucleanup is giving the frameworks' caches back on a thread of its own; "
-                           "ask again in a few seconds");
+        return ParkRefusal{true, "park refused: gpucleanup is giving the frameworks' caches back on a thread of its "
+                                 "own; ask again in a few seconds"};
       }
       state = json{{"state", "parking"}};
     } else if (step == "parked" || step == "failed") {
-      if (parked != 1) return "park step \"" + step + "\" refused: the kernel is " + name + ", not parking";
+      if (parked != 1) {
+        return ParkRefusal{false, "park step \"" + step + "\" refused: the kernel is " + name + ", not parking"};
+      }
       state = step == "parked" ? json{{"state", "parked"}, {"bytes", bytes ? json(*bytes) : json(nullptr)}}
                                : json{{"state", "idle"}};
     } else if (step == "resumed") {
-      if (parked == 0) return "park step \"resumed\" refused: the kernel is " + name + ", not parked";
+      if (parked == 0) return ParkRefusal{false, "park step \"resumed\" refused: the kernel is " + name + ", not parked"};
       json was = state;
       was["since_ns"] = state_since_ns;
       state = then != nullptr ? *then : json{{"state", "idle"}};
@@ -766,7 +778,7 @@ struct StatusServer::Impl {
       after["was"] = std::move(was);  // what the park was: its bytes, since when
       return std::nullopt;
     } else {
-      return "unknown park step \"" + step + "\": use begin, parked, failed or resumed";
+      return ParkRefusal{false, "unknown park step \"" + step + "\": use begin, parked, failed or resumed"};
     }
     state_since_ns = now;
     state_updated_ns = now;
@@ -943,7 +955,9 @@ struct StatusServer::Impl {
           return;  // answered when the hook is done
         case RequestKind::park: {
           json after;
-          if (auto refused = park_transition(request.park_step, request.bytes, after)) reject("420", *refused);
+          if (auto refused = park_transition(request.park_step, request.bytes, after)) {
+            reject(refused->passing ? "421" : "420", std::move(refused->message));
+          }
           reply = json{{"ok", true}, {"kind", "park"}, {"kernel", config.kernel}, {"step", request.park_step},
                        {"state", std::move(after)}};
           break;
@@ -1238,7 +1252,9 @@ nlohmann::json StatusServer::park_step(const std::string& step, std::optional<st
     GPUCLEANUP_FAIL("gpucleanup.server.509", "park step refused: only \"resumed\" takes the state to go to, an object");
   }
   nlohmann::json after;
-  if (auto refused = impl_->park_transition(step, bytes, after, then)) GPUCLEANUP_FAIL("gpucleanup.server.509", *refused);
+  if (auto refused = impl_->park_transition(step, bytes, after, then)) {
+    GPUCLEANUP_FAIL(refused->passing ? "gpucleanup.server.510" : "gpucleanup.server.509", refused->message);
+  }
   return after;
 }
 

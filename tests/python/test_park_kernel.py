@@ -327,9 +327,82 @@ def test_a_refused_park_tells_the_kernels_state_it_failed(tmp_path, checkpoints)
 
 def test_the_kernels_state_refusing_a_park_stops_it_before_any_driver_step(tmp_path):
     from gpucleanup import parking
+    from gpucleanup._native import NativeError
+
+    asked = []
 
     def record(step, parked_bytes):
-        raise RuntimeError("[gpucleanup.server.509] park refused: the kernel is running")
+        asked.append(step)
+        raise NativeError(7, "[gpucleanup.server.509] park refused: the kernel is running")
 
-    with pytest.raises(RuntimeError):
-        parking.park_kernel(os.getpid(), record, tmp_path / "x.park")
+    with pytest.raises(NativeError) as refused:
+        parking.park_kernel(os.getpid(), record, tmp_path / "x.park", begin_wait_s=60)
+    assert refused.value.error_id == "gpucleanup.server.509"
+    assert asked == ["begin"]  # a refusal that stands is not asked again
+
+
+def _endpoint_in_this_process(tmp_path, monkeypatch):
+    """A status endpoint of this process (the real library, no kernel) and a target that signs under its key."""
+    from gpucleanup import discovery
+    from gpucleanup.status_endpoint import StatusEndpoint
+
+    runtime = tmp_path / "runtime"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(runtime))
+    endpoint = StatusEndpoint()
+    endpoint.start(__import__("types").SimpleNamespace(user_ns={}))
+    assert endpoint.error is None, endpoint.error
+    found = [k for k in discovery.scan(runtime).live if k.pid == os.getpid()]
+    assert len(found) == 1, found
+    return endpoint, status_client.Target(found[0].endpoint, found[0].read_key()), found[0].key_file
+
+
+@pytest.mark.parametrize("remote", [True, False], ids=["from outside", "in the kernel"])
+def test_a_park_asked_for_during_the_kernels_own_release_asks_again_and_begins_once_it_ends(
+        tmp_path, monkeypatch, remote):
+    # gpucleanup's release once idle (a thread of its own) comes due about a second after a cell: a park asked
+    # for then is told "ask again" (server.421 on the socket, server.510 in the process), and asks again.
+    from gpucleanup import park, parking
+
+    endpoint, target, key_file = _endpoint_in_this_process(tmp_path, monkeypatch)
+    try:
+        endpoint.cell_state("idle", None, 0)
+        assert endpoint.background(True)
+        ask = parking.remote_record(target, 5.0) if remote else endpoint.park_step
+        steps, refused = [], []
+
+        def record(step, parked_bytes):
+            steps.append(step)
+            try:
+                return ask(step, parked_bytes)
+            except Exception as exc:
+                refused.append(getattr(exc, "error_id", None))
+                endpoint.background(False)  # the release ends while the park waits to ask again
+                raise
+
+        with pytest.raises(park.ParkRefused):  # begun: then the helper refuses this pytest process itself
+            parking.park_kernel(os.getpid(), record, parking.lock_path(key_file, os.getpid()), env=environment())
+        assert refused == ["gpucleanup.server.421" if remote else "gpucleanup.server.510"]
+        assert steps == ["begin", "begin", "failed"]
+        assert endpoint.park_step("begin")["state"] == "parking"  # the failed park went back to idle
+    finally:
+        endpoint.close()
+
+
+def test_a_park_still_told_to_ask_again_past_its_wait_says_why_and_changes_nothing(tmp_path, monkeypatch):
+    from gpucleanup import parking
+
+    endpoint, target, key_file = _endpoint_in_this_process(tmp_path, monkeypatch)
+    try:
+        endpoint.cell_state("idle", None, 0)
+        assert endpoint.background(True)  # a release that has not ended
+        with pytest.raises(status_client.StatusRejected) as refused:
+            parking.park_kernel(os.getpid(), parking.remote_record(target, 5.0),
+                                parking.lock_path(key_file, os.getpid()), begin_wait_s=0.2)
+        assert refused.value.error_id == "gpucleanup.server.421"
+        assert str(refused.value) == ("[gpucleanup.server.421] park refused: gpucleanup is giving the frameworks' caches back on a thread "
+                                      "of its own; ask again in a few seconds")
+        assert status_client.request(target, "status", 5.0)["state"]["state"] == "idle"
+    finally:
+        endpoint.close()
+

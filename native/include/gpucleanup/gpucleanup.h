@@ -245,7 +245,9 @@ GPUCLEANUP_API gpucleanup_status gpucleanup_server_state(int state, long long ce
  * the same step, e.g. {"state": "running", "cell": 7} for the kernel's own
  * resume before a cell. On success *json_out is the state after the step (a
  * "resumed" one carries the park's state as "was"); a step the state does not
- * allow fails (gpucleanup.server.509) and changes nothing. */
+ * allow fails (gpucleanup.server.509) and changes nothing; a begin refused
+ * only while a drain or the kernel's own release runs fails with
+ * gpucleanup.server.510: ask again. */
 GPUCLEANUP_API gpucleanup_status gpucleanup_server_park(const char* step, long long bytes, const char* then_json,
                                                         char** json_out);
 
