@@ -7,7 +7,7 @@
 # for the stage trace: trace-tests.log, trace-bench.json, trace-bench.log; for dask: dask-tests.log, dask-bench.*;
 # for server: server-tests.log and server/ (the page's data, /metrics, the plots);
 # and for the stage kernels: kernels.json, kernels.log, kernel-calls.json, kernel-calls.log.
-# Usage: scripts/gpu_run.sh [STAGE ...]   stages: tests facts bench demo kernels kernels-focus per-cell paired paired-stages paired-ab stages trace dask server reliability memcheck park park-kernels park-bench-kernels
+# Usage: scripts/gpu_run.sh [STAGE ...]   stages: tests facts bench demo kernels kernels-focus per-cell paired paired-stages paired-ab stages trace dask server reliability memcheck park park-kernels park-loop park-bench-kernels
 #        (default: tests facts bench demo)
 # The stage stages (tests/bench/profile_cell.py --stages --primitives, in-process, about a minute) writes
 # stages.log: where the per-cell time goes, step by step, with CUDA unused and PyTorch or CuPy idle; and
@@ -81,6 +81,23 @@ if [[ $stages == *" park "* || $stages == *" park-kernels "* ]]; then
   timeout 300 python3 -m pytest tests/gpu/test_park_kernel_gpu.py -v -s -p no:cacheprovider 2>&1 | tee "$out/park-kernel-tests.log"
   # which state survives a park/resume (cuBLAS, cuDNN, CUDA graphs, Numba, PyCUDA autoinit, managed memory)
   timeout 240 python3 -m pytest tests/gpu/test_park_survival_gpu.py -v -s -p no:cacheprovider 2>&1 | tee "$out/park-survival-tests.log"
+fi
+if [[ $stages == *" park-loop "* ]]; then
+  # the JAX notebook parked from outside about a second after its cell (when gpucleanup's own release comes due),
+  # again and again: PARK_LOOP_RUNS runs (default 8), stopping at the first failure, within PARK_LOOP_S seconds
+  # (default 420); each run's outcome and figures in park-loop.log, a failure's whole output after them
+  runs=${PARK_LOOP_RUNS:-8} passed=0 ran=0 loop_end=$((SECONDS + ${PARK_LOOP_S:-420}))
+  for ((run = 1; run <= runs && SECONDS < loop_end; run++)); do
+    ran=$run
+    timeout 150 python3 -m pytest "tests/gpu/test_park_kernel_gpu.py::test_a_notebook_is_parked_to_zero_and_resumed_with_every_byte[jax-command]" \
+      -x -q -s -p no:cacheprovider >"$out/park-loop-run.log" 2>&1
+    rc=$?
+    echo "park-loop run $run: rc $rc; $(grep -h FIGURE "$out/park-loop-run.log" | tr '\n' ' ')" | tee -a "$out/park-loop.log"
+    if [[ $rc != 0 ]]; then cat "$out/park-loop-run.log" >>"$out/park-loop.log"; break; fi
+    passed=$((passed + 1))
+  done
+  echo "park-loop: $passed of $ran runs passed" | tee -a "$out/park-loop.log"
+  rm -f "$out/park-loop-run.log"
 fi
 if [[ $stages == *" park-bench-kernels "* ]]; then
   # a kernel parked and resumed against restarted and set up again: 1, 8, 32 GiB of PyTorch, JAX at its default
