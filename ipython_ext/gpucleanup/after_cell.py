@@ -208,6 +208,9 @@ class IdleRelease:
     cell's line ("freed 1.5 GiB when idle", "freed 1.5 GiB left by [4]").
     """
 
+    #: a release whose time comes during a park waits for the next cell (which rearms or cancels it)
+    waits_for_next_cell = True
+
     def __init__(self, engine: "AfterCell", adapters: list, devices: List[int], cell: Optional[int],
                  what: Release, delay_s: float, name: str = "gpucleanup-idle-release"):
         self.engine = engine
@@ -287,19 +290,25 @@ class IdleRelease:
 
     def _wait(self) -> None:
         """The job's thread: wait for the deadline (moved by :meth:`hold` and :meth:`rearm`), then run."""
+        gave_up = False
         with self._lock:
             while self._state == "waiting":
                 left = None if self._deadline is None else self._deadline - time.monotonic()
                 if left is not None and left <= 0:
                     if self._begin():
                         break
-                    # a park under way: a driver call would wait for the restore; the next cell rearms or cancels it
-                    self._deadline = None
+                    # a park under way: a driver call would wait for the restore
+                    if not self.waits_for_next_cell:
+                        self._state, gave_up = "cancelled", True  # no cell holds it: it ends, freeing nothing
+                        break
+                    self._deadline = None  # the next cell rearms or cancels it
                     continue
                 self._asleep_until = self._deadline
                 self._wake.wait(left)
                 self._asleep_until = -math.inf
             if self._state != "waiting":
+                if gave_up:
+                    self.done.set()
                 return
             self._state = "running"
         self._run()
@@ -388,7 +397,11 @@ class IdleRelease:
 
 class PinnedRelease(IdleRelease):
     """The pinned host pools released now, on their own thread (release = "cell"): a pinned
-    free makes driver calls made meanwhile wait for it, so it starts after the cell's last one."""
+    free makes driver calls made meanwhile wait for it, so it starts after the cell's last one.
+    Should a park have begun before its thread did, it ends at once, freeing nothing: no cell holds
+    it, and the next cell's cleanup finds what is still pinned."""
+
+    waits_for_next_cell = False
 
     def __init__(self, engine: "AfterCell", adapters: list, cell: Optional[int]):
         super().__init__(engine, adapters, [], cell, Release(pinned=True), delay_s=0.0, name="gpucleanup-pinned")

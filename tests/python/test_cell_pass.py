@@ -718,6 +718,21 @@ def test_a_busy_device_is_skipped_and_its_frameworks_are_left_alone(fake_cuda):
 # ------------------------------------------------------------------ a release on its own thread, and parking
 
 
+def test_a_pinned_release_whose_thread_finds_a_park_under_way_ends_freeing_nothing():
+    # The pinned release (release "cell") starts on its thread after the cell's last driver call; should a park
+    # have begun before that thread did, no cell will hold it and re-arm it: it ends at once, and the next cell's
+    # cleanup finds what is still pinned.
+    told = []
+    engine = types.SimpleNamespace(background=lambda begin: told.append(begin) or False, exiting=False)
+    cupy = Framework(live={0: GiB}, cached={0: GiB})
+    job = after_cell.PinnedRelease(engine, [cupy], cell=4)
+    job.start()
+    assert job.done.wait(30)
+    assert job.cancelled and told == [True]  # asked once, and no end said for a begin that was refused
+    assert cupy.calls["drain_pinned"] == 0
+    assert job.result() == {"cell": 4, "freed_bytes": {}, "elapsed_s": 0.0}
+
+
 def test_no_park_begins_while_a_release_runs_on_its_thread_and_none_runs_while_a_park_is_under_way(
         fake_cuda, tmp_path, monkeypatch):
     # A release's driver calls made after a park's lock wait for the restore; the thread that waits holds the
