@@ -84,6 +84,7 @@ class Outcome:
     seconds: float = 0.0
     changed: bool = False            # the process was parked (park) or brought back (resume)
     parked_bytes: Optional[int] = None  # its device memory before the park (nvidia-smi), when known
+    waited_s: float = 0.0            # a kernel's park: how long it waited for a release or a drain under way to end
 
     def as_dict(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if k != "steps"}

@@ -113,16 +113,21 @@ PASSING_REFUSALS = ("gpucleanup.server.421", "gpucleanup.server.510")
 BEGIN_WAIT_S = 10.0  # how long a park asks again while a refusal passes (a release takes milliseconds to seconds)
 
 
-def _begin(record: RecordStep, wait_s: float) -> dict:
+def _begin(record: RecordStep, wait_s: float) -> float:
     """The park's ``begin``, asked again every 50 ms for at most ``wait_s`` seconds while the kernel answers
-    with a passing refusal; any other refusal, or a passing one past the wait, is raised as it came."""
-    deadline = time.monotonic() + wait_s
+    with a passing refusal; any other refusal, or a passing one past the wait, is raised as it came.
+    Returns how long it waited (0.0: begun at the first ask)."""
+    started = time.monotonic()
+    deadline = started + wait_s
+    asked = 0
     while True:
         try:
-            return record("begin", None)
+            record("begin", None)
+            return time.monotonic() - started if asked else 0.0
         except Exception as exc:
             if getattr(exc, "error_id", None) not in PASSING_REFUSALS or time.monotonic() >= deadline:
                 raise
+        asked += 1
         time.sleep(0.05)
 
 
@@ -140,12 +145,13 @@ def park_kernel(pid: int, record: RecordStep, lock_file: os.PathLike,
     state is ``parked`` all the same: its next cell (or ``gpucleanup resume``) brings it back.
     """
     with ParkLock(lock_file, lock_timeout):
-        _begin(record, begin_wait_s)
+        waited_s = _begin(record, begin_wait_s)
         try:
             outcome = park_steps.park(pid, limits, env=env)
         except BaseException:
             record("failed", None)
             raise
+        outcome.waited_s = round(waited_s, 3)
         if outcome.ok or outcome.state in (park_steps.LOCKED, park_steps.CHECKPOINTED):
             record("parked", outcome.parked_bytes if outcome.ok else None)
         else:
@@ -199,7 +205,9 @@ def outcome_text(outcome: park_steps.Outcome, before: Optional[dict] = None) -> 
 def parked_text(outcome: park_steps.Outcome) -> str:
     """``parked 8.2 GiB of GPU memory in host memory in 3.1 s``: an ``ok`` park's sentence."""
     what = f"{format_bytes(outcome.parked_bytes)} of GPU memory" if outcome.parked_bytes else "its GPU memory"
-    return f"parked {what} (context included) in host memory in {outcome.seconds:.1f} s"
+    waited = (f", after waiting {format_duration(outcome.waited_s)} for a release or a drain under way to end"
+              if outcome.waited_s else "")
+    return f"parked {what} (context included) in host memory in {outcome.seconds:.1f} s{waited}"
 
 
 def resumed_text(outcome: park_steps.Outcome, parked: Optional[dict]) -> str:

@@ -406,3 +406,35 @@ def test_a_park_still_told_to_ask_again_past_its_wait_says_why_and_changes_nothi
     finally:
         endpoint.close()
 
+
+
+def test_a_park_that_waited_for_a_release_to_end_says_how_long(tmp_path, monkeypatch):
+    from gpucleanup import park, parking
+    from gpucleanup._native import NativeError
+    from gpucleanup.units import format_duration
+
+    passing = "[gpucleanup.server.510] park refused: gpucleanup is giving the frameworks' caches back on a thread"
+    refusals = [NativeError(7, passing), NativeError(7, passing)]
+    steps = []
+
+    def record(step, parked_bytes):
+        steps.append(step)
+        if step == "begin" and refusals:
+            raise refusals.pop(0)
+        return {}
+
+    monkeypatch.setattr(park, "park", lambda pid, limits, env=None: park.Outcome(
+        "park", pid, True, park.CHECKPOINTED, "parked", seconds=2.0, changed=True, parked_bytes=1 << 30))
+    outcome = parking.park_kernel(4242, record, tmp_path / "x.park")
+    assert steps == ["begin", "begin", "begin", "parked"]
+    assert outcome.waited_s >= 0.1  # two refusals, each followed by 50 ms before asking again
+    assert parking.parked_text(outcome) == (
+        "parked 1.0 GiB of GPU memory (context included) in host memory in 2.0 s, after waiting "
+        f"{format_duration(outcome.waited_s)} for a release or a drain under way to end")
+    assert outcome.as_dict()["waited_s"] == outcome.waited_s  # gpucleanup park --json says it too
+
+    refusals.clear()
+    steps.clear()
+    outcome = parking.park_kernel(4242, record, tmp_path / "x.park")
+    assert steps == ["begin", "parked"] and outcome.waited_s == 0.0
+    assert parking.parked_text(outcome) == "parked 1.0 GiB of GPU memory (context included) in host memory in 2.0 s"
