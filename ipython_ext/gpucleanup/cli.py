@@ -3,7 +3,7 @@
     gpucleanup ps                     one line per kernel: state, memory per device, last cell
     gpucleanup status KERNEL [--json] one kernel in full (KERNEL: pid, kernel id or a unique prefix, notebook)
     gpucleanup watch [KERNEL]         cell records as they happen, until Ctrl-C
-    gpucleanup drain KERNEL           settle and trim the driver pools now (only between cells)
+    gpucleanup drain KERNEL           settle, trim the driver pools and run its own cleanup now (between cells)
     gpucleanup park KERNEL            move all its GPU memory, context included, to host memory (between cells)
     gpucleanup resume KERNEL          bring a parked kernel's GPU memory back (its next cell also does)
     gpucleanup exporter [--port N]    Prometheus metrics of every kernel over HTTP, until Ctrl-C
@@ -687,7 +687,7 @@ def _parser() -> argparse.ArgumentParser:
     watch.add_argument("kernel", metavar="KERNEL", nargs="?", help="only this kernel")
     watch.add_argument("--json", action="store_true", help="one JSON message per line")
     watch.set_defaults(run=cmd_watch)
-    drain = sub.add_parser("drain", parents=[common], help="settle and trim the driver pools now (between cells only)")
+    drain = sub.add_parser("drain", parents=[common], help="settle, trim the driver pools and run the kernel's own cleanup now (between cells only)")
     drain.add_argument("kernel", metavar="KERNEL", help="pid, kernel id (or a unique prefix) or notebook")
     drain.add_argument("--drain-timeout", type=_seconds(0, MAX_DRAIN_TIMEOUT, low_ok=True), default=10.0,
                        metavar="SECONDS",

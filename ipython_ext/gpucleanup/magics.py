@@ -94,7 +94,7 @@ _ARGUMENTS = [
         help=(
             "The Dask workers of this kernel's client (distributed's default client). 'on' registers "
             "gpucleanup's worker plugin (each worker cleans its GPU memory once idle after its tasks), 'off' "
-            "removes it; alone, per worker: GPU, live, cached, outside every pool, freed since the last look, "
+            "removes it; alone, per worker: GPU, device used, live, cached, freed since the last look, cleanups, "
             "state. With --drain: clean every idle worker now (busy ones are skipped and say so)."
         ),
     ),

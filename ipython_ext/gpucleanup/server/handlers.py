@@ -51,7 +51,7 @@ class GPUCleanupServer(LoggingConfigurable):
     history = Int(
         50, min=0, max=10000,
         help=("Cells per kernel to read for the timeline (each kernel keeps its last GPUCleanup.history_size, "
-              "50 by default); 0: the last cell only."),
+              "100 by default); 0: the last cell only."),
     ).tag(config=True)
 
     refresh_s = Float(
