@@ -290,7 +290,6 @@ class IdleRelease:
 
     def _wait(self) -> None:
         """The job's thread: wait for the deadline (moved by :meth:`hold` and :meth:`rearm`), then run."""
-        gave_up = False
         with self._lock:
             while self._state == "waiting":
                 left = None if self._deadline is None else self._deadline - time.monotonic()
@@ -299,16 +298,15 @@ class IdleRelease:
                         break
                     # a park under way: a driver call would wait for the restore
                     if not self.waits_for_next_cell:
-                        self._state, gave_up = "cancelled", True  # no cell holds it: it ends, freeing nothing
-                        break
+                        self._state = "cancelled"  # no cell holds it: it ends, freeing nothing
+                        self.done.set()
+                        return
                     self._deadline = None  # the next cell rearms or cancels it
                     continue
                 self._asleep_until = self._deadline
                 self._wake.wait(left)
                 self._asleep_until = -math.inf
             if self._state != "waiting":
-                if gave_up:
-                    self.done.set()
                 return
             self._state = "running"
         self._run()

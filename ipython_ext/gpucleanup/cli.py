@@ -687,7 +687,8 @@ def _parser() -> argparse.ArgumentParser:
     watch.add_argument("kernel", metavar="KERNEL", nargs="?", help="only this kernel")
     watch.add_argument("--json", action="store_true", help="one JSON message per line")
     watch.set_defaults(run=cmd_watch)
-    drain = sub.add_parser("drain", parents=[common], help="settle, trim the driver pools and run the kernel's own cleanup now (between cells only)")
+    drain = sub.add_parser("drain", parents=[common],
+                           help="settle, trim the driver pools and run the kernel's own cleanup now (between cells only)")
     drain.add_argument("kernel", metavar="KERNEL", help="pid, kernel id (or a unique prefix) or notebook")
     drain.add_argument("--drain-timeout", type=_seconds(0, MAX_DRAIN_TIMEOUT, low_ok=True), default=10.0,
                        metavar="SECONDS",
