@@ -83,7 +83,7 @@ if [[ $stages == *" park "* || $stages == *" park-kernels "* ]]; then
   timeout 240 python3 -m pytest tests/gpu/test_park_survival_gpu.py -v -s -p no:cacheprovider 2>&1 | tee "$out/park-survival-tests.log"
 fi
 if [[ $stages == *" park-loop "* ]]; then
-  # the JAX notebook parked from outside about a second after its cell (when gpucleanup's own release comes due),
+  # the JAX notebook parked from outside about a second after its cell (about when a release once idle comes due),
   # again and again: PARK_LOOP_RUNS runs (default 8), stopping at the first failure, within PARK_LOOP_S seconds
   # (default 420); each run's outcome and figures in park-loop.log, a failure's whole output after them
   runs=${PARK_LOOP_RUNS:-8} passed=0 ran=0 loop_end=$((SECONDS + ${PARK_LOOP_S:-420}))
