@@ -271,6 +271,35 @@ def test_idle_cells_read_no_figures_of_a_framework_whose_quiet_token_is_the_one_
     assert not engine.run(_settings(), cell=8).keep and cupy.calls["stats"] == stats + 1
 
 
+def test_idle_cells_with_pytorch_read_its_token_alone_and_a_tensor_deleted_is_given_back(fake_cuda, monkeypatch):
+    # the real adapter over stand-in torch: its token is the two C functions' counters, no figures built
+    from gpucleanup.frameworks import ADAPTERS
+    from stand_ins import World
+    from stand_ins.torch import install_torch
+
+    _device(fake_cuda)
+    torch = install_torch(monkeypatch, World(n_devices=1, active=(0,), current=0), allocated={0: GiB},
+                          reserved={0: GiB}, host_keys="2.5")
+    adapter = next(a for a in ADAPTERS if a.name == "torch")
+    figures_read = collections.Counter()
+    read_figures = type(adapter)._stats
+    monkeypatch.setattr(type(adapter), "_stats", lambda self, *a: figures_read.update(["stats"]) or read_figures(
+        self, *a))
+    engine, native = _engine(adapter)
+    engine.run(_settings(), cell=1)
+    assert not engine.run(_settings(), cell=2).keep  # proven idle by the whole pass
+    read = figures_read["stats"]
+    for cell in range(3, 6):
+        assert not engine.run(_settings(), cell=cell).keep
+    assert native.calls["quiet"] == 3 and engine.skipped == 4 and figures_read["stats"] == read
+    # a tensor deleted: its GiB stays in torch's cache, unseen by the driver; the token differs, the figures are
+    # read and the whole pass empties the cache
+    torch.allocated[0] = 0
+    outcome = engine.run(_settings(), cell=6)
+    assert outcome.keep and figures_read["stats"] > read and torch.reserved[0] == 0
+    assert outcome.record.devices[0].freed_bytes.get("torch") == GiB
+
+
 @pytest.mark.parametrize("gc_policy, frameworks, quiet_cells", [
     ("auto", 1, 3),
     ("never", 1, 3),  # nothing to collect anyway: as quiet as "auto"

@@ -332,6 +332,49 @@ def test_torch_adapter_with_stand_in_module_not_initialised_is_not_in_use_and_ca
     assert world.calls == [] and world.violations == []
 
 
+def test_torch_quiet_token_stays_while_nothing_changes_and_differs_for_every_figure_stats_reads(monkeypatch):
+    world = World(n_devices=2, active=(0, 1), current=0)
+    torch = install_torch(monkeypatch, world, allocated={0: MiB, 1: 2 * MiB}, reserved={0: 2 * MiB, 1: 2 * MiB},
+                          host_active=MiB, host_owned=3 * MiB, host_keys="2.5")
+    torch_adapter = adapter("torch")
+    token = torch_adapter.quiet_token([0, 1])
+    assert isinstance(token, tuple) and torch_adapter.quiet_token([0, 1]) == token
+    # the two C functions alone: no Python wrapper, no device switched, nothing initialised
+    assert world.calls == [("host_memory_stats_as_nested_dict", None)] * 2 and not world.violations
+
+    def changed(name, value):
+        old = getattr(torch, name)
+        setattr(torch, name, value)
+        now = torch_adapter.quiet_token([0, 1])
+        setattr(torch, name, old)
+        assert torch_adapter.quiet_token([0, 1]) == token
+        return now != token
+
+    assert changed("allocated", {0: 2 * MiB, 1: 2 * MiB})  # a tensor made in the cache of GPU0: no driver call
+    assert changed("allocated", {0: MiB, 1: 0})  # a tensor deleted on GPU1: its bytes stay cached
+    assert changed("reserved", {0: 4 * MiB, 1: 2 * MiB})  # a segment more
+    assert changed("host_active", 2 * MiB)  # a pinned tensor made from the host cache
+    assert changed("host_owned", 4 * MiB)  # a pinned block more
+    # every figure stats reads, and only those: the same token, the same figures
+    assert torch_adapter.stats([0, 1])["devices"] == {0: {"live_bytes": MiB, "cached_bytes": MiB},
+                                                      1: {"live_bytes": 2 * MiB, "cached_bytes": 0}}
+
+
+def test_torch_quiet_token_is_none_where_this_torch_cannot_give_one_cheaply(monkeypatch):
+    # the figures are then read as always
+    world = World(n_devices=1)
+    install_torch(monkeypatch, world, allocated={0: 1}, reserved={0: 2}, nested="wrappers")
+    assert adapter("torch").quiet_token([0]) is None  # only the Python wrappers: they cost what stats does
+    install_torch(monkeypatch, world, initialised=False, reserved={0: GiB})
+    assert adapter("torch").quiet_token([0]) is None  # not in use: the C functions are not even asked
+    install_torch(monkeypatch, world, allocated={0: 1}, reserved={0: 2})
+    torch_adapter = adapter("torch")
+    assert isinstance(torch_adapter.quiet_token([0]), tuple)
+    monkeypatch.setattr(torch_adapter, "_releasing", True)  # a pinned release under way: stats says its
+    assert torch_adapter.quiet_token([0]) is None  # figures are from before it
+    assert not world.violations
+
+
 def test_torch_adapter_with_stand_in_module_reports_exact_bytes(monkeypatch):
     world = World(n_devices=2, active=(0, 1))
     install_torch(monkeypatch, world, allocated={0: 100, 1: 10}, reserved={0: 1100, 1: 20},

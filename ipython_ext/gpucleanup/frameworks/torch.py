@@ -130,6 +130,31 @@ class TorchAdapter(Adapter):
                 "torch allocates with cudaMallocAsync: its cache is the driver's default pool, "
                 "which empty_cache trims"), 203))
 
+    def _quiet_token(self, devices: list[int]) -> Optional[tuple]:
+        """What ``stats`` reads, read without building figures: each device's allocated and reserved bytes
+        and the pinned host cache's counters, through the two C functions alone (``torch._C._cuda_memoryStats``
+        and ``_cuda_hostMemoryStats``; None where this torch lacks either, or while a pinned release is under
+        way, whose figures ``stats`` says are from before it). Reading these never switches devices. The
+        allocator backend, whose note ``stats`` adds, is not read: torch fixes it when CUDA is initialised
+        and refuses another one later ("Allocator backend parsed at runtime != allocator backend parsed at
+        load time", c10/cuda/CUDAAllocatorConfig.cpp)."""
+        c = getattr(self._torch(), "_C", None)
+        read_device, read_host = getattr(c, "_cuda_memoryStats", None), getattr(c, "_cuda_hostMemoryStats", None)
+        if read_device is None or read_host is None or self._releasing:
+            return None
+        token: list = []
+        for i in devices:
+            stats = read_device(i)
+            token.append(i)
+            if stats:
+                token.append(stats["allocated_bytes"]["all"]["current"])
+                token.append(stats["reserved_bytes"]["all"]["current"])
+        host = read_host() or {}  # nested, as _cuda_hostMemoryStats always answers: {"reserved_bytes": {"current": n}}
+        for counter in ("reserved_bytes", "allocated_bytes", "active_bytes"):  # what _pinned_stats reads
+            entry = host.get(counter)
+            token.append(entry.get("current") if isinstance(entry, dict) else entry)
+        return tuple(token)
+
     def _drain(self, devices: list[int], result: dict) -> None:
         torch = self._torch()
         cuda = torch.cuda
