@@ -683,7 +683,7 @@ class AfterCell:
             last = self._figures_read.get(adapter.name)
             if last is not None and last[0] is not adapter:
                 last = None
-            token = self._quiet_token(adapter, devices)
+            token = self._quiet_token(adapter, devices, by_token)
             if by_token and token is not None and last is not None and last[3] == token:
                 figures = out[adapter.name] = last[2]
             else:
@@ -704,13 +704,14 @@ class AfterCell:
         return out
 
     @staticmethod
-    def _quiet_token(adapter: Any, devices: List[int]) -> Optional[tuple]:
-        """The adapter's quiet token, None where it has none or fails (its figures are read then)."""
+    def _quiet_token(adapter: Any, devices: List[int], in_use: bool = False) -> Optional[tuple]:
+        """The adapter's quiet token, None where it has none or fails (its figures are read then). ``in_use``:
+        an idle cell's adapters, found in use by the last full look (``CellPass._adapters_in_use``)."""
         read = getattr(adapter, "quiet_token", None)
         if read is None:
             return None
         try:
-            token = read(list(devices))
+            token = read(list(devices), in_use=True) if in_use else read(list(devices))
         except Exception:
             return None
         return token if isinstance(token, tuple) else None

@@ -240,8 +240,9 @@ def test_idle_cells_ask_which_frameworks_are_in_use_once_until_an_import_or_a_fu
 class Tokened(Framework):
     """A framework with a quiet token: its figures' counters, read without building them."""
 
-    def quiet_token(self, devices):
+    def quiet_token(self, devices, in_use=False):
         self.calls["quiet_token"] += 1
+        self.calls["quiet_token_in_use"] += bool(in_use)
         return tuple((self.live.get(i, 0), self.cached.get(i, 0)) for i in devices)
 
 
@@ -257,6 +258,8 @@ def test_idle_cells_read_no_figures_of_a_framework_whose_quiet_token_is_the_one_
         assert not engine.run(_settings(), cell=cell).keep
     assert native.calls["quiet"] == 3 and engine.skipped == 4
     assert cupy.calls["stats"] == read[0]["stats"] and cupy.calls["quiet_token"] == read[0]["quiet_token"] + 3
+    # found in use by the full pass, nothing imported since: the idle cells' tokens do not ask again
+    assert cupy.calls["quiet_token_in_use"] == read[0]["quiet_token_in_use"] + 3
     assert torch.calls["stats"] == read[1] + 3  # no token: its figures are read on every idle cell
     # an array deleted: its memory stays in the pool, unseen by the driver; the token differs, so the
     # figures are read, and the whole pass gives the cache back

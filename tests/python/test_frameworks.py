@@ -358,6 +358,12 @@ def test_torch_quiet_token_stays_while_nothing_changes_and_differs_for_every_fig
     # every figure stats reads, and only those: the same token, the same figures
     assert torch_adapter.stats([0, 1])["devices"] == {0: {"live_bytes": MiB, "cached_bytes": MiB},
                                                       1: {"live_bytes": 2 * MiB, "cached_bytes": 0}}
+    # an idle cell's caller found torch in use already: the same token, torch not asked again
+    asked = []
+    initialised = sys.modules["torch"].cuda.is_initialized
+    monkeypatch.setattr(sys.modules["torch"].cuda, "is_initialized", lambda: asked.append(1) or initialised())
+    assert torch_adapter.quiet_token([0, 1]) == token and len(asked) == 1
+    assert torch_adapter.quiet_token([0, 1], in_use=True) == token and len(asked) == 1
 
 
 def test_torch_quiet_token_is_none_where_this_torch_cannot_give_one_cheaply(monkeypatch):

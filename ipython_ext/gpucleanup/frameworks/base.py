@@ -142,15 +142,18 @@ class Adapter:
                 self._releasing = False
         return result
 
-    def quiet_token(self, devices: list[int]) -> Optional[tuple]:
+    def quiet_token(self, devices: list[int], in_use: bool = False) -> Optional[tuple]:
         """A cheap value that differs whenever ``stats(devices)`` could answer otherwise: read just before
         the figures, it tells an idle cell that they still stand. None: the adapter cannot tell without
-        reading them (the default), or a fault of the framework (the figures then say what is wrong)."""
+        reading them (the default), or a fault of the framework (the figures then say what is wrong).
+        ``in_use``: the caller found the framework in use in this process and nothing was imported since
+        (an idle cell's frameworks, ``CellPass._adapters_in_use``), so it is not asked again: a framework
+        stays in use once it is (its CUDA state is not torn down), and a token read that fails is None."""
         read = self._quiet_token
         if read is None:  # most adapters: not even asked whether the framework is in use (an idle cell's cost)
             return None
         try:
-            return read(devices) if self.in_use() else None
+            return read(devices) if in_use or self.in_use() else None
         except Exception:
             return None
 
