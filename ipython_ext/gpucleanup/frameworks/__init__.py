@@ -18,12 +18,14 @@ Verbs (the same on every adapter)::
     drain(devices)        -> {"freed_bytes": {idx: int}, "notes": [str]}
     drain_pinned()        -> {"freed_bytes": int, "notes": [str]}
     describe()            -> str
-    quiet_token(devices)  -> tuple | None
+    quiet_token(devices, in_use=False)  -> tuple | None
 
 ``quiet_token`` is optional and cheap: a value that differs whenever ``stats(devices)``
 could answer otherwise (None: the adapter cannot tell without reading its figures). An
 idle cell compares it with the one read just before the last figures, and reads the
-figures again only when it differs.
+figures again only when it differs; it passes ``in_use=True`` (the framework was found in
+use and nothing was imported since), so the adapter does not ask again. CuPy and PyTorch
+have one.
 
 ``live_bytes`` is what the framework's objects hold, ``cached_bytes`` what it keeps
 for reuse (for frameworks that cannot release, what they hold beyond live objects).
