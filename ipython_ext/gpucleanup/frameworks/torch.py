@@ -135,9 +135,9 @@ class TorchAdapter(Adapter):
         and the pinned host cache's counters, through the two C functions alone (``torch._C._cuda_memoryStats``
         and ``_cuda_hostMemoryStats``; None where this torch lacks either, or while a pinned release is under
         way, whose figures ``stats`` says are from before it). Reading these never switches devices. The
-        allocator backend, whose note ``stats`` adds, is not read: torch fixes it when CUDA is initialised
-        and refuses another one later ("Allocator backend parsed at runtime != allocator backend parsed at
-        load time", c10/cuda/CUDAAllocatorConfig.cpp)."""
+        allocator backend, whose note ``stats`` adds, is not read: torch fixes it as it loads, and settings
+        that name another one later fail an assertion ("Allocator backend parsed at runtime != allocator
+        backend parsed at load time", c10/cuda/CUDAAllocatorConfig.cpp), so it is the one the last figures saw."""
         c = getattr(self._torch(), "_C", None)
         read_device, read_host = getattr(c, "_cuda_memoryStats", None), getattr(c, "_cuda_hostMemoryStats", None)
         if read_device is None or read_host is None or self._releasing:
