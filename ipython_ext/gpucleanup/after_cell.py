@@ -338,7 +338,8 @@ class IdleRelease:
                     if engine.exiting:
                         break
                     with engine.adapter_lock(adapter.name), engine.unraisables.source(adapter.name):
-                        if self.device and getattr(adapter, "can_release", True):
+                        # a device cache that only the kernel's thread can empty was emptied as its cell ended
+                        if self.device and getattr(adapter, "can_release", True) and not _on_cell_thread(adapter):
                             result, note = self._guarded(adapter, "drain", list(self.devices))
                             self._take(adapter.name, result, note, pinned=False)
                         if self.pinned and hasattr(adapter, "drain_pinned"):
@@ -1461,10 +1462,13 @@ class CellPass:
         return engine.stats(self.adapters, self.settled, notes), notes
 
     def drain(self, ctrl_c: CtrlC) -> None:
-        """Step 3: the frameworks' caches on the settled devices; which pinned pools go after the last driver call."""
+        """Step 3: the frameworks' caches on the settled devices; which pinned pools go after the last driver call.
+        Under a release that waits (``idle``, ``rerun``) only the frameworks whose caches can be emptied on this
+        thread alone (``drains_on_cell_thread``: PyCUDA) are emptied now; the others are left to the release."""
         engine = self.engine
-        if self.now_device:
-            self.given_back = engine._drain_frameworks(self.adapters, self.work, self.settled, self.notes, ctrl_c,
+        now = self.adapters if self.now_device else [a for a in self.adapters if _on_cell_thread(a)]
+        if now:
+            self.given_back = engine._drain_frameworks(now, self.work, self.settled, self.notes, ctrl_c,
                                                        self.stats_settled)
         self.candidates, self.pending = engine._pinned_candidates(self.settings, self.adapters, self.stats_settled,
                                                                   self.settled, self.devices)
@@ -1608,13 +1612,14 @@ class CellPass:
                                                                  self.captured)
             self.pending = self.pending or started
         elif self.settled and (self.candidates or release == "idle" or (release == "rerun" and self._cached())):
-            self.deferred = self.engine._defer(self.settings, self.adapters if not self.now_device else [],
-                                               self.candidates, self.settled, self.cell.number)
+            later = [] if self.now_device else [a for a in self.adapters if not _on_cell_thread(a)]
+            self.deferred = self.engine._defer(self.settings, later, self.candidates, self.settled, self.cell.number)
 
     def _cached(self) -> bool:
-        """A framework that can give memory back caches some on a settled device (or its figures are not known)."""
+        """A framework that can give memory back on a release's thread caches some on a settled device (or its
+        figures are not known)."""
         stats = self.stats_after or {}
-        return any(getattr(a, "can_release", True) and (
+        return any(getattr(a, "can_release", True) and not _on_cell_thread(a) and (
             a.name not in stats or any(stats[a.name].on(i).cached > 0 for i in self.settled)) for a in self.adapters)
 
     def record(self) -> CellRecord:
@@ -1699,6 +1704,11 @@ class CellPass:
         engine._last_pass = None if self.interrupted or self.stats_after is None else LastPass(
             devices={i: ((w.after or {}).get("free_bytes"), w.pools) for i, w in self.work.items()},
             stats=self.stats_after)
+
+
+def _on_cell_thread(adapter: Any) -> bool:
+    """The framework's device caches can be emptied only on the kernel's thread (``Adapter.drains_on_cell_thread``)."""
+    return bool(getattr(adapter, "drains_on_cell_thread", False))
 
 
 def pools_reserved(dev: dict) -> Optional[int]:

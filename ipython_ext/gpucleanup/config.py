@@ -178,7 +178,8 @@ class GPUCleanupOptions(Configurable):
             "'rerun' (the default): the driver's pools after every cell; the frameworks' device caches and "
             "pinned host pools once the kernel has been idle idle_release_s seconds, or as another cell "
             "starts (it waits for them, at most settle_timeout), so only the same cell run again finds them. "
-            "%gpumem --drain always gives everything back at once."
+            "%gpumem --drain always gives everything back at once. PyCUDA's pools, which only the kernel's "
+            "thread can empty, are emptied as each cell ends under every policy."
         ),
     ).tag(config=True)
 

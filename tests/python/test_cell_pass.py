@@ -820,3 +820,29 @@ def test_no_park_begins_while_a_release_runs_on_its_thread_and_none_runs_while_a
         let_go.set()
         engine.stop()
         endpoint.close()
+
+
+def test_under_a_release_that_waits_a_cache_only_the_kernels_thread_can_empty_is_emptied_as_the_cell_ends(fake_cuda):
+    # PyCUDA's pools can be emptied only on the thread that made them: a release on a thread of its own could
+    # never give them back, so they are emptied as the cell ends; the other frameworks' caches wait for it
+    _device(fake_cuda)
+    cupy, pycuda = Framework(live={0: GiB}), Framework("pycuda", live={0: GiB})
+    pycuda.drains_on_cell_thread = True
+    engine, native = _engine(cupy, pycuda)
+    settings = _settings(release="rerun", idle_release_s=3600)
+    engine.run(settings, cell=1)
+    cupy.cached[0] = pycuda.cached[0] = GiB  # a cell leaves a GiB in each cache
+    outcome = engine.run(settings, cell=2)
+    assert (pycuda.calls["drain"], cupy.calls["drain"]) == (1, 0)
+    assert outcome.record.devices[0].freed_bytes == {"pycuda": GiB}
+    job = engine.idle_job
+    assert job is not None and job.adapters == [cupy]
+    assert job.run_now() and job.done.wait(10)
+    assert (pycuda.calls["drain"], cupy.calls["drain"]) == (1, 1) and cupy.cached == {}
+    # only PyCUDA cached something: emptied at once, nothing left for a release
+    engine.run(settings, cell=3)
+    pycuda.cached[0] = GiB
+    outcome = engine.run(settings, cell=4)
+    assert pycuda.calls["drain"] == 2 and outcome.record.devices[0].freed_bytes == {"pycuda": GiB}
+    assert engine.idle_job is None or engine.idle_job.cell != 4
+    engine.stop()

@@ -27,6 +27,9 @@ figures again only when it differs; it passes ``in_use=True`` (the framework was
 use and nothing was imported since), so the adapter does not ask again. CuPy and PyTorch
 have one.
 
+An adapter whose device caches only the kernel's thread can empty sets ``drains_on_cell_thread``
+(PyCUDA): the engine then empties them as each cell ends, never on a release's thread.
+
 ``live_bytes`` is what the framework's objects hold, ``cached_bytes`` what it keeps
 for reuse (for frameworks that cannot release, what they hold beyond live objects).
 ``drain_pinned`` may take about 130 ms per GiB; it may run on another thread while

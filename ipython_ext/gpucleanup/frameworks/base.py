@@ -55,6 +55,9 @@ class Adapter:
     can_release: bool = True
     #: for a pool that never gives memory back: what the user can set so that it does, or takes less
     reserved_fix: Optional[str] = None
+    #: True: its device caches can be emptied only on the thread that made them (the kernel's), so they are
+    #: never left to a release on a thread of its own: emptied as the cell ends whatever ``release`` says
+    drains_on_cell_thread: bool = False
     #: number prefix of this adapter's fault notes (stats, drain, pinned)
     _fault_ids = {"stats": 101, "drain": 102, "pinned": 103}
 

@@ -354,6 +354,7 @@ class PycudaAdapter(Adapter):
     name = "pycuda"
     modules = ("pycuda.driver",)
     can_release = True
+    drains_on_cell_thread = True  # a pool is drained only on the thread that made it (see the module's docstring)
 
     def __init__(self) -> None:
         super().__init__()
