@@ -1,5 +1,6 @@
 #include "devices.hpp"
 
+#include <algorithm>
 #include <cstdio>
 
 #include "process_state.hpp"
@@ -55,7 +56,7 @@ int cuda_initialized(const Driver& driver) noexcept {
 }
 
 
-Probe probe(const Driver& driver, const RetainIf& retain) {
+Probe probe(const Driver& driver, const RetainIf& retain, const Enumeration* known) {
   if (process_is_exiting()) {
     return stop_here(DriverState::exiting,
                      "[gpucleanup.api.102] the process is exiting: gpucleanup makes no more driver calls");
@@ -72,7 +73,12 @@ Probe probe(const Driver& driver, const RetainIf& retain) {
   // cuDeviceGetCount before anything else: it is the one call that tells
   // "nobody initialised CUDA" apart without initialising it (never cuInit).
   int count = 0;
-  const CUresult counted = api.cuDeviceGetCount(&count);
+  CUresult counted = CUDA_SUCCESS;
+  if (known != nullptr) {
+    count = static_cast<int>(known->size());  // an earlier probe found the driver ready: it stays initialised
+  } else {
+    counted = api.cuDeviceGetCount(&count);
+  }
   if (counted == CUDA_ERROR_NOT_INITIALIZED) {
     return stop_here(DriverState::not_initialized,
                      "[gpucleanup.driver.103] nothing in this process has initialised CUDA: there is nothing to clean");
@@ -95,20 +101,25 @@ Probe probe(const Driver& driver, const RetainIf& retain) {
   // device's primary context is inactive (PyCUDA's autoinit makes such a one).
   CUcontext current = nullptr;
   CUdevice current_device = -1;
-  if (api.cuCtxGetCurrent(&current) != CUDA_SUCCESS || current == nullptr ||
-      api.cuCtxGetDevice(&current_device) != CUDA_SUCCESS) {
-    current = nullptr;
+  bool device_asked = false;  // with `known`, cuCtxGetDevice waits until no retained primary context is current
+  if (api.cuCtxGetCurrent(&current) != CUDA_SUCCESS) current = nullptr;
+  if (current != nullptr && known == nullptr) {
+    device_asked = true;
+    if (api.cuCtxGetDevice(&current_device) != CUDA_SUCCESS) current = nullptr;
   }
   for (int i = 0; i < count; ++i) {
     DeviceUse use;
     use.index = i;
     use.key = "index:" + std::to_string(i);
-    if (const CUresult got = api.cuDeviceGet(&use.device, i); got != CUDA_SUCCESS) {
+    if (known != nullptr) {
+      use.device = (*known)[i].device;
+      use.uuid = (*known)[i].uuid;
+      if (use.uuid) use.key = *use.uuid;
+    } else if (const CUresult got = api.cuDeviceGet(&use.device, i); got != CUDA_SUCCESS) {
       use.failure = CallFailure{"cuDeviceGet", got};
       p.devices.push_back(std::move(use));
       continue;
-    }
-    if (api.cuDeviceGetUuid != nullptr) {
+    } else if (api.cuDeviceGetUuid != nullptr) {
       CUuuid uuid{};
       if (api.cuDeviceGetUuid(&uuid, use.device) == CUDA_SUCCESS) {
         use.uuid = format_uuid(uuid);
@@ -129,13 +140,26 @@ Probe probe(const Driver& driver, const RetainIf& retain) {
           use.failure = CallFailure{"cuDevicePrimaryCtxRetain", retained};
         } else {
           use.lease = std::make_shared<const ContextLease>(driver, use.device, context);
+          use.lease_is_current = current != nullptr && context == current;
         }
       }
-    } else if (current != nullptr && current_device == use.device) {
+    } else if (current != nullptr && device_asked && current_device == use.device) {
       use.context = ContextKind::current;
       use.current = current;
     }
     p.devices.push_back(std::move(use));
+  }
+  // The deferred question: a current context that is no retained primary one marks its device in use when that
+  // device's primary context is not active, as above.
+  const auto is_current = [&](const DeviceUse& use) { return use.lease_is_current; };
+  if (current != nullptr && !device_asked && std::none_of(p.devices.begin(), p.devices.end(), is_current) &&
+      api.cuCtxGetDevice(&current_device) == CUDA_SUCCESS) {
+    for (DeviceUse& use : p.devices) {
+      if (!use.failure && use.context == ContextKind::none && use.device == current_device) {
+        use.context = ContextKind::current;
+        use.current = current;
+      }
+    }
   }
   return p;
 }
@@ -169,6 +193,16 @@ DeviceRecord& DeviceRegistry::refresh(const DeviceUse& use) {
   }
   if (use.failure && is_sticky(use.failure->code) && !record.sticky) record.sticky = use.failure;
   return record;
+}
+
+void DeviceRegistry::remember_enumeration(const Probe& probe) {
+  if (enumeration_ || probe.state != DriverState::ready) return;
+  Enumeration known;
+  for (const DeviceUse& use : probe.devices) {
+    if (use.failure && use.failure->call == "cuDeviceGet") return;
+    known.push_back({use.device, use.uuid});
+  }
+  enumeration_ = std::move(known);
 }
 
 void read_static_facts(const Driver& driver, const DeviceUse& use, DeviceRecord& record) {

@@ -68,6 +68,9 @@ struct DeviceUse {
   std::string key;                  // the uuid, else "index:<n>"
   ContextKind context = ContextKind::none;
   CUcontext current = nullptr;      // the calling thread's context, for ContextKind::current
+  // ContextKind::primary with a lease whose context is the calling thread's current one (a framework's thread):
+  // used as it is, without a push and a pop
+  bool lease_is_current = false;
   std::optional<CallFailure> failure;  // the probe itself failed on this device
   // For ContextKind::primary, when the probe was asked to retain it.
   std::shared_ptr<const ContextLease> lease;
@@ -86,6 +89,15 @@ struct Probe {
   std::vector<DeviceUse> devices;
 };
 
+// The devices of the process as a probe that found the driver ready enumerated them: each ordinal's handle and
+// UUID. Fixed for the life of the process once the driver is initialised (CUDA_VISIBLE_DEVICES is read by
+// cuInit, and a device is never added or renumbered afterwards), so the quiet check need not ask again.
+struct EnumeratedDevice {
+  CUdevice device = 0;
+  std::optional<std::string> uuid;
+};
+using Enumeration = std::vector<EnumeratedDevice>;
+
 // Asked by the probe for each device whose primary context is active (the
 // device is keyed, not yet retained): true to retain it at once.
 using RetainIf = std::function<bool(const DeviceUse&)>;
@@ -95,7 +107,12 @@ using RetainIf = std::function<bool(const DeviceUse&)>;
 // child forked after the driver was initialised. With `retain`, a device in
 // use through its primary context for which it answers true is retained right
 // after its state was read (use.lease); a failed retain is use.failure.
-Probe probe(const Driver& driver, const RetainIf& retain = {});
+//
+// With `known` (an earlier probe's enumeration, DeviceRegistry::enumeration), the count, handles and UUIDs are
+// taken from it instead of asked (cuDeviceGetCount, cuDeviceGet, cuDeviceGetUuid), and the current context's
+// device (cuCtxGetDevice) is asked only when that context is none of the primary contexts retained: the quiet
+// check's probe, which makes those calls on every idle cell.
+Probe probe(const Driver& driver, const RetainIf& retain = {}, const Enumeration* known = nullptr);
 
 // The "driver" object of the snapshot and drain schemas.
 nlohmann::json describe_driver(const Driver& driver, const Probe& probe);
@@ -134,8 +151,14 @@ class DeviceRegistry {
   // unusable; the wait is then forgotten. Returns the record.
   DeviceRecord& refresh(const DeviceUse& use);
 
+  // Keeps the enumeration of a probe that found the driver ready and every device's handle (a probe whose
+  // cuDeviceGet failed on some device is not kept). nullptr until then.
+  void remember_enumeration(const Probe& probe);
+  const Enumeration* enumeration() const noexcept { return enumeration_ ? &*enumeration_ : nullptr; }
+
  private:
   std::map<std::string, DeviceRecord> records_;
+  std::optional<Enumeration> enumeration_;
 };
 
 // Reads (and caches in the record) the name and total memory; no context.

@@ -645,9 +645,10 @@ bool nothing_queued(const Driver& driver, const DeviceUse& use, std::optional<st
       api.cuEventDestroy == nullptr || process_is_exiting()) {
     return false;
   }
-  // A context current to this (the probing) thread is used as it is; a primary context is entered.
-  const bool current = use.context == ContextKind::current;
-  const CUcontext context = current ? use.current : use.lease ? use.lease->context() : nullptr;
+  // A context current to this (the probing) thread is used as it is (a framework's thread has the primary context
+  // current: no push and pop); another primary context is entered.
+  const bool current = use.context == ContextKind::current || use.lease_is_current;
+  const CUcontext context = use.context == ContextKind::current ? use.current : use.lease ? use.lease->context() : nullptr;
   if (context == nullptr || (!current && api.cuCtxPushCurrent(context) != CUDA_SUCCESS)) return false;
   bool idle = true;
   for (const PoolRef& pool : device_pools(driver, use.device)) {
@@ -689,6 +690,7 @@ nlohmann::json run(Mode mode, const Driver& driver, DeviceRegistry& registry, co
     if (record.wait) return mode == Mode::after_cell;  // busy: only the after-cell pass reads its memory
     return true;
   });
+  registry.remember_enumeration(found);  // for the quiet check's probe
   nlohmann::json report = report_header(kind_of(mode));
   report["driver"] = describe_driver(driver, found);
   if (mode != Mode::trim) {
@@ -846,10 +848,14 @@ std::optional<QuietMark> quiet_mark(const nlohmann::json& report) {
 bool quiet_since(const Driver& driver, DeviceRegistry& registry, const QuietMark& mark) {
   if (mark.empty() || process_is_exiting()) return false;
   // Retained as the after-cell pass retains them: devices that are neither unusable nor busy.
-  const Probe found = probe(driver, [&](const DeviceUse& use) {
-    const DeviceRecord& record = registry.refresh(use);
-    return !record.sticky && !record.wait;
-  });
+  // The count, handles and UUIDs as the pass behind the mark enumerated them (it kept them).
+  const Probe found = probe(
+      driver,
+      [&](const DeviceUse& use) {
+        const DeviceRecord& record = registry.refresh(use);
+        return !record.sticky && !record.wait;
+      },
+      registry.enumeration());
   if (found.state != DriverState::ready) return false;
   std::size_t matched = 0;
   for (const DeviceUse& use : found.devices) {

@@ -352,13 +352,13 @@ TEST_F(AfterCell, QueuedWorkAnOldDriverOrAFailedEventFallBackToTheWatchdogsSynch
   EXPECT_EQ(report["devices"][0]["state"], "drained");
 }
 
-// The quiet check of an idle device: the probe and its retain, one push, the pools, one event, one cuMemGetInfo.
+// The quiet check of an idle device: the probe and its retain (the count, handles and UUIDs are the pass's), one
+// push, the pools, one event, one cuMemGetInfo.
 const Counts kQuietCheck = {
-    {"cuDeviceGetCount", 1},         {"cuCtxGetCurrent", 1},           {"cuDeviceGet", 1},
-    {"cuDeviceGetUuid", 1},          {"cuDevicePrimaryCtxGetState", 1}, {"cuDevicePrimaryCtxRetain", 1},
-    {"cuCtxPushCurrent", 1},         {"cuDeviceGetDefaultMemPool", 1}, {"cuDeviceGetMemPool", 1},
-    {"cuMemPoolGetAttribute", 1},    {"cuEventCreate", 1},             {"cuCtxRecordEvent", 1},
-    {"cuEventQuery", 1},             {"cuEventDestroy", 1},            {"cuMemGetInfo", 1},
+    {"cuCtxGetCurrent", 1},          {"cuDevicePrimaryCtxGetState", 1}, {"cuDevicePrimaryCtxRetain", 1},
+    {"cuCtxPushCurrent", 1},         {"cuDeviceGetDefaultMemPool", 1},  {"cuDeviceGetMemPool", 1},
+    {"cuMemPoolGetAttribute", 1},    {"cuEventCreate", 1},              {"cuCtxRecordEvent", 1},
+    {"cuEventQuery", 1},             {"cuEventDestroy", 1},             {"cuMemGetInfo", 1},
     {"cuCtxPopCurrent", 1},          {"cuDevicePrimaryCtxRelease", 1},
 };
 
@@ -403,6 +403,59 @@ TEST_F(AfterCell, QuietHoldsOnlyWhileNothingChangedSinceThePassThatLeftTheMark) 
   EXPECT_EQ(fake.counter("contexts_created"), 0);
   // An empty mark (nothing to compare with) is never quiet.
   EXPECT_FALSE(gpucleanup::quiet_since(driver, registry, gpucleanup::QuietMark{}));
+}
+
+// On a framework's thread (CuPy, PyTorch: the primary context is current there), the quiet check uses that context
+// as it is: no push and pop, and no cuCtxGetDevice for it.
+TEST_F(AfterCell, QuietOnAFrameworksThreadNeitherPushesNorAsksTheCurrentContextsDevice) {
+  json scenario = idle_device("GPU-af7e0000-0000-4000-8000-000000000038");
+  scenario["current_context"] = {{"device", 0}, {"primary", true}};
+  fake.reset(scenario);
+  const Driver driver(FAKE_CUDA_PATH);
+  const auto mark = gpucleanup::quiet_mark(gpucleanup::after_cell(driver, registry, with_timeout(30)));
+  ASSERT_TRUE(mark.has_value());
+  Counts expected = kQuietCheck;
+  expected.erase("cuCtxPushCurrent");
+  expected.erase("cuCtxPopCurrent");
+  for (int cell = 0; cell < 3; ++cell) {
+    const Counts before = driver_calls(fake);
+    ASSERT_TRUE(gpucleanup::quiet_since(driver, registry, *mark)) << "cell " << cell;
+    ASSERT_EQ(minus(driver_calls(fake), before), expected) << show(minus(driver_calls(fake), before));
+    ASSERT_EQ(fake.counter("events"), 0);
+  }
+  // What it sees is the same: memory taken during the cell is not quiet.
+  fake.update({{"devices", {{{"free_bytes", 10 * GiB - 256 * MiB}}}}});
+  EXPECT_FALSE(gpucleanup::quiet_since(driver, registry, *mark));
+  EXPECT_EQ(fake.counter("contexts_created"), 0);
+}
+
+// A context of its own made current on a device the pass did not see in use (PyCUDA's make_context, whose primary
+// context stays inactive): the quiet check asks for its device, finds a first use, and is not quiet.
+TEST_F(AfterCell, QuietSeesANonPrimaryContextMadeCurrentOnAnotherDevice) {
+  json two = idle_device("GPU-af7e0000-0000-4000-8000-000000000039");
+  json second = idle_device("GPU-af7e0000-0000-4000-8000-00000000003a")["devices"][0];
+  second["primary_active"] = false;
+  two["devices"].push_back(second);
+  two["current_context"] = {{"device", 1}, {"primary", false}};
+  fake.reset(two);
+  const Driver driver(FAKE_CUDA_PATH);
+  // Not current yet while the pass leaves its mark (GPU0 alone).
+  CUcontext own = nullptr;
+  ASSERT_EQ(driver.api().cuCtxPopCurrent(&own), CUDA_SUCCESS);
+  ASSERT_NE(own, nullptr);
+  const auto mark = gpucleanup::quiet_mark(gpucleanup::after_cell(driver, registry, with_timeout(30)));
+  ASSERT_TRUE(mark.has_value());
+  ASSERT_EQ(mark->size(), 1u);
+  const auto asked = fake.counter("calls.cuCtxGetDevice");
+  ASSERT_TRUE(gpucleanup::quiet_since(driver, registry, *mark));
+  EXPECT_EQ(fake.counter("calls.cuCtxGetDevice"), asked);  // nothing current: nothing to ask
+  ASSERT_EQ(driver.api().cuCtxPushCurrent(own), CUDA_SUCCESS);
+  EXPECT_FALSE(gpucleanup::quiet_since(driver, registry, *mark));
+  EXPECT_EQ(fake.counter("calls.cuCtxGetDevice"), asked + 1);
+  // The full probe sees the same: GPU1 in use through the current context.
+  const json report = gpucleanup::after_cell(driver, registry, with_timeout(30));
+  ASSERT_EQ(report["devices"].size(), 2u);
+  EXPECT_EQ(report["devices"][1]["context"], "current");
 }
 
 TEST_F(AfterCell, QuietSeesADeviceFirstUsedSinceTheMarkAndAnOlderDriver) {
