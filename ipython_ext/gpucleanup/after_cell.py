@@ -135,7 +135,8 @@ class CtrlC:
     progress callback, where it would be printed and lost. With this handler the
     progress callback sees the flag and asks the native wait to stop; the steps after
     it are skipped. The previous handler is restored when the cleanup ends. Armed once per
-    cell, through the C module (``_signal``): ``signal.signal`` makes an enum of each handler.
+    driver pass (an idle cell's quiet check waits for nothing and is not armed), through the C
+    module (``_signal``): ``signal.signal`` makes an enum of each handler.
     """
 
     def __init__(self):
@@ -804,9 +805,11 @@ class AfterCell:
             if job is not None and job.source is not None and job.source != source and job.run_now():
                 self.idle_job = None  # it runs: the line of the cell that ends after it reports it
                 return job
-        if job is not None and job.hold():
+        if job is None or job is self._held:  # none, or held already by this cell's start (the cleanup asks again)
+            return None
+        if job.hold():
             self._held = job
-        elif job is not None:
+        else:
             self.idle_job = None  # it runs or ran: the next cell's line reports it
         return None
 
@@ -1283,11 +1286,13 @@ class CellPass:
         engine = self.engine
         if self.nothing_initialised():
             return None
+        quiet_before, engine._quiet_ok = engine._quiet_ok, False  # set again only by a cell proven idle
+        # Not armed for Ctrl-C: nothing in the quiet check waits, so a Ctrl-C there is Python's own, and
+        # arming costs two sigaction calls on every idle cell.
+        if quiet_before and self.quiet():
+            engine._quiet_ok = True
+            return self.unchanged_outcome()
         with engine.ctrl_c.armed() as ctrl_c:  # once for the driver pass and steps 1 to 4
-            quiet_before, engine._quiet_ok = engine._quiet_ok, False  # set again only by a cell proven idle
-            if quiet_before and self.quiet(ctrl_c):
-                engine._quiet_ok = True
-                return self.unchanged_outcome()
             if not self.probe(ctrl_c):
                 return engine._nothing_in_use(self.driver, self.cell.number, self.cell.forced)
             self.begin()
@@ -1344,15 +1349,16 @@ class CellPass:
         self.work = {int(d["index"]): DeviceWork(int(d["index"])) for d in in_use}
         return True
 
-    def quiet(self, ctrl_c: CtrlC) -> bool:
+    def quiet(self) -> bool:
         """The idle cell without the driver pass: True when the last cleanup proved nothing had changed,
         the library's quiet check (``native.quiet``: the same devices in use, nothing queued, no driver
         pool reserving memory, the same free memory as the pass behind that proof left) says nothing
         changed since, and the frameworks' figures are those the last cleanup left with nothing new to
         give back (:meth:`nothing_new`, over the last cleanup's devices): then no collection could find
         anything either (:meth:`collect`), unless the policy is "always" or the cell unbound a name that
-        held GPU memory (those collect: the whole pass runs). False: not proven (or Ctrl-C); what this
-        tried is forgotten, but for what an unraisable hook caught, and the whole pass runs."""
+        held GPU memory (those collect: the whole pass runs). False: not proven; what this tried is
+        forgotten, but for what an unraisable hook caught, and the whole pass runs. Not armed for Ctrl-C
+        (:class:`CtrlC`): nothing here waits, and a Ctrl-C is a KeyboardInterrupt the extension reports."""
         engine, last = self.engine, self.engine._last_pass
         if (last is None or self.cell.forced or engine._unusable or engine.pinned_job is not None
                 or self.settings.gc == "always" or engine.holders.unbound(self.cell.namespace)):
@@ -1372,7 +1378,7 @@ class CellPass:
             if figures == last.stats:
                 self.stats_settled = last.stats  # the same figures: nothing_new() compares them by identity
                 same = self.nothing_new()
-        if same and not captured and not self.notes and not ctrl_c.pressed:
+        if same and not captured and not self.notes:
             return True
         self.captured.extend(captured)  # said by the whole pass's record
         self.devices, self.settled, self.adapters, self.notes = [], [], [], []

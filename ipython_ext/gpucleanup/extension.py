@@ -354,16 +354,20 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         except Exception as exc:
             self._warn_once_now("status:drain-hook", f"a drain from outside cannot empty the frameworks' caches ({exc})")
 
-    def _cell_state(self, state: dict) -> Optional[int]:
-        """A cell's "running" or "idle" for the status endpoint, twice per cell: through the endpoint's
-        ``cell_state`` (no dict to check, no JSON) where it has one, which answers the park state in
-        the same call (None: not known, ask :meth:`InKernel.parked`)."""
-        say = getattr(self._endpoint, "cell_state", None)
+    def _cell_state(self, state: str, cell: Optional[int] = None) -> Optional[int]:
+        """A cell's "running" (with its number) or "idle" for the status endpoint, twice per cell: through
+        the endpoint's ``cell_state`` (no dict to check, no JSON, the time taken by the library) where it
+        has one, which answers the park state in the same call (None: not known, ask :meth:`InKernel.parked`)."""
+        endpoint = self._endpoint
+        if endpoint is None:
+            return None
+        say = getattr(endpoint, "cell_state", None)
         if say is None:
-            self._status("set_state", state)
+            self._status("set_state", {"state": state, "since_ns": time.time_ns()} if state == "idle"
+                         else {"state": state, "cell": cell, "since_ns": time.time_ns()})
             return None
         try:
-            return say(state["state"], state.get("cell"), state["since_ns"])
+            return say(state, cell)
         except Exception as exc:
             self._warn_once_now("status:set_state", f"status endpoint failed ({type(exc).__name__}: {exc})")
             return None
@@ -441,8 +445,11 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                 return
             # Said with the cleanup paused too (%gpumem --off): no park or drain may begin during a cell,
             # and a parked kernel is resumed first whatever the settings.
-            running = {"state": "running", "cell": running_cell_number(self.shell, info), "since_ns": time.time_ns()}
-            self.parking.resume_before_cell(running, parked=self._cell_state(running))
+            number = running_cell_number(self.shell, info)
+            parked = self._cell_state("running", number)
+            # the state the resume takes in the same step, built only when the kernel may be parked
+            running = None if parked == 0 else {"state": "running", "cell": number, "since_ns": time.time_ns()}
+            self.parking.resume_before_cell(running, parked=parked)
         except KeyboardInterrupt:
             # Ctrl-C is the user's: it stops the cell. The transformer is there only
             # for this cell (IPython makes cyclic garbage per cell while one is set).
@@ -517,8 +524,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         left at "draining" would refuse gpucleanup drain until the next cell)."""
         for _ in range(3):
             try:
-                if self._endpoint is not None:
-                    self._cell_state({"state": "idle", "since_ns": time.time_ns()})
+                self._cell_state("idle")
                 return
             except KeyboardInterrupt:
                 continue

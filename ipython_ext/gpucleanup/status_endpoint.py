@@ -159,22 +159,26 @@ class StatusEndpoint:
         except Exception as exc:
             self._note(exc)
 
-    def cell_state(self, state: str, cell: Optional[int], since_ns: int) -> Optional[int]:
+    def cell_state(self, state: str, cell: Optional[int] = None, since_ns: Optional[int] = None) -> Optional[int]:
         """A cell's "running" (as it starts) or "idle" (as its hooks end), said twice per cell: what
         :meth:`set_state` does for these, with no dict built and checked, in one library call that also
-        answers :meth:`parked`. Returns that park state (None: not asked); never raises."""
+        answers :meth:`parked` and takes the time itself. ``since_ns``: for a native module without that
+        call (now when None). Returns that park state (None: not asked); never raises."""
         if not self._serving():
             return None
         try:
-            if state != "idle":
+            running = state != "idle"
+            if running:
                 self._refresh_notebook()
             lib = self._native or self._lib()
             parked = None
-            if hasattr(lib, "server_cell"):  # _native's; it stands in itself for a library older than the call
-                parked = lib.server_cell(state != "idle", cell)
+            say = getattr(lib, "server_cell", None)
+            if say is not None:  # _native's; it stands in itself for a library older than the call
+                parked = say(running, cell)
             else:  # a native module without it (a test's stand-in) takes the JSON way
-                lib.server_set_state({"state": state, "since_ns": since_ns} if state == "idle"
-                                     else {"state": state, "cell": cell, "since_ns": since_ns})
+                since = time.time_ns() if since_ns is None else since_ns
+                lib.server_set_state({"state": state, "cell": cell, "since_ns": since} if running
+                                     else {"state": state, "since_ns": since})
             if not self._refusals_logged:
                 self._log_refusals()
             return parked

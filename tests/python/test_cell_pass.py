@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import signal
 import sys
 import time
 import types
@@ -322,16 +323,20 @@ def test_the_quiet_check_under_each_garbage_policy_and_with_no_framework(fake_cu
     assert engine.skipped == 4
 
 
-def test_ctrl_c_during_the_quiet_check_stops_the_cleanup_as_during_the_pass(fake_cuda):
+def test_ctrl_c_during_the_quiet_check_is_pythons_own_and_the_next_cell_runs_the_whole_pass(fake_cuda):
+    """The quiet check waits for nothing, so it is not armed for Ctrl-C (no two sigaction calls per idle cell): a
+    Ctrl-C there is the KeyboardInterrupt Python raises, which the extension reports; nothing was proven, so the
+    next cell runs the whole pass."""
     _device(fake_cuda)
-    engine = None
+    handlers = []
 
     class PressesCtrlC(Framework):
         pressing = False
 
         def stats(self, devices):
             if self.pressing:
-                engine.ctrl_c.pressed = True  # what the SIGINT handler armed for the cleanup does
+                handlers.append(signal.getsignal(signal.SIGINT))
+                raise KeyboardInterrupt  # what Python's own SIGINT handler does
             return super().stats(devices)
 
     cupy = PressesCtrlC(live={0: GiB})
@@ -340,12 +345,35 @@ def test_ctrl_c_during_the_quiet_check_stops_the_cleanup_as_during_the_pass(fake
     engine.run(_settings(), cell=2)
     native.calls.clear()
     cupy.pressing = True
-    outcome = engine.run(_settings(), cell=3)
-    assert native.calls["quiet"] == 1 and native.calls["after_cell"] == 1
-    assert outcome.record.interrupted is True
+    with pytest.raises(KeyboardInterrupt):
+        engine.run(_settings(), cell=3)
+    assert (native.calls["quiet"], native.calls["after_cell"]) == (1, 0)
+    assert handlers == [signal.default_int_handler]  # the cleanup's handler was not installed
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     cupy.pressing = False
     engine.run(_settings(), cell=4)  # the cell after it: a whole pass again (nothing was proven)
-    assert native.calls["after_cell"] == 2
+    assert (native.calls["quiet"], native.calls["after_cell"]) == (1, 1)
+
+
+def test_ctrl_c_during_the_driver_pass_is_a_flag_and_the_cleanup_stops_interrupted(fake_cuda):
+    _device(fake_cuda)
+    engine = None
+
+    class PressesCtrlC(Framework):
+        pressing = False
+
+        def stats(self, devices):
+            if self.pressing:
+                engine.ctrl_c.pressed = True  # what the SIGINT handler armed for the pass does
+            return super().stats(devices)
+
+    cupy = PressesCtrlC(live={0: GiB})
+    engine, native = _engine(cupy)
+    cupy.pressing = True
+    outcome = engine.run(_settings(), cell=1)
+    assert native.calls["after_cell"] == 1
+    assert outcome.record.interrupted is True
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
 
 
 class CountedGc:
