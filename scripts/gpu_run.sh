@@ -184,10 +184,10 @@ if [[ $stages == *" paired-stages "* ]]; then
 fi
 if [[ $stages == *" paired-ab "* ]]; then
   # this build (the carried wheel's native library with this working tree's Python) against a baseline on the
-  # same machine (about 4 min): .whl/baseline/ holds the baseline's
+  # same machine (about 4 min; PAIRED_ROUNDS rounds, default 2): .whl/baseline/ holds the baseline's
   # gpucleanup wheel and, optionally, gpucleanup-src-<commit>.tar (git archive <commit> ipython_ext/gpucleanup,
-  # put over that wheel's Python). Two rounds, each running bench_paired.py for CuPy and PyTorch idle with the
-  # baseline, then with this build (added = on minus off within each kernel): paired-ab.log, paired-ab-*.json;
+  # put over that wheel's Python). Each round runs bench_paired.py for CuPy and PyTorch idle with the
+  # baseline, then with this build (added = on minus off within each kernel): paired-ab.log, paired-ab-json.tar;
   # before them, each build once with its steps timed in the kernels: paired-ab-stages-{baseline,this}.log
   base=/tmp/site-base
   cp -r ipython_ext/gpucleanup/. /tmp/site/gpucleanup/
@@ -203,16 +203,20 @@ if [[ $stages == *" paired-ab "* ]]; then
     PYTHONPATH=$path python3 tests/bench/bench_paired.py --stages --scenario cupy-idle,torch-idle --cells 300 \
       --json "/tmp/paired-ab-stages-$build.json" >"$out/paired-ab-stages-$build.log" 2>&1
   done
-  for round in 1 2; do
+  # PAIRED_ROUNDS rounds (default 2, about 70 s each); the figures of every round in one tar, paired-ab-json.tar
+  # (a GPU run brings back at most 8 files)
+  rm -rf /tmp/paired-ab-json && mkdir -p /tmp/paired-ab-json
+  for round in $(seq 1 "${PAIRED_ROUNDS:-2}"); do
     for build in baseline this; do
       path=$PYTHONPATH
       [ "$build" = baseline ] && path=$base:$PYTHONPATH
       PYTHONPATH=$path python3 -c "import gpucleanup._native as n; print('$build:', n.library_path(), 'quiet check:', hasattr(n, 'quiet'))"
       echo "== round $round, $build"
       PYTHONPATH=$path python3 tests/bench/bench_paired.py --scenario cupy-idle,torch-idle --cells 300 \
-        --json "$out/paired-ab-$build-$round.json"
+        --json "/tmp/paired-ab-json/paired-ab-$build-$round.json"
     done
-  done 2>&1 | tee -a "$out/paired-ab.log"  # few files: a GPU run brings back at most 8
+  done 2>&1 | tee -a "$out/paired-ab.log"
+  tar -cf "$out/paired-ab-json.tar" -C /tmp/paired-ab-json .
 fi
 if [[ $stages == *" kernels-focus "* ]]; then
   # the per-cell headline scenarios again with 600 timed cells per variant (about 4 min): the

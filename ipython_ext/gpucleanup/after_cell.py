@@ -1291,7 +1291,7 @@ class CellPass:
         # arming costs two sigaction calls on every idle cell.
         if quiet_before and self.quiet():
             engine._quiet_ok = True
-            return self.unchanged_outcome()
+            return self.unchanged_outcome(holders_checked=True)
         with engine.ctrl_c.armed() as ctrl_c:  # once for the driver pass and steps 1 to 4
             if not self.probe(ctrl_c):
                 return engine._nothing_in_use(self.driver, self.cell.number, self.cell.forced)
@@ -1566,15 +1566,18 @@ class CellPass:
         except Exception:
             return True
 
-    def unchanged_outcome(self) -> Outcome:
+    def unchanged_outcome(self, holders_checked: bool = False) -> Outcome:
         """An idle cell's: no device record built, nothing kept or published, no line; its record
         says only that the driver is ready and nothing was freed (the last cleanup's figures stand).
-        The names that held GPU memory are still checked (cheap: no walk)."""
+        The names that held GPU memory are still checked (cheap: no walk), unless :meth:`quiet` found
+        each still bound to its object (``holders_checked``) and the live bytes are those of their last
+        update: that update would change nothing."""
         engine = self.engine
         engine.skipped += 1
         engine.rearm_held()  # what the last cleanup deferred is still to be given back once idle
-        if self.cell.namespace is not None:
-            engine.holders.update(self.cell.namespace, engine._last_live)
+        holders, namespace = engine.holders, self.cell.namespace
+        if namespace is not None and not (holders_checked and namespace and holders.live_at_walk == engine._last_live):
+            holders.update(namespace, engine._last_live)
         # built when asked for (the Dask plugin's summary): most idle cells' records are never read
         make = functools.partial(CellRecord, cell=self.cell.number, time_ns=time.time_ns(), driver_state=self.state,
                                  release=self.settings.release, elapsed_s=round(time.perf_counter() - self.start, 6))

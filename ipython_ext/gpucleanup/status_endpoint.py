@@ -179,7 +179,7 @@ class StatusEndpoint:
                 since = time.time_ns() if since_ns is None else since_ns
                 lib.server_set_state({"state": state, "cell": cell, "since_ns": since} if running
                                      else {"state": state, "since_ns": since})
-            if not self._refusals_logged:
+            if not running and not self._refusals_logged:  # once per cell is enough
                 self._log_refusals()
             return parked
         except Exception as exc:

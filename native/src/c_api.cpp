@@ -470,14 +470,8 @@ gpucleanup_status gpucleanup_server_state(int kind, long long cell, long long si
 int gpucleanup_server_cell(int running, long long cell) {
   int parked = -1;
   const gpucleanup_status status = guarded([&] {
-    const auto since = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                           std::chrono::system_clock::now().time_since_epoch()).count();
-    nlohmann::json value = state_value(running != 0 ? GPUCLEANUP_STATE_RUNNING : GPUCLEANUP_STATE_IDLE, cell,
-                                       static_cast<long long>(since), -1);
-    on_server([&](StatusServer& server) {
-      server.set_state(std::move(value));
-      parked = server.park_state();  // a park in place kept its state: "running" can no longer let one begin
-    });
+    // A park in place keeps its state, and is answered: "running" can no longer let one begin.
+    on_server([&](StatusServer& server) { parked = server.set_cell_state(running != 0, cell); });
   });
   return status == GPUCLEANUP_OK ? parked : -1;
 }

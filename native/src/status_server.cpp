@@ -574,6 +574,13 @@ struct StatusServer::Impl {
   // lock while it waits keeps the kernel from ever running the cell that would resume it.
   int background = 0;
   json state = json{{"state", "unknown"}};
+  // A cell's own state as set_cell_state() said it last, twice per cell, without a JSON object made and freed:
+  // `state` is built from it only when something reads it (state_locked()). nullopt: `state` stands.
+  struct CellState {
+    bool running = false;
+    std::int64_t cell = -1;  // < 0: none
+  };
+  std::optional<CellState> cell_state;
   std::int64_t state_since_ns = 0;
   std::int64_t state_updated_ns = 0;
   std::deque<std::string> history;  // each a JSON object's text (publish_text)
@@ -719,9 +726,22 @@ struct StatusServer::Impl {
     send_reply(envelope, error_reply(id, rejection));
   }
 
+  // The state object (state_mutex held): built from the last cell's state when a cell said it last.
+  json& state_locked() {
+    if (cell_state) {
+      json value = json::object();
+      value["state"] = cell_state->running ? "running" : "idle";
+      value["since_ns"] = state_since_ns;
+      if (cell_state->running) value["cell"] = cell_state->cell < 0 ? json(nullptr) : json(cell_state->cell);
+      state = std::move(value);
+      cell_state.reset();
+    }
+    return state;
+  }
+
   json state_view(std::int64_t now) {
     std::lock_guard<std::mutex> lock(state_mutex);
-    json view = state;
+    json view = state_locked();
     view["since_ns"] = state_since_ns;
     view["updated_ns"] = state_updated_ns;
     view["age_s"] = static_cast<double>(now - state_since_ns) / 1e9;
@@ -730,6 +750,7 @@ struct StatusServer::Impl {
 
   // 0: not parked, 1: parking, 2: parked (state_mutex held).
   int park_state_locked() const {
+    if (cell_state) return 0;  // a cell's state: idle or running
     const auto it = state.find("state");
     if (it == state.end() || !it->is_string()) return 0;
     const auto& name = it->get_ref<const std::string&>();
@@ -742,6 +763,7 @@ struct StatusServer::Impl {
                                              json& after, const json* then = nullptr) {
     std::lock_guard<std::mutex> lock(state_mutex);
     const int parked = park_state_locked();
+    state_locked();
     const auto name_it = state.find("state");
     const std::string name = name_it != state.end() && name_it->is_string() ? name_it->get<std::string>() : "unknown";
     const std::int64_t now = now_ns();
@@ -872,6 +894,7 @@ struct StatusServer::Impl {
   void accept_drain(const std::vector<std::string>& envelope, const json& id, double timeout_s) {
     // state, then jobs: the order park_transition takes them, so a park and a drain never both start.
     std::lock_guard<std::mutex> state_lock(state_mutex);
+    state_locked();
     const auto it = state.find("state");
     const std::string state_name = it != state.end() && it->is_string() ? it->get<std::string>() : "unknown";
     if (state_name != "idle") {
@@ -1240,9 +1263,21 @@ void StatusServer::set_state(nlohmann::json state) {
   if (const auto it = state.find("since_ns"); it != state.end() && it->is_number_integer()) since = it->get<std::int64_t>();
   std::lock_guard<std::mutex> lock(impl_->state_mutex);
   if (impl_->park_state_locked() != 0) return;  // only park_step ends a park
+  impl_->cell_state.reset();
   impl_->state = std::move(state);
   impl_->state_since_ns = since;
   impl_->state_updated_ns = now;
+}
+
+int StatusServer::set_cell_state(bool running, std::int64_t cell) noexcept {
+  if (!impl_) return 0;
+  const std::int64_t now = now_ns();
+  std::lock_guard<std::mutex> lock(impl_->state_mutex);
+  if (const int parked = impl_->park_state_locked(); parked != 0) return parked;  // only park_step ends a park
+  impl_->cell_state = Impl::CellState{running, cell < 0 ? -1 : cell};
+  impl_->state_since_ns = now;
+  impl_->state_updated_ns = now;
+  return 0;
 }
 
 nlohmann::json StatusServer::park_step(const std::string& step, std::optional<std::int64_t> bytes,

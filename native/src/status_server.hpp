@@ -98,6 +98,10 @@ class StatusServer {
   // (idle, running, draining, waiting) does not replace the park: a cell that
   // starts finds it through park_state() and resumes the process first.
   void set_state(nlohmann::json state);
+  // A cell's own state, twice per cell: {"state": "running", "cell": cell (null when < 0)} or {"state": "idle"},
+  // since now; what set_state does for these, with no JSON object made until a reply reads the state. Returns
+  // park_state() as it stands after it (a park in place keeps its state). Safe from any thread.
+  int set_cell_state(bool running, std::int64_t cell) noexcept;
 
   // Parking moves the state idle -> parking ("begin") -> parked ("parked",
   // with the bytes moved to host memory) -> idle ("resumed"), or parking ->

@@ -495,6 +495,35 @@ TEST_F(SignedServer, ParkStepsMoveTheStateAndOnlyBetweenCells) {
   EXPECT_EQ(hooks_.drains.load(), 0);
 }
 
+// A cell's own state (set_cell_state, twice per cell, no JSON object made) reads as set_state's would, in a
+// status reply and to a park or a drain; a park in place keeps its state and is answered.
+TEST_F(SignedServer, ACellsOwnStateReadsAsTheObjectAndKeepsAPark) {
+  EXPECT_EQ(server_->set_cell_state(true, 7), 0);
+  json status = client_->ask(request("status"));
+  EXPECT_EQ(status["state"]["state"], "running") << status.dump();
+  EXPECT_EQ(status["state"]["cell"], 7);
+  EXPECT_EQ(status["state"]["since_ns"], status["state"]["updated_ns"]);
+  expect_error(client_->ask(park_request("begin")), "gpucleanup.server.420",
+               "park refused: the kernel is running; a park starts only between cells (state idle): ask again when "
+               "the cell has ended");
+  expect_error(client_->ask(request("drain")), "gpucleanup.server.411",
+               "drain refused: the kernel is running; a drain runs only between cells (state idle)");
+  EXPECT_EQ(server_->set_cell_state(true, -1), 0);
+  status = client_->ask(request("status"));
+  EXPECT_TRUE(status["state"]["cell"].is_null()) << status.dump();
+
+  EXPECT_EQ(server_->set_cell_state(false, 7), 0);
+  status = client_->ask(request("status"));
+  EXPECT_EQ(status["state"]["state"], "idle") << status.dump();
+  EXPECT_FALSE(status["state"].contains("cell"));
+  EXPECT_EQ(client_->ask(park_request("begin"))["state"]["state"], "parking");
+  EXPECT_EQ(server_->set_cell_state(true, 8), 1);  // the park stands: the cell resumes first
+  EXPECT_EQ(client_->ask(request("status"))["state"]["state"], "parking");
+  EXPECT_EQ(client_->ask(park_request("failed"))["state"]["state"], "idle");
+  EXPECT_EQ(server_->set_cell_state(true, 8), 0);
+  EXPECT_EQ(client_->ask(request("status"))["state"]["cell"], 8);
+}
+
 TEST_F(SignedServer, AFailedParkGoesBackToIdleAndParkedNeedsParking) {
   server_->set_state({{"state", "idle"}});
   expect_error(client_->ask(park_request("parked")), "gpucleanup.server.420",
