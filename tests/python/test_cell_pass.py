@@ -874,3 +874,49 @@ def test_under_a_release_that_waits_a_cache_only_the_kernels_thread_can_empty_is
     assert pycuda.calls["drain"] == 2 and outcome.record.devices[0].freed_bytes == {"pycuda": GiB}
     assert engine.idle_job is None or engine.idle_job.cell != 4
     engine.stop()
+
+
+def test_idle_cells_keep_the_names_that_hold_gpu_memory_without_rebuilding_them_and_a_rebound_one_is_seen(fake_cuda):
+    """The quiet check found each name that holds GPU memory bound to its object, and the live bytes are those of
+    the last update: an idle cell leaves the names as they are (no map rebuilt). A name bound to another object is
+    seen by the next cell, which runs the whole pass and forgets it (nothing grew: no walk)."""
+    _device(fake_cuda)
+    cupy = Framework(live={0: GiB})
+    engine, native = _engine(cupy)
+    model = object()
+    namespace = {"model": model, "In": []}
+    engine.holders._walk = lambda ns: {"model": id(ns["model"])}  # what the walk finds holding GPU memory
+    engine.run(_settings(), cell=1, namespace=namespace)
+    engine.run(_settings(), cell=2, namespace=namespace)
+    assert engine.holders.names == {"model": id(model)}
+    names = engine.holders.names
+    updates = []
+    real_update = engine.holders.update
+    engine.holders.update = lambda ns, live: (updates.append(live), real_update(ns, live))
+    native.calls.clear()
+    for cell in range(3, 8):
+        assert not engine.run(_settings(), cell=cell, namespace=namespace).keep
+    assert (native.calls["quiet"], native.calls["after_cell"]) == (5, 0)
+    assert updates == [] and engine.holders.names is names
+    other = object()
+    namespace["model"] = other  # `model = ...`: the name now holds another object
+    engine.run(_settings(), cell=8, namespace=namespace)
+    assert (native.calls["quiet"], native.calls["after_cell"]) == (5, 1)  # not proven idle: the whole pass
+    assert updates == [GiB] and engine.holders.names == {}
+
+
+def test_a_release_held_as_its_cell_starts_is_not_held_again_by_the_cleanup(fake_cuda):
+    _device(fake_cuda)
+    cupy = Framework(live={0: GiB}, cached={0: GiB})
+    engine, _ = _engine(cupy)
+    engine.run(_settings(release="idle", idle_release_s=60.0), cell=1)  # caches left for a release once idle
+    job = engine.idle_job
+    assert job is not None
+    holds = []
+    real_hold = job.hold
+    job.hold = lambda: (holds.append(1), real_hold())[1]
+    assert engine.cell_starts("x = 1") is None  # the next cell starts: held until it ends
+    assert engine.held() is job and holds == [1]
+    engine.run(_settings(release="idle", idle_release_s=60.0), cell=2)
+    assert holds == [1]  # the cleanup found it held already
+    engine.stop()
