@@ -195,11 +195,13 @@ DeviceRecord& DeviceRegistry::refresh(const DeviceUse& use) {
   return record;
 }
 
-void DeviceRegistry::remember_enumeration(const Probe& probe) {
+void DeviceRegistry::remember_enumeration(const Probe& probe, bool uuids) {
   if (enumeration_ || probe.state != DriverState::ready) return;
   Enumeration known;
   for (const DeviceUse& use : probe.devices) {
-    if (use.failure && use.failure->call == "cuDeviceGet") return;
+    // A handle or a UUID that could not be read this time: asked again by the next probe, so that every record
+    // stays under the key the others use.
+    if ((use.failure && use.failure->call == "cuDeviceGet") || (uuids && !use.uuid)) return;
     known.push_back({use.device, use.uuid});
   }
   enumeration_ = std::move(known);

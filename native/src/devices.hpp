@@ -151,9 +151,9 @@ class DeviceRegistry {
   // unusable; the wait is then forgotten. Returns the record.
   DeviceRecord& refresh(const DeviceUse& use);
 
-  // Keeps the enumeration of a probe that found the driver ready and every device's handle (a probe whose
-  // cuDeviceGet failed on some device is not kept). nullptr until then.
-  void remember_enumeration(const Probe& probe);
+  // Keeps the enumeration of a probe that found the driver ready and every device's handle, and with `uuids`
+  // (the driver has cuDeviceGetUuid) every device's UUID; a probe that missed one is not kept. nullptr until then.
+  void remember_enumeration(const Probe& probe, bool uuids);
   const Enumeration* enumeration() const noexcept { return enumeration_ ? &*enumeration_ : nullptr; }
 
  private:

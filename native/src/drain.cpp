@@ -690,7 +690,7 @@ nlohmann::json run(Mode mode, const Driver& driver, DeviceRegistry& registry, co
     if (record.wait) return mode == Mode::after_cell;  // busy: only the after-cell pass reads its memory
     return true;
   });
-  registry.remember_enumeration(found);  // for the quiet check's probe
+  registry.remember_enumeration(found, driver.loaded() && driver.api().cuDeviceGetUuid != nullptr);  // for quiet_since
   nlohmann::json report = report_header(kind_of(mode));
   report["driver"] = describe_driver(driver, found);
   if (mode != Mode::trim) {

@@ -429,6 +429,26 @@ TEST_F(AfterCell, QuietOnAFrameworksThreadNeitherPushesNorAsksTheCurrentContexts
   EXPECT_EQ(fake.counter("contexts_created"), 0);
 }
 
+// A pass whose probe could not read a UUID leaves no enumeration: the quiet check asks for the handles and UUIDs
+// itself until a pass has read them all, so that its records are keyed as the pass's are.
+TEST_F(AfterCell, QuietAsksForTheUuidsItselfUntilAPassHasReadThemAll) {
+  json scenario = idle_device("GPU-af7e0000-0000-4000-8000-00000000003b");
+  scenario["errors"] = {{"cuDeviceGetUuid", 999}};  // CUDA_ERROR_UNKNOWN
+  fake.reset(scenario);
+  const Driver driver(FAKE_CUDA_PATH);
+  auto mark = gpucleanup::quiet_mark(gpucleanup::after_cell(driver, registry, with_timeout(30)));
+  ASSERT_TRUE(mark.has_value());
+  auto asked = fake.counter("calls.cuDeviceGetUuid");
+  ASSERT_TRUE(gpucleanup::quiet_since(driver, registry, *mark));
+  EXPECT_EQ(fake.counter("calls.cuDeviceGetUuid"), asked + 1);  // not remembered: asked by the check
+  fake.update({{"errors", {{"cuDeviceGetUuid", 0}}}});  // readable again
+  mark = gpucleanup::quiet_mark(gpucleanup::after_cell(driver, registry, with_timeout(30)));  // reads it: kept
+  ASSERT_TRUE(mark.has_value());
+  asked = fake.counter("calls.cuDeviceGetUuid");
+  ASSERT_TRUE(gpucleanup::quiet_since(driver, registry, *mark));
+  EXPECT_EQ(fake.counter("calls.cuDeviceGetUuid"), asked);
+}
+
 // A context of its own made current on a device the pass did not see in use (PyCUDA's make_context, whose primary
 // context stays inactive): the quiet check asks for its device, finds a first use, and is not quiet.
 TEST_F(AfterCell, QuietSeesANonPrimaryContextMadeCurrentOnAnotherDevice) {
