@@ -141,9 +141,9 @@ def test_dead_kernels_files_are_cleaned_and_not_listed(kernel, runtime):
     reused_file = write_discovery(runtime, os.getppid(), proc_start_ticks=1, kernel_id="reused")
     result = cli("ps")
     assert result.returncode == 0, result.stderr
-    assert str(gone) not in result.stdout
-    assert "reused" not in result.stdout
-    assert str(os.getpid()) in result.stdout
+    # one row, this kernel's: neither the dead pid nor the reused one is listed
+    assert [line.split()[0] for line in result.stdout.splitlines()[1:]] == [str(os.getpid())]
+    assert "reused" not in result.stdout and str(gone) not in result.stdout.split()
     assert not gone_file.exists()
     assert not reused_file.exists()
     assert kernel.discovery_path.exists()
