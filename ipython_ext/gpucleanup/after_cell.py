@@ -14,7 +14,9 @@ once into :class:`FrameworkFigures`:
    (``_native.quiet``: the same devices, free memory and pools as that pass left, nothing
    queued) and reads each framework once (which frameworks are in use: as the last idle cell
    found them while nothing was imported since, ``_adapters_in_use``); figures equal to the last
-   cleanup's with nothing new to give back (``nothing_new``) end the cell there. Anything else
+   cleanup's with nothing new to give back (``nothing_new``) end the cell there, and leave
+   what that proof rested on (:class:`IdleProof`): the next cell that finds all of it as it was,
+   every framework's quiet token included, is proven idle without the comparisons. Anything else
    runs the steps below.
 1. ``settle``: the driver pass (``_native.after_cell``, the only native protocol). On every
    device already in use, wait (at most ``settle_timeout``) for queued work, then trim the
@@ -621,6 +623,10 @@ class AfterCell:
         #: (the number of modules imported, the settings, the adapters in use) as the last idle cell proved
         #: them; a full pass forgets them (see :meth:`CellPass._adapters_in_use`)
         self._quiet_adapters: Optional[Tuple[int, Settings, list]] = None
+        #: what the last cell proven idle by the quiet check rested on (:class:`IdleProof`): the next cell, if
+        #: it finds the same, skips the comparisons that proof made; taken by every cell, so it stands only
+        #: from one cell proven idle to the next
+        self._idle_proof: Optional[IdleProof] = None
         self.skipped = 0  # idle cells whose cleanup was skipped: nothing had changed since the last
         self._last_used: Dict[int, int] = {}
         #: devices seen with a context of this process, at load or by a cleanup (None: nothing known
@@ -1226,6 +1232,60 @@ class AfterCell:
         return Outcome(record=record, lines=lines, keep=keep, data=data)
 
 
+@dataclass(eq=False)
+class IdleProof:
+    """What a cell proven idle by :meth:`CellPass.quiet` rested on besides the library's quiet check, kept
+    for the next cell: the settings, the count of modules imported, the last full cleanup, the release held
+    and those not yet reported, the frameworks in use and the quiet token each answered. Every input of the
+    frameworks' figures and of :meth:`CellPass.nothing_new` is among them, or checked again by ``quiet`` on
+    every cell (a forced cell, devices found unusable, a pinned release, a name unbound), or by
+    :meth:`stands` (a ``%gpumem --drain`` earlier in the cell, the allocation trace): where all of it is as
+    it was, the proof's answer stands without its comparisons. Made only where every framework in use has
+    a quiet token (one without is read on every cell), and forgotten by any cell not proven idle so."""
+
+    settings: Settings
+    modules: int
+    last: LastPass
+    held: Optional[IdleRelease]
+    jobs: List[IdleRelease]
+    adapters: Tuple[Any, ...]
+    tokens: Tuple[tuple, ...]
+
+    @classmethod
+    def made(cls, cell_pass: "CellPass") -> Optional["IdleProof"]:
+        """The proof of a cell that :meth:`CellPass.quiet` just found idle the long way; None where a
+        framework in use gave no quiet token this cell (its figures are then read on every cell)."""
+        engine, last = cell_pass.engine, cell_pass.engine._last_pass
+        tokens = []
+        if last is None or len(last.stats) != len(cell_pass.adapters):
+            return None
+        for adapter in cell_pass.adapters:
+            # the figures were equal to the last cleanup's, each adapter's among them: its entry is this
+            # cell's, and its token the one read this cell
+            read = engine._figures_read.get(adapter.name)
+            if adapter.name not in last.stats or read is None or read[0] is not adapter or read[3] is None:
+                return None
+            tokens.append(read[3])
+        return cls(cell_pass.settings, len(sys.modules), last, engine._held, list(engine._idle_jobs),
+                   tuple(cell_pass.adapters), tuple(tokens))
+
+    def stands(self, cell_pass: "CellPass") -> bool:
+        """Whether this cell finds everything the proof rested on as it was, each framework's quiet token
+        read again (the one read a cell's worth of Python needs: a framework's memory may change with no
+        change the driver sees)."""
+        engine = cell_pass.engine
+        if (cell_pass.settings is not self.settings or cell_pass.cell.after_forced is not None
+                or engine._last_pass is not self.last or engine._held is not self.held
+                or len(sys.modules) != self.modules or engine.progress_opened or engine._idle_jobs != self.jobs
+                or cell_pass._tracing()):
+            return False
+        devices = cell_pass.settled
+        for adapter, token in zip(self.adapters, self.tokens):  # a loop, not all(): this runs on every idle cell
+            if engine._quiet_token(adapter, devices, True) != token:
+                return False
+        return True
+
+
 @dataclass
 class LastPass:
     """What the last full cleanup left: per device its free bytes and driver pools' reserved
@@ -1287,9 +1347,10 @@ class CellPass:
         if self.nothing_initialised():
             return None
         quiet_before, engine._quiet_ok = engine._quiet_ok, False  # set again only by a cell proven idle
+        proof, engine._idle_proof = engine._idle_proof, None  # ... and so is the proof's record
         # Not armed for Ctrl-C: nothing in the quiet check waits, so a Ctrl-C there is Python's own, and
         # arming costs two sigaction calls on every idle cell.
-        if quiet_before and self.quiet():
+        if quiet_before and self.quiet(proof):
             engine._quiet_ok = True
             return self.unchanged_outcome(holders_checked=True)
         with engine.ctrl_c.armed() as ctrl_c:  # once for the driver pass and steps 1 to 4
@@ -1349,7 +1410,7 @@ class CellPass:
         self.work = {int(d["index"]): DeviceWork(int(d["index"])) for d in in_use}
         return True
 
-    def quiet(self) -> bool:
+    def quiet(self, proof: Optional["IdleProof"] = None) -> bool:
         """The idle cell without the driver pass: True when the last cleanup proved nothing had changed,
         the library's quiet check (``native.quiet``: the same devices in use, nothing queued, no driver
         pool reserving memory, the same free memory as the pass behind that proof left) says nothing
@@ -1358,7 +1419,10 @@ class CellPass:
         anything either (:meth:`collect`), unless the policy is "always" or the cell unbound a name that
         held GPU memory (those collect: the whole pass runs). False: not proven; what this tried is
         forgotten, but for what an unraisable hook caught, and the whole pass runs. Not armed for Ctrl-C
-        (:class:`CtrlC`): nothing here waits, and a Ctrl-C is a KeyboardInterrupt the extension reports."""
+        (:class:`CtrlC`): nothing here waits, and a Ctrl-C is a KeyboardInterrupt the extension reports.
+        ``proof``: what the cell before this one, proven idle here, rested on; where it still stands
+        (:meth:`IdleProof.stands`: the same Python-side state and every framework's quiet token as it was),
+        the frameworks' figures and :meth:`nothing_new` would answer as they did, and are not asked again."""
         engine, last = self.engine, self.engine._last_pass
         if (last is None or self.cell.forced or engine._unusable or engine.pinned_job is not None
                 or self.settings.gc == "always" or engine.holders.unbound(self.cell.namespace)):
@@ -1373,12 +1437,17 @@ class CellPass:
         self.devices, self.settled = list(last.devices), list(last.devices)
         same = False
         with engine.unraisables.capture() as captured:
-            self.adapters = self._adapters_in_use()
-            figures = engine.stats(self.adapters, self.settled, self.notes, by_token=True) if self.adapters else {}
-            if figures == last.stats:
-                self.stats_settled = last.stats  # the same figures: nothing_new() compares them by identity
-                same = self.nothing_new()
+            if proof is not None and proof.stands(self):
+                self.adapters, self.stats_settled, same = list(proof.adapters), last.stats, True
+            else:
+                proof = None
+                self.adapters = self._adapters_in_use()
+                figures = engine.stats(self.adapters, self.settled, self.notes, by_token=True) if self.adapters else {}
+                if figures == last.stats:
+                    self.stats_settled = last.stats  # the same figures: nothing_new() compares them by identity
+                    same = self.nothing_new()
         if same and not captured and not self.notes:
+            engine._idle_proof = proof or IdleProof.made(self)
             return True
         self.captured.extend(captured)  # said by the whole pass's record
         self.devices, self.settled, self.adapters, self.notes = [], [], [], []

@@ -304,6 +304,136 @@ def test_idle_cells_with_pytorch_read_its_token_alone_and_a_tensor_deleted_is_gi
     assert outcome.record.devices[0].freed_bytes.get("torch") == GiB
 
 
+def _count_nothing_new(monkeypatch) -> collections.Counter:
+    """CellPass.nothing_new, its calls counted: the comparisons an idle cell's proof spares the next ones."""
+    calls = collections.Counter()
+    real = after_cell.CellPass.nothing_new
+
+    def counted(self):
+        calls["nothing_new"] += 1
+        return real(self)
+
+    monkeypatch.setattr(after_cell.CellPass, "nothing_new", counted)
+    return calls
+
+
+def test_idle_cells_after_one_proven_idle_the_long_way_stand_on_its_proof_and_read_only_the_tokens(
+        fake_cuda, monkeypatch):
+    _device(fake_cuda)
+    checked = _count_nothing_new(monkeypatch)
+    cupy, torch = Tokened(live={0: GiB}), Tokened("torch", live={0: 2 * GiB})
+    engine, native = _engine(cupy, torch)
+    settings = _settings()
+    engine.run(settings, cell=1)
+    assert not engine.run(settings, cell=2).keep  # proven idle by the whole pass: no proof of the quiet check
+    assert engine._idle_proof is None
+    assert not engine.run(settings, cell=3).keep  # the quiet check, the long way: it leaves its proof
+    proof = engine._idle_proof
+    assert proof is not None and proof.settings is settings and proof.adapters == (cupy, torch)
+    assert proof.tokens == (((GiB, 0),), ((2 * GiB, 0),)) and proof.held is None and proof.jobs == []
+    asked, figures = checked["nothing_new"], (cupy.calls["stats"], torch.calls["stats"])
+    tokens = (cupy.calls["quiet_token"], torch.calls["quiet_token"])
+    for cell in range(4, 8):
+        assert not engine.run(settings, cell=cell).keep
+    assert engine._idle_proof is proof and engine.skipped == 6 and native.calls["quiet"] == 5
+    assert checked["nothing_new"] == asked  # not asked again
+    assert (cupy.calls["stats"], torch.calls["stats"]) == figures  # no figures read
+    assert (cupy.calls["quiet_token"], torch.calls["quiet_token"]) == (tokens[0] + 4, tokens[1] + 4)
+    # a tensor deleted: its memory stays in torch's cache, unseen by the driver; its token differs, the proof
+    # falls and the whole pass gives the cache back
+    torch.live[0], torch.cached[0] = GiB, GiB
+    outcome = engine.run(settings, cell=8)
+    assert outcome.keep and torch.calls["drain"] == 1 and torch.cached == {}
+    assert outcome.record.devices[0].freed_bytes.get("torch") == GiB and engine._idle_proof is None
+
+
+@pytest.mark.parametrize("change, still_idle", [
+    ("other settings", True),  # equal, but another object: compared the long way, and a new proof made
+    ("a module imported", True),  # which frameworks are in use is asked again
+    ("the allocation trace started", False),  # every cell gets its record of what it traced
+    ("a drain earlier in the cell", False),  # %gpumem --drain in the cell: its cleanup says what it adds
+    ("a framework's token", False),  # an array deleted into the pool
+    ("a driver change", False),  # the library's quiet check, asked on every cell
+])
+def test_the_proof_falls_when_anything_it_rested_on_changes(fake_cuda, monkeypatch, change, still_idle):
+    _device(fake_cuda)
+    checked = _count_nothing_new(monkeypatch)
+    cupy = Tokened(live={0: GiB})
+    engine, native = _engine(cupy)
+    settings = _settings()
+    first = engine.run(settings, cell=1)
+    for cell in range(2, 5):
+        assert not engine.run(settings, cell=cell).keep
+    assert engine._idle_proof is not None and engine.skipped == 3
+    asked, after_forced = checked["nothing_new"], None
+    if change == "other settings":
+        settings = _settings()
+    elif change == "a module imported":
+        monkeypatch.setitem(sys.modules, "gpucleanup_test_imported_meanwhile", types.ModuleType("imported"))
+    elif change == "the allocation trace started":
+        engine.traced, engine.tracing = (lambda cell: []), (lambda: True)
+    elif change == "a drain earlier in the cell":
+        after_forced = first.record
+    elif change == "a framework's token":
+        cupy.live[0], cupy.cached[0] = 0, GiB
+    else:
+        fake_cuda.update({"devices": [{"free_bytes": TOTAL - 3 * GiB}]})
+    outcome = engine.run(settings, cell=5, after_forced=after_forced)
+    assert engine.skipped == (4 if still_idle else 3)
+    assert outcome.keep is not still_idle or after_forced is not None
+    if still_idle:  # the long way, which leaves a proof of its own
+        assert checked["nothing_new"] == asked + 1
+        assert engine._idle_proof is not None and engine._idle_proof.settings is settings
+        assert engine._idle_proof.modules == len(sys.modules)
+    else:
+        assert engine._idle_proof is None
+    if change == "a framework's token":
+        assert cupy.calls["drain"] == 1 and outcome.record.devices[0].freed_bytes.get("cupy") == GiB
+
+
+def test_no_proof_is_kept_while_a_framework_in_use_has_no_quiet_token(fake_cuda, monkeypatch):
+    _device(fake_cuda)
+    checked = _count_nothing_new(monkeypatch)
+    cupy, torch = Tokened(live={0: GiB}), Framework("torch", live={0: GiB})
+    engine, _ = _engine(cupy, torch)
+    engine.run(_settings(), cell=1)
+    asked = checked["nothing_new"]
+    for cell in range(2, 6):
+        assert not engine.run(_settings(), cell=cell).keep
+    assert engine._idle_proof is None and checked["nothing_new"] == asked + 4  # the long way on every cell
+
+
+def test_a_release_held_by_idle_cells_on_their_proof_is_re_armed_by_each_and_once_it_ran_the_next_cell_says_so(
+        fake_cuda, monkeypatch):
+    _device(fake_cuda)
+    checked = _count_nothing_new(monkeypatch)
+    cupy = Tokened(live={0: GiB}, cached={0: GiB})
+    # its release gives nothing back (a pool it cannot empty): its token stays as it was, and only the proof's
+    # held release tells the next cell that the release ran and is still to be reported
+    cupy.drain = lambda devices: cupy.calls.update(["drain"]) or {"freed_bytes": {i: 0 for i in devices}, "notes": []}
+    engine, _ = _engine(cupy)
+    settings = _settings(release="idle", idle_release_s=3600.0)
+    engine.run(settings, cell=1)
+    job = engine.idle_job
+    for cell in range(2, 4):
+        engine.cell_starts()
+        assert not engine.run(settings, cell=cell).keep
+    proof = engine._idle_proof
+    assert proof is not None and proof.held is job and proof.jobs == [job]
+    asked = checked["nothing_new"]
+    for cell in range(4, 7):
+        engine.cell_starts()
+        assert not engine.run(settings, cell=cell).keep
+    assert checked["nothing_new"] == asked and engine._idle_proof is proof
+    assert engine.idle_job is job and not job.cancelled and cupy.calls["drain"] == 0  # re-armed by each
+    assert job.run_now() and job.done.wait(30) and cupy.calls["drain"] == 1  # it runs while the kernel is idle
+    assert cupy.quiet_token([0]) == proof.tokens[0]
+    engine.cell_starts()  # nothing to hold now: the proof falls
+    outcome = engine.run(settings, cell=7)
+    assert outcome.keep and outcome.record.idle == [job.result()] and engine._idle_proof is None
+    engine.stop()
+
+
 @pytest.mark.parametrize("gc_policy, frameworks, quiet_cells", [
     ("auto", 1, 3),
     ("never", 1, 3),  # nothing to collect anyway: as quiet as "auto"
