@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""What an idle cell's hooks cost with and without the proof of the idle cell before (``IdleProof``),
+side by side in one process.
+
+Method: an IPython shell in this process (no kernel, no messages) with ``%load_ext gpucleanup`` and the
+scenario's set-up (a framework with memory in use and nothing to free: ``torch_idle`` or ``cupy_idle`` of
+profile_cell.py; ``fake_torch``: a stand-in torch from tests/python/stand_ins on the fake CUDA driver,
+for machines without a GPU). Then rounds: a block of ``--block`` cells (default 500) with the proof, and
+one without (``IdleProof.made`` answering None and ``stands`` False, so every idle cell takes the long way
+as before the proof), in alternating order, each after 20 untimed cells. A cell is the extension's two
+hooks called as IPython calls them (``pre_run_cell(info)``, ``post_run_cell(result)``): what the cell
+itself costs is left out, as it is the same in both. Per state: the median over the rounds of each
+block's mean, and the fastest block. Each block checks that its cells were proven idle (the engine's
+count of skipped cells grew by the block) and that the proof was (or was not) in use.
+
+Usage: python tests/bench/bench_idle_proof.py [SCENARIO ...] [--rounds N] [--block N] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+
+SETUP = {
+    "torch_idle": "import torch\nw = torch.ones(1 << 20, device='cuda')\ntorch.cuda.synchronize()",
+    "cupy_idle": "import cupy as cp\nw = cp.ones(1 << 20)\ncp.cuda.Device(0).synchronize()",
+    "fake_torch": None,  # made by _fake_torch
+}
+
+
+def _fake_torch() -> None:
+    """A stand-in torch with 1 GiB in use on the fake CUDA driver (tests/python/stand_ins)."""
+    import ctypes
+
+    sys.path.insert(0, str(ROOT / "tests" / "python"))
+    build = pathlib.Path(os.environ.get("GPUCLEANUP_BUILD_DIR", ROOT / "build"))
+    libcuda = os.environ.setdefault("GPUCLEANUP_LIBCUDA", str(build / "tests" / "fake_cuda" / "libcuda.so.1"))
+    fake = ctypes.CDLL(libcuda, mode=os.RTLD_LOCAL)
+    fake.fake_cuda_reset.argtypes = [ctypes.c_char_p]
+    gib = 1 << 30
+    scenario = {"devices": [{"total_bytes": 80 * gib, "free_bytes": 78 * gib, "primary_active": True}]}
+    if fake.fake_cuda_reset(json.dumps(scenario).encode()) != 0:
+        raise SystemExit("bench_idle_proof: the fake CUDA driver refused its scenario")
+    import pytest
+    from stand_ins import World
+    from stand_ins.torch import install_torch
+
+    install_torch(pytest.MonkeyPatch(), World(n_devices=1, active=(0,), current=0), allocated={0: gib},
+                  reserved={0: gib}, host_keys="2.5")
+
+
+def run(scenario: str, rounds: int, block: int) -> dict:
+    from IPython.core.interactiveshell import ExecutionInfo, ExecutionResult, InteractiveShell
+
+    if scenario == "fake_torch":
+        _fake_torch()
+    shell = InteractiveShell.instance()
+    for code in ("%load_ext gpucleanup", SETUP[scenario], "x = 1", "x = 1", "x = 1"):
+        if code is not None:
+            result = shell.run_cell(code, store_history=True)
+            if not result.success:
+                raise SystemExit(f"bench_idle_proof: {scenario}: {code!r} failed: {result.error_in_exec!r}")
+    from gpucleanup import after_cell, extension
+
+    ext = extension.get_extension(shell)
+    engine = ext.engine
+    info = ExecutionInfo("x = 1", True, False, True, None)
+    result = ExecutionResult(info)
+    result.execution_count = shell.execution_count
+    made, stands = after_cell.IdleProof.__dict__["made"], after_cell.IdleProof.__dict__["stands"]
+
+    def use_proof(on: bool) -> None:
+        after_cell.IdleProof.made = made if on else classmethod(lambda cls, cell_pass: None)
+        after_cell.IdleProof.stands = stands if on else (lambda self, cell_pass: False)
+
+    def timed(on: bool) -> float:
+        use_proof(on)
+        for _ in range(20):
+            ext.pre_run_cell(info)
+            ext.post_run_cell(result)
+        skipped = engine.skipped
+        start = time.perf_counter()
+        for _ in range(block):
+            ext.pre_run_cell(info)
+            ext.post_run_cell(result)
+        took = (time.perf_counter() - start) / block
+        if engine.skipped - skipped != block:
+            raise SystemExit(f"bench_idle_proof: {scenario}: {block - engine.skipped + skipped} cells were not idle")
+        if (engine._idle_proof is not None) != on:
+            raise SystemExit(f"bench_idle_proof: {scenario}: the proof was {'not ' if on else ''}in use")
+        return took * 1e6
+
+    with_proof: list = []
+    without: list = []
+    for r in range(rounds):
+        for on in ((True, False) if r % 2 == 0 else (False, True)):
+            (with_proof if on else without).append(timed(on))
+    use_proof(True)
+    on_med, off_med = statistics.median(with_proof), statistics.median(without)
+    return {"scenario": scenario, "rounds": rounds, "block": block, "with_proof_us": with_proof, "without_us": without,
+            "with_proof_median_us": on_med, "without_median_us": off_med, "saved_us": off_med - on_med,
+            "ratio": on_med / off_med, "fastest_with_us": min(with_proof), "fastest_without_us": min(without)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("scenario", nargs="*", default=["torch_idle"], choices=sorted(SETUP))
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--block", type=int, default=500)
+    parser.add_argument("--json", type=pathlib.Path)
+    args = parser.parse_args()
+    if len(args.scenario) != 1:
+        # one shell per process: each scenario in a process of its own
+        import subprocess
+
+        out = []
+        for scenario in args.scenario:
+            cmd = [sys.executable, __file__, scenario, "--rounds", str(args.rounds), "--block", str(args.block)]
+            done = subprocess.run(cmd + ["--json", "/dev/stdout"], capture_output=True, text=True)
+            if done.returncode != 0:
+                sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
+                print(f"bench_idle_proof: {scenario} failed (exit {done.returncode})")
+                return 1
+            out.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    else:
+        out = [run(args.scenario[0], args.rounds, args.block)]
+    for r in out:
+        print(f"{r['scenario']:12s} hooks per idle cell: with the proof {r['with_proof_median_us']:.1f} µs, without "
+              f"{r['without_median_us']:.1f} µs: {r['saved_us']:+.1f} µs saved, {r['ratio']:.2f}x "
+              f"(fastest blocks {r['fastest_with_us']:.1f} and {r['fastest_without_us']:.1f} µs; {r['rounds']} rounds "
+              f"of {r['block']} cells each)", file=sys.stderr if str(args.json) == "/dev/stdout" else sys.stdout)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(json.dumps(out if len(out) > 1 else out[0]) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
