@@ -1270,9 +1270,9 @@ class IdleProof:
                    tuple(cell_pass.adapters), tuple(tokens))
 
     def stands(self, cell_pass: "CellPass") -> bool:
-        """Whether this cell finds everything the proof rested on as it was, each framework's quiet token
-        read again (the one read a cell's worth of Python needs: a framework's memory may change with no
-        change the driver sees)."""
+        """Whether this cell finds everything the proof rested on as it was. Each framework's quiet token is
+        read again, the one read no proof can spare: a framework's memory may change with no change the
+        driver sees (an array deleted into its pool)."""
         engine = cell_pass.engine
         if (cell_pass.settings is not self.settings or cell_pass.cell.after_forced is not None
                 or engine._last_pass is not self.last or engine._held is not self.held
