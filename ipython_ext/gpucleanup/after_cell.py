@@ -1272,11 +1272,12 @@ class IdleProof:
     def stands(self, cell_pass: "CellPass") -> bool:
         """Whether this cell finds everything the proof rested on as it was. Each framework's quiet token is
         read again, the one read no proof can spare: a framework's memory may change with no change the
-        driver sees (an array deleted into its pool)."""
+        driver sees (an array deleted into its pool). The last cleanup and the releases not yet reported
+        change only in a full pass, which forgets the proof: compared all the same, as the guard of that."""
         engine = cell_pass.engine
         if (cell_pass.settings is not self.settings or cell_pass.cell.after_forced is not None
                 or engine._last_pass is not self.last or engine._held is not self.held
-                or len(sys.modules) != self.modules or engine.progress_opened or engine._idle_jobs != self.jobs
+                or len(sys.modules) != self.modules or engine._idle_jobs != self.jobs
                 or cell_pass._tracing()):
             return False
         devices = cell_pass.settled
