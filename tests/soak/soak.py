@@ -221,13 +221,51 @@ def runtime_listing(runtime: Path) -> List[str]:
 # ---------------------------------------------------------------- kernels
 
 
+#: kernel ports are taken below the system's ephemeral range, which outgoing connections draw from
+_PORTS_BELOW = 32768
+_ports_given: set = set()
+
+
+def _fixed_ports(n: int) -> List[int]:
+    """``n`` free TCP ports on 127.0.0.1 below the ephemeral range (read from /proc where it can be), none given
+    before in this process: a port there is taken only by a process that binds it on purpose."""
+    import socket
+
+    low = _PORTS_BELOW
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    ports: List[int] = []
+    candidates = list(range(max(1024, low - 12000), low))
+    random.shuffle(candidates)
+    for port in candidates:
+        if port in _ports_given:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _ports_given.add(port)
+        ports.append(port)
+        if len(ports) == n:
+            return ports
+    raise RuntimeError(f"no {n} free ports below {low}")
+
+
 class Kernel:
     """A kernel started through jupyter_client with the extension's environment."""
 
     def __init__(self, env: dict):
         from jupyter_client.manager import KernelManager
 
-        self.km = KernelManager()
+        self.km = KernelManager(cache_ports=False)  # the provisioner's port cache would replace the ports below
+        # jupyter_client would pick the five ports by binding port 0 and letting it go: an ephemeral port, which
+        # an outgoing connection of this busy process (its clients, gpucleanup ps) can take before the kernel
+        # binds it; the loser's heartbeat thread then dies on "Address already in use" (seen once in CI)
+        (self.km.shell_port, self.km.iopub_port, self.km.stdin_port, self.km.hb_port,
+         self.km.control_port) = _fixed_ports(5)
         self.km.kernel_spec  # resolve the spec, then make it run this interpreter
         self.km.kernel_spec.argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
         # the kernel process's own output (ipykernel's and libraries' logging) goes to the soak's log
