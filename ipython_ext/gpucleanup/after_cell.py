@@ -1277,13 +1277,17 @@ class IdleProof:
         engine = cell_pass.engine
         if (cell_pass.settings is not self.settings or cell_pass.cell.after_forced is not None
                 or engine._last_pass is not self.last or engine._held is not self.held
-                or len(sys.modules) != self.modules or engine._idle_jobs != self.jobs
-                or cell_pass._tracing()):
+                or len(sys.modules) != self.modules or engine._idle_jobs != self.jobs):
             return False
         devices = cell_pass.settled
-        for adapter, token in zip(self.adapters, self.tokens):  # a loop, not all(): this runs on every idle cell
-            if engine._quiet_token(adapter, devices, True) != token:
+        try:
+            if engine.tracing():  # the allocation trace: every cell gets its record (CellPass._tracing)
                 return False
+            for adapter, token in zip(self.adapters, self.tokens):  # a loop, not all(): runs on every idle cell
+                if adapter.quiet_token(devices, in_use=True) != token:
+                    return False
+        except Exception:  # a fault of the trace or of an adapter: the long way says what is wrong
+            return False
         return True
 
 
@@ -1423,7 +1427,10 @@ class CellPass:
         (:class:`CtrlC`): nothing here waits, and a Ctrl-C is a KeyboardInterrupt the extension reports.
         ``proof``: what the cell before this one, proven idle here, rested on; where it still stands
         (:meth:`IdleProof.stands`: the same Python-side state and every framework's quiet token as it was),
-        the frameworks' figures and :meth:`nothing_new` would answer as they did, and are not asked again."""
+        the frameworks' figures and :meth:`nothing_new` would answer as they did, and are not asked again.
+        The tokens are read outside the capture of unraisable errors that the long way enters: they free
+        nothing and run no collection, so what could arrive there is a finalizer Python's own cyclic
+        collection ran at that moment, reported as it would be anywhere in the cell."""
         engine, last = self.engine, self.engine._last_pass
         if (last is None or self.cell.forced or engine._unusable or engine.pinned_job is not None
                 or self.settings.gc == "always" or engine.holders.unbound(self.cell.namespace)):
@@ -1436,19 +1443,19 @@ class CellPass:
         self.state = engine.last_driver_state = "ready"
         # the devices, their free bytes and pools are the last cleanup's: what the library just compared
         self.devices, self.settled = list(last.devices), list(last.devices)
+        if proof is not None and proof.stands(self):
+            self.adapters, self.stats_settled = list(proof.adapters), last.stats
+            engine._idle_proof = proof
+            return True
         same = False
         with engine.unraisables.capture() as captured:
-            if proof is not None and proof.stands(self):
-                self.adapters, self.stats_settled, same = list(proof.adapters), last.stats, True
-            else:
-                proof = None
-                self.adapters = self._adapters_in_use()
-                figures = engine.stats(self.adapters, self.settled, self.notes, by_token=True) if self.adapters else {}
-                if figures == last.stats:
-                    self.stats_settled = last.stats  # the same figures: nothing_new() compares them by identity
-                    same = self.nothing_new()
+            self.adapters = self._adapters_in_use()
+            figures = engine.stats(self.adapters, self.settled, self.notes, by_token=True) if self.adapters else {}
+            if figures == last.stats:
+                self.stats_settled = last.stats  # the same figures: nothing_new() compares them by identity
+                same = self.nothing_new()
         if same and not captured and not self.notes:
-            engine._idle_proof = proof or IdleProof.made(self)
+            engine._idle_proof = IdleProof.made(self)
             return True
         self.captured.extend(captured)  # said by the whole pass's record
         self.devices, self.settled, self.adapters, self.notes = [], [], [], []

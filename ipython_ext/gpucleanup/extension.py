@@ -477,6 +477,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         self._depth = max(0, self._depth - 1)
         if self._depth > 0:
             return
+        traits = None
         try:
             if result is not None and getattr(getattr(result, "info", None), "silent", False):
                 return
@@ -484,11 +485,12 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             if not traits.enabled or self.engine.exiting or self.parking.parked_for_cleanup():
                 return  # parked (its resume failed): a driver call would wait for the restore
             cell = getattr(result, "execution_count", None) if result is not None else None
-            self._release_after_oom(result, cell)
+            if result is not None and getattr(result, "error_in_exec", None) is not None:
+                self._release_after_oom(result, cell)
             # asked for by the engine once this cell's pass found a device in use (the first GPU cell too)
             hidden = functools.partial(holders.held_after_cell, self.shell, result, cell)
             outcome = self.cleanup(cell=cell, after_forced=self._forced_in_cell, hidden=hidden)
-            if outcome is not None:
+            if outcome is not None and outcome.lines:  # an idle cell's has none
                 self._say(outcome.lines, cell)
             if traits.trace_allocations and not self.tracer.active and outcome is not None:
                 self._start_trace(automatic=True)
@@ -513,8 +515,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                         self.shell.ast_transformers.remove(self._interrupt_the_cell)
             self._say_idle()
             try:
-                self.parking.park_after_cell()  # %gpumem --park: the cell has ended, the kernel is idle
-                self.parking.arm(self._hook_traits().park_after_idle_s)  # parked if it stays idle that long
+                # %gpumem --park: the cell has ended, the kernel is idle; and parked if it stays idle that long
+                self.parking.after_cell((traits or self._hook_traits()).park_after_idle_s)
             except Exception:
                 pass
 

@@ -300,6 +300,15 @@ class InKernel:
         except Exception:
             return False
 
+    def after_cell(self, after_s: float) -> None:
+        """A cell's hooks end, its state idle: the park ``%gpumem --park`` asked for runs now, and the timer
+        that parks the kernel once idle ``after_s`` seconds (0: never) is armed; one call per cell, which
+        does nothing more when neither is wanted."""
+        if self.requested:
+            self.park_after_cell()
+        if self._timer is not None or (after_s and after_s > 0):
+            self.arm(after_s)
+
     def park_after_cell(self) -> None:
         """The park ``%gpumem --park`` asked for, now that the cell has ended (its state is idle)."""
         if not self.requested:

@@ -164,7 +164,7 @@ class StatusEndpoint:
         :meth:`set_state` does for these, with no dict built and checked, in one library call that also
         answers :meth:`parked` and takes the time itself. ``since_ns``: for a native module without that
         call (now when None). Returns that park state (None: not asked); never raises."""
-        if not self._serving():
+        if not self._running or self._pid != os.getpid():  # _serving(), written out: twice per cell
             return None
         try:
             running = state != "idle"
@@ -179,7 +179,8 @@ class StatusEndpoint:
                 since = time.time_ns() if since_ns is None else since_ns
                 lib.server_set_state({"state": state, "cell": cell, "since_ns": since} if running
                                      else {"state": state, "since_ns": since})
-            if not running and not self._refusals_logged:  # once per cell is enough
+            if (not running and not self._refusals_logged  # once per cell, and read every few seconds
+                    and time.monotonic() - self._refusals_checked >= self.refusals_every_s):
                 self._log_refusals()
             return parked
         except Exception as exc:

@@ -403,6 +403,31 @@ def test_no_proof_is_kept_while_a_framework_in_use_has_no_quiet_token(fake_cuda,
     assert engine._idle_proof is None and checked["nothing_new"] == asked + 4  # the long way on every cell
 
 
+def test_a_token_that_raises_under_the_proof_sends_the_cell_the_long_way_which_keeps_no_proof(fake_cuda, monkeypatch):
+    _device(fake_cuda)
+    checked = _count_nothing_new(monkeypatch)
+    cupy = Tokened(live={0: GiB})
+    engine, _ = _engine(cupy)
+    settings = _settings()
+    for cell in range(1, 5):
+        engine.run(settings, cell=cell)
+    assert engine._idle_proof is not None and engine.skipped == 3
+    asked, figures = checked["nothing_new"], cupy.calls["stats"]
+
+    def broken(devices, in_use=False):
+        raise RuntimeError("the framework's counters are gone")
+
+    monkeypatch.setattr(cupy, "quiet_token", broken)
+    outcome = engine.run(settings, cell=5)
+    # no exception into the cell; its figures are read the long way, still equal, so the cell is idle
+    assert not outcome.keep and engine.skipped == 4
+    assert cupy.calls["stats"] == figures + 1 and checked["nothing_new"] == asked + 1
+    assert engine._idle_proof is None  # no token to rest a proof on
+    monkeypatch.undo()  # the token answers again: the next idle cell leaves a proof once more
+    _count_nothing_new(monkeypatch)
+    assert not engine.run(settings, cell=6).keep and engine._idle_proof is not None
+
+
 def test_a_release_held_by_idle_cells_on_their_proof_is_re_armed_by_each_and_once_it_ran_the_next_cell_says_so(
         fake_cuda, monkeypatch):
     _device(fake_cuda)

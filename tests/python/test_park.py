@@ -284,3 +284,22 @@ def test_jax_on_more_than_one_gpu_is_refused_and_one_gpu_or_other_frameworks_are
 def test_jax_is_seen_in_the_process_maps_without_touching_the_process(target, tmp_path):
     assert park.loads_jax(target.pid) is False  # the target maps the fake driver, no XLA
     assert park.loads_jax(2 ** 22 + 1) is False  # no such pid: no maps to read
+
+
+def test_a_cells_end_arms_the_idle_park_timer_only_when_asked_and_a_requested_park_without_endpoint_says_why():
+    from gpucleanup.parking import InKernel
+
+    said = []
+    kernel = InKernel(lambda: None, said.extend)
+    kernel.after_cell(0.0)  # neither a park asked for nor a timer: nothing armed, nothing said
+    assert kernel._timer is None and said == []
+    kernel.after_cell(3600.0)
+    first = kernel._timer
+    assert first is not None and first.daemon and first.is_alive() and first.interval == 3600.0
+    kernel.after_cell(3600.0)  # re-armed from this cell's end: the old timer is cancelled
+    assert kernel._timer is not first and first.finished.is_set()
+    kernel.after_cell(0.0)  # turned off: the timer goes
+    assert kernel._timer is None and said == []
+    kernel.requested = True  # %gpumem --park, with the status endpoint off
+    kernel.after_cell(0.0)
+    assert not kernel.requested and len(said) == 1 and "parking needs the status endpoint" in said[0]

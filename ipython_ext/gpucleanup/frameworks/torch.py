@@ -9,6 +9,7 @@ the previous device current again only if its primary context exists.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional
 
 from .base import Adapter, Figures, _bytes_text, _figures, _fault, _module
@@ -138,7 +139,7 @@ class TorchAdapter(Adapter):
         allocator backend, whose note ``stats`` adds, is not read: torch fixes it as it loads, and settings
         that name another one later fail an assertion ("Allocator backend parsed at runtime != allocator
         backend parsed at load time", c10/cuda/CUDAAllocatorConfig.cpp), so it is the one the last figures saw."""
-        c = getattr(self._torch(), "_C", None)
+        c = getattr(sys.modules.get("torch"), "_C", None)  # self._torch(), written out: on every idle cell
         read_device, read_host = getattr(c, "_cuda_memoryStats", None), getattr(c, "_cuda_hostMemoryStats", None)
         if read_device is None or read_host is None or self._releasing:
             return None
