@@ -1273,7 +1273,8 @@ class IdleProof:
         """Whether this cell finds everything the proof rested on as it was. Each framework's quiet token is
         read again, the one read no proof can spare: a framework's memory may change with no change the
         driver sees (an array deleted into its pool). The last cleanup and the releases not yet reported
-        change only in a full pass, which forgets the proof: compared all the same, as the guard of that."""
+        change only in a full pass, which forgets the proof: compared all the same, as the guard of that.
+        A token read or trace check that raises does not stand: the long way then says what is wrong."""
         engine = cell_pass.engine
         if (cell_pass.settings is not self.settings or cell_pass.cell.after_forced is not None
                 or engine._last_pass is not self.last or engine._held is not self.held
