@@ -5,6 +5,7 @@
     gpucleanup watch [KERNEL]         cell records as they happen, until Ctrl-C
     gpucleanup drain KERNEL           settle, trim the driver pools and run its own cleanup now (between cells)
     gpucleanup park KERNEL            move all its GPU memory, context included, to host memory (between cells)
+    gpucleanup park --check KERNEL    whether it can be parked now, and every reason why not (touches nothing)
     gpucleanup resume KERNEL          bring a parked kernel's GPU memory back (its next cell also does)
     gpucleanup exporter [--port N]    Prometheus metrics of every kernel over HTTP, until Ctrl-C
 
@@ -28,7 +29,9 @@ Exit status:
        unusable, failed) or its CUDA driver is unusable
   6    park, resume: the driver's steps failed; the message says what state
        the process is in and what to do
-  130  interrupted (Ctrl-C), except watch, which exits 0
+  130  interrupted (Ctrl-C; SIGTERM too during park and resume, which let the
+       driver's step under way finish and say the state they left), except
+       watch, which exits 0
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ EXIT_NO_ANSWER = 3
 EXIT_REFUSED = 4
 EXIT_NOT_DRAINED = 5
 EXIT_NOT_PARKED = 6
+EXIT_INTERRUPTED = 130
 
 # The status server refuses a drain timeout outside 0..max_drain_timeout_s
 # (share/protocol.md, default 60): checked here so that it is a usage error.
@@ -93,6 +97,10 @@ def _no_kernels_message(args) -> str:
 
 
 def _resolve(args, query: str) -> discovery.Kernel:
+    if not query or not query.strip():
+        # an unset variable in a script ("gpucleanup park $KERNEL") must not pick the only kernel
+        raise CliError("KERNEL is empty: give a pid, a kernel id (or a unique prefix) or a notebook; gpucleanup ps "
+                       "lists them", EXIT_USAGE)
     found = _scan(args)
     kernels, dead = found.live, found.stale
     exact = [k for k in kernels if query in (str(k.pid), k.kernel_id, k.notebook)]
@@ -436,26 +444,78 @@ def _park_lock(kernel: discovery.Kernel) -> Path:
     return parking.lock_path(kernel.key_file, kernel.pid)
 
 
+class _TermAsInterrupt:
+    """SIGTERM acts as Ctrl-C while a park or a resume runs: the step under way is let finish (its helper
+    has a session of its own), then the park stops where it can say what state the kernel is in."""
+
+    def __enter__(self):
+        import signal
+
+        try:
+            self._old = signal.signal(signal.SIGTERM, signal.default_int_handler)
+        except ValueError:  # not the main thread
+            self._old = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import signal
+
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
+
+
 def cmd_park(args) -> int:
     kernel = _resolve(args, args.kernel)
+    if args.check:
+        return _park_check(args, kernel)
     try:
-        outcome = parking.park_from_outside(kernel.pid, _target(kernel), args.timeout, _park_lock(kernel))
+        with _TermAsInterrupt():
+            outcome = parking.park_from_outside(kernel.pid, _target(kernel), args.timeout, _park_lock(kernel))
     except status_client.StatusError as exc:
         raise _failure(kernel, exc, args.timeout) from None
     except (park_steps.ParkRefused, parking.LockBusy, OSError) as exc:
+        if args.json:
+            print(json.dumps({"action": "park", "pid": kernel.pid, "ok": False, "changed": False,
+                              "message": f"not parked: {exc}"}, indent=1))
         raise CliError(f"kernel {kernel.pid} not parked: {exc}", EXIT_REFUSED) from None
+    except KeyboardInterrupt:
+        raise CliError(f"kernel {kernel.pid}: interrupted before the driver's first step: nothing was parked",
+                       EXIT_INTERRUPTED) from None
     return _park_outcome(args, kernel, outcome, parking.outcome_text(outcome))
+
+
+def _park_check(args, kernel: discovery.Kernel) -> int:
+    """``gpucleanup park --check``: whether the kernel can be parked now, and why not; touches nothing."""
+    found = parking.check_kernel(kernel.pid, _target(kernel), args.timeout, _park_lock(kernel))
+    if args.json:
+        print(json.dumps(found, indent=1))
+    elif found["parkable"]:
+        held = sum((found.get("usage") or {}).values())
+        print(f"kernel {kernel.pid} can be parked now" + (f": it holds {format_bytes(held)} of GPU memory, which host "
+                                                           "memory and its memory limit can take" if held else ""))
+    else:
+        print(f"kernel {kernel.pid} cannot be parked now:")
+        for reason in found["reasons"]:
+            print(f"  - {reason}")
+    return EXIT_OK if found["parkable"] else EXIT_REFUSED
 
 
 def cmd_resume(args) -> int:
     kernel = _resolve(args, args.kernel)
     try:
-        outcome, before = parking.resume_from_outside(kernel.pid, _target(kernel), args.timeout, _park_lock(kernel),
-                                                      args.wait)
+        with _TermAsInterrupt():
+            outcome, before = parking.resume_from_outside(kernel.pid, _target(kernel), args.timeout,
+                                                          _park_lock(kernel), args.wait)
     except status_client.StatusError as exc:
         raise _failure(kernel, exc, args.timeout) from None
     except (park_steps.ParkRefused, parking.LockBusy, OSError) as exc:
+        if args.json:
+            print(json.dumps({"action": "resume", "pid": kernel.pid, "ok": False, "changed": False,
+                              "message": f"not resumed: {exc}"}, indent=1))
         raise CliError(f"kernel {kernel.pid} not resumed: {exc}", EXIT_REFUSED) from None
+    except KeyboardInterrupt:
+        raise CliError(f"kernel {kernel.pid}: interrupted before the driver's first step: nothing was done",
+                       EXIT_INTERRUPTED) from None
     return _park_outcome(args, kernel, outcome, parking.outcome_text(outcome, before))
 
 
@@ -467,8 +527,14 @@ def _park_outcome(args, kernel: discovery.Kernel, outcome: park_steps.Outcome, t
     if not outcome.ok:
         sys.stdout.flush()
         print(f"gpucleanup: kernel {kernel.pid}: {text}", file=sys.stderr)
-        return EXIT_NOT_PARKED
-    return EXIT_OK
+    if outcome.interrupted:
+        if outcome.ok and not args.json:
+            print(f"gpucleanup: kernel {kernel.pid}: interrupted (Ctrl-C or SIGTERM) after the step under way had "
+                  "finished: " + ("it is parked; its next cell brings it back" if outcome.action == "park" and
+                                  outcome.state == park_steps.CHECKPOINTED else f"it is {outcome.state}"),
+                  file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return EXIT_OK if outcome.ok else EXIT_NOT_PARKED
 
 
 # Without devices a drain did nothing: fine when no GPU was ever used
@@ -700,6 +766,8 @@ def _parser() -> argparse.ArgumentParser:
                           help="move all its GPU memory, context included, to host memory (between cells only)")
     park.add_argument("kernel", metavar="KERNEL", help="pid, kernel id (or a unique prefix) or notebook")
     park.add_argument("--json", action="store_true", help="the park's outcome as JSON (every step)")
+    park.add_argument("--check", action="store_true",
+                      help="only say whether it can be parked now, and why not (touches nothing; exit 0 or 4)")
     park.set_defaults(run=cmd_park)
     resume = sub.add_parser("resume", parents=[common], help="bring a parked kernel's GPU memory back")
     resume.add_argument("kernel", metavar="KERNEL", help="pid, kernel id (or a unique prefix) or notebook")

@@ -21,7 +21,7 @@ import time
 import weakref
 from typing import Any, Dict, List, NamedTuple, Optional
 
-from IPython.core.error import UsageError
+from IPython.core.error import InputRejected, UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from traitlets import All, observe
 
@@ -31,7 +31,7 @@ from .config import GPUCleanupOptions
 from .frameworks.objects import find_gpu_objects
 from .history import History
 from .magics import gpumem_arguments, parse_gpumem, with_settings
-from .parking import InKernel
+from .parking import InKernel, RequestGuard
 from .record import CellRecord, Outcome
 from .totals import Totals
 from .units import count_of
@@ -120,6 +120,47 @@ class _InterruptTheCell:
         return node
 
 
+class KernelStillParked(InputRejected):
+    """A cell (or a silent execute) that was not run because the kernel is still parked: its first GPU call
+    would wait for a restore that nobody makes. Shown as gpucleanup's one sentence, not as a traceback."""
+
+    def _render_traceback_(self) -> List[str]:
+        return [f"{report.PREFIX}{report.SEP}{self}"]
+
+
+class _RefuseTheCell:
+    """An IPython AST transformer that refuses the cell about to run, once, with :class:`KernelStillParked`.
+
+    ``run_cell`` triggers ``pre_run_cell``, then transforms the cell's AST, then runs it; an
+    ``InputRejected`` raised by a transformer ends the cell before any of its code, with the exception as
+    its error (``error_before_exec``). It is in the shell's ``ast_transformers`` only from the refusal to
+    the cell it refuses, and takes itself out as it refuses (a silent execute has no ``post_run_cell``).
+    """
+
+    def __init__(self, shell):
+        self.shell = shell
+        self.why: Optional[str] = None
+
+    def arm(self, why: str) -> None:
+        self.why = why
+        with contextlib.suppress(Exception):
+            if self not in self.shell.ast_transformers:
+                self.shell.ast_transformers.append(self)
+
+    def disarm(self) -> None:
+        self.why = None
+        with contextlib.suppress(Exception):
+            while self in self.shell.ast_transformers:
+                self.shell.ast_transformers.remove(self)
+
+    def visit(self, node):
+        why = self.why
+        if why is None:
+            return node
+        self.disarm()
+        raise KernelStillParked(why)
+
+
 @magics_class
 class GPUCleanup(Magics, GPUCleanupOptions):
     """Frees GPU memory after every cell and answers ``%gpumem``.
@@ -154,6 +195,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         self._forced_in_cell: Optional[CellRecord] = None  # what %gpumem --drain did in the running cell
         self._interrupt_the_cell = _InterruptTheCell()
         self.parking = InKernel(lambda: self._endpoint, self._say)
+        self._refuse_the_cell = _RefuseTheCell(shell)
+        self._request_guard = RequestGuard(self.parking, self._refuse_the_cell.arm)
         self.engine.background = self._background
         self._depth = 0  # cells running: more than one while a cell runs another (%%capture)
         # A drain from outside (gpucleanup drain, the page's Drain button) runs the kernel's cleanup on the
@@ -243,11 +286,20 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         with contextlib.suppress(Exception):  # PyCUDA's pools are seen as they are made from now on
             frameworks.install()
         self._start_status_endpoint()
+        with contextlib.suppress(Exception):  # ipykernel's: requests that run code and are no cell resume first
+            self._request_guard.install(getattr(self.shell, "kernel", None))
         atexit.register(self._at_exit)
 
     def unload(self) -> None:
         """Undo ``load``: the same bound methods are unregistered, the magic and %config entry removed."""
         self.parking.disarm()
+        if self.parking.requested:  # %gpumem --park earlier in the cell that unloads: its park cannot come
+            self.parking.requested = False
+            print(f"{report.PREFIX}{report.SEP}not parked: gpucleanup was unloaded in the cell that asked for the "
+                  "park (%gpumem --park); load it again and ask in a cell of its own")
+        with contextlib.suppress(Exception):
+            self._request_guard.remove()
+        self._refuse_the_cell.disarm()
         with contextlib.suppress(Exception):
             self._stop_trace()
         self.engine.stop()
@@ -450,6 +502,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             # the state the resume takes in the same step, built only when the kernel may be parked
             running = None if parked == 0 else {"state": "running", "cell": number, "since_ns": time.time_ns()}
             self.parking.resume_before_cell(running, parked=parked)
+            if self.parking.refusal:
+                self._refuse_the_cell.arm(self.parking.refusal)
         except KeyboardInterrupt:
             # Ctrl-C is the user's: it stops the cell. The transformer is there only
             # for this cell (IPython makes cyclic garbage per cell while one is set).

@@ -24,13 +24,19 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
-__all__ = ["Limits", "Step", "Outcome", "ParkRefused", "step", "state", "park", "resume", "host_memory_refusal",
-           "unrestorable_refusal", "process_gpu_usage", "loads_jax"]
+from .units import format_bytes
 
-#: The process states of the driver (CUprocessState), as the helper names them.
+__all__ = ["Limits", "Step", "Outcome", "ParkRefused", "Gpu", "step", "state", "park", "resume", "refusals",
+           "host_memory_refusal", "cgroup_memory", "cgroup_memory_refusal", "unrestorable_refusal", "room_refusal",
+           "process_gpu_usage", "gpus", "compute_apps", "RESUME_MARGIN"]
+
+#: The process states of the driver (CUprocessState), as the helper names them; the last two are named by
+#: newer drivers while a checkpoint or a restore is under way.
 RUNNING, LOCKED, CHECKPOINTED, FAILED = "running", "locked", "checkpointed", "failed"
+CHECKPOINTING, RESTORING = "checkpointing", "restoring"
+UNDER_WAY = (CHECKPOINTING, RESTORING)
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,8 @@ class Step:
     seconds: float = 0.0                  # the helper's whole run, start-up included
     hung: bool = False                    # outran its limit and was killed
     refused: Optional[str] = None         # no step could be run: the library's sentence
+    restore_map: Optional[int] = None     # restore: how many GPUs its identity map named (0: none passed)
+    interrupted: bool = False             # Ctrl-C or SIGTERM came while it ran: it was let finish
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -85,6 +93,8 @@ class Outcome:
     changed: bool = False            # the process was parked (park) or brought back (resume)
     parked_bytes: Optional[int] = None  # its device memory before the park (nvidia-smi), when known
     waited_s: float = 0.0            # a kernel's park: how long it waited for a release or a drain under way to end
+    usage: Optional[Dict[str, int]] = None  # park: its device memory per GPU UUID before the park (nvidia-smi)
+    interrupted: bool = False        # Ctrl-C or SIGTERM came during a step; the message says where it left things
 
     def as_dict(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if k != "steps"}
@@ -99,29 +109,79 @@ class ParkRefused(Exception):
 # ------------------------------------------------------------------ one step
 
 
+#: Where the helper runs: a directory no other user can write, so that nothing found there is imported.
+HELPER_CWD = "/"
+
+
+def helper_command(name: str, pid: int, extra: Optional[List[str]] = None, python: Optional[str] = None) -> List[str]:
+    """The command line of one park helper, which runs gpucleanup's own code and nothing else.
+
+    Python's isolated mode (``-I``: no current directory or script directory on ``sys.path``, no
+    ``PYTHON*`` variables, no user site) and the package's own parent directory put first, by its
+    installed path: a ``gpucleanup`` package or module planted in the caller's working directory
+    (a shared notebook folder, a world-writable directory root runs ``gpucleanup park`` from) is
+    never imported, and the helper runs from :data:`HELPER_CWD`.
+    """
+    home = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = (f"import sys; sys.path.insert(0, {home!r}); from gpucleanup.park_step import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    return [python or sys.executable, "-I", "-c", code, name, str(int(pid))] + list(extra or [])
+
+
+def helper_env(env: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """The helper's environment: the caller's (or ``env``) without ``CUDA_VISIBLE_DEVICES``, so that the
+    helper sees every GPU of the machine, which the restore's GPU map must name (share/FACTS.md §10)."""
+    out = dict(os.environ if env is None else env)
+    out.pop("CUDA_VISIBLE_DEVICES", None)
+    return out
+
+
 def step(pid: int, name: str, limits: Limits = Limits(), python: Optional[str] = None,
          env: Optional[Dict[str, str]] = None) -> Step:
     """Runs one step in a fresh helper process, killed past ``limits``; never raises for the driver's answer."""
-    args = [python or sys.executable, "-m", "gpucleanup.park_step", name, str(int(pid))]
-    if name == "lock":
-        args.append(str(int(limits.lock_timeout_s * 1000)))
+    extra = [str(int(limits.lock_timeout_s * 1000))] if name == "lock" else []
+    args = helper_command(name, pid, extra, python)
     started = time.monotonic()
-    try:
-        done = subprocess.run(args, capture_output=True, timeout=limits.of(name), env=env, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
-        return Step(name, False, hung=True, seconds=time.monotonic() - started)
+    returncode, stdout, stderr, hung, interrupted = _run_helper(args, helper_env(env), limits.of(name))
+    if hung:
+        return Step(name, False, hung=True, seconds=time.monotonic() - started, interrupted=interrupted)
     seconds = time.monotonic() - started
     try:
-        reply = json.loads(done.stdout.decode("utf-8", "replace").strip().splitlines()[-1])
+        reply = json.loads(stdout.decode("utf-8", "replace").strip().splitlines()[-1])
         if not isinstance(reply, dict):
             raise ValueError("not an object")
     except (ValueError, IndexError):
-        why = done.stderr.decode("utf-8", "replace").strip().splitlines()
-        detail = why[-1] if why else f"exit status {done.returncode}"
+        why = stderr.decode("utf-8", "replace").strip().splitlines()
+        detail = why[-1] if why else f"exit status {returncode}"
         return Step(name, False, refused=f"[gpucleanup.park.610] the park helper gave no answer ({detail[:300]})",
-                    seconds=seconds)
+                    seconds=seconds, interrupted=interrupted)
     return Step(name, bool(reply.get("ok")), result=reply.get("result"), state_before=reply.get("state_before"),
-                state=reply.get("state"), seconds=seconds, refused=reply.get("refused"))
+                state=reply.get("state"), seconds=seconds, refused=reply.get("refused"),
+                restore_map=reply.get("restore_map"), interrupted=interrupted)
+
+
+def _run_helper(args: List[str], env: Dict[str, str], limit: float) -> Tuple[int, bytes, bytes, bool, bool]:
+    """Runs a helper to its end or its limit: ``(returncode, stdout, stderr, hung, interrupted)``.
+
+    The helper has a session of its own, so a Ctrl-C typed at the terminal (which signals the whole
+    foreground process group) never stops a driver call half-way; a Ctrl-C or SIGTERM that reaches the
+    caller is noted and the step is let finish within its limit, so the caller can stop at a state it
+    can name (a helper killed mid-checkpoint left the driver locked while its kernel said idle).
+    """
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            env=env, cwd=HELPER_CWD, start_new_session=True)
+    deadline = time.monotonic() + limit
+    interrupted = False
+    while True:
+        try:
+            stdout, stderr = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            return proc.returncode, stdout or b"", stderr or b"", False, interrupted
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            return proc.returncode, b"", b"", True, interrupted
+        except KeyboardInterrupt:
+            interrupted = True
 
 
 def state(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = None) -> Step:
@@ -129,11 +189,12 @@ def state(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = N
     return step(pid, "state", limits, env=env)
 
 
-# ------------------------------------------------------------------ host memory
+# ------------------------------------------------------------------ host memory: the machine's and the cgroup's
 
 
 _MARGIN_FRACTION = 0.05
 _MARGIN_MIN = 1 << 30
+_CGROUP_MARGIN_MIN = 256 << 20
 
 
 def host_memory_refusal(parked_bytes: Optional[int], meminfo: str = "/proc/meminfo") -> Optional[str]:
@@ -160,11 +221,225 @@ def host_memory_refusal(parked_bytes: Optional[int], meminfo: str = "/proc/memin
     margin = max(_MARGIN_MIN, int(fields.get("MemTotal", 0) * _MARGIN_FRACTION))
     if parked_bytes + margin <= fields["MemAvailable"]:
         return None
-    from .report import format_bytes
-
     return (f"[gpucleanup.park.621] host memory cannot hold this kernel's GPU memory: parking needs "
             f"{format_bytes(parked_bytes)} plus a margin of {format_bytes(margin)}, and only "
             f"{format_bytes(fields['MemAvailable'])} is available: free host memory (or park a smaller kernel)")
+
+
+class CgroupMemory(NamedTuple):
+    """The tightest memory limit over a process's cgroup and its ancestors: where it is set, the limit,
+    what is charged there now, and what is left (``limit - usage``)."""
+
+    path: str
+    limit: int
+    usage: int
+
+    @property
+    def room(self) -> int:
+        return max(0, self.limit - self.usage)
+
+
+def _read_int(path: str) -> Optional[int]:
+    try:
+        with open(path, encoding="ascii") as fh:
+            text = fh.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def cgroup_memory(pid: int, proc: str = "/proc", root: str = "/sys/fs/cgroup") -> Optional[CgroupMemory]:
+    """The memory limit that binds process ``pid`` (cgroup v2 ``memory.max``/``memory.current``, or v1
+    ``memory.limit_in_bytes``/``memory.usage_in_bytes``), the tightest over its cgroup and every ancestor
+    (a pod's limit is often set a level above the container's own cgroup); None when none is set or none
+    can be read. Read from files alone: the process is not touched.
+
+    A container or a JupyterHub pod with a memory limit kills the kernel when its own park copies more
+    into it than the limit leaves, while the machine's ``MemAvailable`` still says yes (share/FACTS.md §10).
+    """
+    try:
+        with open(f"{proc}/{int(pid)}/cgroup", encoding="utf-8", errors="replace") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return None
+    candidates: List[Tuple[str, str, str]] = []  # (directory, limit file, usage file)
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, relative = parts
+        relative = relative.strip()
+        if not relative.startswith("/") or "/.." in relative:
+            continue
+        if hierarchy == "0" and controllers == "":
+            candidates.append((os.path.join(root, relative.lstrip("/")), "memory.max", "memory.current"))
+        elif "memory" in controllers.split(","):
+            candidates.append((os.path.join(root, "memory", relative.lstrip("/")), "memory.limit_in_bytes",
+                               "memory.usage_in_bytes"))
+    tightest: Optional[CgroupMemory] = None
+    for directory, limit_file, usage_file in candidates:
+        top = os.path.dirname(directory) if limit_file == "memory.max" else os.path.join(root, "memory")
+        here = os.path.normpath(directory)
+        stop = os.path.normpath(root if limit_file == "memory.max" else top)
+        while True:
+            limit, usage = _read_int(os.path.join(here, limit_file)), _read_int(os.path.join(here, usage_file))
+            if limit is not None and usage is not None and limit < (1 << 62):  # v1 says "none" with about 2^63
+                found = CgroupMemory(here, limit, usage)
+                if tightest is None or found.room < tightest.room:
+                    tightest = found
+            if here == stop or len(here) <= len(stop) or here == os.path.dirname(here):
+                break
+            here = os.path.dirname(here)
+    return tightest
+
+
+def cgroup_memory_refusal(parked_bytes: Optional[int], memory: Optional[CgroupMemory]) -> Optional[str]:
+    """A sentence when the process's cgroup cannot take ``parked_bytes`` more (with a margin of 5% of its
+    limit, at least 256 MiB), else None."""
+    if not parked_bytes or memory is None:
+        return None
+    margin = max(_CGROUP_MARGIN_MIN, int(memory.limit * _MARGIN_FRACTION))
+    if parked_bytes + margin <= memory.room:
+        return None
+    return (f"[gpucleanup.park.628] this kernel's memory limit cannot hold its GPU memory: a park copies "
+            f"{format_bytes(parked_bytes)} into the kernel's own memory, and its cgroup ({memory.path}: limit "
+            f"{format_bytes(memory.limit)}, {format_bytes(memory.usage)} in use) leaves "
+            f"{format_bytes(memory.room)}, less a margin of {format_bytes(margin)}: the out-of-memory killer would "
+            "end the kernel; raise the container's memory limit, or free GPU memory first")
+
+
+# ------------------------------------------------------------------ what nvidia-smi sees
+
+
+class Gpu(NamedTuple):
+    index: int
+    uuid: str
+    free: int
+    total: int
+
+
+def _smi(query: List[str], timeout: float) -> Optional[List[List[str]]]:
+    try:
+        done = subprocess.run(["nvidia-smi", *query, "--format=csv,noheader,nounits"], capture_output=True,
+                              timeout=timeout, stdin=subprocess.DEVNULL, cwd=HELPER_CWD)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0:
+        return None
+    return [[p.strip() for p in line.split(",")] for line in done.stdout.decode("ascii", "replace").splitlines()
+            if line.strip()]
+
+
+def gpus(timeout: float = 10.0) -> Optional[List[Gpu]]:
+    """Every GPU nvidia-smi sees (index, UUID, free and total bytes); None when it cannot say."""
+    rows = _smi(["--query-gpu=index,uuid,memory.free,memory.total"], timeout)
+    if rows is None:
+        return None
+    out = [Gpu(int(r[0]), r[1], int(r[2]) << 20, int(r[3]) << 20) for r in rows
+           if len(r) == 4 and r[0].isdigit() and r[2].isdigit() and r[3].isdigit()]
+    return out or None
+
+
+def compute_apps(timeout: float = 10.0) -> Optional[List[Tuple[int, str, int]]]:
+    """Every process nvidia-smi lists on a GPU: ``(pid, GPU UUID, bytes)``; None when it cannot say. Pids
+    are the host's: a process of another PID namespace shows with a pid this one may not know."""
+    rows = _smi(["--query-compute-apps=pid,gpu_uuid,used_memory"], timeout)
+    if rows is None:
+        return None
+    return [(int(r[0]), r[1], int(r[2]) << 20) for r in rows if len(r) == 3 and r[0].isdigit() and r[2].isdigit()]
+
+
+def process_gpu_usage(pid: int, timeout: float = 10.0,
+                      apps: Optional[List[Tuple[int, str, int]]] = None) -> Optional[Dict[str, int]]:
+    """The process's device memory per GPU (UUID -> bytes) from ``nvidia-smi --query-compute-apps``;
+    ``{}`` when it holds none, None when nvidia-smi cannot say (absent, failed, or the pid unknown here)."""
+    apps = compute_apps(timeout) if apps is None else apps
+    if apps is None:
+        return None
+    usage: Dict[str, int] = {}
+    for app_pid, uuid, used in apps:
+        if app_pid == pid:
+            usage[uuid] = usage.get(uuid, 0) + used
+    return usage if usage or os.path.exists(f"/proc/{pid}") else None
+
+
+def process_gpu_bytes(pid: int, timeout: float = 10.0) -> Optional[int]:
+    """The process's device memory on every GPU (nvidia-smi), else None."""
+    usage = process_gpu_usage(pid, timeout)
+    return None if usage is None else sum(usage.values())
+
+
+def _gpu_label(uuid: str, view: Optional[List[Gpu]]) -> str:
+    for gpu in view or ():
+        if gpu.uuid == uuid:
+            return f"GPU{gpu.index}"
+    return uuid[:12]
+
+
+def _owner(pid: int) -> str:
+    try:
+        import pwd
+
+        return pwd.getpwuid(os.stat(f"/proc/{pid}").st_uid).pw_name
+    except (OSError, KeyError, ImportError):
+        return ""
+
+
+def unrestorable_refusal(pid: int, usage: Optional[Dict[str, int]], view: Optional[List[Gpu]] = None) -> Optional[str]:
+    """A sentence for a process that a restore is known not to bring back whole, else None.
+
+    Measured on two H200s (share/FACTS.md §10): a process that has used two GPUs together (one cross-GPU
+    copy in PyTorch, which turns peer access on) is checkpointed, but its restore fails with
+    CUDA_ERROR_INVALID_VALUE, with no GPU map as with the identity map of every GPU, and the process is
+    lost; one with memory on two GPUs that never used them together comes back, but its first cross-GPU
+    copy after the resume fails (``invalid resource handle``). Whether peer access was ever turned on cannot
+    be read from outside the process, so every process with device memory on more than one GPU is refused.
+    """
+    if not usage or len(usage) < 2:
+        return None
+    held = ", ".join(f"{_gpu_label(uuid, view)} {format_bytes(n)}" for uuid, n in sorted(
+        usage.items(), key=lambda item: _gpu_label(item[0], view)))
+    return (f"[gpucleanup.park.627] process {pid} uses {len(usage)} GPUs ({held}): it is not parked, because the "
+            "driver cannot restore a process that has used two GPUs together (a cross-GPU copy or peer access: its "
+            "restore fails and the process is lost) and one that has not loses its first cross-GPU copy after the "
+            "resume; give each kernel one GPU (CUDA_VISIBLE_DEVICES) to make it parkable")
+
+
+#: Free memory a resume asks for beyond what the process held on a GPU before its park (measured: a restore
+#: with 256 MiB to spare brought 5.6 GiB back, share/FACTS.md §10).
+RESUME_MARGIN = 256 << 20
+
+
+def room_refusal(pid: int, need: Optional[Dict[str, int]], view: Optional[List[Gpu]],
+                 apps: Optional[List[Tuple[int, str, int]]] = None) -> Optional[str]:
+    """A sentence when a GPU lacks room for the resume of ``pid``: ``need`` is what it held per GPU UUID
+    before its park, ``view`` what nvidia-smi sees now; None when there is room or nothing to compare.
+
+    A restore without room fails with CUDA_ERROR_OUT_OF_MEMORY, and the next restore, once memory was
+    free again, failed with CUDA_ERROR_OPERATING_SYSTEM and lost the process (measured on an H200,
+    share/FACTS.md §10): so no restore is tried without room.
+    """
+    if not need or not view:
+        return None
+    by_uuid = {gpu.uuid: gpu for gpu in view}
+    short = []
+    for uuid, wanted in sorted(need.items()):
+        gpu = by_uuid.get(uuid)
+        if gpu is None:
+            return (f"[gpucleanup.park.633] the GPU process {pid} was parked from ({uuid}) is not on this machine "
+                    "now: it stays parked with nothing lost; bring that GPU back, then resume it")
+        if gpu.free < wanted + RESUME_MARGIN:
+            others = sorted(((used, app) for app, on, used in (apps or ()) if on == uuid and app != pid),
+                            reverse=True)[:3]
+            held = ", ".join(f"pid {app}" + (f" ({_owner(app)})" if _owner(app) else "") + f" {format_bytes(used)}"
+                             for used, app in others)
+            short.append(f"GPU{gpu.index} lacks {format_bytes(wanted + RESUME_MARGIN - gpu.free)} for the resume (it "
+                         f"needs {format_bytes(wanted)} and a margin of {format_bytes(RESUME_MARGIN)}; "
+                         f"{format_bytes(gpu.free)} is free" + (f"; held by {held}" if held else "") + ")")
+    if not short:
+        return None
+    return (f"[gpucleanup.park.630] {'; '.join(short)}: process {pid} stays parked with nothing lost (a restore "
+            f"without room can lose it, so none was tried); resume it once the memory is free: {_resume_hint(pid)}")
 
 
 # ------------------------------------------------------------------ park and resume
@@ -174,12 +449,16 @@ def _resume_hint(pid: int) -> str:
     return f"python -m gpucleanup.park resume {pid}"
 
 
-def _refusal_for_state(pid: int, found: Step) -> str:
+def _refusal_for_state(pid: int, found: Step, usage: Optional[Dict[str, int]] = None) -> str:
     if found.refused:
         return found.refused
     if found.hung:
         return (f"[gpucleanup.park.611] the driver did not say within {found.seconds:.0f} s what state process "
                 f"{pid} is in: nothing was done; check the GPU with nvidia-smi")
+    if found.state is None and usage:
+        return (f"[gpucleanup.park.634] the driver cannot checkpoint process {pid} ({found.result}), although it "
+                f"holds {format_bytes(sum(usage.values()))} of GPU memory: nothing was done; it runs as before (a "
+                "process in another container's driver namespace, or one whose CUDA the driver cannot checkpoint)")
     if found.state is None:
         return (f"[gpucleanup.park.612] process {pid} is not a CUDA process the driver can park "
                 f"({found.result}): it has not used the GPU, or it has exited")
@@ -188,42 +467,70 @@ def _refusal_for_state(pid: int, found: Step) -> str:
     if found.state == LOCKED:
         return (f"[gpucleanup.park.614] process {pid} is locked by an earlier step that did not finish: "
                 f"bring it back with {_resume_hint(pid)}")
-    return (f"[gpucleanup.park.615] the driver reports process {pid} as {found.state}: it cannot be parked; "
-            "save what you can and restart it")
+    if found.state in UNDER_WAY:
+        return (f"[gpucleanup.park.632] the driver reports process {pid} as {found.state}: a park or a resume of it "
+                "is under way; ask again when it has ended")
+    if found.state == FAILED:
+        return (f"[gpucleanup.park.615] the driver reports process {pid} as failed: it cannot be parked; "
+                "save what you can and restart it")
+    return (f"[gpucleanup.park.635] the driver reports process {pid} in a state gpucleanup does not know "
+            f"({found.state}): nothing was done; check it with nvidia-smi")
+
+
+def refusals(pid: int, found: Optional[Step], usage: Optional[Dict[str, int]], view: Optional[List[Gpu]] = None,
+             parked_bytes: Optional[int] = None, meminfo: str = "/proc/meminfo", proc: str = "/proc",
+             cgroup_root: str = "/sys/fs/cgroup") -> List[str]:
+    """Why process ``pid`` cannot be parked now, each reason one sentence (empty: it can), from what is known
+    without touching it: the driver's state (``found``, a ``state`` step), the GPUs it uses, host memory and
+    its cgroup's limit. The one decision every way of parking goes through, and what ``park --check`` says."""
+    out: List[str] = []
+    if found is not None and (found.refused or found.hung or found.state != RUNNING):
+        out.append(_refusal_for_state(pid, found, usage))
+    size = parked_bytes if parked_bytes is not None else (sum(usage.values()) if usage else None)
+    for reason in (unrestorable_refusal(pid, usage, view), host_memory_refusal(size, meminfo),
+                   cgroup_memory_refusal(size, cgroup_memory(pid, proc, cgroup_root))):
+        if reason:
+            out.append(reason)
+    return out
 
 
 def park(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = None,
          parked_bytes: Optional[int] = None) -> Outcome:
     """Lock, then checkpoint process ``pid``; on any failure leave it running (or say exactly where it is).
 
-    Raises :class:`ParkRefused` when nothing was done (the process is not running, the driver
-    has no checkpoint calls, host memory cannot hold its device memory, ...). Otherwise returns
-    an :class:`Outcome` whose ``state`` is ``checkpointed`` when the park worked.
-    ``parked_bytes``: the process's device memory when the caller knows it; else it is read
-    from ``nvidia-smi`` where there is one.
+    Raises :class:`ParkRefused` when nothing was done: the first of :func:`refusals` (the process is not
+    running, the driver has no checkpoint calls, it uses several GPUs, host or cgroup memory cannot hold its
+    device memory, ...). Otherwise returns an :class:`Outcome` whose ``state`` is ``checkpointed`` when the
+    park worked. ``parked_bytes``: the process's device memory when the caller knows it; else it is read
+    from ``nvidia-smi`` where there is one. A Ctrl-C or SIGTERM lets the step under way finish, then stops:
+    after the lock it unlocks (the process runs as before), after the checkpoint the process stays parked.
     """
     started = time.monotonic()
     steps: List[Step] = []
-    usage = process_gpu_usage(pid)
+    apps = compute_apps()
+    usage = process_gpu_usage(pid, apps=apps)
     if parked_bytes is None and usage is not None:
         parked_bytes = sum(usage.values())
 
     def outcome(ok: bool, now: Optional[str], message: str, changed: bool = False) -> Outcome:
-        return Outcome("park", pid, ok, now, message, steps, time.monotonic() - started, changed, parked_bytes)
+        return Outcome("park", pid, ok, now, message, steps, time.monotonic() - started, changed, parked_bytes,
+                       usage=usage, interrupted=any(s.interrupted for s in steps))
 
     found = state(pid, limits, env)
     steps.append(found)
-    if found.refused or found.hung or found.state != RUNNING:
-        raise ParkRefused(_refusal_for_state(pid, found))
-    refusal = (unrestorable_refusal(pid, len(usage or {}), loads_jax(pid) if usage and len(usage) > 1 else False)
-               or host_memory_refusal(parked_bytes))
-    if refusal:
-        raise ParkRefused(refusal)
+    reasons = refusals(pid, found, usage, gpus() if usage and len(usage) > 1 else None, parked_bytes)
+    if reasons:
+        raise ParkRefused(reasons[0])
+    if found.interrupted:
+        raise ParkRefused("[gpucleanup.park.631] interrupted (Ctrl-C or SIGTERM) before the lock: nothing was done, "
+                          f"process {pid} runs as before")
 
     locked = step(pid, "lock", limits, env=env)
     steps.append(locked)
     if locked.refused:
         raise ParkRefused(locked.refused)
+    if locked.ok and locked.interrupted:
+        return _unlock_back(pid, limits, env, steps, outcome, "interrupted (Ctrl-C or SIGTERM) during the lock")
     if not locked.ok:
         now = locked.state if not locked.hung else _state_after_hang(pid, limits, env, steps)
         if now == LOCKED:  # a hung lock that took after all: give the process back
@@ -244,6 +551,9 @@ def park(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = No
     steps.append(checkpointed)
     now = checkpointed.state if not checkpointed.hung else _state_after_hang(pid, limits, env, steps)
     if checkpointed.ok or now == CHECKPOINTED:
+        if checkpointed.interrupted:
+            return outcome(True, CHECKPOINTED, f"parked process {pid}: the interrupt (Ctrl-C or SIGTERM) came during "
+                           f"the checkpoint, which was let finish; resume it with {_resume_hint(pid)}", changed=True)
         return outcome(True, CHECKPOINTED, f"parked process {pid}", changed=True)
     if now == LOCKED:
         what = (f"outran its limit of {limits.checkpoint_s:.0f} s" if checkpointed.hung
@@ -274,18 +584,22 @@ def _unlock_back(pid, limits, env, steps, outcome, what: str) -> Outcome:
                    f"{pid} is {now or 'in a state the driver did not report'}; try {_resume_hint(pid)}")
 
 
-def resume(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = None) -> Outcome:
+def resume(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = None,
+           need: Optional[Dict[str, int]] = None) -> Outcome:
     """Bring process ``pid`` back from whatever state a park left it in (restore, then unlock).
 
     Driven by the driver's own state, not by what was recorded: a checkpointed process is
     restored and unlocked, a locked one unlocked, a running one left alone (``changed`` False).
-    A failed restore leaves it parked, its memory still in host memory, and says how to retry.
+    ``need``: what it held per GPU UUID before its park (kept by the park); a GPU that lacks room for it
+    now is said and no restore is tried. A failed restore leaves it parked, its memory still in host
+    memory, and says how to retry. A Ctrl-C or SIGTERM lets the step under way finish.
     """
     started = time.monotonic()
     steps: List[Step] = []
 
     def outcome(ok: bool, now: Optional[str], message: str, changed: bool = False) -> Outcome:
-        return Outcome("resume", pid, ok, now, message, steps, time.monotonic() - started, changed)
+        return Outcome("resume", pid, ok, now, message, steps, time.monotonic() - started, changed,
+                       interrupted=any(s.interrupted for s in steps))
 
     found = state(pid, limits, env)
     steps.append(found)
@@ -297,7 +611,14 @@ def resume(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = 
                        "its GPU state is lost, restart it")
     if found.state == RUNNING:
         return outcome(True, RUNNING, f"process {pid} is not parked: nothing to resume")
+    if found.state not in (CHECKPOINTED, LOCKED):  # under way, or a state this gpucleanup does not know
+        return outcome(False, found.state, _refusal_for_state(pid, found))
     if found.state == CHECKPOINTED:
+        if need:
+            apps = compute_apps()
+            lacking = room_refusal(pid, need, gpus(), apps)
+            if lacking:
+                return outcome(False, CHECKPOINTED, lacking)
         restored = step(pid, "restore", limits, env=env)
         steps.append(restored)
         now = restored.state if not restored.hung else _state_after_hang(pid, limits, env, steps)
@@ -320,54 +641,17 @@ def resume(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = 
                    f"{now or 'in a state the driver did not report'}; retry with {_resume_hint(pid)}")
 
 
-def process_gpu_usage(pid: int, timeout: float = 10.0) -> Optional[Dict[str, int]]:
-    """The process's device memory per GPU (UUID -> bytes) from ``nvidia-smi --query-compute-apps``;
-    ``{}`` when it holds none, None when nvidia-smi cannot say (absent, failed, or the pid unknown here)."""
-    try:
-        done = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory",
-                               "--format=csv,noheader,nounits"], capture_output=True, timeout=timeout,
-                              stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if done.returncode != 0:
-        return None
-    usage: Dict[str, int] = {}
-    for line in done.stdout.decode("ascii", "replace").splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 3 and parts[0] == str(pid) and parts[2].isdigit():
-            usage[parts[1]] = usage.get(parts[1], 0) + (int(parts[2]) << 20)
-    return usage if usage or os.path.exists(f"/proc/{pid}") else None
+MAX_PID = (1 << 31) - 1  # the driver takes an int: a larger number would wrap onto another process
 
 
-def process_gpu_bytes(pid: int, timeout: float = 10.0) -> Optional[int]:
-    """The process's device memory on every GPU (nvidia-smi), else None."""
-    usage = process_gpu_usage(pid, timeout)
-    return None if usage is None else sum(usage.values())
+def pid_argument(text: str) -> int:
+    """An argparse type: a process id, 1 to 2^31-1, written in decimal digits alone."""
+    import argparse
 
+    if not text.isdigit() or not 1 <= int(text) <= MAX_PID:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a process id (a whole number from 1 to {MAX_PID})")
+    return int(text)
 
-def loads_jax(pid: int) -> bool:
-    """Whether process ``pid`` has JAX's XLA runtime mapped (``/proc/<pid>/maps``), read without touching it."""
-    try:
-        with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as fh:
-            return any("jaxlib" in line or "xla_extension" in line for line in fh)
-    except OSError:
-        return False
-
-
-def unrestorable_refusal(pid: int, gpus: int, jax: bool) -> Optional[str]:
-    """A sentence for a process a restore is known not to bring back, else None.
-
-    Measured (share/FACTS.md §10): JAX with contexts on two GPUs was checkpointed, but its restore failed
-    and the process was lost, every time; PyTorch on two GPUs and JAX on one came back. So a process with
-    JAX loaded and device memory on more than one GPU is refused. cuBLAS, cuDNN and CUDA graphs came back;
-    managed memory makes the checkpoint fail cleanly (the process is unlocked and runs on). CUDA IPC, MPS
-    and NCCL are not known yet, and are not refused.
-    """
-    if jax and gpus > 1:
-        return (f"[gpucleanup.park.627] process {pid} uses JAX on {gpus} GPUs: a restore of such a process was seen "
-                "to fail and lose it, so it is not parked; give it one GPU (CUDA_VISIBLE_DEVICES) to make it "
-                "parkable, or free its memory with jax.clear_caches() and del")
-    return None
 
 def main(argv: Optional[List[str]] = None) -> int:
     """``python -m gpucleanup.park {state,resume} PID``: what a park left behind, and bringing it back.
@@ -381,7 +665,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m gpucleanup.park", description=main.__doc__.splitlines()[0])
     parser.add_argument("action", choices=("state", "resume"))
-    parser.add_argument("pid", type=int)
+    parser.add_argument("pid", type=pid_argument)
     parser.add_argument("--json", action="store_true", help="print the whole outcome as JSON")
     args = parser.parse_args(argv)
     if args.action == "state":

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import os
 import stat
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -30,7 +32,7 @@ from typing import Callable, Optional
 from . import park as park_steps, report
 from .units import format_bytes, format_duration
 
-__all__ = ["LockBusy", "ParkLock", "lock_path", "remote_record", "park_kernel", "park_from_outside",
+__all__ = ["LockBusy", "LockUnusable", "ParkLock", "parked_need", "outliving_threads", "lock_path", "remote_record", "park_kernel", "park_from_outside",
            "resume_from_outside", "outcome_text", "resume_kernel", "parked_text", "resumed_text", "kernel_message",
            "wait_limit"]
 
@@ -40,6 +42,10 @@ RecordStep = Callable[[str, Optional[int]], dict]
 
 class LockBusy(Exception):
     """Another party holds the kernel's park lock past the wait allowed."""
+
+
+class LockUnusable(park_steps.ParkRefused):
+    """The kernel's park lock file cannot be used (a link, another user's file, a directory not there)."""
 
 
 def lock_path(key_file: os.PathLike, pid: int) -> Path:
@@ -66,11 +72,18 @@ class ParkLock:
         self._fd: Optional[int] = None
 
     def __enter__(self) -> "ParkLock":
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            why = ("it is a symbolic link, which is never followed" if exc.errno == errno.ELOOP else
+                   exc.strerror or str(exc))
+            raise LockUnusable(f"[gpucleanup.park.640] the park lock {self.path} cannot be opened ({why}): nothing "
+                               "was done; remove what is at that name if it is not gpucleanup's, then try again") from None
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
-                raise PermissionError(errno.EPERM, f"{self.path} is not a regular file of this user")
+                raise LockUnusable(f"[gpucleanup.park.641] the park lock {self.path} is not a regular file of this "
+                                   "user: nothing was done; remove it (it is not gpucleanup's), then try again")
             deadline = time.monotonic() + self.timeout
             while True:
                 try:
@@ -91,6 +104,39 @@ class ParkLock:
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)  # closing the descriptor lets the lock go
+
+    # What a park leaves for its resume, kept in the lock file itself (private to the user, held under the
+    # lock): the device memory it held per GPU, so the resume can see first whether there is room for it.
+
+    def read_note(self) -> dict:
+        """What the last park wrote (``{"usage": {uuid: bytes}, ...}``), ``{}`` when nothing or unreadable."""
+        if self._fd is None:
+            return {}
+        try:
+            data = os.pread(self._fd, 1 << 16, 0)
+            note = json.loads(data.decode("utf-8")) if data else {}
+        except (OSError, ValueError):
+            return {}
+        return note if isinstance(note, dict) else {}
+
+    def write_note(self, note: Optional[dict]) -> None:
+        if self._fd is None:
+            return
+        try:
+            os.ftruncate(self._fd, 0)
+            if note:
+                os.pwrite(self._fd, json.dumps(note).encode("utf-8"), 0)
+        except OSError:
+            pass  # the note is advice for the resume's room check; the lock itself still holds
+
+
+def parked_need(note: dict) -> Optional[dict]:
+    """The note's device memory per GPU UUID, as the resume's room check takes it; None when absent or malformed."""
+    usage = note.get("usage")
+    if not isinstance(usage, dict) or not all(isinstance(k, str) and isinstance(v, int) and v >= 0
+                                              for k, v in usage.items()):
+        return None
+    return usage or None
 
 
 def remote_record(target, timeout: float) -> RecordStep:
@@ -144,7 +190,7 @@ def park_kernel(pid: int, record: RecordStep, lock_file: os.PathLike,
     of it is under way. When the driver's steps fail and leave the process locked or checkpointed, its
     state is ``parked`` all the same: its next cell (or ``gpucleanup resume``) brings it back.
     """
-    with ParkLock(lock_file, lock_timeout):
+    with ParkLock(lock_file, lock_timeout) as lock:
         waited_s = _begin(record, begin_wait_s)
         try:
             outcome = park_steps.park(pid, limits, env=env)
@@ -153,6 +199,8 @@ def park_kernel(pid: int, record: RecordStep, lock_file: os.PathLike,
             raise
         outcome.waited_s = round(waited_s, 3)
         if outcome.ok or outcome.state in (park_steps.LOCKED, park_steps.CHECKPOINTED):
+            lock.write_note({"pid": pid, "usage": outcome.usage or {}, "parked_bytes": outcome.parked_bytes,
+                             "since_ns": time.time_ns()} if outcome.ok else None)
             record("parked", outcome.parked_bytes if outcome.ok else None)
         else:
             record("failed", None)
@@ -164,10 +212,17 @@ def resume_kernel(pid: int, record: Optional[RecordStep], lock_file: os.PathLike
                   lock_timeout: Optional[float] = None) -> park_steps.Outcome:
     """Brings kernel ``pid`` back from whatever a park left (the driver's own state decides) and, when it
     runs again, records ``resumed``. Waits for a park under way (at most :func:`wait_limit`)."""
-    with ParkLock(lock_file, wait_limit(limits) if lock_timeout is None else lock_timeout):
-        outcome = park_steps.resume(pid, limits, env=env)
-        if outcome.ok and record is not None:
-            record("resumed", None)
+    with ParkLock(lock_file, wait_limit(limits) if lock_timeout is None else lock_timeout) as lock:
+        outcome = park_steps.resume(pid, limits, env=env, need=parked_need(lock.read_note()))
+        if outcome.ok:
+            lock.write_note(None)
+            if record is not None:
+                try:
+                    record("resumed", None)
+                except Exception as exc:
+                    # Already running: another party resumed it and said so first; not news.
+                    if outcome.changed or "not parked" not in str(exc):
+                        raise
         return outcome
 
 
@@ -177,10 +232,93 @@ def kernel_message(outcome: park_steps.Outcome) -> str:
     return outcome.message.replace(f"python -m gpucleanup.park resume {outcome.pid}", f"gpucleanup resume {outcome.pid}")
 
 
+def process_uid(pid: int, proc: str = "/proc") -> Optional[int]:
+    """The real uid of process ``pid`` (``/proc/<pid>/status``), None when it cannot be read (gone, hidden)."""
+    try:
+        with open(f"{proc}/{int(pid)}/status", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("Uid:"):
+                    fields = line.split()
+                    return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
+    except OSError:
+        return None
+    return None
+
+
+def _user(uid: Optional[int]) -> str:
+    try:
+        import pwd
+
+        return f"{uid} ({pwd.getpwuid(uid).pw_name})" if uid is not None else "unknown"
+    except (KeyError, ImportError):
+        return str(uid)
+
+
+def owner_refusal(pid: int, lock_file: os.PathLike, proc: str = "/proc") -> Optional[str]:
+    """A sentence when process ``pid`` does not belong to whoever owns the kernel's files (the directory of
+    its key and park lock), else None. A discovery file and a key can be planted in a directory of one's own
+    naming any process: root's ``gpucleanup park`` would then checkpoint a third user's process."""
+    directory = Path(lock_file).parent
+    try:
+        owner = os.stat(directory, follow_symlinks=False).st_uid
+    except OSError as exc:
+        return (f"[gpucleanup.park.644] the kernel's directory {directory} cannot be read ({exc.strerror}): "
+                "nothing was done")
+    uid = process_uid(pid, proc)
+    if uid is None:
+        return (f"[gpucleanup.park.612] process {pid} is not a CUDA process the driver can park (it cannot be "
+                "seen here): it has not used the GPU, or it has exited")
+    if uid != owner:
+        return (f"[gpucleanup.park.643] process {pid} belongs to uid {_user(uid)}, not to uid {_user(owner)}, who "
+                f"owns {directory}: its discovery file names another user's process, so nothing was done; remove "
+                "that file if it is not a kernel's")
+    return None
+
+
 def park_from_outside(pid: int, target, timeout: float, lock_file: os.PathLike) -> park_steps.Outcome:
     """``gpucleanup park`` and the page's Park: :func:`park_kernel` with the kernel's state kept through
-    signed requests to its status endpoint (``target``)."""
+    signed requests to its status endpoint (``target``). Refused (ParkRefused) when the process at ``pid``
+    is not its files' owner's."""
+    refusal = owner_refusal(pid, lock_file)
+    if refusal:
+        raise park_steps.ParkRefused(refusal)
     return park_kernel(pid, remote_record(target, timeout), lock_file)
+
+
+def check_kernel(pid: int, target, timeout: float, lock_file: os.PathLike) -> dict:
+    """``gpucleanup park --check``: whether kernel ``pid`` can be parked now and, if not, every reason, from
+    what can be read without touching it: who owns it, its state (a cell or a drain running, parked already),
+    the driver's state of the process (a helper's read-only look: a driver without checkpoint calls says so
+    there), the GPUs it uses (nvidia-smi), host memory and its cgroup's limit. Returns ``{"parkable",
+    "reasons", "usage", "state", "driver_state"}``; never raises for what it finds."""
+    from . import status_client
+
+    out: dict = {"pid": pid, "parkable": False, "reasons": [], "usage": None, "state": None, "driver_state": None}
+    refusal = owner_refusal(pid, lock_file)
+    if refusal:
+        out["reasons"].append(refusal)
+        return out
+    try:
+        state = status_client.request(target, "status", timeout).get("state") or {}
+    except status_client.StatusError as exc:
+        state = {}
+        out["reasons"].append(f"the kernel did not answer its status request ({exc}): a park would be refused")
+    out["state"] = kernel_state = state.get("state")
+    if kernel_state in ("running", "draining"):
+        cell = state.get("cell")
+        out["reasons"].append(f"the kernel is {kernel_state}" + (f" (cell {cell})" if cell else "")
+                              + ": a park starts only between cells; ask again when it is idle")
+    elif kernel_state in ("parking", "parked"):
+        out["reasons"].append(f"the kernel is {kernel_state} already: gpucleanup resume {pid} brings it back")
+    found = park_steps.state(pid)
+    out["driver_state"] = found.state
+    apps = park_steps.compute_apps()
+    usage = out["usage"] = park_steps.process_gpu_usage(pid, apps=apps)
+    reasons = park_steps.refusals(pid, None if kernel_state in ("parking", "parked") else found, usage,
+                                  park_steps.gpus() if usage else None)
+    out["reasons"].extend(reasons)
+    out["parkable"] = not out["reasons"]
+    return out
 
 
 def resume_from_outside(pid: int, target, timeout: float, lock_file: os.PathLike,
@@ -190,6 +328,9 @@ def resume_from_outside(pid: int, target, timeout: float, lock_file: os.PathLike
     parked by ``python -m gpucleanup.park`` alone never knew)."""
     from . import status_client
 
+    refusal = owner_refusal(pid, lock_file)
+    if refusal:
+        raise park_steps.ParkRefused(refusal)
     before = status_client.request(target, "status", timeout).get("state") or {}
     record = remote_record(target, timeout) if before.get("state") in ("parking", "parked") else None
     return resume_kernel(pid, record, lock_file, lock_timeout=wait), before
@@ -226,6 +367,18 @@ def resumed_text(outcome: park_steps.Outcome, parked: Optional[dict]) -> str:
 # ------------------------------------------------------------------ the kernel's own side
 
 
+#: Threads that outlive cells by design and make no GPU calls of the user's: tqdm's monitor, IPython's history
+#: saver, gpucleanup's own.
+_QUIET_THREADS = ("gpucleanup", "TMonitor", "IPythonHistorySavingThread")
+
+
+def outliving_threads(known: set) -> list:
+    """The names of the live threads not in ``known`` (the idents alive when gpucleanup loaded), less those
+    that run no user work: threads a cell started that still run, whose GPU calls a park would stop."""
+    return sorted(t.name for t in threading.enumerate()
+                  if t.ident not in known and t.is_alive() and not t.name.startswith(_QUIET_THREADS))
+
+
 class InKernel:
     """The kernel's side of parking: ``%gpumem --park`` after the cell, the resume before the next cell,
     and the look the hooks take first (no driver call while parked).
@@ -247,6 +400,11 @@ class InKernel:
         self.requested = False
         self._timer = None
         self._auto_note: Optional[str] = None
+        #: the threads alive as gpucleanup loaded: an automatic park leaves a kernel alone while a thread
+        #: started after them runs on (its GPU calls would stop, with no cell running to show why)
+        self._threads_at_load = {t.ident for t in threading.enumerate()}
+        #: why the cell about to run must not run (the kernel stays parked), for the extension to say
+        self.refusal: Optional[str] = None
         #: what the resume before this cell found: False, not parked (the cell's state is "running" since,
         #: so no park can begin before the cell's cleanup); None: not known, asked again
         self.parked_at_start: Optional[bool] = None
@@ -270,10 +428,25 @@ class InKernel:
         if timer is not None:
             timer.cancel()
 
+    def automatic_park_blocker(self) -> Optional[str]:
+        """Why no automatic park may take this kernel now (None: it may): a thread started in a cell that
+        still runs; its driver calls would stop for as long as the kernel stays parked."""
+        running = [name for name in outliving_threads(self._threads_at_load) if name != threading.current_thread().name]
+        if not running:
+            return None
+        return (f"[gpucleanup.park.642] {len(running)} thread{'s' if len(running) > 1 else ''} started in a cell "
+                f"still run{'' if len(running) > 1 else 's'} ({', '.join(running[:3])}"
+                f"{', ...' if len(running) > 3 else ''}): an automatic park would stop their GPU calls; "
+                "it is left to %gpumem --park or gpucleanup park once they end")
+
     def _park_when_idle(self, after_s: float) -> None:
         # On the timer's thread, the kernel idle: the server's "begin" refuses if a cell started meanwhile.
         endpoint = self._endpoint()
         if getattr(endpoint, "park_lock", None) is None:
+            return
+        blocker = self.automatic_park_blocker()
+        if blocker:
+            self._auto_note = f"not parked after {format_duration(after_s)} idle: {blocker}"
             return
         try:
             outcome = park_kernel(os.getpid(), endpoint.park_step, endpoint.park_lock, self.limits, self.env)
@@ -339,7 +512,10 @@ class InKernel:
         """Brings a parked kernel back before its cell runs, and says so in one line; ``then``: the
         cell's state, taken in the same step as the resume (no park can begin in between); ``parked``:
         the server's park state as the call that said ``then`` answered it (None: asked here); sets
-        ``parked_at_start``, which the extension clears as each cell starts."""
+        ``parked_at_start``, which the extension clears as each cell starts. When the kernel is still
+        parked after it (no room on its GPU, a failed restore, Ctrl-C), ``refusal`` says why: the cell
+        must not run, since its first GPU call would wait for a restore nobody makes."""
+        self.refusal = None
         if self._timer is not None:
             self.disarm()
         note = self.take_note() if self._auto_note is not None else None  # set by the timer's thread
@@ -348,6 +524,23 @@ class InKernel:
         if not (self.parked() if parked is None else parked):
             self.parked_at_start = False
             return
+        text = self._resume(then)
+        if self.parked():
+            self.refusal = (f"this cell was not run: the kernel is still parked ({text}); nothing is lost: run the "
+                            f"cell again, or resume it with gpucleanup resume {os.getpid()}")
+            return
+        self._say([self.PREFIX + text])
+
+    def resume_for_request(self) -> bool:
+        """A request that runs code and is no cell (a silent execute, a comm message, an inspection) brings a
+        parked kernel back first; nothing is said (such a request has no cell to show a line under). Returns
+        whether the kernel is still parked."""
+        if not self.parked():
+            return False
+        self._resume(None)
+        return self.parked()
+
+    def _resume(self, then: Optional[dict]) -> str:
         endpoint = self._endpoint()
         pid = os.getpid()
         before: dict = {}
@@ -360,9 +553,10 @@ class InKernel:
         def run() -> str:
             outcome = resume_kernel(pid, record, endpoint.park_lock, self.limits, self.env)
             if outcome.ok:
-                return resumed_text(outcome, before) if outcome.changed else "resumed: " + outcome.message
-            return f"{kernel_message(outcome)}; until then this cell's GPU calls wait"
-        self._say([self.PREFIX + self._joined(run, "the resume")])
+                return (resumed_text(outcome, before) if outcome.changed else
+                        "resumed already (by gpucleanup resume or the page) before this cell")
+            return kernel_message(outcome)
+        return self._joined(run, "the resume")
 
     def resume_at_exit(self) -> None:
         """At exit, a parked kernel is brought back first: its frameworks' own frees at exit would wait
@@ -378,8 +572,6 @@ class InKernel:
     @staticmethod
     def _joined(run: Callable[[], str], what: str) -> str:
         """``run()`` in a thread of its own; its sentence, or why there is none."""
-        import threading
-
         refused = "not parked" if what == "the park" else "not resumed"
 
         result: dict = {}
@@ -402,3 +594,78 @@ class InKernel:
             return (f"interrupted (Ctrl-C): {what} goes on in the background; the next cell finds where it "
                     "ended (gpucleanup ps shows it)")
         return result.get("text", f"{what} ended without a word")
+
+
+class RequestGuard:
+    """Brings a parked kernel back before any request that runs code and is no cell: a silent execute (a
+    variable inspector's poll), a comm message (a widget), an inspection or a completion (which may call an
+    object's ``__repr__``). Each would otherwise block the kernel's shell on its first GPU call, with the next
+    cell queued behind it and nobody to resume it.
+
+    It wraps the kernel's own handlers (ipykernel's ``Kernel.shell_handlers``: the handler of each message
+    type, called as ``handler(stream, idents, msg)``) and puts them back on :meth:`remove` where they are
+    still its own. A cell's execute request is passed on untouched: its ``pre_run_cell`` resumes it, and
+    says so under the cell. When the resume fails, a silent execute is refused (``refuse``: the extension
+    turns it into an error of that request, as for a cell) and any other request is dropped with a line in
+    the kernel's log, since running it would block the kernel until someone resumes it.
+    """
+
+    TYPES = ("execute_request", "comm_open", "comm_msg", "comm_close", "inspect_request", "complete_request")
+
+    def __init__(self, parking: "InKernel", refuse: Callable[[str], None]):
+        self._parking = parking
+        self._refuse = refuse
+        self._kernel = None
+        self._installed: dict = {}
+
+    def install(self, kernel) -> bool:
+        handlers = getattr(kernel, "shell_handlers", None)
+        if not isinstance(handlers, dict) or self._installed:
+            return False
+        for msg_type in self.TYPES:
+            original = handlers.get(msg_type)
+            if original is not None:
+                handlers[msg_type] = self._installed[msg_type] = self._wrap(msg_type, original)
+        self._kernel = kernel
+        return True
+
+    def remove(self) -> None:
+        handlers = getattr(self._kernel, "shell_handlers", None)
+        installed, self._installed, self._kernel = self._installed, {}, None
+        if not isinstance(handlers, dict):
+            return
+        for msg_type, wrapper in installed.items():
+            if handlers.get(msg_type) is wrapper:  # another extension wrapped it after us: leave theirs
+                handlers[msg_type] = wrapper.__wrapped__
+
+    def _wrap(self, msg_type: str, original: Callable) -> Callable:
+        guard = self
+
+        def handler(stream, idents, msg, *args, **kwargs):
+            if guard.holds_back(msg_type, msg):
+                return None
+            return original(stream, idents, msg, *args, **kwargs)
+
+        handler.__wrapped__ = original  # type: ignore[attr-defined]
+        return handler
+
+    def holds_back(self, msg_type: str, msg) -> bool:
+        """Resumes the kernel first where ``msg`` needs it; True when the request must not be run."""
+        content = msg.get("content") if isinstance(msg, dict) else None
+        if msg_type == "execute_request" and not (isinstance(content, dict) and content.get("silent")):
+            return False  # a cell: its own pre_run_cell resumes the kernel
+        try:
+            still = self._parking.resume_for_request()
+        except Exception:
+            return False
+        if not still:
+            return False
+        why = (f"the kernel is still parked after a resume was tried before this {msg_type}: its GPU calls would "
+               f"wait for a restore nobody makes; resume it with gpucleanup resume {os.getpid()}")
+        if msg_type == "execute_request":
+            self._refuse(why)
+            return False  # it runs, and the refusal ends it before any of its code
+        log = getattr(self._kernel, "log", None)
+        if log is not None:
+            log.warning("gpucleanup: %s dropped: %s", msg_type, why)
+        return True

@@ -3,6 +3,10 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <string_view>
+#include <vector>
 
 #include "errors.hpp"
 
@@ -17,6 +21,36 @@ json state_of(const Driver& driver, int pid) {
   CUprocessState state = CU_PROCESS_STATE_RUNNING;
   if (driver.api().cuCheckpointProcessGetState(pid, &state) != CUDA_SUCCESS) return nullptr;
   return process_state_name(static_cast<int>(state));
+}
+
+// The identity map of every GPU this helper sees: the restore's map must name
+// every GPU the kernel-mode driver sees, or it fails with
+// CUDA_ERROR_INVALID_VALUE (share/FACTS.md §10). The helper runs with
+// CUDA_VISIBLE_DEVICES removed (gpucleanup.park), so what it sees is the
+// machine's (or the container's) every GPU, whatever the parked process saw.
+// Empty when a UUID cannot be read: the restore then passes no map.
+std::vector<CUcheckpointGpuPair> identity_map(const Driver& driver) {
+  const EntryPoints& api = driver.api();
+  std::vector<CUcheckpointGpuPair> pairs;
+  int count = 0;
+  if (api.cuDeviceGetUuid == nullptr || api.cuDeviceGetCount(&count) != CUDA_SUCCESS || count <= 0) return pairs;
+  for (int i = 0; i < count; ++i) {
+    CUdevice device = 0;
+    CUuuid uuid{};
+    if (api.cuDeviceGet(&device, i) != CUDA_SUCCESS || api.cuDeviceGetUuid(&uuid, device) != CUDA_SUCCESS) return {};
+    CUcheckpointGpuPair pair{};
+    pair.oldUuid = uuid;
+    pair.newUuid = uuid;
+    pairs.push_back(pair);
+  }
+  return pairs;
+}
+
+// GPUCLEANUP_PARK_RESTORE_MAP=none restores with no map (the driver's default);
+// anything else, or unset, passes the identity map of every GPU.
+bool restore_with_map() {
+  const char* mode = std::getenv("GPUCLEANUP_PARK_RESTORE_MAP");
+  return mode == nullptr || std::string_view(mode) != "none";
 }
 
 }  // namespace
@@ -36,6 +70,9 @@ std::string process_state_name(int state) {
     case CU_PROCESS_STATE_LOCKED: return "locked";
     case CU_PROCESS_STATE_CHECKPOINTED: return "checkpointed";
     case CU_PROCESS_STATE_FAILED: return "failed";
+    // Newer drivers name the moments a step is under way (not in CUDA 13.0's cuda.h).
+    case 4: return "checkpointing";
+    case 5: return "restoring";
     default: return "CUprocessState " + std::to_string(state);
   }
 }
@@ -106,9 +143,17 @@ json checkpoint_step(const Driver& driver, int pid, CheckpointStep step, unsigne
     case CheckpointStep::checkpoint:
       result = api.cuCheckpointProcessCheckpoint(pid, nullptr);
       break;
-    case CheckpointStep::restore:
-      result = api.cuCheckpointProcessRestore(pid, nullptr);
+    case CheckpointStep::restore: {
+      std::vector<CUcheckpointGpuPair> pairs;
+      if (restore_with_map()) pairs = identity_map(driver);
+      CUcheckpointRestoreArgs args;
+      std::memset(&args, 0, sizeof args);  // the reserved fields must be zero
+      args.gpuPairs = pairs.empty() ? nullptr : pairs.data();
+      args.gpuPairsCount = static_cast<unsigned int>(pairs.size());
+      out["restore_map"] = pairs.size();
+      result = api.cuCheckpointProcessRestore(pid, pairs.empty() ? nullptr : &args);
       break;
+    }
     case CheckpointStep::unlock:
       result = api.cuCheckpointProcessUnlock(pid, nullptr);
       break;

@@ -26,7 +26,8 @@ enum class CheckpointStep { state, lock, checkpoint, restore, unlock };
 const char* to_string(CheckpointStep step) noexcept;
 std::optional<CheckpointStep> parse_checkpoint_step(std::string_view name) noexcept;
 
-// "running", "locked", "checkpointed", "failed" (CUprocessState 0..3), else "CUprocessState <n>".
+// "running", "locked", "checkpointed", "failed" (CUprocessState 0..3), "checkpointing" (4) and "restoring"
+// (5) (newer drivers: a step under way), else "CUprocessState <n>".
 std::string process_state_name(int state);
 
 // The checkpoint entry points this driver lacks (empty: it can park).
@@ -35,7 +36,8 @@ std::vector<std::string> missing_checkpoint_calls(const Driver& driver);
 // Runs one step on `pid` and says what happened:
 //   {"pid", "step", "ok", "result" (CUDA_SUCCESS or the error's name), "code",
 //    "state_before", "state" (GetState before and after; null if it failed),
-//    "seconds" (the step's call alone), "lock_timeout_ms" (lock only)}
+//    "seconds" (the step's call alone), "lock_timeout_ms" (lock only),
+//    "restore_map" (restore only: how many GPUs the identity map named; 0: no map)}
 // A driver that refuses the step is a value ("ok": false), not an exception.
 // Throws gpucleanup::Error for what no step can be run on:
 //   gpucleanup.park.601  the driver is missing or unusable

@@ -366,7 +366,9 @@ def test_help_lists_the_exit_codes(runtime):
         "       unusable, failed) or its CUDA driver is unusable\n"
         "  6    park, resume: the driver's steps failed; the message says what state\n"
         "       the process is in and what to do\n"
-        "  130  interrupted (Ctrl-C), except watch, which exits 0\n"
+        "  130  interrupted (Ctrl-C; SIGTERM too during park and resume, which let the\n"
+        "       driver's step under way finish and say the state they left), except\n"
+        "       watch, which exits 0\n"
     )
     assert result.stderr == ""
 

@@ -203,23 +203,33 @@ def test_a_failed_checkpoint_leaves_the_kernel_running_and_idle(kernel, checkpoi
     assert kernel.execute("print('still here')") == "still here\n"
 
 
-def test_a_failed_restore_keeps_the_kernel_parked_and_says_how_to_retry(kernel, checkpoints):
+def test_a_failed_restore_keeps_the_kernel_parked_refuses_the_cell_and_says_how_to_retry(kernel, checkpoints):
     assert cli("park", str(kernel.pid)).returncode == 0
     patch(checkpoints, kernel.pid, {"errors": {"cuCheckpointProcessRestore": 2}})
     out = kernel.execute("print('cell ran')")
-    failed = (f"gpucleanup · [gpucleanup.park.624] the restore of process {kernel.pid} failed with "
-              "CUDA_ERROR_OUT_OF_MEMORY: it stays parked, its GPU memory safe in host memory; retry with gpucleanup "
-              f"resume {kernel.pid}; until then this cell's GPU calls wait\n")
-    assert out == failed + "cell ran\n"
+    refused = (f"KernelStillParked: this cell was not run: the kernel is still parked ([gpucleanup.park.624] the "
+               f"restore of process {kernel.pid} failed with CUDA_ERROR_OUT_OF_MEMORY: it stays parked, its GPU "
+               f"memory safe in host memory; retry with gpucleanup resume {kernel.pid}); nothing is lost: run the "
+               f"cell again, or resume it with gpucleanup resume {kernel.pid}\n")
+    assert out == refused  # its first GPU call would have waited for a restore nobody makes
     assert kernel.state()["state"] == "parked"  # no cleanup after the cell: its driver calls would wait
-    out = kernel.execute("%gpumem")  # each cell tries the resume again first
-    assert out == failed + ("gpucleanup · this kernel is parked (its GPU memory is in host memory): nothing is asked "
-                            f"of the driver until it is resumed (gpucleanup resume {kernel.pid} from a terminal)\n")
+    assert kernel.execute("%gpumem") == refused  # each cell tries the resume again first
     patch(checkpoints, kernel.pid, {"errors": {}})
-    resumed = cli("resume", str(kernel.pid))
-    assert resumed.returncode == 0, resumed
+    assert kernel.execute("print('cell ran')").endswith("cell ran\n")  # the memory is back: the cell resumes it
     assert kernel.state()["state"] == "idle"
     assert record(checkpoints, kernel.pid)["state"] == "running"
+
+
+def test_a_silent_execute_resumes_a_parked_kernel_before_its_code(kernel, checkpoints):
+    assert cli("park", str(kernel.pid)).returncode == 0
+    # a variable inspector's poll: silent, no pre_run_cell, and a driver call that would wait while parked
+    msg_id = kernel.kc.execute("import gpucleanup; _n = len(gpucleanup.snapshot()['devices'])", silent=True)
+    reply = kernel.kc.get_shell_msg(timeout=120)
+    while reply["parent_header"].get("msg_id") != msg_id:  # the replies to the fixture's own cells come first
+        reply = kernel.kc.get_shell_msg(timeout=120)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    assert record(checkpoints, kernel.pid)["state"] == "running"
+    assert kernel.state()["state"] == "idle"
 
 
 def test_a_cell_started_while_a_park_is_under_way_waits_for_it_then_resumes(kernel, checkpoints):
@@ -298,8 +308,11 @@ def test_the_park_lock_is_never_followed_through_a_link_and_waits_a_bounded_time
 
     (tmp_path / "elsewhere").write_text("")
     (tmp_path / "1.park").symlink_to(tmp_path / "elsewhere")
-    with pytest.raises(OSError):
+    with pytest.raises(parking.LockUnusable) as unusable:
         parking.ParkLock(tmp_path / "1.park", timeout=0).__enter__()
+    assert str(unusable.value) == (f"[gpucleanup.park.640] the park lock {tmp_path / '1.park'} cannot be opened (it is "
+                                   "a symbolic link, which is never followed): nothing was done; remove what is at "
+                                   "that name if it is not gpucleanup's, then try again")
     path = parking.lock_path(tmp_path / "2.key", 2)
     assert path == tmp_path / "2.park"
     with parking.ParkLock(path, timeout=0):

@@ -1,0 +1,459 @@
+"""A park either brings the process back whole or does not start: the decision every way of parking goes
+through, on the fake driver's checkpoint states and a stand-in nvidia-smi (tests/python/stand_ins/bin).
+
+- helpers run gpucleanup's own code only (a package planted in the caller's directory is never imported);
+- no restore is tried on a GPU without room, and the process stays parked with nothing lost;
+- a process on more than one GPU, or one whose cgroup cannot take its memory, is refused before the lock;
+- states a step under way (4, 5) is named, never taken for "locked";
+- Ctrl-C during a step lets it finish and stops where the state can be named;
+- the process must belong to whoever owns the kernel's files.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from conftest import FAKE_CUDA
+
+from gpucleanup import park, parking
+
+HERE = pathlib.Path(__file__).resolve().parent
+STAND_IN_BIN = HERE / "stand_ins" / "bin"
+PACKAGE = HERE.parents[1] / "ipython_ext"
+MiB, GiB = 1 << 20, 1 << 30
+
+TARGET = r"""
+import ctypes, sys
+lib = ctypes.CDLL(sys.argv[1])
+count = ctypes.c_int()
+lib.cuDeviceGetCount(ctypes.byref(count))   # the fake registers this process as it loads
+print("ready", flush=True)
+for line in sys.stdin:
+    print(lib.cuDeviceGetCount(ctypes.byref(count)), flush=True)
+"""
+
+FAST = park.Limits(state_s=30, lock_s=30, lock_timeout_s=5, checkpoint_s=30, restore_s=30, unlock_s=30)
+
+
+@pytest.fixture
+def checkpoints(tmp_path):
+    directory = tmp_path / "checkpoints"
+    directory.mkdir()
+    return directory
+
+
+@pytest.fixture
+def smi(tmp_path, monkeypatch):
+    """The stand-in nvidia-smi, first on PATH; ``smi.set(gpus=..., apps=...)`` says what it sees."""
+    world = tmp_path / "nvidia-smi.json"
+
+    class World:
+        def set(self, gpus, apps):
+            world.write_text(json.dumps({"gpus": gpus, "apps": apps}))
+
+    monkeypatch.setenv("PATH", f"{STAND_IN_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    monkeypatch.setenv("GPUCLEANUP_FAKE_NVIDIA_SMI", str(world))
+    out = World()
+    out.set([], [])
+    return out
+
+
+@pytest.fixture
+def env(checkpoints, monkeypatch):
+    monkeypatch.setenv("GPUCLEANUP_FAKE_CUDA_CHECKPOINT_DIR", str(checkpoints))
+    monkeypatch.delenv("GPUCLEANUP_FAKE_CUDA_SCENARIO", raising=False)
+    return dict(os.environ)
+
+
+@pytest.fixture
+def target(env):
+    proc = subprocess.Popen([sys.executable, "-c", TARGET, str(FAKE_CUDA)], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def record(checkpoints, pid: int) -> dict:
+    with open(checkpoints / f"{pid}.json") as fh:
+        fcntl.flock(fh, fcntl.LOCK_SH)
+        return json.loads(fh.read())
+
+
+def patch(checkpoints, pid: int, change: dict) -> None:
+    with open(checkpoints / f"{pid}.json", "r+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        data = json.loads(fh.read())
+        data.update(change)
+        fh.seek(0)
+        fh.truncate()
+        fh.write(json.dumps(data))
+
+
+def wait_for(predicate, what: str, limit: float = 30.0) -> None:
+    deadline = time.monotonic() + limit
+    while not predicate():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.01)
+
+
+# ------------------------------------------------------------------ helpers run gpucleanup's code only
+
+
+PLANTED = '''
+import pathlib
+pathlib.Path({marker!r}).write_text("planted code ran")
+raise SystemExit("planted")
+'''
+
+
+@pytest.mark.parametrize("shape", ["package", "module"])
+def test_a_gpucleanup_planted_in_the_callers_directory_is_never_run_by_a_helper(target, env, tmp_path, shape):
+    planted = tmp_path / "shared-notebooks"
+    planted.mkdir()
+    marker = tmp_path / "marker"
+    if shape == "package":
+        (planted / "gpucleanup").mkdir()
+        (planted / "gpucleanup" / "__init__.py").write_text(PLANTED.format(marker=str(marker)))
+    else:
+        (planted / "gpucleanup.py").write_text(PLANTED.format(marker=str(marker)))
+    # The caller imported the real gpucleanup first, then works from the planted directory with it first on
+    # sys.path (as `python -c`, a kernel started there, or root in a world-writable directory).
+    script = textwrap.dedent(f'''
+        import json, os, sys
+        sys.path.insert(0, {str(PACKAGE)!r})
+        from gpucleanup import park
+        os.chdir({str(planted)!r})
+        sys.path.insert(0, "")
+        found = park.state({target.pid})
+        print(json.dumps(found.as_dict()))
+    ''')
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=planted,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout.splitlines()[-1])
+    assert (found["ok"], found["state"], found["refused"]) == (True, "running", None)
+    assert not marker.exists()
+
+
+def test_the_helper_sees_every_gpu_whatever_the_caller_was_given(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert "CUDA_VISIBLE_DEVICES" not in park.helper_env()
+    command = park.helper_command("state", 42)
+    assert command[1] == "-I" and command[-2:] == ["state", "42"]
+
+
+# ------------------------------------------------------------------ room for the resume
+
+
+def test_a_resume_without_room_on_the_gpu_is_not_tried_and_the_process_stays_parked(target, env, checkpoints, smi,
+                                                                                    tmp_path):
+    gpus_now = [{"index": 0, "uuid": "GPU-aaaa", "free_mib": 90_000, "total_mib": 143_000}]
+    smi.set(gpus_now, [{"pid": target.pid, "uuid": "GPU-aaaa", "used_mib": 5_120}])
+    steps: list = []
+    lock = tmp_path / f"{target.pid}.park"
+
+    def record_step(step, parked_bytes):
+        steps.append(step)
+        return {}
+
+    parked = parking.park_kernel(target.pid, record_step, lock, FAST, env=env)
+    assert parked.ok and parked.usage == {"GPU-aaaa": 5_120 * MiB}
+    assert steps == ["begin", "parked"]
+    # Another user takes the GPU while the kernel is parked: 4 GiB free where 5 GiB were held.
+    smi.set([{"index": 0, "uuid": "GPU-aaaa", "free_mib": 4_096, "total_mib": 143_000}],
+            [{"pid": os.getpid(), "uuid": "GPU-aaaa", "used_mib": 138_000}])
+    lacking = parking.resume_kernel(target.pid, record_step, lock, FAST, env=env)
+    assert (lacking.ok, lacking.state, lacking.changed) == (False, "checkpointed", False)
+    assert lacking.message.startswith(
+        "[gpucleanup.park.630] GPU0 lacks 1.2 GiB for the resume (it needs 5.0 GiB and a margin of 256 MiB; 4.0 GiB is "
+        f"free; held by pid {os.getpid()}")
+    assert lacking.message.endswith(f"): process {target.pid} stays parked with nothing lost (a restore without room "
+                                    "can lose it, so none was tried); resume it once the memory is free: python -m "
+                                    f"gpucleanup.park resume {target.pid}")
+    assert "cuCheckpointProcessRestore" not in record(checkpoints, target.pid)["calls"]
+    assert record(checkpoints, target.pid)["state"] == "checkpointed"
+    assert steps == ["begin", "parked"]  # not resumed: the kernel's state still says parked
+    # The memory comes back: the next resume restores it.
+    smi.set(gpus_now, [])
+    resumed = parking.resume_kernel(target.pid, record_step, lock, FAST, env=env)
+    assert (resumed.ok, resumed.state, resumed.changed) == (True, "running", True)
+    assert steps == ["begin", "parked", "resumed"]
+    assert lock.read_bytes() == b""  # the park's note is gone with the park
+
+
+def test_room_needs_the_parked_bytes_and_the_margin_on_each_gpu():
+    view = [park.Gpu(0, "GPU-aaaa", 5 * GiB + park.RESUME_MARGIN, 140 * GiB), park.Gpu(1, "GPU-bbbb", GiB, 140 * GiB)]
+    assert park.room_refusal(7, {"GPU-aaaa": 5 * GiB}, view) is None
+    assert park.room_refusal(7, {"GPU-aaaa": 5 * GiB + 1}, view).startswith("[gpucleanup.park.630] GPU0 lacks 1 B ")
+    assert park.room_refusal(7, {"GPU-cccc": GiB}, view) == (
+        "[gpucleanup.park.633] the GPU process 7 was parked from (GPU-cccc) is not on this machine now: it stays "
+        "parked with nothing lost; bring that GPU back, then resume it")
+    assert park.room_refusal(7, None, view) is None and park.room_refusal(7, {"GPU-aaaa": GiB}, None) is None
+
+
+# ------------------------------------------------------------------ refused before the lock
+
+
+def test_a_process_on_two_gpus_is_refused_before_the_lock(target, env, checkpoints, smi):
+    smi.set([{"index": 0, "uuid": "GPU-aaaa", "free_mib": 1, "total_mib": 143_000},
+             {"index": 1, "uuid": "GPU-bbbb", "free_mib": 1, "total_mib": 143_000}],
+            [{"pid": target.pid, "uuid": "GPU-aaaa", "used_mib": 1_024},
+             {"pid": target.pid, "uuid": "GPU-bbbb", "used_mib": 512}])
+    with pytest.raises(park.ParkRefused) as refused:
+        park.park(target.pid, FAST, env=env)
+    assert str(refused.value).startswith(f"[gpucleanup.park.627] process {target.pid} uses 2 GPUs (GPU0 1.0 GiB, "
+                                         "GPU1 512 MiB): it is not parked")
+    assert "cuCheckpointProcessLock" not in record(checkpoints, target.pid)["calls"]
+
+
+def write(path: pathlib.Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_the_tightest_cgroup_limit_is_found_in_v2_and_v1(tmp_path):
+    proc, root = tmp_path / "proc", tmp_path / "cgroup"
+    write(proc / "100" / "cgroup", "0::/kubepods/pod1/container\n")
+    write(root / "kubepods" / "pod1" / "container" / "memory.max", "max\n")
+    write(root / "kubepods" / "pod1" / "container" / "memory.current", "1000\n")
+    write(root / "kubepods" / "pod1" / "memory.max", f"{8 * GiB}\n")  # the pod's limit, a level up
+    write(root / "kubepods" / "pod1" / "memory.current", f"{3 * GiB}\n")
+    found = park.cgroup_memory(100, str(proc), str(root))
+    assert found == (str(root / "kubepods" / "pod1"), 8 * GiB, 3 * GiB) and found.room == 5 * GiB
+
+    write(proc / "200" / "cgroup", "12:cpu,cpuacct:/docker/abc\n9:memory:/docker/abc\n")
+    write(root / "memory" / "docker" / "abc" / "memory.limit_in_bytes", f"{4 * GiB}\n")
+    write(root / "memory" / "docker" / "abc" / "memory.usage_in_bytes", f"{GiB}\n")
+    write(root / "memory" / "memory.limit_in_bytes", "9223372036854771712\n")  # v1's "no limit"
+    write(root / "memory" / "memory.usage_in_bytes", f"{60 * GiB}\n")
+    assert park.cgroup_memory(200, str(proc), str(root)) == (str(root / "memory" / "docker" / "abc"), 4 * GiB, GiB)
+
+    write(proc / "300" / "cgroup", "0::/user.slice\n")
+    write(root / "user.slice" / "memory.max", "max\n")
+    write(root / "user.slice" / "memory.current", "5\n")
+    assert park.cgroup_memory(300, str(proc), str(root)) is None  # no limit anywhere: the machine's check decides
+    assert park.cgroup_memory(400, str(proc), str(root)) is None  # no such process
+
+
+def test_a_cgroup_that_cannot_take_the_parked_memory_is_a_refusal():
+    memory = park.CgroupMemory("/sys/fs/cgroup/kubepods/pod1", 8 * GiB, 3 * GiB)
+    assert park.cgroup_memory_refusal(4 * GiB, memory) is None  # 5 GiB left, margin 410 MiB
+    assert park.cgroup_memory_refusal(5 * GiB, memory) == (
+        "[gpucleanup.park.628] this kernel's memory limit cannot hold its GPU memory: a park copies 5.0 GiB into the "
+        "kernel's own memory, and its cgroup (/sys/fs/cgroup/kubepods/pod1: limit 8.0 GiB, 3.0 GiB in use) leaves "
+        "5.0 GiB, less a margin of 410 MiB: the out-of-memory killer would end the kernel; raise the container's "
+        "memory limit, or free GPU memory first")
+    assert park.cgroup_memory_refusal(None, memory) is None and park.cgroup_memory_refusal(GiB, None) is None
+
+
+# ------------------------------------------------------------------ states of a step under way
+
+
+@pytest.mark.parametrize("under_way", ["checkpointing", "restoring"])
+def test_a_step_under_way_is_named_and_neither_park_nor_resume_acts(target, env, checkpoints, under_way):
+    patch(checkpoints, target.pid, {"state": under_way})
+    sentence = (f"[gpucleanup.park.632] the driver reports process {target.pid} as {under_way}: a park or a resume "
+                "of it is under way; ask again when it has ended")
+    with pytest.raises(park.ParkRefused) as refused:
+        park.park(target.pid, FAST, env=env)
+    assert str(refused.value) == sentence
+    resumed = park.resume(target.pid, FAST, env=env)
+    assert (resumed.ok, resumed.state, resumed.message) == (False, under_way, sentence)
+    assert [s.name for s in resumed.steps] == ["state"]
+    calls = record(checkpoints, target.pid)["calls"]
+    assert not {"cuCheckpointProcessLock", "cuCheckpointProcessRestore", "cuCheckpointProcessUnlock"} & set(calls)
+
+
+# ------------------------------------------------------------------ Ctrl-C and SIGTERM
+
+
+PARKER = '''
+import json, pathlib, signal, sys
+sys.path.insert(0, {package!r})
+from gpucleanup import cli, park
+with cli._TermAsInterrupt():  # as gpucleanup park and resume take SIGTERM: as Ctrl-C
+    for sig in (signal.SIGINT, signal.SIGTERM):  # say that the signal came, then act on it as installed
+        def noted(number, frame, then=signal.getsignal(sig)):
+            pathlib.Path({flag!r}).write_text("signalled")
+            then(number, frame)
+        signal.signal(sig, noted)
+    outcome = park.park({pid}, park.Limits(state_s=30, lock_s=30, lock_timeout_s=5, checkpoint_s=60, restore_s=30,
+                                           unlock_s=30))
+print(json.dumps({{"ok": outcome.ok, "state": outcome.state, "interrupted": outcome.interrupted,
+                  "message": outcome.message, "steps": [s.name for s in outcome.steps]}}), flush=True)
+'''
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupt_during_the_lock_lets_it_finish_then_unlocks(target, env, checkpoints, sig, tmp_path):
+    flag = tmp_path / "signalled"
+    patch(checkpoints, target.pid, {"hang": ["cuCheckpointProcessLock"]})
+    parker = subprocess.Popen([sys.executable, "-c", PARKER.format(package=str(PACKAGE), pid=target.pid, flag=str(flag))], env=env,
+                              stdout=subprocess.PIPE, text=True, start_new_session=True)
+    wait_for(lambda: record(checkpoints, target.pid)["calls"].get("cuCheckpointProcessLock") == 1, "the lock began")
+    os.killpg(parker.pid, sig)  # a terminal's Ctrl-C reaches the whole group: the helper is not in it
+    wait_for(flag.exists, "the parker took the signal")
+    patch(checkpoints, target.pid, {"hang": []})
+    out, _ = parker.communicate(timeout=60)
+    outcome = json.loads(out.splitlines()[-1])
+    assert outcome["interrupted"] is True and (outcome["ok"], outcome["state"]) == (False, "running")
+    assert outcome["steps"] == ["state", "lock", "unlock"]
+    assert outcome["message"] == (f"[gpucleanup.park.620] interrupted (Ctrl-C or SIGTERM) during the lock: process "
+                                  f"{target.pid} was unlocked and runs as before, nothing was parked")
+    assert record(checkpoints, target.pid)["state"] == "running"
+
+
+def test_an_interrupt_during_the_checkpoint_lets_it_finish_and_says_the_process_is_parked(target, env, checkpoints,
+                                                                                          tmp_path):
+    flag = tmp_path / "signalled"
+    patch(checkpoints, target.pid, {"hang": ["cuCheckpointProcessCheckpoint"]})
+    parker = subprocess.Popen([sys.executable, "-c", PARKER.format(package=str(PACKAGE), pid=target.pid, flag=str(flag))], env=env,
+                              stdout=subprocess.PIPE, text=True, start_new_session=True)
+    wait_for(lambda: record(checkpoints, target.pid)["calls"].get("cuCheckpointProcessCheckpoint") == 1,
+             "the checkpoint began")
+    os.killpg(parker.pid, signal.SIGINT)
+    wait_for(flag.exists, "the parker took the signal")
+    patch(checkpoints, target.pid, {"hang": []})
+    out, _ = parker.communicate(timeout=60)
+    outcome = json.loads(out.splitlines()[-1])
+    assert outcome["interrupted"] is True and (outcome["ok"], outcome["state"]) == (True, "checkpointed")
+    assert outcome["message"] == (f"parked process {target.pid}: the interrupt (Ctrl-C or SIGTERM) came during the "
+                                  "checkpoint, which was let finish; resume it with python -m gpucleanup.park resume "
+                                  f"{target.pid}")
+    assert record(checkpoints, target.pid)["state"] == "checkpointed"
+
+
+# ------------------------------------------------------------------ ownership
+
+
+def test_a_process_that_is_not_the_file_owners_is_refused(tmp_path):
+    own = os.stat(tmp_path).st_uid
+    proc = tmp_path / "proc"
+    write(proc / "4242" / "status", f"Name:\tpython\nUid:\t{own + 1}\t{own + 1}\t{own + 1}\t{own + 1}\n")
+    write(proc / "4343" / "status", f"Name:\tpython\nUid:\t{own}\t{own}\t{own}\t{own}\n")
+    lock = tmp_path / "gpucleanup" / "4242.park"
+    lock.parent.mkdir()
+    refusal = parking.owner_refusal(4242, lock, str(proc))
+    assert refusal.startswith(f"[gpucleanup.park.643] process 4242 belongs to uid {own + 1}")
+    assert refusal.endswith(f"who owns {lock.parent}: its discovery file names another user's process, so nothing "
+                            "was done; remove that file if it is not a kernel's")
+    assert parking.owner_refusal(4343, lock, str(proc)) is None
+    assert parking.owner_refusal(4444, lock, str(proc)).startswith("[gpucleanup.park.612] process 4444 ")
+
+
+# ------------------------------------------------------------------ the kernel's side
+
+
+def test_a_thread_started_in_a_cell_that_runs_on_blocks_an_automatic_park_until_it_ends():
+    kernel = parking.InKernel(lambda: None, lambda lines: None)
+    assert kernel.automatic_park_blocker() is None
+    stop = threading.Event()
+    worker = threading.Thread(target=stop.wait, name="train-loop")
+    worker.start()
+    try:
+        assert kernel.automatic_park_blocker() == (
+            "[gpucleanup.park.642] 1 thread started in a cell still runs (train-loop): an automatic park would stop "
+            "their GPU calls; it is left to %gpumem --park or gpucleanup park once they end")
+    finally:
+        stop.set()
+        worker.join()
+    assert kernel.automatic_park_blocker() is None
+
+
+class _Parking:
+    """The kernel's parking side as the request guard sees it: parked until a resume works."""
+
+    def __init__(self, parked: bool, resume_works: bool):
+        self.is_parked, self.resume_works, self.resumes = parked, resume_works, 0
+
+    def resume_for_request(self) -> bool:
+        if self.is_parked:
+            self.resumes += 1
+            self.is_parked = not self.resume_works
+        return self.is_parked
+
+
+class _Log:
+    def __init__(self):
+        self.lines = []
+
+    def warning(self, fmt, *args):
+        self.lines.append(fmt % args)
+
+
+class _Kernel:
+    def __init__(self):
+        self.log = _Log()
+        self.calls = []
+        self.shell_handlers = {t: (lambda t: lambda stream, idents, msg: self.calls.append(t))(t)
+                               for t in ("execute_request", "comm_msg", "inspect_request", "kernel_info_request")}
+
+
+def test_requests_that_run_code_and_are_no_cell_resume_the_kernel_first():
+    kernel, parked = _Kernel(), _Parking(parked=True, resume_works=True)
+    refused = []
+    guard = parking.RequestGuard(parked, refused.append)
+    originals = dict(kernel.shell_handlers)
+    assert guard.install(kernel)
+    kernel.shell_handlers["execute_request"](None, [], {"content": {"code": "x", "silent": False}})
+    assert parked.resumes == 0  # a cell: its pre_run_cell resumes it and says so
+    kernel.shell_handlers["execute_request"](None, [], {"content": {"code": "x", "silent": True}})
+    assert parked.resumes == 1 and not parked.is_parked
+    kernel.shell_handlers["comm_msg"](None, [], {"content": {}})
+    assert kernel.calls == ["execute_request", "execute_request", "comm_msg"] and refused == []
+    assert kernel.shell_handlers["kernel_info_request"] is originals["kernel_info_request"]  # runs no code
+    guard.remove()
+    assert kernel.shell_handlers == originals
+
+
+def test_a_request_that_cannot_resume_the_kernel_is_refused_or_dropped_never_left_to_hang():
+    kernel, parked = _Kernel(), _Parking(parked=True, resume_works=False)
+    refused = []
+    guard = parking.RequestGuard(parked, refused.append)
+    guard.install(kernel)
+    kernel.shell_handlers["inspect_request"](None, [], {"content": {}})
+    kernel.shell_handlers["comm_msg"](None, [], {"content": {}})
+    assert kernel.calls == [] and len(kernel.log.lines) == 2
+    assert kernel.log.lines[1].startswith("gpucleanup: comm_msg dropped: the kernel is still parked after a resume")
+    kernel.shell_handlers["execute_request"](None, [], {"content": {"silent": True}})
+    assert kernel.calls == ["execute_request"] and len(refused) == 1  # its code is refused by the transformer
+    assert refused[0].startswith("the kernel is still parked after a resume was tried before this execute_request")
+
+
+def test_a_kernel_still_parked_after_its_resume_refuses_the_cell_and_says_why(monkeypatch, tmp_path):
+    class Endpoint:
+        park_lock = tmp_path / "lock"
+
+        def parked(self):
+            return 2
+
+        def park_step(self, step, parked_bytes=None, then=None):
+            raise AssertionError("no step is recorded when the resume did not happen")
+
+    said = []
+    kernel = parking.InKernel(lambda: Endpoint(), said.extend)
+    lacking = park.Outcome("resume", os.getpid(), False, "checkpointed",
+                           f"[gpucleanup.park.630] GPU0 lacks 1.2 GiB for the resume (...): process {os.getpid()} "
+                           f"stays parked with nothing lost (...); resume it once the memory is free: python -m "
+                           f"gpucleanup.park resume {os.getpid()}")
+    monkeypatch.setattr(parking, "resume_kernel", lambda *args, **kwargs: lacking)
+    kernel.resume_before_cell({"state": "running", "cell": 3}, parked=2)
+    assert said == []
+    assert kernel.refusal == (
+        f"this cell was not run: the kernel is still parked ([gpucleanup.park.630] GPU0 lacks 1.2 GiB for the resume "
+        f"(...): process {os.getpid()} stays parked with nothing lost (...); resume it once the memory is free: "
+        f"gpucleanup resume {os.getpid()}); nothing is lost: run the cell again, or resume it with gpucleanup resume "
+        f"{os.getpid()}")
