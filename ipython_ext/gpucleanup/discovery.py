@@ -799,5 +799,13 @@ def _remove_stale(fd: int, directory: Path, pid: int, name: str, read_stat: os.s
                 os.unlink(leftover, dir_fd=key_dir)
             except OSError:
                 pass
+        # The dead kernel's park lock (gpucleanup.parking): written when it was parked, so after its discovery
+        # file; a kernel that took the pid since has rewritten that file, and nothing got this far.
+        try:
+            info = os.lstat(f"{pid}.park", dir_fd=key_dir)
+            if stat.S_ISREG(info.st_mode):
+                os.unlink(f"{pid}.park", dir_fd=key_dir)
+        except OSError:
+            pass
     finally:
         os.close(key_dir)

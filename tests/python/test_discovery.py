@@ -246,6 +246,22 @@ def test_another_boots_file_is_removed_with_its_scheme_files(runtime):
     assert [p.exists() for p in leftovers] == [False, False, False]
 
 
+def test_a_dead_kernels_park_lock_goes_with_its_stale_file(runtime):
+    gone = dead_pid()
+    leftovers = scheme_leftovers(runtime, gone)
+    path = plant(runtime, gone, record(runtime, gone, proc_start_ticks=1))
+    lock = runtime / "gpucleanup" / f"{gone}.park"
+    lock.write_text('{"usage": {}}')  # written when it was parked: after its discovery file
+    later = path.stat().st_mtime_ns + 10_000_000_000
+    os.utime(lock, ns=(later, later))
+    other = runtime / "gpucleanup" / f"{gone + 1}.park"
+    other.write_text("")
+    assert cli("ps").returncode == 1  # no kernel
+    assert not path.exists() and not lock.exists()
+    assert [p.exists() for p in leftovers] == [False, False, False]
+    assert other.exists()  # another pid's lock is not the dead kernel's
+
+
 def test_a_key_newer_than_the_stale_file_is_kept(runtime):
     # A kernel that took the pid writes its key before its discovery file: a newer key is not the stale one's.
     gone = dead_pid()
