@@ -17,10 +17,22 @@ using json = nlohmann::json;
 
 constexpr const char* kStepNames[] = {"state", "lock", "checkpoint", "restore", "unlock"};
 
+// The driver's state of `pid` as an int: newer drivers answer values (4, 5)
+// that CUDA 13.0's CUprocessState does not list, and reading such a value
+// through the enum is undefined (UBSan stops on it); its bytes are copied out.
+static_assert(sizeof(CUprocessState) == sizeof(int), "CUprocessState is read as an int");
+
+CUresult get_state(const Driver& driver, int pid, int& out) {
+  CUprocessState raw = CU_PROCESS_STATE_RUNNING;
+  const CUresult result = driver.api().cuCheckpointProcessGetState(pid, &raw);
+  std::memcpy(&out, &raw, sizeof out);
+  return result;
+}
+
 json state_of(const Driver& driver, int pid) {
-  CUprocessState state = CU_PROCESS_STATE_RUNNING;
-  if (driver.api().cuCheckpointProcessGetState(pid, &state) != CUDA_SUCCESS) return nullptr;
-  return process_state_name(static_cast<int>(state));
+  int state = 0;
+  if (get_state(driver, pid, state) != CUDA_SUCCESS) return nullptr;
+  return process_state_name(state);
 }
 
 // The identity map of every GPU this helper sees: the restore's map must name
@@ -128,9 +140,9 @@ json checkpoint_step(const Driver& driver, int pid, CheckpointStep step, unsigne
   CUresult result = CUDA_SUCCESS;
   switch (step) {
     case CheckpointStep::state: {
-      CUprocessState state = CU_PROCESS_STATE_RUNNING;
-      result = api.cuCheckpointProcessGetState(pid, &state);
-      if (result == CUDA_SUCCESS) out["state_before"] = process_state_name(static_cast<int>(state));
+      int state = 0;
+      result = get_state(driver, pid, state);
+      if (result == CUDA_SUCCESS) out["state_before"] = process_state_name(state);
       break;
     }
     case CheckpointStep::lock: {

@@ -7,6 +7,11 @@
 // the fake with it set registers as a CUDA process in <dir>/<pid>.json:
 //
 //   {"state": "running",          // running | locked | checkpointed | failed
+//                                 // (CUprocessState 0..3), or checkpointing |
+//                                 // restoring (4, 5: newer drivers' step under
+//                                 // way; only a test sets them): GetState
+//                                 // answers them, every other call
+//                                 // CUDA_ERROR_ILLEGAL_STATE, state unchanged
 //    "errors": {"cuCheckpointProcessCheckpoint": 2},  // the call returns this,
 //                                                     // state unchanged ...
 //    "error_state": {"cuCheckpointProcessRestore": "checkpointed"},
@@ -15,10 +20,29 @@
 //    "busy": false,                // a CUDA call in flight: a lock waits for
 //                                  // it, up to timeoutMs (0: for ever), then
 //                                  // CUDA_ERROR_NOT_READY with state running
+//    "restore_needs_full_map": false,
+//                                  // true: a restore succeeds only with a GPU
+//                                  // map naming every device the *caller's*
+//                                  // fake exposes, each UUID (as its
+//                                  // cuDeviceGetUuid gives it) mapped to
+//                                  // itself; else CUDA_ERROR_INVALID_VALUE,
+//                                  // state checkpointed: the rule the
+//                                  // library's restore is written for
+//                                  // (identity_map in native/src/checkpoint.cpp,
+//                                  // share/FACTS.md §10); false keeps the
+//                                  // older tests' restore with no map working
+//    "restore_map": null,          // set by each restore that reaches the
+//                                  // record: its args' gpuPairsCount, 0 for
+//                                  // NULL args (what the helper passed)
 //    "device_bytes": 0,            // what the process holds on its devices
 //    "calls": {...},               // checkpoint calls made on this pid
 //    "calls_while_parked": {...}}  // the process's own driver calls made while
 //                                  // it was not running (each blocked until it was)
+//
+// A restore whose args have a non-zero reserved byte, or pairs counted but not
+// given, is CUDA_ERROR_INVALID_VALUE (after the record's injected errors),
+// state unchanged: the driver documents the reserved fields as must-be-zero,
+// and the fake should catch a caller that forgets to clear them.
 //
 // Every read-modify-write holds flock() on the file, so helpers and the
 // process itself never lose each other's changes.
@@ -31,6 +55,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <thread>
@@ -54,9 +79,16 @@ std::string record_path(int pid) {
 }
 
 json default_record() {
-  return json{{"state", "running"},    {"errors", json::object()}, {"error_state", json::object()},
-              {"hang", json::array()}, {"busy", false},            {"device_bytes", 0},
-              {"calls", json::object()}, {"calls_while_parked", json::object()}};
+  return json{{"state", "running"},
+              {"errors", json::object()},
+              {"error_state", json::object()},
+              {"hang", json::array()},
+              {"busy", false},
+              {"restore_needs_full_map", false},
+              {"restore_map", nullptr},
+              {"device_bytes", 0},
+              {"calls", json::object()},
+              {"calls_while_parked", json::object()}};
 }
 
 // The record of `pid` under flock, changed by `change` (which returns whether
@@ -100,12 +132,17 @@ std::optional<json> read_record(int pid) {
 
 bool alive(int pid) { return pid > 0 && (kill(pid, 0) == 0 || errno == EPERM); }
 
-const char* kStateNames[] = {"running", "locked", "checkpointed", "failed"};
+// Indexed by CUprocessState. 4 and 5 are not in CUDA 13.0's cuda.h, so states
+// are ints here: a value outside an enum's range must not be held in the enum.
+const char* const kStateNames[] = {"running", "locked", "checkpointed", "failed", "checkpointing", "restoring"};
+constexpr int kStates = sizeof kStateNames / sizeof kStateNames[0];
+constexpr int kCheckpointing = 4;
+constexpr int kRestoring = 5;
 
-std::optional<CUprocessState> parse_state(const json& value) {
+std::optional<int> parse_state(const json& value) {
   if (!value.is_string()) return std::nullopt;
-  for (int i = 0; i < 4; ++i) {
-    if (value.get<std::string>() == kStateNames[i]) return static_cast<CUprocessState>(i);
+  for (int i = 0; i < kStates; ++i) {
+    if (value.get<std::string>() == kStateNames[i]) return i;
   }
   return std::nullopt;
 }
@@ -118,11 +155,12 @@ bool listed(const json& list, const std::string& entry) {
   return false;
 }
 
-// One checkpoint call on `pid`: counted, hung while the test says so, an
-// injected error, then `transition` (which sees the state and returns the
-// result, changing the state when it succeeds).
-template <typename Transition>
-CUresult checkpoint_call(const char* entry, int pid, Transition transition) {
+// One checkpoint call on `pid`: counted, hung while the test says so, `note`
+// (which writes what the call was given into the record), an injected error,
+// then `transition` (which sees the state and returns the result, changing the
+// state when it succeeds).
+template <typename Transition, typename Note>
+CUresult checkpoint_call(const char* entry, int pid, Transition transition, Note note) {
   {
     // The caller's own driver answers first (an injected error, not initialised).
     auto lock = lock_state();
@@ -148,6 +186,7 @@ CUresult checkpoint_call(const char* entry, int pid, Transition transition) {
   }
   CUresult result = CUDA_SUCCESS;
   bool found = with_record(pid, false, [&](json& record) {
+    note(record);
     if (record["errors"].is_object() && record["errors"].contains(entry) && record["errors"][entry].is_number_integer() &&
         record["errors"][entry].get<int>() != 0) {
       result = static_cast<CUresult>(record["errors"][entry].get<int>());
@@ -156,14 +195,53 @@ CUresult checkpoint_call(const char* entry, int pid, Transition transition) {
       }
       return true;
     }
-    auto current = parse_state(record["state"]);
-    if (!current) current = CU_PROCESS_STATE_FAILED;
-    CUprocessState next = *current;
-    result = transition(*current, next, record);
+    const int current = parse_state(record["state"]).value_or(CU_PROCESS_STATE_FAILED);
+    int next = current;
+    // A step under way (4, 5) takes no other step (assumed of the real driver,
+    // not measured): only GetState answers, which is how tests see it reported.
+    const bool under_way = current == kCheckpointing || current == kRestoring;
+    if (under_way && std::strcmp(entry, "cuCheckpointProcessGetState") != 0) {
+      result = CUDA_ERROR_ILLEGAL_STATE;
+    } else {
+      result = transition(current, next, record);
+    }
     record["state"] = kStateNames[next];
     return true;
   });
   return found ? result : CUDA_ERROR_INVALID_VALUE;
+}
+
+template <typename Transition>
+CUresult checkpoint_call(const char* entry, int pid, Transition transition) {
+  return checkpoint_call(entry, pid, transition, [](json&) {});
+}
+
+// Whether `args` is a GPU map naming every device of this (the caller's) fake,
+// each mapped to itself: what a record with "restore_needs_full_map" wants.
+bool names_every_device(const CUcheckpointRestoreArgs* args) {
+  auto lock = lock_state();
+  const auto& devices = state().devices;
+  if (args == nullptr || args->gpuPairs == nullptr || args->gpuPairsCount != devices.size()) return false;
+  for (const auto& device : devices) {
+    bool named = false;
+    for (unsigned i = 0; i < args->gpuPairsCount && !named; ++i) {
+      const CUcheckpointGpuPair& pair = args->gpuPairs[i];
+      named = std::memcmp(&pair.oldUuid, &device->uuid_bytes, sizeof(CUuuid)) == 0 &&
+              std::memcmp(&pair.newUuid, &device->uuid_bytes, sizeof(CUuuid)) == 0;
+    }
+    if (!named) return false;
+  }
+  return true;
+}
+
+// The driver wants the reserved fields zero, and pairs wherever a count is given.
+bool restore_args_valid(const CUcheckpointRestoreArgs* args) {
+  if (args == nullptr) return true;
+  if (args->gpuPairsCount != 0 && args->gpuPairs == nullptr) return false;
+  for (const char byte : args->reserved) {
+    if (byte != 0) return false;
+  }
+  return args->reserved1 == 0;
 }
 
 }  // namespace
@@ -217,7 +295,12 @@ bool update_record(int pid, const std::string& patch_json, std::string& error) {
       return false;
     }
     if (key == "state" && !parse_state(value)) {
-      error = "checkpoint patch: state must be running, locked, checkpointed or failed, got " + value.dump();
+      error = "checkpoint patch: state must be running, locked, checkpointed, failed, checkpointing or restoring, "
+              "got " + value.dump();
+      return false;
+    }
+    if (key == "restore_needs_full_map" && !value.is_boolean()) {
+      error = "checkpoint patch: restore_needs_full_map must be true or false, got " + value.dump();
       return false;
     }
   }
@@ -244,11 +327,11 @@ extern "C" {
 
 FAKE_CUDA_EXPORT CUresult CUDAAPI cuCheckpointProcessGetState(int pid, CUprocessState* state) {
   if (state == nullptr) return CUDA_ERROR_INVALID_VALUE;
-  return checkpoint_call("cuCheckpointProcessGetState", pid,
-                         [&](CUprocessState current, CUprocessState&, nlohmann::json&) {
-                           *state = current;
-                           return CUDA_SUCCESS;
-                         });
+  return checkpoint_call("cuCheckpointProcessGetState", pid, [&](int current, int&, nlohmann::json&) {
+    // Copied as bytes: 4 and 5 are outside the enum of CUDA 13.0's cuda.h.
+    std::memcpy(state, &current, sizeof *state);
+    return CUDA_SUCCESS;
+  });
 }
 
 FAKE_CUDA_EXPORT CUresult CUDAAPI cuCheckpointProcessLock(int pid, CUcheckpointLockArgs* args) {
@@ -261,14 +344,14 @@ FAKE_CUDA_EXPORT CUresult CUDAAPI cuCheckpointProcessLock(int pid, CUcheckpointL
     if (timeout_ms != 0 && std::chrono::steady_clock::now() - start >= std::chrono::milliseconds(timeout_ms)) {
       // Counted like any call: the lock was asked for and timed out, the process still runs.
       return checkpoint_call("cuCheckpointProcessLock", pid,
-                             [](CUprocessState current, CUprocessState&, nlohmann::json&) {
+                             [](int current, int&, nlohmann::json&) {
                                return current == CU_PROCESS_STATE_RUNNING ? CUDA_ERROR_NOT_READY
                                                                           : CUDA_ERROR_ILLEGAL_STATE;
                              });
     }
     std::this_thread::sleep_for(fake_cuda::kPoll);
   }
-  return checkpoint_call("cuCheckpointProcessLock", pid, [](CUprocessState current, CUprocessState& next, nlohmann::json&) {
+  return checkpoint_call("cuCheckpointProcessLock", pid, [](int current, int& next, nlohmann::json&) {
     if (current != CU_PROCESS_STATE_RUNNING) return CUDA_ERROR_ILLEGAL_STATE;
     next = CU_PROCESS_STATE_LOCKED;
     return CUDA_SUCCESS;
@@ -276,30 +359,37 @@ FAKE_CUDA_EXPORT CUresult CUDAAPI cuCheckpointProcessLock(int pid, CUcheckpointL
 }
 
 FAKE_CUDA_EXPORT CUresult CUDAAPI cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArgs*) {
-  return checkpoint_call("cuCheckpointProcessCheckpoint", pid,
-                         [](CUprocessState current, CUprocessState& next, nlohmann::json&) {
-                           if (current != CU_PROCESS_STATE_LOCKED) return CUDA_ERROR_ILLEGAL_STATE;
-                           next = CU_PROCESS_STATE_CHECKPOINTED;
-                           return CUDA_SUCCESS;
-                         });
+  return checkpoint_call("cuCheckpointProcessCheckpoint", pid, [](int current, int& next, nlohmann::json&) {
+    if (current != CU_PROCESS_STATE_LOCKED) return CUDA_ERROR_ILLEGAL_STATE;
+    next = CU_PROCESS_STATE_CHECKPOINTED;
+    return CUDA_SUCCESS;
+  });
 }
 
-FAKE_CUDA_EXPORT CUresult CUDAAPI cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs*) {
-  return checkpoint_call("cuCheckpointProcessRestore", pid,
-                         [](CUprocessState current, CUprocessState& next, nlohmann::json&) {
-                           if (current != CU_PROCESS_STATE_CHECKPOINTED) return CUDA_ERROR_ILLEGAL_STATE;
-                           next = CU_PROCESS_STATE_LOCKED;
-                           return CUDA_SUCCESS;
-                         });
+FAKE_CUDA_EXPORT CUresult CUDAAPI cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs* args) {
+  const bool valid = fake_cuda::restore_args_valid(args);
+  // Read before the record's lock: the caller's device list has a lock of its own.
+  const bool full_map = fake_cuda::names_every_device(args);
+  const unsigned pairs = args == nullptr ? 0 : args->gpuPairsCount;
+  return checkpoint_call(
+      "cuCheckpointProcessRestore", pid,
+      [&](int current, int& next, nlohmann::json& record) {
+        if (!valid) return CUDA_ERROR_INVALID_VALUE;
+        if (current != CU_PROCESS_STATE_CHECKPOINTED) return CUDA_ERROR_ILLEGAL_STATE;
+        const auto& needs = record["restore_needs_full_map"];
+        if (needs.is_boolean() && needs.get<bool>() && !full_map) return CUDA_ERROR_INVALID_VALUE;
+        next = CU_PROCESS_STATE_LOCKED;
+        return CUDA_SUCCESS;
+      },
+      [&](nlohmann::json& record) { record["restore_map"] = pairs; });
 }
 
 FAKE_CUDA_EXPORT CUresult CUDAAPI cuCheckpointProcessUnlock(int pid, CUcheckpointUnlockArgs*) {
-  return checkpoint_call("cuCheckpointProcessUnlock", pid,
-                         [](CUprocessState current, CUprocessState& next, nlohmann::json&) {
-                           if (current != CU_PROCESS_STATE_LOCKED) return CUDA_ERROR_ILLEGAL_STATE;
-                           next = CU_PROCESS_STATE_RUNNING;
-                           return CUDA_SUCCESS;
-                         });
+  return checkpoint_call("cuCheckpointProcessUnlock", pid, [](int current, int& next, nlohmann::json&) {
+    if (current != CU_PROCESS_STATE_LOCKED) return CUDA_ERROR_ILLEGAL_STATE;
+    next = CU_PROCESS_STATE_RUNNING;
+    return CUDA_SUCCESS;
+  });
 }
 
 FAKE_CUDA_EXPORT int fake_cuda_checkpoint_update(int pid, const char* patch_json) {

@@ -141,7 +141,12 @@ const char* fake_cuda_state_json(void);
  * a record (or dead) CUDA_ERROR_INVALID_VALUE, as does the caller's own pid.
  * While a process is not running, each of its own driver calls is counted in
  * "calls_while_parked" and waits until it runs again. Record keys a test may
- * patch: "state", "errors" ({entry: CUresult}: that call fails, state
+ * patch: "state" (running, locked, checkpointed, failed, or checkpointing and
+ * restoring: newer drivers' states 4 and 5, in which every call but GetState
+ * answers CUDA_ERROR_ILLEGAL_STATE), "restore_needs_full_map" (a restore
+ * whose GPU map does not name every device, each onto itself, fails with
+ * CUDA_ERROR_INVALID_VALUE and leaves it checkpointed; each restore writes its
+ * map's size to "restore_map"), "errors" ({entry: CUresult}: that call fails, state
  * unchanged), "error_state" ({entry: state}: the state after that injected
  * failure), "hang" ([entry]: that call blocks while listed), "busy" (a lock
  * waits for it, up to timeoutMs, then CUDA_ERROR_NOT_READY; with timeoutMs 0

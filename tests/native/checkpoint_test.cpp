@@ -10,8 +10,11 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
+#include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "errors.hpp"
 #include "test_support.hpp"
@@ -241,4 +244,205 @@ TEST(Checkpoint, FailedInitialisationOfTheHelperIsAnError) {
   EXPECT_EQ(error_of(Driver(FAKE_CUDA_PATH), target.pid(), CheckpointStep::lock),
             "[gpucleanup.park.604] cuInit failed in the park helper with CUDA_ERROR_NO_DEVICE (100): the driver "
             "cannot be used here; check the GPU with nvidia-smi");
+}
+
+namespace {
+
+// Sets GPUCLEANUP_PARK_RESTORE_MAP for one test and puts back what was there,
+// so that no later test of this process restores under another test's setting.
+class RestoreMapSetting {
+ public:
+  explicit RestoreMapSetting(const char* value) {
+    if (const char* old = std::getenv(kName)) old_ = old;
+    if (value == nullptr) {
+      unsetenv(kName);
+    } else {
+      setenv(kName, value, 1);
+    }
+  }
+  ~RestoreMapSetting() {
+    if (old_) {
+      setenv(kName, old_->c_str(), 1);
+    } else {
+      unsetenv(kName);
+    }
+  }
+  RestoreMapSetting(const RestoreMapSetting&) = delete;
+  RestoreMapSetting& operator=(const RestoreMapSetting&) = delete;
+
+ private:
+  static constexpr const char* kName = "GPUCLEANUP_PARK_RESTORE_MAP";
+  std::optional<std::string> old_;
+};
+
+const json kThreeDevices = {{"devices", {json::object(), json::object(), json::object()}}};
+
+// The fake's own restore entry point, for maps the library never builds.
+using RestoreFn = CUresult (*)(int, CUcheckpointRestoreArgs*);
+RestoreFn fake_restore(FakeCuda& fake) {
+  void* handle = dlopen(fake.path().c_str(), RTLD_NOW | RTLD_LOCAL);
+  return reinterpret_cast<RestoreFn>(dlsym(handle, "cuCheckpointProcessRestore"));
+}
+
+// The UUID the fake gives device `index` by default (tests/fake_cuda/scenario.cpp).
+CUuuid fake_uuid(FakeCuda& fake, int index) {
+  void* handle = dlopen(fake.path().c_str(), RTLD_NOW | RTLD_LOCAL);
+  auto get = reinterpret_cast<CUresult (*)(CUuuid*, CUdevice)>(dlsym(handle, "cuDeviceGetUuid_v2"));
+  CUuuid uuid{};
+  if (get(&uuid, index) != CUDA_SUCCESS) throw std::runtime_error("cuDeviceGetUuid_v2 failed");
+  return uuid;
+}
+
+}  // namespace
+
+TEST(Checkpoint, RestorePassesAMapNamingEveryGpuTheHelperSees) {
+  FakeCuda fake;
+  fake.reset(kThreeDevices);
+  const RestoreMapSetting unset(nullptr);
+  Target target(fake);
+  target.update(fake, {{"state", "checkpointed"}});
+  const json out = checkpoint_step(Driver(FAKE_CUDA_PATH), target.pid(), CheckpointStep::restore, 0);
+  EXPECT_TRUE(out["ok"].get<bool>()) << out;
+  EXPECT_EQ(out["restore_map"], 3);
+  EXPECT_EQ(out["state"], "locked");
+  EXPECT_EQ(target.record(fake)["restore_map"], 3);  // what the driver was given, not only what was reported
+}
+
+TEST(Checkpoint, RestoreMapNonePassesNoMap) {
+  FakeCuda fake;
+  fake.reset(kThreeDevices);
+  const RestoreMapSetting none("none");
+  Target target(fake);
+  target.update(fake, {{"state", "checkpointed"}});
+  const json out = checkpoint_step(Driver(FAKE_CUDA_PATH), target.pid(), CheckpointStep::restore, 0);
+  EXPECT_TRUE(out["ok"].get<bool>()) << out;
+  EXPECT_EQ(out["restore_map"], 0);
+  EXPECT_EQ(target.record(fake)["restore_map"], 0);
+}
+
+TEST(Checkpoint, OtherRestoreMapSettingsStillPassTheMap) {
+  FakeCuda fake;
+  fake.reset(kThreeDevices);
+  const RestoreMapSetting other("None");  // only the exact word turns it off
+  Target target(fake);
+  target.update(fake, {{"state", "checkpointed"}});
+  const json out = checkpoint_step(Driver(FAKE_CUDA_PATH), target.pid(), CheckpointStep::restore, 0);
+  EXPECT_EQ(out["restore_map"], 3);
+  EXPECT_EQ(target.record(fake)["restore_map"], 3);
+}
+
+TEST(Checkpoint, RestoreThatNeedsTheFullMapSucceedsWithTheIdentityMap) {
+  FakeCuda fake;
+  fake.reset(kThreeDevices);
+  const RestoreMapSetting unset(nullptr);
+  Target target(fake);
+  const Driver driver(FAKE_CUDA_PATH);
+  target.update(fake, {{"restore_needs_full_map", true}});
+  for (const auto step : {CheckpointStep::lock, CheckpointStep::checkpoint, CheckpointStep::restore,
+                          CheckpointStep::unlock}) {
+    const json out = checkpoint_step(driver, target.pid(), step, 1000);
+    EXPECT_TRUE(out["ok"].get<bool>()) << out;
+  }
+  EXPECT_EQ(target.record(fake)["state"], "running");
+  EXPECT_EQ(target.record(fake)["restore_map"], 3);
+}
+
+TEST(Checkpoint, RestoreThatNeedsTheFullMapFailsWithoutOneAndStaysCheckpointed) {
+  FakeCuda fake;
+  fake.reset(kThreeDevices);
+  const RestoreMapSetting none("none");
+  Target target(fake);
+  target.update(fake, {{"state", "checkpointed"}, {"restore_needs_full_map", true}});
+  const json out = checkpoint_step(Driver(FAKE_CUDA_PATH), target.pid(), CheckpointStep::restore, 0);
+  EXPECT_EQ(out["result"], "CUDA_ERROR_INVALID_VALUE");
+  EXPECT_EQ(out["state"], "checkpointed");
+  EXPECT_EQ(target.record(fake)["restore_map"], 0);
+}
+
+TEST(Checkpoint, HelperWithoutGpuUuidsRestoresWithNoMap) {
+  FakeCuda fake;
+  fake.reset({{"missing", {"cuDeviceGetUuid"}}, {"devices", {json::object(), json::object()}}});
+  const RestoreMapSetting unset(nullptr);
+  Target target(fake);
+  target.update(fake, {{"state", "checkpointed"}});
+  const json out = checkpoint_step(Driver(FAKE_CUDA_PATH), target.pid(), CheckpointStep::restore, 0);
+  EXPECT_TRUE(out["ok"].get<bool>()) << out;
+  EXPECT_EQ(out["restore_map"], 0);
+  EXPECT_EQ(target.record(fake)["restore_map"], 0);
+}
+
+TEST(Checkpoint, FakeRestoreWantsEveryDeviceMappedToItself) {
+  FakeCuda fake;
+  fake.reset(kThreeDevices);
+  Target target(fake);
+  const RestoreFn restore = fake_restore(fake);
+  const CUuuid uuids[] = {fake_uuid(fake, 0), fake_uuid(fake, 1), fake_uuid(fake, 2)};
+  EXPECT_NE(std::memcmp(&uuids[0], &uuids[1], sizeof(CUuuid)), 0);  // distinct per device ...
+  const CUuuid again = fake_uuid(fake, 2);
+  EXPECT_EQ(std::memcmp(&uuids[2], &again, sizeof(CUuuid)), 0);  // ... and stable
+  target.update(fake, {{"state", "checkpointed"}, {"restore_needs_full_map", true}});
+  auto args_of = [](std::vector<CUcheckpointGpuPair>& pairs) {
+    CUcheckpointRestoreArgs args;
+    std::memset(&args, 0, sizeof args);
+    args.gpuPairs = pairs.data();
+    args.gpuPairsCount = static_cast<unsigned>(pairs.size());
+    return args;
+  };
+  // Two of three devices: refused, still checkpointed.
+  std::vector<CUcheckpointGpuPair> pairs = {{uuids[0], uuids[0]}, {uuids[1], uuids[1]}};
+  CUcheckpointRestoreArgs args = args_of(pairs);
+  EXPECT_EQ(restore(target.pid(), &args), CUDA_ERROR_INVALID_VALUE);
+  EXPECT_EQ(target.record(fake)["restore_map"], 2);
+  EXPECT_EQ(target.record(fake)["state"], "checkpointed");
+  // Three pairs, one of them not an identity: refused.
+  pairs = {{uuids[0], uuids[0]}, {uuids[1], uuids[2]}, {uuids[2], uuids[1]}};
+  args = args_of(pairs);
+  EXPECT_EQ(restore(target.pid(), &args), CUDA_ERROR_INVALID_VALUE);
+  // Three pairs naming one device twice: refused.
+  pairs = {{uuids[0], uuids[0]}, {uuids[1], uuids[1]}, {uuids[1], uuids[1]}};
+  args = args_of(pairs);
+  EXPECT_EQ(restore(target.pid(), &args), CUDA_ERROR_INVALID_VALUE);
+  EXPECT_EQ(restore(target.pid(), nullptr), CUDA_ERROR_INVALID_VALUE);
+  EXPECT_EQ(target.record(fake)["restore_map"], 0);
+  // Every device, in any order, with a reserved byte set: refused whatever the map.
+  pairs = {{uuids[2], uuids[2]}, {uuids[0], uuids[0]}, {uuids[1], uuids[1]}};
+  args = args_of(pairs);
+  args.reserved1 = 1;
+  EXPECT_EQ(restore(target.pid(), &args), CUDA_ERROR_INVALID_VALUE);
+  EXPECT_EQ(target.record(fake)["state"], "checkpointed");
+  args.reserved1 = 0;
+  EXPECT_EQ(restore(target.pid(), &args), CUDA_SUCCESS);
+  EXPECT_EQ(target.record(fake)["state"], "locked");
+  EXPECT_EQ(target.record(fake)["calls"]["cuCheckpointProcessRestore"], 6);
+}
+
+TEST(Checkpoint, StepsUnderWayAreNamedAndRefuseEveryOtherStep) {
+  FakeCuda fake;
+  fake.reset();
+  Target target(fake);
+  const Driver driver(FAKE_CUDA_PATH);
+  for (const char* name : {"checkpointing", "restoring"}) {
+    target.update(fake, {{"state", name}});
+    const json state = checkpoint_step(driver, target.pid(), CheckpointStep::state, 0);
+    EXPECT_TRUE(state["ok"].get<bool>()) << state;
+    EXPECT_EQ(state["state"], name);
+    for (const auto step : {CheckpointStep::lock, CheckpointStep::checkpoint, CheckpointStep::restore,
+                            CheckpointStep::unlock}) {
+      const json out = checkpoint_step(driver, target.pid(), step, 20);
+      EXPECT_EQ(out["result"], "CUDA_ERROR_ILLEGAL_STATE") << out;
+      EXPECT_EQ(out["state_before"], name);
+      EXPECT_EQ(out["state"], name);
+    }
+    EXPECT_EQ(target.record(fake)["state"], name);
+  }
+}
+
+TEST(Checkpoint, FakeRecordRefusesUnknownStatesAndANonBooleanFullMapFlag) {
+  FakeCuda fake;
+  fake.reset();
+  Target target(fake);
+  EXPECT_THROW(target.update(fake, {{"state", "parking"}}), std::runtime_error);
+  EXPECT_THROW(target.update(fake, {{"restore_needs_full_map", "yes"}}), std::runtime_error);
+  EXPECT_EQ(target.record(fake)["restore_needs_full_map"], false);
+  EXPECT_TRUE(target.record(fake)["restore_map"].is_null());  // no restore made yet
 }

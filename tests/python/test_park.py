@@ -272,18 +272,17 @@ def test_the_command_line_reads_the_state_and_resumes(target, env, checkpoints):
     assert code == 0 and json.loads(out)["message"] == f"process {target.pid} is not parked: nothing to resume"
 
 
-def test_jax_on_more_than_one_gpu_is_refused_and_one_gpu_or_other_frameworks_are_not():
-    assert park.unrestorable_refusal(4242, 2, True) == (
-        "[gpucleanup.park.627] process 4242 uses JAX on 2 GPUs: a restore of such a process was seen to fail and lose "
-        "it, so it is not parked; give it one GPU (CUDA_VISIBLE_DEVICES) to make it parkable, or free its memory "
-        "with jax.clear_caches() and del")
-    assert park.unrestorable_refusal(4242, 1, True) is None
-    assert park.unrestorable_refusal(4242, 2, False) is None
-
-
-def test_jax_is_seen_in_the_process_maps_without_touching_the_process(target, tmp_path):
-    assert park.loads_jax(target.pid) is False  # the target maps the fake driver, no XLA
-    assert park.loads_jax(2 ** 22 + 1) is False  # no such pid: no maps to read
+def test_a_process_on_more_than_one_gpu_is_refused_and_one_gpu_is_not():
+    gib = 1 << 30
+    view = [park.Gpu(0, "GPU-aaaa", 100 * gib, 140 * gib), park.Gpu(1, "GPU-bbbb", 100 * gib, 140 * gib)]
+    assert park.unrestorable_refusal(4242, {"GPU-bbbb": gib, "GPU-aaaa": 2 * gib}, view) == (
+        "[gpucleanup.park.627] process 4242 uses 2 GPUs (GPU0 2.0 GiB, GPU1 1.0 GiB): it is not parked, because the "
+        "driver cannot restore a process that has used two GPUs together (a cross-GPU copy or peer access: its "
+        "restore fails and the process is lost) and one that has not loses its first cross-GPU copy after the "
+        "resume; give each kernel one GPU (CUDA_VISIBLE_DEVICES) to make it parkable")
+    assert park.unrestorable_refusal(4242, {"GPU-aaaa": gib}, view) is None
+    assert park.unrestorable_refusal(4242, {}, view) is None
+    assert park.unrestorable_refusal(4242, None, None) is None
 
 
 def test_a_cells_end_arms_the_idle_park_timer_only_when_asked_and_a_requested_park_without_endpoint_says_why():
@@ -303,3 +302,65 @@ def test_a_cells_end_arms_the_idle_park_timer_only_when_asked_and_a_requested_pa
     kernel.requested = True  # %gpumem --park, with the status endpoint off
     kernel.after_cell(0.0)
     assert not kernel.requested and len(said) == 1 and "parking needs the status endpoint" in said[0]
+
+
+# ------------------------------------------------ the helper's arguments (gpucleanup.park_step.main)
+
+HELPER_USAGE = "usage: python -m gpucleanup.park_step {state,lock,checkpoint,restore,unlock} PID [LOCK_TIMEOUT_MS]"
+NOT_DIGITS = ("PID must be a decimal integer from 1 to 2147483647 in digits alone (no sign, space or exponent), "
+              "got {!r}: pass the id of the process to act on")
+OUT_OF_RANGE = "PID must be from 1 to 2147483647, got {!r}: pass the id of the process to act on"
+
+
+@pytest.fixture
+def no_native(monkeypatch):
+    """Makes loading the library fail the test: a refused argument must be refused before it is loaded."""
+    import gpucleanup
+
+    monkeypatch.delattr(gpucleanup, "_native", raising=False)
+    monkeypatch.setitem(sys.modules, "gpucleanup._native", None)
+
+
+@pytest.mark.parametrize("args, sentence", [
+    (["state", "4294967297"], OUT_OF_RANGE.format("4294967297")),  # wrapped to pid 1 in the C int
+    (["state", "2147483648"], OUT_OF_RANGE.format("2147483648")),
+    (["state", "0"], OUT_OF_RANGE.format("0")),
+    (["state", "-1"], NOT_DIGITS.format("-1")),
+    (["state", ""], NOT_DIGITS.format("")),
+    (["state", " 12"], NOT_DIGITS.format(" 12")),
+    (["state", "1e3"], NOT_DIGITS.format("1e3")),
+    (["lock", "12", "4294967296"],
+     "LOCK_TIMEOUT_MS must be from 0 to 4294967295, got '4294967296': pass the lock's limit in milliseconds "
+     "(0: no limit)"),
+    (["lock", "12", "-5"],
+     "LOCK_TIMEOUT_MS must be a decimal integer from 0 to 4294967295 in digits alone (no sign, space or exponent), "
+     "got '-5': pass the lock's limit in milliseconds (0: no limit)"),
+])
+def test_the_helper_refuses_a_pid_or_timeout_it_cannot_pass_exactly(args, sentence, no_native, capsys):
+    from gpucleanup.park_step import main
+
+    assert main(args) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    # The sentence is the last line: what gpucleanup.park quotes when the helper gives no answer.
+    assert err == f"{HELPER_USAGE}\npark_step: {sentence}\n"
+
+
+def test_the_helper_answers_json_at_the_bounds_of_its_arguments(target, env, checkpoints):
+    def helper(step, pid, *extra):  # started as gpucleanup.park starts it
+        done = subprocess.run(park.helper_command(step, pid, list(extra)), capture_output=True, text=True,
+                              env=park.helper_env(env), cwd=park.HELPER_CWD, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    pid = target.pid
+    assert helper("state", pid)["state"] == "running"
+    locked = helper("lock", pid, "4294967295")  # the largest timeout the library can take exactly
+    assert (locked["ok"], locked["lock_timeout_ms"], locked["state"]) == (True, 4294967295, "locked")
+    assert helper("checkpoint", pid)["state"] == "checkpointed"
+    restored = helper("restore", pid)
+    assert (restored["ok"], restored["restore_map"], restored["state"]) == (True, 1, "locked")  # the fake's one GPU
+    assert record(checkpoints, target.pid)["restore_map"] == 1
+    assert helper("unlock", pid)["state"] == "running"
+    # The largest pid passes the check and reaches the driver, which knows no such process.
+    assert helper("state", 2147483647)["result"] == "CUDA_ERROR_INVALID_VALUE"
