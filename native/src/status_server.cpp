@@ -583,6 +583,16 @@ struct StatusServer::Impl {
   std::optional<CellState> cell_state;
   std::int64_t state_since_ns = 0;
   std::int64_t state_updated_ns = 0;
+  // The idle state a park's "begin" replaced, with its times: "failed" puts it back as it was. A park that did
+  // not happen must leave no trace: a fresh idle time would make the kernel look just idle, and the server's
+  // automatic park (GPUCleanupServer.park_idle_after_s), which remembers a refused kernel by its idle time,
+  // would try it again every round while the page's "idle for" never grew past a round.
+  struct BeforePark {
+    json state;
+    std::int64_t since_ns = 0;
+    std::int64_t updated_ns = 0;
+  };
+  std::optional<BeforePark> before_park;
   std::deque<std::string> history;  // each a JSON object's text (publish_text)
   std::deque<std::string> outbox;
   std::uint64_t published = 0;
@@ -781,15 +791,28 @@ struct StatusServer::Impl {
         return ParkRefusal{true, "park refused: gpucleanup is giving the frameworks' caches back on a thread of its "
                                  "own; ask again in a few seconds"};
       }
+      before_park = BeforePark{std::move(state), state_since_ns, state_updated_ns};
       state = json{{"state", "parking"}};
     } else if (step == "parked" || step == "failed") {
       if (parked != 1) {
         return ParkRefusal{false, "park step \"" + step + "\" refused: the kernel is " + name + ", not parking"};
       }
+      if (step == "failed" && before_park) {
+        // Idle again as if no park had been asked for: the same object, idle since the same time.
+        state = std::move(before_park->state);
+        state_since_ns = before_park->since_ns;
+        state_updated_ns = before_park->updated_ns;
+        before_park.reset();
+        after = state;
+        after["since_ns"] = state_since_ns;
+        return std::nullopt;
+      }
+      before_park.reset();  // parked: what comes next is the resume's own state
       state = step == "parked" ? json{{"state", "parked"}, {"bytes", bytes ? json(*bytes) : json(nullptr)}}
-                               : json{{"state", "idle"}};
+                               : json{{"state", "idle"}};  // no "begin" (set_state() said parking): idle from now
     } else if (step == "resumed") {
       if (parked == 0) return ParkRefusal{false, "park step \"resumed\" refused: the kernel is " + name + ", not parked"};
+      before_park.reset();
       json was = state;
       was["since_ns"] = state_since_ns;
       state = then != nullptr ? *then : json{{"state", "idle"}};

@@ -551,6 +551,82 @@ TEST_F(SignedServer, AFailedParkGoesBackToIdleAndParkedNeedsParking) {
   EXPECT_EQ(client_->ask(request("status"))["state"]["state"], "running");
 }
 
+// A park that did not happen leaves the state as "begin" found it, the same object idle since the same time:
+// a fresh idle time would make the kernel look just idle, and the server's automatic park, which remembers a
+// refused kernel by its idle time, would try it again every round (issue 41, item 10).
+TEST_F(SignedServer, AFailedParkLeavesTheStateAsBeginFoundItIdleSinceTheSameTime) {
+  const std::int64_t idle_since = now_ns() - 5'000'000'000;
+  server_->set_state({{"state", "idle"}, {"since_ns", idle_since}});
+  const json before = client_->ask(request("status"))["state"];
+  ASSERT_EQ(before["since_ns"], idle_since) << before.dump();
+
+  EXPECT_EQ(client_->ask(park_request("begin"))["state"]["state"], "parking");
+  json reply = client_->ask(park_request("failed"));
+  EXPECT_EQ(reply["state"], (json{{"state", "idle"}, {"since_ns", idle_since}})) << reply.dump();
+  EXPECT_FALSE(reply["state"].contains("was"));
+  json after = client_->ask(request("status"))["state"];
+  EXPECT_EQ(after["state"], "idle") << after.dump();
+  EXPECT_EQ(after["since_ns"], idle_since);
+  EXPECT_EQ(after["updated_ns"], before["updated_ns"]);
+  EXPECT_GE(after["age_s"].get<double>(), before["age_s"].get<double>());
+  EXPECT_EQ(server_->park_state(), 0);
+
+  // Again, in the kernel's own process: every failed park goes back to the same time, however many there are.
+  EXPECT_EQ(server_->park_step("begin", std::nullopt)["state"], "parking");
+  const json failed = server_->park_step("failed", std::nullopt);
+  EXPECT_EQ(failed, (json{{"state", "idle"}, {"since_ns", idle_since}})) << failed.dump();
+  EXPECT_EQ(client_->ask(request("status"))["state"]["since_ns"], idle_since);
+
+  // A cell's own state (set_cell_state, no object until read) goes back as it was too, and a cell that
+  // starts next sets its state as ever.
+  ASSERT_EQ(server_->set_cell_state(false, 3), 0);
+  const json cell_idle = client_->ask(request("status"))["state"];
+  ASSERT_EQ(cell_idle["state"], "idle") << cell_idle.dump();
+  EXPECT_EQ(client_->ask(park_request("begin"))["state"]["state"], "parking");
+  EXPECT_EQ(client_->ask(park_request("failed"))["state"]["since_ns"], cell_idle["since_ns"]);
+  after = client_->ask(request("status"))["state"];
+  EXPECT_EQ(after["state"], "idle") << after.dump();
+  EXPECT_EQ(after["since_ns"], cell_idle["since_ns"]);
+  EXPECT_EQ(after["updated_ns"], cell_idle["updated_ns"]);
+  EXPECT_FALSE(after.contains("cell"));
+  EXPECT_EQ(server_->park_state(), 0);
+  EXPECT_EQ(server_->set_cell_state(true, 4), 0);
+  after = client_->ask(request("status"))["state"];
+  EXPECT_EQ(after["state"], "running") << after.dump();
+  EXPECT_EQ(after["cell"], 4);
+  EXPECT_GE(after["since_ns"].get<std::int64_t>(), cell_idle["since_ns"].get<std::int64_t>());
+}
+
+// A park that happened ends as before: "resumed" starts a new state from the resume's time, its "was" the
+// park; a failed park after it goes back to that new idle state, not to the one before the first park.
+TEST_F(SignedServer, AParkThatHappenedIsResumedFromANewTimeAsBefore) {
+  const std::int64_t idle_since = now_ns() - 5'000'000'000;
+  server_->set_state({{"state", "idle"}, {"since_ns", idle_since}});
+  EXPECT_EQ(server_->park_step("begin", std::nullopt)["state"], "parking");
+  const json parked = server_->park_step("parked", 42);
+  EXPECT_EQ(parked["state"], "parked") << parked.dump();
+  EXPECT_EQ(parked["bytes"], 42);
+  EXPECT_GT(parked["since_ns"].get<std::int64_t>(), idle_since);
+  const json status = client_->ask(request("status"))["state"];
+  EXPECT_EQ(status["since_ns"], parked["since_ns"]);
+
+  const json resumed = client_->ask(park_request("resumed"))["state"];
+  EXPECT_EQ(resumed["state"], "idle") << resumed.dump();
+  EXPECT_GE(resumed["since_ns"].get<std::int64_t>(), parked["since_ns"].get<std::int64_t>());
+  EXPECT_EQ(resumed["was"], (json{{"state", "parked"}, {"bytes", 42}, {"since_ns", parked["since_ns"]}}));
+  json after = client_->ask(request("status"))["state"];
+  EXPECT_EQ(after["state"], "idle") << after.dump();
+  EXPECT_EQ(after["since_ns"], resumed["since_ns"]);
+  EXPECT_EQ(after["updated_ns"], resumed["since_ns"]);
+  EXPECT_FALSE(after.contains("was"));
+
+  EXPECT_EQ(client_->ask(park_request("begin"))["state"]["state"], "parking");
+  EXPECT_EQ(client_->ask(park_request("failed"))["state"]["since_ns"], resumed["since_ns"]);
+  after = client_->ask(request("status"))["state"];
+  EXPECT_EQ(after["state"], "idle") << after.dump();
+  EXPECT_EQ(after["since_ns"], resumed["since_ns"]);
+}
+
 // The id of the error a park's "begin" in the kernel's own process fails with ("taken" if it did not fail).
 std::string begin_refused_in_process(StatusServer& server) {
   try {

@@ -656,3 +656,90 @@ def test_the_server_parks_kernels_left_idle_when_told_to(tmp_path):
         if nb is not None:
             nb.close()
         srv.stop()
+
+
+def _rounds_pass(nb: Notebook, rounds: int) -> dict:
+    """The kernel's status once the server has asked it ``rounds`` more rounds' worth of requests (a round asks
+    each kernel for its status and its history: 2 requests; a park attempt adds its own), polled: the
+    automatic park's rounds leave no other trace when they do nothing."""
+    first = nb.status()
+    polls = 0
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        reply = nb.status()
+        polls += 1
+        by_server = reply["server"]["requests"] - first["server"]["requests"] - polls
+        if by_server >= 2 * rounds:
+            return reply
+        assert time.monotonic() < deadline, f"{rounds} rounds of the automatic park not within {TIMEOUT} s"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("why", ["cpu_only", "checkpoint_fails"])
+def test_the_server_tries_a_kernel_it_cannot_park_once_per_idle_period_and_keeps_its_idle_time(tmp_path, why):
+    # cpu_only: a kernel that never used the GPU (the fake driver keeps no checkpoint record of it, so the park
+    # is refused); checkpoint_fails: the driver's checkpoint fails and the kernel is unlocked. Either way the
+    # park's "failed" step puts back the idle state "begin" found, so the server's memo of refused kernels
+    # (by kernel and idle-since time) holds until a cell runs (issue 41, item 10).
+    extra_env = {}
+    checkpoints = tmp_path / "checkpoints"
+    if why == "checkpoint_fails":
+        checkpoints.mkdir()
+        extra_env["GPUCLEANUP_FAKE_CUDA_CHECKPOINT_DIR"] = str(checkpoints)
+    srv = Server(tmp_path / "srv", "--GPUCleanupServer.park_idle_after_s=1", extra_env=extra_env)
+    nb = None
+    try:
+        nb = Notebook(srv, "cpu.ipynb")
+        load = "%load_ext gpucleanup"
+        if why == "checkpoint_fails":  # in the same cell: no round finds the kernel idle before the error is set
+            load += ("\nimport ctypes, os\nassert ctypes.CDLL(os.environ['GPUCLEANUP_LIBCUDA']).fake_cuda_checkpoint_update("
+                     "os.getpid(), b'{\"errors\": {\"cuCheckpointProcessCheckpoint\": 2}}') == 0")
+        out = nb.run(load)
+        assert "Error" not in out, out
+        tried = f"gpucleanup: kernel {nb.kernel_id} idle "
+
+        def attempts() -> list:
+            return [line for line in srv.log().splitlines() if tried in line]
+
+        def wait_for_attempts(n: int) -> None:
+            deadline = time.monotonic() + TIMEOUT
+            while len(attempts()) < n:
+                assert time.monotonic() < deadline, f"no park attempt {n} within {TIMEOUT} s:\n{srv.log()}"
+                time.sleep(0.05)
+
+        def idle_state() -> dict:  # polled: a park under way says "parking" for a moment
+            deadline = time.monotonic() + TIMEOUT
+            while True:
+                state = nb.status()["state"]
+                if state["state"] == "idle":
+                    return state
+                assert time.monotonic() < deadline, f"not idle within {TIMEOUT} s: {state}"
+                time.sleep(0.05)
+
+        idle = idle_state()
+        wait_for_attempts(1)
+        status = _rounds_pass(nb, 3)
+        assert len(attempts()) == 1, attempts()
+        assert "not parked" in attempts()[0] or "nothing was parked" in attempts()[0], attempts()
+        assert status["state"]["state"] == "idle", status["state"]
+        assert status["state"]["since_ns"] == idle["since_ns"], (status["state"], idle)
+        assert status["state"]["age_s"] >= idle["age_s"]
+        entry = srv.entry(nb.kernel_id)  # the page's "idle for" and the metric's age: from the same time
+        assert entry["state"]["since_ns"] == idle["since_ns"], entry["state"]
+        if why == "checkpoint_fails":
+            record = json.loads((checkpoints / f"{nb.discovery().pid}.json").read_text())
+            assert record["calls"].get("cuCheckpointProcessCheckpoint") == 1, record
+            assert record["state"] == "running", record
+
+        # A cell ran: a new idle period, one more attempt, and again only one.
+        assert nb.run("print(1 + 1)") == "2\n"
+        idle_again = idle_state()
+        assert idle_again["since_ns"] > idle["since_ns"], (idle_again, idle)
+        wait_for_attempts(2)
+        status = _rounds_pass(nb, 3)
+        assert len(attempts()) == 2, attempts()
+        assert status["state"]["since_ns"] == idle_again["since_ns"], (status["state"], idle_again)
+    finally:
+        if nb is not None:
+            nb.close()
+        srv.stop()

@@ -116,19 +116,26 @@ class KernelWatch:
     async def park_idle(self) -> List[str]:
         """One round of the automatic parking (``park_idle_after_s``): every kernel with gpucleanup that
         has been idle that long, one after the other; what each gave, as log lines. A kernel the park
-        refused is not tried again until its state changes (a new cell)."""
+        refused is tried once per idle period: not again, and not logged again, until its idle-since time
+        changes (a cell ran). A refused or failed park leaves that time as it was (the status server's
+        ``failed`` step puts back the idle state ``begin`` found), so the memo, by kernel and idle-since
+        time, holds for as long as the kernel stays idle."""
         after = self.settings.park_idle_after_s
         said: List[str] = []
         if after <= 0:
             return said
-        refused = getattr(self, "_park_refused", {})
+        # kernel id -> the idle-since time (since_ns) of its last refused or failed park
+        refused: Dict[str, object] = getattr(self, "_park_refused", {})
         self._park_refused = refused
         found = await self.run(discovery.scan, self.runtime_dir, clean=False)
-        for entry in (await self.collect())["kernels"]:
+        listed = (await self.collect())["kernels"]
+        for gone in set(refused) - {entry["id"] for entry in listed}:
+            del refused[gone]  # a kernel that exited: its id is never seen again
+        for entry in listed:
             state = entry.get("state") or {}
             if not entry.get("gpucleanup") or state.get("state") != "idle" or not isinstance(state.get("age_s"), (int, float)):
                 continue
-            if state["age_s"] < after or refused.get(entry["id"]) == state.get("since_ns"):
+            if state["age_s"] < after or (entry["id"] in refused and refused[entry["id"]] == state.get("since_ns")):
                 continue
             kernel = next((k for k in found.live if k.pid == entry.get("pid") and k.elsewhere is None), None)
             if kernel is None or not kernel.key_file:
