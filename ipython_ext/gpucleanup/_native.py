@@ -44,6 +44,7 @@ __all__ = [
     "server_state",
     "server_park",
     "server_parked",
+    "server_park_blocker",
     "server_publish",
     "server_connections",
     "set_drain_hook",
@@ -194,6 +195,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         lib.gpucleanup_server_park.restype = ctypes.c_int
         lib.gpucleanup_server_parked.argtypes = []
         lib.gpucleanup_server_parked.restype = ctypes.c_int
+    # What keeps an automatic park away (a later addition to ABI version 2).
+    if getattr(lib, "gpucleanup_server_park_blocker", None) is not None:
+        lib.gpucleanup_server_park_blocker.argtypes = [ctypes.c_char_p]
+        lib.gpucleanup_server_park_blocker.restype = ctypes.c_int
     # A cell's state and the park state in one call (a later addition to ABI version 2).
     if getattr(lib, "gpucleanup_server_cell", None) is not None:
         lib.gpucleanup_server_cell.argtypes = [ctypes.c_int, ctypes.c_longlong]
@@ -524,6 +529,18 @@ def server_cell(running: bool, cell: Optional[int] = None) -> int:
     if parked < 0:
         _raise(held(), ERR_SERVER)
     return parked
+
+
+def server_park_blocker(why: Optional[str]) -> bool:
+    """Why no automatic park may begin now (None or "": it may), kept by the status server
+    (gpucleanup_server_park_blocker); False with a library older than the call. Raises NativeError
+    when the server is not running."""
+    fn = getattr(held(), "gpucleanup_server_park_blocker", None)
+    if fn is None:
+        return False
+    if fn(why.encode("utf-8", "replace") if why else None) < 0:
+        _raise(held(), ERR_SERVER)
+    return True
 
 
 def server_background(begin: bool) -> int:

@@ -567,6 +567,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                 with contextlib.suppress(Exception):
                     if self._interrupt_the_cell in self.shell.ast_transformers:
                         self.shell.ast_transformers.remove(self._interrupt_the_cell)
+            with contextlib.suppress(Exception):  # before "idle": from then a policy may park the kernel
+                self.parking.threads_seen()
             self._say_idle()
             try:
                 # %gpumem --park: the cell has ended, the kernel is idle; and parked if it stays idle that long

@@ -139,15 +139,19 @@ def parked_need(note: dict) -> Optional[dict]:
     return usage or None
 
 
-def remote_record(target, timeout: float) -> RecordStep:
+def remote_record(target, timeout: float, automatic: bool = False) -> RecordStep:
     """The park steps of a kernel's state as signed ``park`` requests to its status endpoint (``target``:
-    a :class:`~gpucleanup.status_client.Target`); a refusal raises status_client's error, its sentence."""
+    a :class:`~gpucleanup.status_client.Target`); a refusal raises status_client's error, its sentence.
+    ``automatic``: the begin is a policy's (the server's ``park_idle_after_s``), which the kernel refuses
+    while a thread a cell started still runs."""
     from . import status_client
 
     def record(step: str, parked_bytes: Optional[int]) -> dict:
         fields: dict = {"step": step}
         if parked_bytes is not None:
             fields["bytes"] = int(parked_bytes)
+        if automatic and step == "begin":
+            fields["automatic"] = True
         return status_client.request(target, "park", timeout, **fields).get("state") or {}
 
     return record
@@ -275,14 +279,15 @@ def owner_refusal(pid: int, lock_file: os.PathLike, proc: str = "/proc") -> Opti
     return None
 
 
-def park_from_outside(pid: int, target, timeout: float, lock_file: os.PathLike) -> park_steps.Outcome:
-    """``gpucleanup park`` and the page's Park: :func:`park_kernel` with the kernel's state kept through
-    signed requests to its status endpoint (``target``). Refused (ParkRefused) when the process at ``pid``
-    is not its files' owner's."""
+def park_from_outside(pid: int, target, timeout: float, lock_file: os.PathLike,
+                      automatic: bool = False) -> park_steps.Outcome:
+    """``gpucleanup park``, the page's Park and the server's automatic park (``automatic``): :func:`park_kernel`
+    with the kernel's state kept through signed requests to its status endpoint (``target``). Refused
+    (ParkRefused) when the process at ``pid`` is not its files' owner's."""
     refusal = owner_refusal(pid, lock_file)
     if refusal:
         raise park_steps.ParkRefused(refusal)
-    return park_kernel(pid, remote_record(target, timeout), lock_file)
+    return park_kernel(pid, remote_record(target, timeout, automatic), lock_file)
 
 
 def check_kernel(pid: int, target, timeout: float, lock_file: os.PathLike) -> dict:
@@ -405,6 +410,8 @@ class InKernel:
         self._threads_at_load = {t.ident for t in threading.enumerate()}
         #: why the cell about to run must not run (the kernel stays parked), for the extension to say
         self.refusal: Optional[str] = None
+        self._thread_count = threading.active_count()
+        self._blocker_said: Optional[str] = None
         #: what the resume before this cell found: False, not parked (the cell's state is "running" since,
         #: so no park can begin before the cell's cleanup); None: not known, asked again
         self.parked_at_start: Optional[bool] = None
@@ -481,6 +488,26 @@ class InKernel:
             self.park_after_cell()
         if self._timer is not None or (after_s and after_s > 0):
             self.arm(after_s)
+
+    def threads_seen(self) -> None:
+        """A cell ends, before its state says idle (from when a policy may park the kernel): when a thread
+        started or ended since the last look, what keeps an automatic park away is said again. One count of
+        Python's threads when none did."""
+        count = threading.active_count()
+        if count != self._thread_count:
+            self._thread_count = count
+            self.say_blocker()
+
+    def say_blocker(self) -> None:
+        """Tells the status server why no automatic park may begin (or that one may), when that changed: the
+        server's own automatic park asks the kernel's server, which cannot see Python's threads."""
+        blocker = self.automatic_park_blocker()
+        if blocker == self._blocker_said:
+            return
+        say = getattr(self._endpoint(), "park_blocker", None)
+        if say is not None:
+            say(blocker)
+            self._blocker_said = blocker
 
     def park_after_cell(self) -> None:
         """The park ``%gpumem --park`` asked for, now that the cell has ended (its state is idle)."""

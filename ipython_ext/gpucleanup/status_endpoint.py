@@ -218,6 +218,18 @@ class StatusEndpoint:
         except Exception:
             return 0
 
+    def park_blocker(self, why: Optional[str]) -> None:
+        """Why no automatic park may begin now (None: it may), for the server to answer an automatic park's
+        ``begin`` with; a park a person asks for is not refused by it. Never raises."""
+        if not self._serving():
+            return
+        try:
+            fn = getattr(self._native or self._lib(), "server_park_blocker", None)
+            if fn is not None:
+                fn(why)
+        except Exception as exc:
+            self._note(exc)
+
     def background(self, begin: bool) -> bool:
         """The kernel's own work on a thread of its own (a release once idle) begins or ends. Begin: True
         when it may run, and until it ends a park is refused; False while a park is under way (its driver

@@ -499,6 +499,13 @@ int gpucleanup_server_background(int begin) {
   return status == GPUCLEANUP_OK ? answer : -1;
 }
 
+int gpucleanup_server_park_blocker(const char* why) {
+  const gpucleanup_status status = guarded([&] {
+    on_server([&](StatusServer& server) { server.set_park_blocker(why == nullptr ? std::string() : std::string(why)); });
+  });
+  return status == GPUCLEANUP_OK ? 0 : -1;
+}
+
 int gpucleanup_server_parked(void) {
   try {
     ApiState& state = api_state().get();

@@ -195,6 +195,10 @@ void RequestCheck::check_body(CheckedRequest& out, std::span<const std::string_v
       }
       out.bytes = it->get<std::int64_t>();
     }
+    if (const auto it = request.find("automatic"); it != request.end() && !it->is_null()) {
+      if (!it->is_boolean()) reject("408", "request is malformed: \"automatic\" must be true or false");
+      out.automatic = it->get<bool>();
+    }
   } else {
     reject("410", "unknown request kind \"" + what + "\": use status, history, drain, park or ping");
   }

@@ -62,6 +62,7 @@ struct CheckedRequest {
   double timeout_s = 0;              // drain: "timeout_s", else the config's drain_timeout_s
   std::string park_step;             // park: "step" (begin, parked, failed, resumed)
   std::optional<std::int64_t> bytes; // park: "bytes" of a "parked" step, when given
+  bool automatic = false;             // park: "automatic", a begin asked by a policy, not by a person
 };
 
 // Whether every request must be signed: as configured, and always on tcp://.

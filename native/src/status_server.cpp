@@ -593,6 +593,9 @@ struct StatusServer::Impl {
     std::int64_t updated_ns = 0;
   };
   std::optional<BeforePark> before_park;
+  // Why no automatic park may begin now (empty: it may), as the kernel last said it (set_park_blocker): a
+  // thread a cell started still runs, and its GPU calls would stop for as long as the kernel stayed parked.
+  std::string park_blocker;
   std::deque<std::string> history;  // each a JSON object's text (publish_text)
   std::deque<std::string> outbox;
   std::uint64_t published = 0;
@@ -770,7 +773,7 @@ struct StatusServer::Impl {
   // One park step under the state lock; the refusal, or nullopt with the new
   // state in `after`.
   std::optional<ParkRefusal> park_transition(const std::string& step, std::optional<std::int64_t> bytes,
-                                             json& after, const json* then = nullptr) {
+                                             json& after, const json* then = nullptr, bool automatic = false) {
     std::lock_guard<std::mutex> lock(state_mutex);
     const int parked = park_state_locked();
     state_locked();
@@ -791,6 +794,7 @@ struct StatusServer::Impl {
         return ParkRefusal{true, "park refused: gpucleanup is giving the frameworks' caches back on a thread of its "
                                  "own; ask again in a few seconds"};
       }
+      if (automatic && !park_blocker.empty()) return ParkRefusal{false, park_blocker};
       before_park = BeforePark{std::move(state), state_since_ns, state_updated_ns};
       state = json{{"state", "parking"}};
     } else if (step == "parked" || step == "failed") {
@@ -1001,7 +1005,7 @@ struct StatusServer::Impl {
           return;  // answered when the hook is done
         case RequestKind::park: {
           json after;
-          if (auto refused = park_transition(request.park_step, request.bytes, after)) {
+          if (auto refused = park_transition(request.park_step, request.bytes, after, nullptr, request.automatic)) {
             reject(refused->passing ? "421" : "420", std::move(refused->message));
           }
           reply = json{{"ok", true}, {"kind", "park"}, {"kernel", config.kernel}, {"step", request.park_step},
@@ -1329,6 +1333,15 @@ int StatusServer::background(bool begin) noexcept {
     return 0;
   } catch (...) {
     return 0;
+  }
+}
+
+void StatusServer::set_park_blocker(std::string why) noexcept {
+  if (!impl_) return;
+  try {
+    std::lock_guard<std::mutex> lock(impl_->state_mutex);
+    impl_->park_blocker = std::move(why);
+  } catch (...) {
   }
 }
 

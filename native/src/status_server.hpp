@@ -117,6 +117,9 @@ class StatusServer {
                            const nlohmann::json* then = nullptr);
   // 0: not parked; 1: parking; 2: parked. Safe from any thread.
   int park_state() const noexcept;
+  // Why no automatic park may begin now ("" : it may): a park request's begin marked "automatic" is refused
+  // (server.420) with this sentence, a park asked for by a person is not. Safe from any thread.
+  void set_park_blocker(std::string why) noexcept;
   // The kernel's own work on a thread of its own (a release once the kernel is idle) begins (begin) or ends.
   // Begin: counted, and 0 returned, unless a park is under way: then its park_state() and nothing counted
   // (the work must not run: its driver calls would wait for the restore). Until every counted one has ended,

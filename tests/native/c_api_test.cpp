@@ -209,6 +209,23 @@ TEST_F(CApi, NoParkBeginsWhileTheKernelsOwnBackgroundWorkRunsAndNoneBeginsWhileA
   EXPECT_NE(std::string(gpucleanup_last_error()).find("the status server is not running"), std::string::npos);
 }
 
+TEST_F(CApi, AParkBlockerIsKeptByTheServerAndNeedsOne) {
+  EXPECT_EQ(gpucleanup_server_park_blocker("a thread runs"), -1);  // no server: nothing to keep it
+  EXPECT_NE(std::string(gpucleanup_last_error()).find("the status server is not running"), std::string::npos);
+  char* out = nullptr;
+  const auto status = gpucleanup_server_start(R"({"endpoint": "inproc://gpucleanup-c-api-blocker"})", &out);
+  if (status != GPUCLEANUP_OK) GTEST_SKIP() << "no status server in this build: " << gpucleanup_last_error();
+  gpucleanup_free(out);
+  std::string state;
+  ASSERT_EQ(gpucleanup_server_cell(0, -1), 0);
+  EXPECT_EQ(gpucleanup_server_park_blocker("a thread runs"), 0);
+  ASSERT_EQ(park("begin", &state), GPUCLEANUP_OK) << "the kernel's own park is a person's: " << state;
+  ASSERT_EQ(park("failed", &state), GPUCLEANUP_OK) << state;
+  EXPECT_EQ(gpucleanup_server_park_blocker(nullptr), 0);  // taken back
+  EXPECT_EQ(gpucleanup_server_park_blocker(""), 0);
+  EXPECT_EQ(gpucleanup_server_stop(), GPUCLEANUP_OK);
+}
+
 TEST_F(CApi, StartingARunningServerIsAServerError) {
   char* out = nullptr;
   const auto status = gpucleanup_server_start(R"({"endpoint": "inproc://gpucleanup-c-api-test"})", &out);

@@ -597,6 +597,33 @@ TEST_F(SignedServer, AFailedParkLeavesTheStateAsBeginFoundItIdleSinceTheSameTime
   EXPECT_GE(after["since_ns"].get<std::int64_t>(), cell_idle["since_ns"].get<std::int64_t>());
 }
 
+// What the kernel says keeps an automatic park away refuses only a begin marked automatic, and is said in the
+// refusal; a park a person asks for goes on; a blocker taken back lets the policy park again.
+TEST_F(SignedServer, AParkBlockerRefusesOnlyAnAutomaticBeginWithTheKernelsSentence) {
+  server_->set_state({{"state", "idle"}});
+  const std::string why = "[gpucleanup.park.642] 1 thread started in a cell still runs (train-loop)";
+  server_->set_park_blocker(why);
+  json automatic = park_request("begin");
+  automatic["automatic"] = true;
+  expect_error(client_->ask(automatic), "gpucleanup.server.420", why);
+  EXPECT_EQ(server_->park_state(), 0);
+  EXPECT_EQ(client_->ask(request("status"))["state"]["state"], "idle");
+  json asked = park_request("begin");
+  asked["automatic"] = false;
+  EXPECT_EQ(client_->ask(asked)["state"]["state"], "parking");
+  EXPECT_EQ(client_->ask(park_request("failed"))["state"]["state"], "idle");
+  server_->set_park_blocker("");
+  automatic = park_request("begin");
+  automatic["automatic"] = true;
+  EXPECT_EQ(client_->ask(automatic)["state"]["state"], "parking");
+  EXPECT_EQ(client_->ask(park_request("failed"))["state"]["state"], "idle");
+  json malformed = park_request("begin");
+  malformed["automatic"] = "yes";
+  expect_error(client_->ask(malformed), "gpucleanup.server.408",
+               "request is malformed: \"automatic\" must be true or false");
+  EXPECT_EQ(server_->park_state(), 0);
+}
+
 // A park that happened ends as before: "resumed" starts a new state from the resume's time, its "was" the
 // park; a failed park after it goes back to that new idle state, not to the one before the first park.
 TEST_F(SignedServer, AParkThatHappenedIsResumedFromANewTimeAsBefore) {

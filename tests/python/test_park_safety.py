@@ -373,6 +373,30 @@ def test_a_thread_started_in_a_cell_that_runs_on_blocks_an_automatic_park_until_
     assert kernel.automatic_park_blocker() is None
 
 
+def test_the_kernel_tells_its_server_what_keeps_an_automatic_park_away_only_when_it_changes():
+    said = []
+
+    class Endpoint:
+        def park_blocker(self, why):
+            said.append(why)
+
+    kernel = parking.InKernel(lambda: Endpoint(), lambda lines: None)
+    kernel.threads_seen()
+    assert said == []  # no thread started or ended: nothing asked, nothing said
+    stop = threading.Event()
+    worker = threading.Thread(target=stop.wait, name="prefetch")
+    worker.start()
+    try:
+        kernel.threads_seen()
+        kernel.threads_seen()
+    finally:
+        stop.set()
+        worker.join()
+    assert len(said) == 1 and said[0].startswith("[gpucleanup.park.642] 1 thread started in a cell still runs (prefetch)")
+    kernel.threads_seen()
+    assert said[1:] == [None]  # it ended: an automatic park may come again
+
+
 class _Parking:
     """The kernel's parking side as the request guard sees it: parked until a resume works."""
 

@@ -658,6 +658,39 @@ def test_the_server_parks_kernels_left_idle_when_told_to(tmp_path):
         srv.stop()
 
 
+def test_the_servers_automatic_park_leaves_a_kernel_alone_while_a_thread_a_cell_started_runs(tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    srv = Server(tmp_path / "srv", "--GPUCleanupServer.park_idle_after_s=1",
+                 extra_env={"GPUCLEANUP_FAKE_CUDA_CHECKPOINT_DIR": str(checkpoints)})
+    nb = None
+    try:
+        nb = Notebook(srv, "training.ipynb")
+        # in the cell that loads gpucleanup: no round finds the kernel idle before the thread runs
+        out = nb.run("%load_ext gpucleanup\nimport threading\nstop = threading.Event()\n"
+                     "worker = threading.Thread(target=stop.wait, name='train-loop')\nworker.start()")
+        assert "Error" not in out, out
+        pid = nb.discovery().pid
+        tried = f"gpucleanup: kernel {nb.kernel_id} idle "
+        deadline = time.monotonic() + TIMEOUT
+        while not [line for line in srv.log().splitlines() if tried in line]:
+            assert time.monotonic() < deadline, f"no automatic park attempt within {TIMEOUT} s:\n{srv.log()}"
+            time.sleep(0.05)
+        attempt = [line for line in srv.log().splitlines() if tried in line][0]
+        assert ("[gpucleanup.park.642] 1 thread started in a cell still runs (train-loop): an automatic park would "
+                "stop their GPU calls") in attempt, attempt
+        record = json.loads((checkpoints / f"{pid}.json").read_text())
+        assert "cuCheckpointProcessLock" not in record["calls"] and record["state"] == "running", record
+        # The thread ends; the cell that ends it says so, and the policy parks the kernel at its next round.
+        assert nb.run("stop.set(); worker.join()") == ""
+        srv.wait_for(nb.kernel_id, lambda e: e["state"]["state"] == "parked", "parked once the thread ended")
+        assert json.loads((checkpoints / f"{pid}.json").read_text())["state"] == "checkpointed"
+    finally:
+        if nb is not None:
+            nb.close()
+        srv.stop()
+
+
 def _rounds_pass(nb: Notebook, rounds: int) -> dict:
     """The kernel's status once the server has asked it ``rounds`` more rounds' worth of requests (a round asks
     each kernel for its status and its history: 2 requests; a park attempt adds its own), polled: the

@@ -103,12 +103,13 @@ class KernelWatch:
         return asyncio.get_running_loop().run_in_executor(
             self._drains, partial(status_client.request, target, "drain", wait, timeout_s=drain_timeout))
 
-    def park(self, kernel: discovery.Kernel, target: status_client.Target, action: str):
+    def park(self, kernel: discovery.Kernel, target: status_client.Target, action: str, automatic: bool = False):
         """Park or resume ``kernel`` (gpucleanup.parking, each step in a helper process), on the drains'
-        pool: a park moves the kernel's whole device memory and may take minutes."""
+        pool: a park moves the kernel's whole device memory and may take minutes. ``automatic``: the
+        policy's park (``park_idle_after_s``), which a kernel refuses while a thread a cell started runs on."""
         lock = parking.lock_path(kernel.key_file, kernel.pid)
         if action == "park":
-            call = partial(parking.park_from_outside, kernel.pid, target, self.settings.timeout, lock)
+            call = partial(parking.park_from_outside, kernel.pid, target, self.settings.timeout, lock, automatic)
         else:
             call = partial(parking.resume_from_outside, kernel.pid, target, self.settings.timeout, lock, 0.0)
         return asyncio.get_running_loop().run_in_executor(self._drains, call)
@@ -141,7 +142,7 @@ class KernelWatch:
             if kernel is None or not kernel.key_file:
                 continue
             try:
-                outcome = await self.park(kernel, kernels.target_of(kernel), "park")
+                outcome = await self.park(kernel, kernels.target_of(kernel), "park", automatic=True)
                 said.append(f"kernel {entry['id']} idle {state['age_s']:.0f} s: {parking.outcome_text(outcome)}")
                 if not outcome.ok:
                     refused[entry["id"]] = state.get("since_ns")

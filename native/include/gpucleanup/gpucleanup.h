@@ -255,6 +255,14 @@ GPUCLEANUP_API gpucleanup_status gpucleanup_server_park(const char* step, long l
  * no JSON, no driver call. */
 GPUCLEANUP_API int gpucleanup_server_parked(void);
 
+/* Why no automatic park may begin now (NULL or "": it may): a park request
+ * whose begin says "automatic": true (a policy's, such as the Jupyter
+ * server's park_idle_after_s) is refused with this sentence
+ * (gpucleanup.server.420); a park a person asks for is not. The kernel says
+ * it when it changes (a thread a cell started still runs). 0, or -1 when no
+ * server runs (gpucleanup_last_error says why). */
+GPUCLEANUP_API int gpucleanup_server_park_blocker(const char* why);
+
 /* A cell's own state, said twice per cell: running != 0 as the cell starts
  * ("running", with cell, or no cell number when cell < 0), running == 0 as its
  * hooks end ("idle"), since now (CLOCK_REALTIME); the same as
