@@ -81,6 +81,11 @@ if [[ $stages == *" park "* || $stages == *" park-kernels "* ]]; then
   timeout 300 python3 -m pytest tests/gpu/test_park_kernel_gpu.py -v -s -p no:cacheprovider 2>&1 | tee "$out/park-kernel-tests.log"
   # which state survives a park/resume (cuBLAS, cuDNN, CUDA graphs, Numba, PyCUDA autoinit, managed memory)
   timeout 240 python3 -m pytest tests/gpu/test_park_survival_gpu.py -v -s -p no:cacheprovider 2>&1 | tee "$out/park-survival-tests.log"
+  # what a park must never start or try: a kernel that used two GPUs together (refused, it keeps working; needs
+  # two GPUs), a resume on a GPU another process took (the cell refused at once, resumed once it is free)
+  timeout 240 python3 -m pytest tests/gpu/test_park_safety_gpu.py -v -s -p no:cacheprovider 2>&1 | tee "$out/park-safety-tests.log"
+  # the driver's own answers there (tests/bench/park_facts.py: share/FACTS.md §10.1), as JSON
+  timeout 400 python3 tests/bench/park_facts.py --json "$out/park-facts.json" 2>&1 | tee "$out/park-facts.log"
 fi
 if [[ $stages == *" park-loop "* ]]; then
   # the JAX notebook parked from outside about a second after its cell (about when a release once idle comes due),

@@ -220,6 +220,29 @@ def test_a_failed_restore_keeps_the_kernel_parked_refuses_the_cell_and_says_how_
     assert record(checkpoints, kernel.pid)["state"] == "running"
 
 
+def test_park_check_says_whether_a_kernel_can_be_parked_and_touches_nothing(kernel, checkpoints):
+    ok = cli("park", "--check", str(kernel.pid))
+    assert (ok.returncode, ok.stdout, ok.stderr) == (0, f"kernel {kernel.pid} can be parked now\n", "")
+    assert record(checkpoints, kernel.pid)["calls"].get("cuCheckpointProcessLock") is None
+    assert cli("park", str(kernel.pid)).returncode == 0
+    parked = cli("park", "--check", str(kernel.pid))
+    assert (parked.returncode, parked.stdout) == (4, f"kernel {kernel.pid} cannot be parked now:\n  - the kernel is "
+                                                     f"parked already: gpucleanup resume {kernel.pid} brings it back\n")
+    data = json.loads(cli("park", "--check", "--json", str(kernel.pid)).stdout)
+    assert (data["parkable"], data["state"], data["driver_state"]) == (False, "parked", "checkpointed")
+    assert record(checkpoints, kernel.pid)["state"] == "checkpointed"  # still parked: nothing was touched
+
+
+@pytest.mark.parametrize("command", ["park", "resume", "drain", "status"])
+@pytest.mark.parametrize("blank", ["", "   "])
+def test_an_empty_kernel_argument_is_a_usage_error_and_never_picks_the_only_kernel(kernel, checkpoints, command, blank):
+    done = cli(command, blank)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == ("gpucleanup: KERNEL is empty: give a pid, a kernel id (or a unique prefix) or a notebook; "
+                           "gpucleanup ps lists them\n")
+    assert record(checkpoints, kernel.pid)["state"] == "running"
+
+
 def test_a_silent_execute_resumes_a_parked_kernel_before_its_code(kernel, checkpoints):
     assert cli("park", str(kernel.pid)).returncode == 0
     # a variable inspector's poll: silent, no pre_run_cell, and a driver call that would wait while parked

@@ -607,6 +607,13 @@ def test_park_and_resume_through_the_api(tmp_path):
         srv.wait_for(nb.kernel_id, lambda e: e["state"]["state"] == "idle", "idle")
         assert srv.request("POST", f"{path}/park", body={}).status == 403
         assert srv.request("GET", f"{path}/park", token=True).status == 405
+        assert srv.request("GET", f"{path}/park-check").status == 403
+        checked = srv.request("GET", f"{path}/park-check", token=True)
+        assert checked.status == 200, checked.body
+        data = checked.json()
+        assert (data["parkable"], data["reasons"], data["state"], data["driver_state"], data["message"]) == (
+            True, [], "idle", "running", "can be parked now")
+        assert json.loads((checkpoints / f"{pid}.json").read_text())["calls"].get("cuCheckpointProcessLock") is None
 
         parked = srv.request("POST", f"{path}/park", body={}, token=True)
         assert parked.status == 200, parked.body
@@ -617,6 +624,11 @@ def test_park_and_resume_through_the_api(tmp_path):
         entry = srv.wait_for(nb.kernel_id, lambda e: e["state"]["state"] == "parked", "parked")
         assert entry["state_text"].startswith("parked in host memory for ")
         assert entry["snapshot_status"] in ("stale", "unavailable")  # no driver call while parked
+
+        checked = srv.request("GET", f"{path}/park-check", token=True).json()
+        assert (checked["parkable"], checked["state"]) == (False, "parked")
+        assert checked["message"] == ("cannot be parked now: the kernel is parked already: gpucleanup resume "
+                                      f"{pid} brings it back")
 
         again = srv.request("POST", f"{path}/park", body={}, token=True)
         assert again.status == 409

@@ -358,6 +358,29 @@ class ParkHandler(_API):
         })
 
 
+class ParkCheckHandler(_API):
+    """``GET api/gpucleanup/kernels/<id>/park-check``: whether the kernel can be parked now and, if not, every
+    reason (gpucleanup.parking.check_kernel, the same as ``gpucleanup park --check``); touches nothing. 200 with
+    ``parkable``, ``reasons``, ``usage`` (bytes per GPU UUID), the kernel's and the driver's state, and one
+    sentence in ``message``."""
+
+    @web.authenticated
+    @authorized
+    async def get(self, key: str):
+        kernel = await self.watch.find(key)
+        if not kernel.key_file:
+            raise web.HTTPError(409, "%s", f"kernel {key} has no key file: it cannot be parked from outside")
+        target = _target_of(kernel, key)
+        lock = parking.lock_path(kernel.key_file, kernel.pid)
+        # a helper's look at the driver's state and nvidia-smi: seconds at worst, on the drains' pool
+        found = await asyncio.get_running_loop().run_in_executor(
+            self.watch._drains, partial(parking.check_kernel, kernel.pid, target, self.watch.settings.timeout, lock))
+        found["id"] = key
+        found["message"] = ("can be parked now" if found["parkable"] else
+                            "cannot be parked now: " + "; ".join(found["reasons"]))
+        self.finish(found)
+
+
 class PageHandler(JupyterHandler):
     """``GET gpucleanup``: the page (static/index.html with the server's base URL and the refresh period)."""
 
@@ -405,6 +428,7 @@ def handlers(base_url: str, watch: KernelWatch) -> list:
         (url_path_join(base_url, "api/gpucleanup/kernels", kernel), KernelHandler, args),
         (url_path_join(base_url, "api/gpucleanup/kernels", kernel, "drain"), DrainHandler, args),
         (url_path_join(base_url, "api/gpucleanup/kernels", kernel, r"(?P<action>park|resume)"), ParkHandler, args),
+        (url_path_join(base_url, "api/gpucleanup/kernels", kernel, "park-check"), ParkCheckHandler, args),
         (url_path_join(base_url, "gpucleanup/?"), PageHandler, args),
         (url_path_join(base_url, "gpucleanup/static/(.*)"), StaticHandler, {"path": str(STATIC)}),
     ]

@@ -335,6 +335,37 @@
     ]);
   }
 
+  // "Can park?": what gpucleanup park --check says, on one line next to the buttons; it touches nothing.
+  async function checkPark(entry, view) {
+    view.result.className = "drain-result pending";
+    view.result.textContent = "checking…";
+    let kind = "refused";
+    let words;
+    try {
+      const response = await fetch(`${API}/${encodeURIComponent(entry.id)}/park-check`, {
+        credentials: "same-origin",
+        headers: { Accept: "application/json" },
+      });
+      let data = null;
+      try {
+        data = await response.json();
+      } catch (_) {
+        data = null;
+      }
+      if (response.ok && data) {
+        kind = data.parkable ? "ok" : "warn";
+        words = `${data.parkable ? "Can be parked now" : "Cannot be parked now"} (${clock(Date.now() * 1e6)})` +
+          (data.parkable ? "" : `: ${data.reasons.join("; ")}`);
+      } else {
+        words = `Failed (HTTP ${response.status}): ${(data && data.message) || ""}`;
+      }
+    } catch (error) {
+      words = `The server did not answer: ${error.message}`;
+    }
+    view.result.className = `drain-result ${kind}`;
+    view.result.textContent = words;
+  }
+
   function viewOf(entry) {
     let view = shown.get(entry.id);
     if (view) return view;
@@ -345,12 +376,16 @@
     button.title = "Wait for the kernel's queued GPU work and trim its memory pools (only between cells)";
     const park = el("button", "park", "Park");
     park.type = "button";
+    const check = el("button", "park-check", "Can park?");
+    check.type = "button";
+    check.title = "Whether the kernel can be parked now, and every reason why not (touches nothing)";
     const result = el("output", "drain-result");
-    view = { root, content: el("div", "content"), button, park, result, entry };
+    view = { root, content: el("div", "content"), button, park, check, result, entry };
     button.addEventListener("click", () => drain(view.entry, view));
     park.addEventListener("click", () => parkOrResume(view.entry, view));
+    check.addEventListener("click", () => checkPark(view.entry, view));
     root.appendChild(view.content);
-    root.appendChild(el("div", "actions", button, park, result));
+    root.appendChild(el("div", "actions", button, park, check, result));
     shown.set(entry.id, view);
     return view;
   }
@@ -369,6 +404,7 @@
       view.root.dataset.state = stateClass(entry);
       view.button.disabled = !entry.gpucleanup || !!entry.error;
       view.park.disabled = !entry.gpucleanup || !!entry.error;
+      view.check.disabled = !entry.gpucleanup || !!entry.error;
       view.park.textContent = isParked(entry) ? "Resume" : "Park";
       view.park.title = isParked(entry)
         ? "Bring the kernel's GPU memory back from host memory now (its next cell also does)"
