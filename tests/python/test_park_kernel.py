@@ -155,6 +155,15 @@ def test_gpumem_park_parks_after_the_cell_and_the_next_cell_resumes_first(kernel
     assert kernel.state()["state"] == "idle"
 
 
+def test_a_park_asked_for_in_the_cell_that_unloads_gpucleanup_says_it_will_not_happen(kernel, checkpoints):
+    out = kernel.execute("%gpumem --park\n%unload_ext gpucleanup")
+    assert out == ("gpucleanup · this kernel is parked as soon as this cell has ended\n"
+                   "gpucleanup · not parked: gpucleanup was unloaded in the cell that asked for the park (%gpumem "
+                   "--park); load it again and ask in a cell of its own\n")
+    assert record(checkpoints, kernel.pid)["state"] == "running"
+    assert record(checkpoints, kernel.pid)["calls"].get("cuCheckpointProcessLock") is None
+
+
 def test_the_command_parks_an_idle_kernel_and_resumes_it(kernel, checkpoints):
     parked = cli("park", str(kernel.pid))
     assert parked.returncode == 0, parked

@@ -481,3 +481,16 @@ def test_a_kernel_still_parked_after_its_resume_refuses_the_cell_and_says_why(mo
         f"(...): process {os.getpid()} stays parked with nothing lost (...); resume it once the memory is free: "
         f"gpucleanup resume {os.getpid()}); nothing is lost: run the cell again, or resume it with gpucleanup resume "
         f"{os.getpid()}")
+
+
+def test_a_process_the_driver_cannot_checkpoint_while_it_holds_gpu_memory_is_said_as_such(tmp_path):
+    found = park.Step("state", False, result="CUDA_ERROR_INVALID_VALUE")
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       67108864 kB\nMemAvailable:   60000000 kB\n")
+    reasons = park.refusals(4242, found, {"GPU-aaaa": GiB}, meminfo=str(meminfo), proc=str(tmp_path / "proc"))
+    assert reasons == [
+        "[gpucleanup.park.634] the driver cannot checkpoint process 4242 (CUDA_ERROR_INVALID_VALUE), although it "
+        "holds 1.0 GiB of GPU memory: nothing was done; it runs as before (a process in another container's driver "
+        "namespace, or one whose CUDA the driver cannot checkpoint)"]
+    assert park.refusals(4242, found, {}, meminfo=str(meminfo), proc=str(tmp_path / "proc"))[0].startswith(
+        "[gpucleanup.park.612] process 4242 is not a CUDA process the driver can park")
