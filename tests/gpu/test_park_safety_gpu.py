@@ -136,3 +136,30 @@ def test_a_parked_kernel_whose_gpu_was_taken_refuses_its_cell_at_once_and_resume
             hog.kill()
             hog.wait()
         kernel.close()
+
+
+def test_a_parked_kernel_whose_gpu_was_taken_still_shuts_down_at_once(tmp_path):
+    require("torch")
+    kernel = Kernel(tmp_path, CUDA_VISIBLE_DEVICES="0")
+    hog = None
+    try:
+        kernel.run("%load_ext gpucleanup")
+        kernel.run("import torch\nx = torch.ones(1 << 30, device='cuda')")
+        assert kernel.cli("park", str(kernel.pid)).returncode == 0
+        hog = subprocess.Popen([sys.executable, "-c", HOG], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                               env=kernel.env)
+        assert hog.stdout.readline().startswith("holding "), "the other process could not take the GPU"
+        started = time.monotonic()
+        kernel.kc.stop_channels()
+        kernel.km.shutdown_kernel(now=False)  # a shutdown request; killed only past shutdown_wait_time
+        ended_s = time.monotonic() - started
+        status = kernel.exit_status()
+        print(f"FIGURE shutdown of a parked kernel on a taken GPU: {ended_s:.2f} s, exit status {status}")
+        assert not kernel.km.is_alive()
+        assert hog.poll() is None  # the other user's process is untouched
+    finally:
+        if hog is not None:
+            hog.kill()
+            hog.wait()
+        if kernel.km.is_alive():
+            kernel.km.shutdown_kernel(now=True)
