@@ -71,6 +71,12 @@ class Kernel:
     def run(self, code: str, timeout: float = TIMEOUT) -> str:
         """The cell's stdout and gpucleanup's lines; fails on an error in the cell (queue.Empty: no message
         within ``timeout`` seconds)."""
+        out, error = self.run_with_error(code, timeout)
+        assert error is None, error
+        return out
+
+    def run_with_error(self, code: str, timeout: float = TIMEOUT) -> tuple:
+        """The cell's stdout and gpucleanup's lines, and its error (``ename: evalue``) or None."""
         msg_id = self.kc.execute(code)
         out, error = [], None
         deadline = time.monotonic() + timeout
@@ -95,8 +101,7 @@ class Kernel:
                 error = f"{content['ename']}: {content['evalue']}"
             elif kind == "status" and content["execution_state"] == "idle":
                 break
-        assert error is None, error
-        return "".join(out)
+        return "".join(out), error
 
     def cli(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "gpucleanup.cli", *args], capture_output=True, text=True,

@@ -13,7 +13,6 @@ Figures: ``FIGURE`` lines (run pytest with -s).
 
 from __future__ import annotations
 
-import queue
 import re
 import subprocess
 import sys
@@ -26,29 +25,6 @@ from conftest import GiB, gpu_count, require
 from test_park_kernel_gpu import FILL, Kernel, used_mib
 
 TIMEOUT = 300
-
-
-def run_any(kernel: Kernel, code: str, timeout: float = TIMEOUT) -> tuple:
-    """The cell's stdout and gpucleanup's lines, and its error (``ename: evalue``) or None."""
-    msg_id = kernel.kc.execute(code)
-    out, error = [], None
-    deadline = time.monotonic() + timeout
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise queue.Empty
-        msg = kernel.kc.get_iopub_msg(timeout=remaining)
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        kind, content = msg["msg_type"], msg["content"]
-        if kind == "stream" and content["name"] == "stdout":
-            out.append(content["text"])
-        elif kind == "display_data" and "gpucleanup" in content.get("metadata", {}):
-            out.append(content["data"]["text/plain"] + "\n")
-        elif kind == "error":
-            error = f"{content['ename']}: {content['evalue']}"
-        elif kind == "status" and content["execution_state"] == "idle":
-            return "".join(out), error
 
 
 def test_a_kernel_that_used_two_gpus_together_is_never_parked_and_keeps_working(tmp_path):
@@ -108,7 +84,7 @@ def test_a_parked_kernel_whose_gpu_was_taken_refuses_its_cell_at_once_and_resume
                                env=kernel.env)
         assert hog.stdout.readline().startswith("holding "), "the other process could not take the GPU"
         started = time.monotonic()
-        out, error = run_any(kernel, "print(digest() == before)", timeout=120)
+        out, error = kernel.run_with_error("print(digest() == before)", timeout=120)
         refused_s = time.monotonic() - started
         print(f"FIGURE a cell of a parked kernel ({held} MiB) on a taken GPU refused in {refused_s:.2f} s: {error}")
         assert error is not None and error.startswith("KernelStillParked: this cell was not run: the kernel is still "
@@ -123,7 +99,7 @@ def test_a_parked_kernel_whose_gpu_was_taken_refuses_its_cell_at_once_and_resume
         assert hog.wait(timeout=120) == 0
         hog = None
         started = time.monotonic()
-        out, error = run_any(kernel, "print(digest() == before)", timeout=120)
+        out, error = kernel.run_with_error("print(digest() == before)", timeout=120)
         resumed_s = time.monotonic() - started
         print(f"FIGURE the next cell once the GPU was free: resumed and ran in {resumed_s:.2f} s: "
               f"{out.splitlines()[0] if out else error}")

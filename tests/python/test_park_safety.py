@@ -11,7 +11,6 @@ through, on the fake driver's checkpoint states and a stand-in nvidia-smi (tests
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import pathlib
@@ -25,6 +24,7 @@ import time
 import pytest
 
 from conftest import FAKE_CUDA
+from test_park import FAST, TARGET, patch, record
 
 from gpucleanup import park, parking
 
@@ -32,19 +32,6 @@ HERE = pathlib.Path(__file__).resolve().parent
 STAND_IN_BIN = HERE / "stand_ins" / "bin"
 PACKAGE = HERE.parents[1] / "ipython_ext"
 MiB, GiB = 1 << 20, 1 << 30
-
-TARGET = r"""
-import ctypes, sys
-lib = ctypes.CDLL(sys.argv[1])
-count = ctypes.c_int()
-lib.cuDeviceGetCount(ctypes.byref(count))   # the fake registers this process as it loads
-print("ready", flush=True)
-for line in sys.stdin:
-    print(lib.cuDeviceGetCount(ctypes.byref(count)), flush=True)
-"""
-
-FAST = park.Limits(state_s=30, lock_s=30, lock_timeout_s=5, checkpoint_s=30, restore_s=30, unlock_s=30)
-
 
 @pytest.fixture
 def checkpoints(tmp_path):
@@ -84,22 +71,6 @@ def target(env):
     yield proc
     proc.kill()
     proc.wait()
-
-
-def record(checkpoints, pid: int) -> dict:
-    with open(checkpoints / f"{pid}.json") as fh:
-        fcntl.flock(fh, fcntl.LOCK_SH)
-        return json.loads(fh.read())
-
-
-def patch(checkpoints, pid: int, change: dict) -> None:
-    with open(checkpoints / f"{pid}.json", "r+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        data = json.loads(fh.read())
-        data.update(change)
-        fh.seek(0)
-        fh.truncate()
-        fh.write(json.dumps(data))
 
 
 def wait_for(predicate, what: str, limit: float = 30.0) -> None:
