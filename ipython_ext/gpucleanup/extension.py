@@ -120,6 +120,23 @@ class _InterruptTheCell:
         return node
 
 
+def _a_cell_runs_code() -> bool:
+    """Whether a cell's code is running further up this thread's stack (IPython's ``run_code`` frame): a
+    ``run_cell`` from inside a cell (``%%capture``, ``%run -i``) is nested in it; one from outside any cell is not.
+    Asked only when the count of cells under way says a cell runs, never on a plain cell."""
+    import sys
+
+    from IPython.core.interactiveshell import InteractiveShell
+
+    target = InteractiveShell.run_code.__code__
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is target:
+            return True
+        frame = frame.f_back
+    return False
+
+
 class KernelStillParked(InputRejected):
     """A cell (or a silent execute) that was not run because the kernel is still parked: its first GPU call
     would wait for a restore that nobody makes. Shown as gpucleanup's one sentence, not as a traceback."""
@@ -479,7 +496,9 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             outside_drain = self._outside_running
         self._depth += 1  # run_cell inside a cell (%%capture, %run -i): its post_run_cell leaves it to the cell's
         if self._depth > 1:
-            return
+            if _a_cell_runs_code():
+                return
+            self._put_right_unended_cells()
         self.parking.parked_at_start = None  # set again below by the resume, once the cell says "running"
         try:
             if outside_drain:
@@ -515,6 +534,23 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         except Exception as exc:
             with contextlib.suppress(Exception):
                 self._warn_once_now(f"pre:{type(exc).__name__}", f"before the cell: {type(exc).__name__}: {exc}")
+
+    def _put_right_unended_cells(self) -> None:
+        """A cell starts while the count says another runs, but none runs code: an earlier ``pre_run_cell``
+        never got its ``post_run_cell`` (IPython fires it only from ``run_cell``, so a tool that awaits
+        ``run_cell_async`` itself leaves it out). Counted as still running, it would make every later cell
+        "nested": no line, no cleanup, drains refused, a park asked for never done. Put right, said once."""
+        unended = self._depth - 1
+        self._depth = 1
+        with self._outside_lock:
+            self._cells_under_way = 1  # this cell's
+        with contextlib.suppress(Exception):
+            self.engine.cell_ends()  # what the unended cell held is dropped, as its post_run_cell would have
+        with contextlib.suppress(Exception):
+            self._warn_once_now("unended-cell", f"{count_of(unended, 'cell')} run through run_cell_async got no "
+                                "post_run_cell (IPython fires it only from run_cell): gpucleanup had counted "
+                                f"{'it' if unended == 1 else 'them'} as still running; put right, this cell and the "
+                                "next are cleaned as usual")
 
     def post_run_cell(self, result: Any = None) -> None:
         """After a cell: the cleanup; never raises and leaves the cell's result and error alone.
