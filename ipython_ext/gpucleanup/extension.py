@@ -165,6 +165,8 @@ class _RefuseTheCell:
                 self.shell.ast_transformers.append(self)
 
     def disarm(self) -> None:
+        if self.why is None and self not in self.shell.ast_transformers:
+            return
         self.why = None
         with contextlib.suppress(Exception):
             while self in self.shell.ast_transformers:
@@ -520,6 +522,9 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             parked = self._cell_state("running", number)
             # the state the resume takes in the same step, built only when the kernel may be parked
             running = None if parked == 0 else {"state": "running", "cell": number, "since_ns": time.time_ns()}
+            # a refusal armed for a silent execute that never ran (ipykernel aborts queued requests after an
+            # error) is not this cell's: each cell's own resume decides
+            self._refuse_the_cell.disarm()
             self.parking.resume_before_cell(running, parked=parked)
             if self.parking.refusal:
                 self._refuse_the_cell.arm(self.parking.refusal)

@@ -465,3 +465,28 @@ def test_a_process_the_driver_cannot_checkpoint_while_it_holds_gpu_memory_is_sai
         "namespace, or one whose CUDA the driver cannot checkpoint)"]
     assert park.refusals(4242, found, {}, meminfo=str(meminfo), proc=str(tmp_path / "proc"))[0].startswith(
         "[gpucleanup.park.612] process 4242 is not a CUDA process the driver can park")
+
+
+def test_a_refusal_armed_for_a_request_that_never_ran_is_not_the_next_cells(fake_cuda):
+    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.utils.capture import capture_output
+
+    from gpucleanup import extension
+
+    fake_cuda.reset({"devices": [{"primary_active": True}]})
+    ip = InteractiveShell.instance()
+    with capture_output():
+        ip.run_line_magic("load_ext", "gpucleanup")
+    try:
+        ext = extension.get_extension(ip)
+        ext._refuse_the_cell.arm("the kernel is still parked after a resume was tried before this execute_request")
+        result = ip.run_cell("ran = 1")  # the kernel is not parked: this cell's own resume found nothing to do
+        assert result.error_before_exec is None and ip.user_ns.get("ran") == 1
+        assert ext._refuse_the_cell not in ip.ast_transformers
+        ext._refuse_the_cell.arm("still parked")
+        refused = ip.run_cell("refused = 1", silent=True)  # a silent execute has no pre_run_cell: refused
+        assert isinstance(refused.error_before_exec, extension.KernelStillParked) and "refused" not in ip.user_ns
+        assert refused.error_before_exec._render_traceback_() == ["gpucleanup · still parked"]
+        assert ext._refuse_the_cell not in ip.ast_transformers
+    finally:
+        ip.extension_manager.unload_extension("gpucleanup")
