@@ -262,7 +262,7 @@ def cgroup_memory(pid: int, proc: str = "/proc", root: str = "/sys/fs/cgroup") -
             lines = fh.read().splitlines()
     except OSError:
         return None
-    candidates: List[Tuple[str, str, str]] = []  # (directory, limit file, usage file)
+    candidates: List[Tuple[str, str, str, str]] = []  # (directory, limit file, usage file, the hierarchy's root)
     for line in lines:
         parts = line.split(":", 2)
         if len(parts) != 3:
@@ -272,22 +272,21 @@ def cgroup_memory(pid: int, proc: str = "/proc", root: str = "/sys/fs/cgroup") -
         if not relative.startswith("/") or "/.." in relative:
             continue
         if hierarchy == "0" and controllers == "":
-            candidates.append((os.path.join(root, relative.lstrip("/")), "memory.max", "memory.current"))
+            candidates.append((os.path.join(root, relative.lstrip("/")), "memory.max", "memory.current", root))
         elif "memory" in controllers.split(","):
-            candidates.append((os.path.join(root, "memory", relative.lstrip("/")), "memory.limit_in_bytes",
-                               "memory.usage_in_bytes"))
+            v1 = os.path.join(root, "memory")
+            candidates.append((os.path.join(v1, relative.lstrip("/")), "memory.limit_in_bytes",
+                               "memory.usage_in_bytes", v1))
     tightest: Optional[CgroupMemory] = None
-    for directory, limit_file, usage_file in candidates:
-        top = os.path.dirname(directory) if limit_file == "memory.max" else os.path.join(root, "memory")
-        here = os.path.normpath(directory)
-        stop = os.path.normpath(root if limit_file == "memory.max" else top)
-        while True:
+    for directory, limit_file, usage_file, top in candidates:
+        here, stop = os.path.normpath(directory), os.path.normpath(top)
+        while True:  # the cgroup, then each ancestor up to the hierarchy's root
             limit, usage = _read_int(os.path.join(here, limit_file)), _read_int(os.path.join(here, usage_file))
             if limit is not None and usage is not None and limit < (1 << 62):  # v1 says "none" with about 2^63
                 found = CgroupMemory(here, limit, usage)
                 if tightest is None or found.room < tightest.room:
                     tightest = found
-            if here == stop or len(here) <= len(stop) or here == os.path.dirname(here):
+            if len(here) <= len(stop):
                 break
             here = os.path.dirname(here)
     return tightest
@@ -431,7 +430,7 @@ def room_refusal(pid: int, need: Optional[Dict[str, int]], view: Optional[List[G
         if gpu.free < wanted + RESUME_MARGIN:
             others = sorted(((used, app) for app, on, used in (apps or ()) if on == uuid and app != pid),
                             reverse=True)[:3]
-            held = ", ".join(f"pid {app}" + (f" ({_owner(app)})" if _owner(app) else "") + f" {format_bytes(used)}"
+            held = ", ".join(f"pid {app}" + (f" ({owner})" if (owner := _owner(app)) else "") + f" {format_bytes(used)}"
                              for used, app in others)
             short.append(f"GPU{gpu.index} lacks {format_bytes(wanted + RESUME_MARGIN - gpu.free)} for the resume (it "
                          f"needs {format_bytes(wanted)} and a margin of {format_bytes(RESUME_MARGIN)}; "

@@ -423,8 +423,6 @@ class InKernel:
         if self._timer is not None:
             self.disarm()
         if after_s and after_s > 0:
-            import threading
-
             self._timer = threading.Timer(after_s, self._park_when_idle, args=(after_s,))
             self._timer.daemon = True
             self._timer.name = "gpucleanup-park-timer"
