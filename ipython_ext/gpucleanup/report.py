@@ -33,8 +33,7 @@ __all__ = [
     "JSONReport",
 ]
 
-PREFIX = "gpucleanup"
-SEP = " · "
+from .say import PREFIX, SEP, say  # noqa: F401  (the prefix is written once, in say.py)
 
 
 def printable(text: object) -> str:
