@@ -32,7 +32,11 @@ from traitlets import Bool, Dict, Enum, Float, Int, TraitError, validate
 from traitlets.config import Configurable
 from traitlets.config.loader import DeferredConfigString
 
-__all__ = ["GPUCleanupOptions", "GC_POLICIES", "SHOW_POLICIES", "known_frameworks", "allowed_values"]
+# The adapters' names (importing the adapters imports no framework: they look at sys.modules only);
+# imported here under its own name so that the checks below read it through this module.
+from .frameworks import known_frameworks
+
+__all__ = ["GPUCleanupOptions", "GC_POLICIES", "SHOW_POLICIES", "allowed_values"]
 
 GC_POLICIES = ("auto", "always", "never")
 SHOW_POLICIES = ("auto", "always", "never")
@@ -72,23 +76,6 @@ _Int.__name__ = _Int.__qualname__ = "Int"
 _Float.__name__ = _Float.__qualname__ = "Float"
 
 
-def known_frameworks() -> list[str] | None:
-    """Names of the framework adapters, or None when the adapters are not importable.
-
-    Importing ``gpucleanup.frameworks`` imports no framework (the adapters look at
-    ``sys.modules`` only), so this is safe at configuration time.
-    """
-    try:
-        from .frameworks import ADAPTERS
-    except Exception:
-        return None
-    adapters = ADAPTERS.values() if isinstance(ADAPTERS, dict) else ADAPTERS
-    try:
-        return sorted(str(a.name) for a in adapters)
-    except Exception:
-        return None
-
-
 class GPUCleanupOptions(Configurable):
     """Traits of the GPUCleanup extension object (see the module docstring)."""
 
@@ -102,7 +89,7 @@ class GPUCleanupOptions(Configurable):
         default_value={},
         help=(
             "Framework adapters to switch on or off by name, e.g. {'jax': False}. "
-            "Adapters not named here are on. Known names: cupy, jax, numba, pycuda, rmm, tensorflow, torch."
+            f"Adapters not named here are on. Known names: {', '.join(known_frameworks())}."
         ),
     ).tag(config=True)
 

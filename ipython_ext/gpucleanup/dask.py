@@ -55,7 +55,7 @@ def _require_distributed() -> None:
 
 def _check_frameworks(frameworks: Any) -> Dict[str, bool]:
     """``frameworks`` as the plugin keeps it: known framework names to True or False; ValueError otherwise."""
-    from .config import known_frameworks
+    from .frameworks import known_frameworks
 
     if frameworks is None:
         return {}

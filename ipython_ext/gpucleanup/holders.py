@@ -18,6 +18,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Dict, Iterator, List, Optional
 
+from .frameworks import ADAPTERS
 from .frameworks.objects import find_gpu_objects
 
 __all__ = [
@@ -146,20 +147,23 @@ def traceback_objects(exc: Optional[BaseException], cell: Optional[int], user_ns
     return found
 
 
-_OOM_TYPES = ("OutOfMemoryError",)  # torch.cuda.OutOfMemoryError, cupy.cuda.memory.OutOfMemoryError
-_OOM_TEXTS = ("out of memory", "resource_exhausted", "cudaerrormemoryallocation", "cuda_error_out_of_memory")
+# CUDA's own words for it (the driver's, the runtime's), whichever framework raised; each framework's
+# exception types and words are on its adapter (oom_types, oom_texts).
+_CUDA_OOM_TEXTS = ("out of memory", "cudaerrormemoryallocation", "cuda_error_out_of_memory")
 
 
 def is_out_of_memory(exc: Optional[BaseException]) -> bool:
     """An out-of-memory error of a GPU framework, or one raised while handling such an error."""
+    types = {name for adapter in ADAPTERS for name in adapter.oom_types}
+    texts = _CUDA_OOM_TEXTS + tuple(text for adapter in ADAPTERS for text in adapter.oom_texts)
     for error in _chain(exc):
-        if type(error).__name__ in _OOM_TYPES:
+        if type(error).__name__ in types:
             return True
         try:
             text = str(error).lower()
         except Exception:
             continue
-        if any(marker in text for marker in _OOM_TEXTS):
+        if any(marker in text for marker in texts):
             return True
     return False
 

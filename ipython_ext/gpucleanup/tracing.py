@@ -30,6 +30,8 @@ import sys
 import threading
 from typing import Any, Dict, List, Optional, Tuple
 
+from .frameworks import ADAPTERS
+
 __all__ = ["Tracer", "cupti_candidates", "framework_of", "SITE_FN"]
 
 SITE_FN = ctypes.CFUNCTYPE(ctypes.c_longlong)
@@ -37,27 +39,6 @@ SITE_FN = ctypes.CFUNCTYPE(ctypes.c_longlong)
 #: distinct Python sites kept; beyond, allocations are recorded without a site
 MAX_SITES = 4096
 
-# The shared object that called the driver, by its file name: which framework's pool
-# the memory belongs to (then it is not raw). Matched on the path's lower-case text.
-_FRAMEWORK_PACKAGES = {
-    "torch": "torch",
-    "cupy": "cupy",
-    "cupy_backends": "cupy",
-    "rmm": "rmm",
-    "librmm": "rmm",
-    "jaxlib": "jax",
-    "jax_plugins": "jax",
-    "tensorflow": "tensorflow",
-}
-# Shared objects named like a framework's allocator wherever they are installed.
-_FRAMEWORK_LIBRARIES: Tuple[Tuple[str, str], ...] = (
-    ("libc10_cuda", "torch"),
-    ("libtorch", "torch"),
-    ("librmm", "rmm"),
-    ("xla_extension", "jax"),
-    ("pjrt", "jax"),
-    ("libtensorflow", "tensorflow"),
-)
 # Calls the driver's stream-ordered pools serve: counted with the driver pools.
 _POOLED_KINDS = frozenset({"cuMemAllocAsync", "cuMemAllocFromPoolAsync"})
 
@@ -67,19 +48,25 @@ _IPYTHON_INPUT = re.compile(r"^<ipython-input-(\d+)-")
 def framework_of(caller: Optional[str]) -> Optional[str]:
     """The framework whose pool a driver allocation made by ``caller`` (a library path) belongs to:
     by the package folder it is installed in (the first folder under site-packages), else by the
-    library's own name. A virtual environment's own path (``/opt/torch/.venv``) does not count."""
+    library's own name (each adapter's ``packages`` and ``libraries``). A virtual environment's own
+    path (``/opt/torch/.venv``) does not count."""
     text = (caller or "").replace("\\", "/")
     for marker in ("/site-packages/", "/dist-packages/"):
         if marker in text:
             package = text.rsplit(marker, 1)[1].split("/", 1)[0].lower()
-            found = _FRAMEWORK_PACKAGES.get(package)
-            if found or package.startswith("jax_cuda"):
-                return found or "jax"
+            for adapter in ADAPTERS:
+                if any(_package_is(package, pattern) for pattern in adapter.packages):
+                    return adapter.name
     name = os.path.basename(text).lower()
-    for needle, framework in _FRAMEWORK_LIBRARIES:
-        if needle in name:
-            return framework
+    for adapter in ADAPTERS:
+        if any(needle in name for needle in adapter.libraries):
+            return adapter.name
     return None
+
+
+def _package_is(package: str, pattern: str) -> bool:
+    # "jax_cuda*": every folder that starts so (jax_cuda12_plugin, jax_cuda13_pjrt, ...)
+    return package.startswith(pattern[:-1]) if pattern.endswith("*") else package == pattern
 
 
 def _utf8(path: str) -> bool:

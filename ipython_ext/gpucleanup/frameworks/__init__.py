@@ -39,6 +39,12 @@ that release began.
 ``install()`` / ``uninstall()`` (the extension's load and unload) put in place and remove
 what an adapter needs to see objects as they are made: PyCUDA keeps no registry of its
 memory pools, so ``frameworks/pycuda.py`` watches their making from PyCUDA's import on.
+
+What the rest of gpucleanup knows of a framework is on its adapter class (``base.Adapter``:
+``packages`` and ``libraries`` for the trace, ``oom_types`` and ``oom_texts`` for the hidden
+holders, ``object_modules``, ``object_kind`` and ``object_info`` for its GPU objects, ``name``
+for the configuration), read from ``ADAPTERS``: a new framework is its adapter module and
+one line below.
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ from .tensorflow import TensorflowAdapter
 from .pycuda import PycudaAdapter
 from . import pycuda as _pycuda
 
-__all__ = ["Adapter", "ADAPTERS", "active", "install", "uninstall"]
+__all__ = ["Adapter", "ADAPTERS", "active", "known_frameworks", "install", "uninstall"]
 
 ADAPTERS: tuple[Adapter, ...] = (
     CupyAdapter(),
@@ -66,6 +72,12 @@ ADAPTERS: tuple[Adapter, ...] = (
     RmmAdapter(),
     TensorflowAdapter(),
 )
+
+
+def known_frameworks() -> list[str]:
+    """The names of the framework adapters, sorted (the keys of the ``frameworks`` option, the Dask
+    plugin's too). Safe at configuration time: importing the adapters imports no framework."""
+    return sorted(str(adapter.name) for adapter in ADAPTERS)
 
 
 def active() -> list[Adapter]:

@@ -61,6 +61,40 @@ class Adapter:
     #: number prefix of this adapter's fault notes (stats, drain, pinned)
     _fault_ids = {"stats": 101, "drain": 102, "pinned": 103}
 
+    # What the rest of gpucleanup knows of the framework, read from the registered adapters (the trace,
+    # the GPU objects of %gpumem --vars, the hidden holders, the out-of-memory test, the config's help):
+    # a new framework is its adapter module and one line in the registry. Each is data or a read of a
+    # type or object the user already made; none imports the framework.
+
+    #: folders under site-packages whose shared objects allocate for its pool, so the trace does not count
+    #: their driver allocations as raw; a trailing ``*`` matches every folder that starts so (``jax_cuda*``)
+    packages: tuple[str, ...] = ()
+    #: pieces of the file names of its allocator's shared objects, wherever they are installed (``libtorch``)
+    libraries: tuple[str, ...] = ()
+    #: type names of its out-of-memory exceptions, and pieces (lower case) of the messages of its others;
+    #: CUDA's own names for it are known without any framework
+    oom_types: tuple[str, ...] = ()
+    oom_texts: tuple[str, ...] = ()
+    #: roots of the modules that define its GPU array or tensor types: only their types are given to
+    #: ``object_kind`` (and every type when ``objects_subclassed``)
+    object_modules: tuple[str, ...] = ()
+    #: True: users subclass its GPU object type in modules of their own (``torch.Tensor``), so a type of
+    #: any module but Python's and NumPy's is given to ``object_kind`` when no other adapter claimed it
+    objects_subclassed: bool = False
+    #: attributes that hold a dict of an object's members, named by the namespace walk as attributes
+    #: (``model.fc.weight`` rather than ``model._modules['fc']``)
+    member_dicts: tuple[str, ...] = ()
+
+    def object_kind(self, tp: type) -> Optional[str]:
+        """The kind of GPU object that type ``tp`` makes (``"cupy.ndarray"``), else None. Asked once per type
+        (the answer is kept); reads ``sys.modules`` only, and may raise (then: not a GPU object)."""
+        return None
+
+    def object_info(self, obj: Any, kind: str) -> Optional[dict]:
+        """``{"kind", "shape", "dtype", "device", "bytes"}`` of ``obj``, one of its objects of ``kind``; None when
+        it is not on a GPU. May raise (then: not a GPU object)."""
+        return None
+
     def __init__(self) -> None:
         self._pinned_lock = threading.Lock()
         self._releasing = False
@@ -208,6 +242,19 @@ class Adapter:
         live = sum(f["live_bytes"] for f in devices.values())
         cached = sum(f["cached_bytes"] for f in devices.values())
         return live, cached
+
+
+def _object(kind: str, obj: Any, device: Any, nbytes: Optional[int], dtype: str) -> dict:
+    """One GPU object as ``gpu_object_info`` tells it: its shape read from ``obj``, ``device`` an index
+    (or indices joined with commas) shown as ``GPU0``, None shown as ``GPU?``."""
+    shape = [int(s) for s in getattr(obj, "shape", ()) or ()]
+    return {
+        "kind": kind,
+        "shape": shape,
+        "dtype": dtype,
+        "device": f"GPU{device}" if device is not None else "GPU?",
+        "bytes": nbytes,
+    }
 
 
 def _module(name: str) -> Any:

@@ -15,7 +15,7 @@ import gc
 from typing import Any, Callable, Optional
 
 from ..unraisable import CAPTURE
-from .base import Adapter, Figures, _bytes_text, _figures, _fault, _module
+from .base import Adapter, Figures, _bytes_text, _figures, _fault, _module, _object
 
 
 def _pool_figures(pool: Any) -> tuple[int, int]:
@@ -120,6 +120,16 @@ class CupyAdapter(Adapter):
     name = "cupy"
     modules = ("cupy",)
     can_release = True
+    packages = ("cupy", "cupy_backends")
+    oom_types = ("OutOfMemoryError",)  # cupy.cuda.memory.OutOfMemoryError
+    object_modules = ("cupy",)
+
+    def object_kind(self, tp: type) -> Optional[str]:
+        return "cupy.ndarray" if getattr(tp, "__name__", "") == "ndarray" else None
+
+    def object_info(self, obj: Any, kind: str) -> Optional[dict]:
+        device = getattr(getattr(obj, "device", None), "id", None)
+        return _object(kind, obj, device, int(obj.nbytes), str(obj.dtype))
 
     def _in_use(self) -> bool:
         # CuPy has no "initialised" flag that can be read without a CUDA call;

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from .base import Adapter, Figures, _bytes_text, _figures, _fault, _module
+from .base import Adapter, Figures, _bytes_text, _figures, _fault, _module, _object
 
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
@@ -43,6 +43,21 @@ def _platform_allocator() -> bool:
 class JaxAdapter(Adapter):
     name = "jax"
     modules = ("jax",)
+    packages = ("jaxlib", "jax_plugins", "jax_cuda*")
+    libraries = ("xla_extension", "pjrt")
+    oom_texts = ("resource_exhausted",)  # XLA's status for an allocation that failed
+    object_modules = ("jax", "jaxlib")
+
+    def object_kind(self, tp: type) -> Optional[str]:
+        array = getattr(_module("jax"), "Array", None)
+        return "jax.Array" if isinstance(array, type) and issubclass(tp, array) else None
+
+    def object_info(self, obj: Any, kind: str) -> Optional[dict]:
+        devs = list(obj.devices())
+        if not devs or getattr(devs[0], "platform", "") not in ("gpu", "cuda"):
+            return None
+        device = ",".join(str(getattr(d, "id", "?")) for d in devs)
+        return _object(kind, obj, device, int(obj.nbytes), str(obj.dtype))
 
     @property
     def can_release(self) -> bool:  # type: ignore[override]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Optional
 
-from .base import Adapter, Figures, _bytes_text, _figures, _fault, _module
+from .base import Adapter, Figures, _bytes_text, _figures, _fault, _module, _object
 
 _DEVICES_MODULES = ("numba.cuda.cudadrv.devices", "numba_cuda.numba.cuda.cudadrv.devices")
 
@@ -68,6 +68,14 @@ class NumbaAdapter(Adapter):
     name = "numba"
     modules = _DEVICES_MODULES
     can_release = True
+    object_modules = ("numba", "numba_cuda")
+
+    def object_kind(self, tp: type) -> Optional[str]:
+        return "numba.DeviceNDArray" if getattr(tp, "__name__", "") in ("DeviceNDArray", "DeviceRecord") else None
+
+    def object_info(self, obj: Any, kind: str) -> Optional[dict]:
+        # Numba's arrays tell no device without a context of theirs: shown as GPU?
+        return _object(kind, obj, None, int(getattr(obj, "nbytes", 0) or 0), str(getattr(obj, "dtype", "")))
 
     def _in_use(self) -> bool:
         return any(True for _ in _contexts())

@@ -1,9 +1,11 @@
-"""GPU arrays and tensors in the user's namespace: CuPy, PyTorch, Numba, JAX, PyCUDA.
+"""GPU arrays and tensors in the user's namespace, of every registered framework.
 
-Objects are recognised by type name and module, and only through frameworks that
-are already in ``sys.modules``: nothing here imports a framework or initialises
-CUDA. Types are checked with ``type()``, never ``isinstance()`` on the object, which
-asks the object's own ``__class__`` (user code can make that raise).
+Objects are recognised by their type, and only through frameworks that are already in
+``sys.modules``: nothing here imports a framework or initialises CUDA. Each adapter says
+which of its types are GPU objects and how to describe one (``object_modules``,
+``object_kind``, ``object_info`` in ``frameworks/base.py``); this module walks the
+namespace and asks them. Types are checked with ``type()``, never ``isinstance()`` on the
+object, which asks the object's own ``__class__`` (user code can make that raise).
 
 PyCUDA's objects tell no device (finding it would take a driver call per object): they show
 as ``GPU?``. A ``pycuda.driver.DeviceAllocation`` (``mem_alloc``) does not tell its size in
@@ -14,127 +16,79 @@ Python either: its bytes are None (shown as ``?``); a ``PooledDeviceAllocation``
 from __future__ import annotations
 
 import re
-import sys
 import types
 import weakref
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 __all__ = ["gpu_object_info", "find_gpu_objects", "gpu_holder_names"]
 
-_kind_cache: "weakref.WeakKeyDictionary[type, Optional[str]]" = weakref.WeakKeyDictionary()
+#: per type: its kind and the adapter that describes it, or None (not a GPU object)
+_kind_cache: "weakref.WeakKeyDictionary[type, Optional[Tuple[str, Any]]]" = weakref.WeakKeyDictionary()
+
+#: module roots whose types are never a subclass of a framework's GPU object
+_PLAIN_ROOTS = ("builtins", "numpy")
 
 
-def _kind_of_type(tp: type) -> Optional[str]:
+def _adapters() -> tuple:
+    # The registry, read when asked: the package's face imports the adapters, and an adapter may import this.
+    from . import ADAPTERS
+
+    return ADAPTERS
+
+
+def _kind_of_type(tp: type) -> Optional[Tuple[str, Any]]:
     try:
         return _kind_cache[tp]
     except (KeyError, TypeError):
         pass
     try:
-        kind = _classify(tp)
+        found = _classify(tp)
     except Exception:  # a user type with an odd metaclass is simply not a GPU array
-        kind = None
+        found = None
     try:
-        _kind_cache[tp] = kind
+        _kind_cache[tp] = found
     except TypeError:
         pass
-    return kind
+    return found
 
 
-# PyCUDA 2026.1: pycuda.gpuarray.GPUArray; pycuda._driver.DeviceAllocation (mem_alloc) and
-# PooledDeviceAllocation (DeviceMemoryPool.allocate), Boost.Python classes
-_PYCUDA_KINDS = {
-    "GPUArray": "pycuda.GPUArray",
-    "DeviceAllocation": "pycuda.DeviceAllocation",
-    "PooledDeviceAllocation": "pycuda.PooledDeviceAllocation",
-}
+def _classify(tp: type) -> Optional[Tuple[str, Any]]:
+    """``(kind, adapter)``: first the adapters whose modules define ``tp``, then those whose object type
+    users subclass in modules of their own."""
+    root = (getattr(tp, "__module__", "") or "").split(".", 1)[0]
+    adapters = _adapters()
+    for adapter in adapters:
+        if root in adapter.object_modules:
+            kind = _asked(adapter, tp)
+            if kind is not None:
+                return kind, adapter
+    if root in _PLAIN_ROOTS:
+        return None
+    for adapter in adapters:
+        if adapter.objects_subclassed and root not in adapter.object_modules:
+            kind = _asked(adapter, tp)
+            if kind is not None:
+                return kind, adapter
+    return None
 
 
-def _classify(tp: type) -> Optional[str]:
-    kind = None
-    module = getattr(tp, "__module__", "") or ""
-    name = getattr(tp, "__name__", "")
-    root = module.split(".", 1)[0]
-    if root == "cupy" and name == "ndarray":
-        kind = "cupy.ndarray"
-    elif root == "torch":
-        torch = sys.modules.get("torch")
-        tensor = getattr(torch, "Tensor", None)
-        if isinstance(tensor, type) and issubclass(tp, tensor):
-            kind = "torch.Tensor"
-    elif root in ("numba", "numba_cuda") and name in ("DeviceNDArray", "DeviceRecord"):
-        kind = "numba.DeviceNDArray"
-    elif root == "pycuda" and name in _PYCUDA_KINDS:
-        kind = _PYCUDA_KINDS[name]
-    elif root in ("jax", "jaxlib") and "jax" in sys.modules:
-        array = getattr(sys.modules["jax"], "Array", None)
-        try:
-            if isinstance(array, type) and issubclass(tp, array):
-                kind = "jax.Array"
-        except TypeError:
-            pass
-    # torch.Tensor subclasses defined by users live in other modules
-    if kind is None and root not in ("builtins", "numpy") and "torch" in sys.modules:
-        tensor = getattr(sys.modules["torch"], "Tensor", None)
-        try:
-            if isinstance(tensor, type) and issubclass(tp, tensor):
-                kind = "torch.Tensor"
-        except TypeError:
-            pass
-    return kind
+def _asked(adapter: Any, tp: type) -> Optional[str]:
+    try:
+        return adapter.object_kind(tp)
+    except Exception:  # e.g. issubclass on a type with an odd metaclass: not this framework's
+        return None
 
 
 def gpu_object_info(obj: Any) -> Optional[dict]:
     """``{"kind", "shape", "dtype", "device", "bytes"}`` for a GPU array or tensor, else None."""
-    kind = _kind_of_type(type(obj))
-    if kind is None:
+    found = _kind_of_type(type(obj))
+    if found is None:
         return None
+    kind, adapter = found
     try:
-        if kind == "torch.Tensor":
-            if not getattr(obj, "is_cuda", False):
-                return None
-            device = getattr(obj.device, "index", None)
-            nbytes = int(obj.element_size()) * int(obj.nelement())
-            dtype = str(obj.dtype).replace("torch.", "")
-        elif kind == "jax.Array":
-            devs = list(obj.devices())
-            if not devs or getattr(devs[0], "platform", "") not in ("gpu", "cuda"):
-                return None
-            device = ",".join(str(getattr(d, "id", "?")) for d in devs)
-            nbytes = int(obj.nbytes)
-            dtype = str(obj.dtype)
-        elif kind.startswith("pycuda."):
-            return _pycuda_info(obj, kind)
-        elif kind == "cupy.ndarray":
-            device = getattr(getattr(obj, "device", None), "id", None)
-            nbytes = int(obj.nbytes)
-            dtype = str(obj.dtype)
-        else:
-            device = None
-            nbytes = int(getattr(obj, "nbytes", 0) or 0)
-            dtype = str(getattr(obj, "dtype", ""))
-        shape = tuple(int(s) for s in getattr(obj, "shape", ()) or ())
+        return adapter.object_info(obj, kind)
     except Exception:
         return None
-    return {
-        "kind": kind,
-        "shape": list(shape),
-        "dtype": dtype,
-        "device": f"GPU{device}" if device is not None else "GPU?",
-        "bytes": nbytes,
-    }
-
-
-def _pycuda_info(obj: Any, kind: str) -> Optional[dict]:
-    nbytes: Optional[int]
-    if kind == "pycuda.GPUArray":
-        nbytes = int(obj.nbytes)
-        shape = [int(s) for s in getattr(obj, "shape", ()) or ()]
-        dtype = str(obj.dtype)
-    elif kind == "pycuda.PooledDeviceAllocation":
-        nbytes, shape, dtype = int(len(obj)), [], ""
-    else:  # DeviceAllocation: PyCUDA does not tell its size
-        nbytes, shape, dtype = None, [], ""
-    return {"kind": kind, "shape": shape, "dtype": dtype, "device": "GPU?", "bytes": nbytes}
 
 
 _IPYTHON_NAMES = {"_", "__", "___", "_i", "_ii", "_iii", "In", "Out", "_ih", "_oh", "_dh", "exit", "quit", "get_ipython"}
@@ -168,7 +122,12 @@ def _is_history_name(name: str) -> bool:
     return name.startswith("_") and name[1:].isdigit()
 
 
-def _children(obj: Any, path: str) -> Iterable[tuple]:
+def _member_dicts() -> frozenset:
+    """The attributes through which an object keeps its members in dicts, of every framework."""
+    return frozenset(name for adapter in _adapters() for name in adapter.member_dicts)
+
+
+def _children(obj: Any, path: str, members: frozenset = frozenset()) -> Iterable[tuple]:
     tp = type(obj)
     if issubclass(tp, dict):
         for key, value in list(obj.items())[:1000]:
@@ -184,8 +143,8 @@ def _children(obj: Any, path: str) -> Iterable[tuple]:
         if type(attrs) is not dict:
             return
         for key, value in list(attrs.items())[:1000]:
-            if key in ("_parameters", "_buffers", "_modules") and isinstance(value, dict):
-                # torch.nn.Module keeps its members in these dicts: name them as attributes
+            if key in members and isinstance(value, dict):
+                # a framework's object keeps its members in these dicts (torch.nn.Module): named as attributes
                 for sub, subvalue in value.items():
                     yield f"{path}.{sub}", subvalue
             else:
@@ -208,6 +167,7 @@ def find_gpu_objects(user_ns: dict, out_cache: Optional[dict] = None, max_depth:
     seen = set()
     found: List[dict] = []
     visits = 0
+    members = _member_dicts()
     for _depth in range(max_depth + 1):
         nxt = []
         for path, obj in frontier:
@@ -226,7 +186,7 @@ def find_gpu_objects(user_ns: dict, out_cache: Optional[dict] = None, max_depth:
                 found.append(info)
                 continue
             try:
-                nxt.extend(_children(obj, path))
+                nxt.extend(_children(obj, path, members))
             except Exception:  # an object whose attributes or items raise is not walked into
                 continue
         frontier = nxt

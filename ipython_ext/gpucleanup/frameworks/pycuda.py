@@ -51,6 +51,13 @@ __all__ = ["PycudaAdapter", "install", "uninstall"]
 _WATCHED = ("pycuda._driver", "pycuda.driver")
 #: the pool classes: name in pycuda._driver -> kind
 _POOL_CLASSES = (("DeviceMemoryPool", "device"), ("PageLockedMemoryPool", "pinned"))
+# GPU objects by type name (PyCUDA 2026.1): pycuda.gpuarray.GPUArray; pycuda._driver.DeviceAllocation
+# (mem_alloc) and PooledDeviceAllocation (DeviceMemoryPool.allocate), Boost.Python classes
+_OBJECT_KINDS = {
+    "GPUArray": "pycuda.GPUArray",
+    "DeviceAllocation": "pycuda.DeviceAllocation",
+    "PooledDeviceAllocation": "pycuda.PooledDeviceAllocation",
+}
 
 
 class _Pool:
@@ -355,6 +362,24 @@ class PycudaAdapter(Adapter):
     modules = ("pycuda.driver",)
     can_release = True
     drains_on_cell_thread = True  # a pool is drained only on the thread that made it (see the module's docstring)
+    object_modules = ("pycuda",)
+
+    def object_kind(self, tp: type) -> Optional[str]:
+        return _OBJECT_KINDS.get(getattr(tp, "__name__", ""))
+
+    def object_info(self, obj: Any, kind: str) -> Optional[dict]:
+        # PyCUDA's objects tell no device (finding it would take a driver call per object): GPU?. A
+        # DeviceAllocation (mem_alloc) does not tell its size in Python either: its bytes are None.
+        nbytes: Optional[int]
+        if kind == "pycuda.GPUArray":
+            nbytes = int(obj.nbytes)
+            shape = [int(s) for s in getattr(obj, "shape", ()) or ()]
+            dtype = str(obj.dtype)
+        elif kind == "pycuda.PooledDeviceAllocation":
+            nbytes, shape, dtype = int(len(obj)), [], ""
+        else:
+            nbytes, shape, dtype = None, [], ""
+        return {"kind": kind, "shape": shape, "dtype": dtype, "device": "GPU?", "bytes": nbytes}
 
     def __init__(self) -> None:
         super().__init__()

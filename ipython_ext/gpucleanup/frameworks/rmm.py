@@ -64,6 +64,8 @@ class RmmAdapter(Adapter):
     name = "rmm"
     modules = ("rmm",)
     can_release = False
+    packages = ("rmm", "librmm")
+    libraries = ("librmm",)
     #: what gives an RMM pool back (said once per kernel on the line)
     reserved_fix = "rmm.reinitialize() destroys the pool; a smaller initial_pool_size takes less"
 

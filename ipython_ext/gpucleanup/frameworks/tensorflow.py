@@ -47,6 +47,8 @@ class TensorflowAdapter(Adapter):
     name = "tensorflow"
     modules = ("tensorflow",)
     can_release = False
+    packages = ("tensorflow",)
+    libraries = ("libtensorflow",)
     #: what lets tensorflow's memory be given back (said once per kernel on the line)
     reserved_fix = "TF_GPU_ALLOCATOR=cuda_malloc_async before import"
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Optional
 
-from .base import Adapter, Figures, _bytes_text, _figures, _fault, _module
+from .base import Adapter, Figures, _bytes_text, _figures, _fault, _module, _object
 
 
 # A pinned host cache owning less than this is left alone. torch pins a few bytes of
@@ -107,6 +107,23 @@ class TorchAdapter(Adapter):
     name = "torch"
     modules = ("torch",)
     can_release = True
+    packages = ("torch",)
+    libraries = ("libc10_cuda", "libtorch")
+    oom_types = ("OutOfMemoryError",)  # torch.cuda.OutOfMemoryError
+    object_modules = ("torch",)
+    objects_subclassed = True  # torch.Tensor subclasses defined by users live in other modules
+    member_dicts = ("_parameters", "_buffers", "_modules")  # where torch.nn.Module keeps its members
+
+    def object_kind(self, tp: type) -> Optional[str]:
+        tensor = getattr(_module("torch"), "Tensor", None)
+        return "torch.Tensor" if isinstance(tensor, type) and issubclass(tp, tensor) else None
+
+    def object_info(self, obj: Any, kind: str) -> Optional[dict]:
+        if not getattr(obj, "is_cuda", False):
+            return None
+        device = getattr(obj.device, "index", None)
+        nbytes = int(obj.element_size()) * int(obj.nelement())
+        return _object(kind, obj, device, nbytes, str(obj.dtype).replace("torch.", ""))
 
     def _torch(self) -> Any:
         return _module("torch")
