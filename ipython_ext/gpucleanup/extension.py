@@ -33,6 +33,7 @@ from .history import History
 from .magics import gpumem_arguments, parse_gpumem, with_settings
 from .parking import InKernel, RequestGuard
 from .record import CellRecord, Outcome
+from .say import PREFIX, say
 from .totals import Totals
 from .units import count_of
 from .tracing import Tracer
@@ -142,7 +143,7 @@ class KernelStillParked(InputRejected):
     would wait for a restore that nobody makes. Shown as gpucleanup's one sentence, not as a traceback."""
 
     def _render_traceback_(self) -> List[str]:
-        return [f"{report.PREFIX}{report.SEP}{self}"]
+        return [say(str(self))]
 
 
 class _RefuseTheCell:
@@ -269,18 +270,18 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         self._magics_registered = True
         self._loaded = True
         for sentence in self.ignored_config:
-            print(f"{report.PREFIX}{report.SEP}{sentence}")
+            print(say(sentence))
         try:
             probe = self.native.probe()
         except Exception as exc:
             if str(exc).startswith("[gpucleanup.driver."):
                 # the library loaded; the driver it found cannot be used (its message says why and what to do)
                 self.engine.last_driver_state = "unusable"
-                print(f"{report.PREFIX}{report.SEP}{exc}: no cleanup after cells")
+                print(say(f"{exc}: no cleanup after cells"))
                 return
             print(
-                f"{report.PREFIX}{report.SEP}gpucleanup's native library could not be loaded ({type(exc).__name__}: {exc}): "
-                "nothing is cleaned after cells; reinstall gpucleanup"
+                say(f"gpucleanup's native library could not be loaded ({type(exc).__name__}: {exc}): "
+                    "nothing is cleaned after cells; reinstall gpucleanup")
             )
             return
         driver = probe.get("driver") or {}
@@ -290,14 +291,14 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             self.engine.baseline(probe)
         if state == "no_driver":
             where = report.printable(driver.get("path") or "libcuda.so.1")
-            print(f"{report.PREFIX}{report.SEP}no CUDA driver found ({where}): nothing to clean, no cleanup after cells")
+            print(say(f"no CUDA driver found ({where}): nothing to clean, no cleanup after cells"))
             return
         if state == "unusable":
             where = report.printable(driver.get("path") or "libcuda.so.1")
-            print(f"{report.PREFIX}{report.SEP}the CUDA driver {where} is unusable ({driver.get('message')}): no cleanup after cells")
+            print(say(f"the CUDA driver {where} is unusable ({driver.get('message')}): no cleanup after cells"))
             return
         if state == "ready" and not probe.get("devices"):
-            print(f"{report.PREFIX}{report.SEP}no GPU on this machine: nothing to clean, no cleanup after cells")
+            print(say("no GPU on this machine: nothing to clean, no cleanup after cells"))
             return
         self.shell.events.register("pre_run_cell", self.pre_run_cell)
         self.shell.events.register("post_run_cell", self.post_run_cell)
@@ -314,8 +315,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         self.parking.disarm()
         if self.parking.requested:  # %gpumem --park earlier in the cell that unloads: its park cannot come
             self.parking.requested = False
-            print(f"{report.PREFIX}{report.SEP}not parked: gpucleanup was unloaded in the cell that asked for the "
-                  "park (%gpumem --park); load it again and ask in a cell of its own")
+            print(say("not parked: gpucleanup was unloaded in the cell that asked for the "
+                      "park (%gpumem --park); load it again and ask in a cell of its own"))
         with contextlib.suppress(Exception):
             self._request_guard.remove()
         self._refuse_the_cell.disarm()
@@ -473,7 +474,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
 
     def _warn_once_now(self, kind: str, text: str) -> None:
         if self.engine.note_once(kind):
-            self._say([f"{report.PREFIX}{report.SEP}{text}"])
+            self._say([say(text)])
 
     def _say(self, lines: List[str], cell: Optional[int] = None) -> None:
         """gpucleanup's own output after a cell, never the cell's stdout: a display output of its own
@@ -591,11 +592,11 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                 self._start_trace(automatic=True)
         except KeyboardInterrupt:
             with contextlib.suppress(Exception):
-                self._say([f"{report.PREFIX}{report.SEP}interrupted (Ctrl-C): cleanup stopped"])
+                self._say([say("interrupted (Ctrl-C): cleanup stopped")])
         except Exception as exc:
             if outside_drain_gave_no_way(exc):
                 with contextlib.suppress(Exception):
-                    self._say([f"{report.PREFIX}{report.SEP}{exc}"])
+                    self._say([say(str(exc))])
                 return
             with contextlib.suppress(Exception):
                 self._warn_once_now(f"internal:{type(exc).__name__}", f"cleanup failed ({type(exc).__name__}: {exc}); the cell is not affected")
@@ -641,9 +642,9 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             return
         frames = holders.release_traceback(error)
         total = sum(int(f.get("bytes") or 0) for f in held)
-        self._say([f"{report.PREFIX}{report.SEP}out of GPU memory in cell [{cell}]: released {report.format_bytes(total)} "
-                   f"held by {count_of(len(held), 'variable')} of its traceback ({count_of(frames, 'frame')}; the "
-                   "error stays, %debug no longer shows them; %config GPUCleanup.release_after_oom = False keeps them)"],
+        self._say([say(f"out of GPU memory in cell [{cell}]: released {report.format_bytes(total)} "
+                       f"held by {count_of(len(held), 'variable')} of its traceback ({count_of(frames, 'frame')}; the "
+                       "error stays, %debug no longer shows them; %config GPUCleanup.release_after_oom = False keeps them)")],
                   cell)
 
     def cleanup(self, cell: Optional[int] = None, forced: bool = False, after_forced: Optional[CellRecord] = None,
@@ -729,8 +730,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             if not self._outside_running:
                 return
             limit = max(0.0, self._outside_deadline - time.monotonic())
-        self._say([f"{report.PREFIX}{report.SEP}waiting for a drain asked for from outside (gpucleanup drain or the "
-                   f"page's Drain) to finish emptying this kernel's caches, at most {limit:.0f} s"])
+        self._say([say("waiting for a drain asked for from outside (gpucleanup drain or the "
+                       f"page's Drain) to finish emptying this kernel's caches, at most {limit:.0f} s")])
         with self._outside_cv:
             ended = self._outside_cv.wait_for(lambda: not self._outside_running, timeout=limit)
         if not ended:
@@ -742,13 +743,13 @@ class GPUCleanup(Magics, GPUCleanupOptions):
     def _request_park(self) -> None:
         """``%gpumem --park``: said now, done by post_run_cell once the cell has ended."""
         if not self._hooks_registered:
-            print(f"{report.PREFIX}{report.SEP}nothing to park: {self._why_no_hooks()}")
+            print(say(f"nothing to park: {self._why_no_hooks()}"))
         elif getattr(self._endpoint, "park_lock", None) is None:
-            print(f"{report.PREFIX}{report.SEP}not parked: parking needs the status endpoint, which is off "
-                  "(%config GPUCleanup.status_server = True, with a private Jupyter runtime directory)")
+            print(say("not parked: parking needs the status endpoint, which is off "
+                      "(%config GPUCleanup.status_server = True, with a private Jupyter runtime directory)"))
         else:
             self.parking.requested = True
-            print(f"{report.PREFIX}{report.SEP}this kernel is parked as soon as this cell has ended")
+            print(say("this kernel is parked as soon as this cell has ended"))
 
     def status(self) -> dict:
         """What %gpumem shows, as data with exact bytes."""
@@ -785,8 +786,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         from IPython.display import display
 
         if self.parking.parked():  # its resume failed: any driver call would wait for the restore
-            print(f"{report.PREFIX}{report.SEP}this kernel is parked (its GPU memory is in host memory): nothing is "
-                  f"asked of the driver until it is resumed (gpucleanup resume {os.getpid()} from a terminal)")
+            print(say("this kernel is parked (its GPU memory is in host memory): nothing is "
+                      f"asked of the driver until it is resumed (gpucleanup resume {os.getpid()} from a terminal)"))
             return None
         if args.park:
             return self._request_park()
@@ -794,14 +795,14 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         if (args.off or args.on) and not self._hooks_registered:
             # no driver, no GPU or no native library at load: there is no cleanup to pause or resume
             self.enabled = not args.off
-            print(f"{report.PREFIX}{report.SEP}no cleanup runs after cells in this kernel ({self._why_no_hooks()}): nothing to "
-                  + ("pause" if args.off else "resume"))
+            print(say(f"no cleanup runs after cells in this kernel ({self._why_no_hooks()}): nothing to "
+                      + ("pause" if args.off else "resume")))
         elif args.off:
             self.enabled = False
-            print(f"{report.PREFIX}{report.SEP}automatic cleanup paused (%gpumem --on resumes it)")
+            print(say("automatic cleanup paused (%gpumem --on resumes it)"))
         elif args.on:
             self.enabled = True
-            print(f"{report.PREFIX}{report.SEP}automatic cleanup resumed")
+            print(say("automatic cleanup resumed"))
         if args.dask is not None:
             return self._dask(args, display)
         if not self._hooks_registered and not args.json and self._say_nothing_here(args):
@@ -819,8 +820,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                 self._start_trace(automatic=False)
             else:
                 stopped = self._stop_trace()
-                print(f"{report.PREFIX}{report.SEP}" + ("allocation trace stopped (what it found stays in %gpumem --trace)"
-                                                        if stopped else "the allocation trace was not running"))
+                print(say("allocation trace stopped (what it found stays in %gpumem --trace)"
+                          if stopped else "the allocation trace was not running"))
             return None
         if args.trace == "show":
             if args.json:
@@ -872,12 +873,12 @@ class GPUCleanup(Magics, GPUCleanupOptions):
 
         if args.dask == "on":
             gpucleanup_dask.register(client)
-            print(f"{report.PREFIX}{report.SEP}gpucleanup's plugin registered on {len(client.scheduler_info().get('workers', {}))} "
-                  "Dask workers: each cleans its GPU memory once idle after its tasks (%gpumem --dask shows them)")
+            print(say(f"gpucleanup's plugin registered on {len(client.scheduler_info().get('workers', {}))} "
+                      "Dask workers: each cleans its GPU memory once idle after its tasks (%gpumem --dask shows them)"))
             return None
         if args.dask == "off":
             gpucleanup_dask.unregister(client)
-            print(f"{report.PREFIX}{report.SEP}gpucleanup's plugin removed from the Dask workers")
+            print(say("gpucleanup's plugin removed from the Dask workers"))
             return None
         drained = gpucleanup_dask.drain_cluster(client) if args.drain else None
         workers = gpucleanup_dask.cluster_memory(client)
@@ -899,7 +900,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         """Start tracing raw allocations; say that it runs, or why not (automatic: once per reason)."""
         if self.tracer.active:
             if not automatic:
-                print(f"{report.PREFIX}{report.SEP}the allocation trace is already running ({self.tracer.library})")
+                print(say(f"the allocation trace is already running ({self.tracer.library})"))
             return
         if automatic and self.engine.last_driver_state != "ready":
             return
@@ -910,8 +911,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             self.tracer.refused = reply["error"]
         if reply.get("active"):
             self.tracer.set_cell(running_cell_number(self.shell) if not automatic else None)
-            print(f"{report.PREFIX}{report.SEP}tracing raw GPU allocations to their line (CUPTI: {reply.get('library')}); "
-                  "each cell's line names what it allocated and kept; %gpumem --trace shows all, --trace off stops")
+            print(say(f"tracing raw GPU allocations to their line (CUPTI: {reply.get('library')}); "
+                      "each cell's line names what it allocated and kept; %gpumem --trace shows all, --trace off stops"))
             return
         error = reply.get("error") or "the trace could not start"
         if automatic:
@@ -919,7 +920,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                 return  # tried again after the next cell that uses the GPU
             self._warn_once_now(f"trace:{error}", f"allocation trace (trace_allocations) is off: {error}")
         else:
-            print(f"{report.PREFIX}{report.SEP}allocation trace not started: {error}")
+            print(say(f"allocation trace not started: {error}"))
 
     def _stop_trace(self) -> bool:
         return self.tracer.stop()
@@ -947,7 +948,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             said = f"no cell recorded: {why} in this kernel, so no cleanup runs after cells"
         else:
             return False
-        print(f"{report.PREFIX}{report.SEP}{said}")
+        print(say(said))
         return True
 
     def _why_no_hooks(self) -> str:
@@ -992,7 +993,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                                  "holds GPU memory (see %gpumem --vars)")
             self.shell.del_var(what, by_name=False)
             said = f"deleted {what} and every reference IPython kept to it (as %xdel)"
-        print(f"{report.PREFIX}{report.SEP}{said}")
+        print(say(said))
         outcome = self.cleanup(forced=True)
         if outcome is not None:
             for text in outcome.lines:
@@ -1035,7 +1036,7 @@ except Exception:  # pragma: no cover
 def load_ipython_extension(ipython) -> None:
     """``%load_ext gpucleanup``: one GPUCleanup object per shell."""
     if ipython in _instances:
-        print(f"{report.PREFIX} is already loaded (%reload_ext gpucleanup reloads it)")
+        print(f"{PREFIX} is already loaded (%reload_ext gpucleanup reloads it)")
         return
     kwargs = {}
     if DEFAULTS.get("native") is not None:
