@@ -107,11 +107,12 @@ class GPUCleanupPlugin(WorkerPlugin):  # type: ignore[misc,valid-type]
     def setup(self, worker: Any) -> None:
         from . import _native
         from .after_cell import AfterCell, Settings
+        from .report import CellVoice
 
         self._worker = worker
         self._settings = Settings(gc="auto", pinned=self.pinned, driver_pools=self.driver_pools,
                                   settle_timeout=self.settle_timeout, show="never", frameworks=dict(self.frameworks))
-        self._engine = AfterCell(_native, write=lambda text: None)
+        self._engine = AfterCell(_native, voice=CellVoice(write=lambda text: None))  # records as a kernel's: no lines
         self._records: collections.deque = collections.deque(maxlen=self.history)
         self._cond = threading.Condition()
         self._due: Optional[float] = None
@@ -234,7 +235,7 @@ async def _status_on_worker(dask_worker: Any) -> dict:
             from . import _native
             from .after_cell import AfterCell, Settings
 
-            engine = AfterCell(_native, write=lambda text: None)
+            engine = AfterCell(_native)
             return {"plugin": False, "memory": engine.memory_status(Settings(show="never"))}
 
         data = await loop.run_in_executor(None, read)

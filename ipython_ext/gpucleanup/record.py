@@ -13,7 +13,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
-__all__ = ["DeviceRecord", "PinnedRecord", "GcRecord", "CellRecord", "Outcome"]
+__all__ = ["DeviceRecord", "PinnedRecord", "GcRecord", "CellRecord", "Outcome", "OUTSIDE_NOTICE_BYTES"]
+
+# A cell's growth of memory outside every pool (or the raw allocations the trace found it kept) is worth a line
+# from this size on (below it: the driver's own bookkeeping and other processes' small moves).
+OUTSIDE_NOTICE_BYTES = 16 << 20
 
 
 @dataclass

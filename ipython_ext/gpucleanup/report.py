@@ -12,6 +12,7 @@ import html
 import json
 import os
 import re
+import sys
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 from .units import _number, _unit_for, count_of, format_bytes, format_duration, format_in_unit, format_pair  # noqa: F401
@@ -144,9 +145,9 @@ def _pinned_segment(pinned: dict, record: Optional[dict] = None) -> Optional[str
 
 # A settle shorter than this is not worth a word in the summary line.
 QUEUED_WORK_NOTICE_S = 0.1
-# A cell's growth of memory outside every pool is said from this size on (below it: the
-# driver's own bookkeeping and other processes' small moves).
-OUTSIDE_NOTICE_BYTES = 16 << 20
+# A cell's growth of memory outside every pool is said from this size on (record.py: the engine's show
+# policy uses the same figure).
+from .record import OUTSIDE_NOTICE_BYTES  # noqa: E402
 
 
 def _device_line(dev: dict, record: dict, pinned: Optional[str]) -> str:
@@ -489,6 +490,43 @@ def memory_report(status: dict, history_rows: int = 5) -> Report:
     notes = status.get("notes") or []
     lines.extend(f"{PREFIX}{SEP}{n}" for n in notes)
     return Report(tables, lines)
+
+
+class CellVoice:
+    """What the after-cell engine says, rendered here: the engine decides whether a cell's summary is shown (its
+    show policy) and hands over the record's data; this turns it into lines, and writes the progress line of a
+    wait and the one sentence about an unusable driver through ``write`` (stdout when None)."""
+
+    def __init__(self, write: Optional[Callable[[str], None]] = None):
+        self.write = write or _write_stdout
+
+    def progress(self, device: int, waited_s: float, again: bool) -> None:
+        """The progress line of a native wait, rewritten in place (``again``) as the wait goes on."""
+        self.write(("\r" if again else "") + progress_line(device, waited_s))
+
+    def progress_end(self) -> None:
+        self.write("\n")
+
+    def driver_unusable(self, driver: dict) -> None:
+        self.write(f"{say('the CUDA driver is unusable: ' + str(driver.get('message')))}\n")
+
+    def nothing_in_use(self, driver: dict) -> List[str]:
+        """A ``%gpumem --drain`` with nothing to clean: why, in one line."""
+        why = driver_sentence(driver) if driver.get("state") != "ready" else "no GPU in use by this kernel: nothing to clean"
+        return [say(why)]
+
+    def summary(self, data: dict, shown: bool) -> List[str]:
+        """A cell's lines: the summary when ``shown``; else a sticky error, said once even when summaries are
+        off, as the one sentence it is."""
+        first_sticky = [d for d in data["devices"] if d["state"] == "unusable" and not d["quiet"]]
+        if shown:
+            return summary_lines(data)
+        return [say(d["message"] or unusable_sentence(d)) for d in first_sticky]
+
+
+def _write_stdout(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
 
 
 def driver_sentence(driver: dict) -> str:

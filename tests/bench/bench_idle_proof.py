@@ -94,7 +94,7 @@ def run(scenario: str, rounds: int, block: int) -> dict:
         took = (time.perf_counter() - start) / block
         if engine.skipped - skipped != block:
             raise SystemExit(f"bench_idle_proof: {scenario}: {block - engine.skipped + skipped} cells were not idle")
-        if (engine._idle_proof is not None) != on:
+        if (engine.quiet.proof is not None) != on:
             raise SystemExit(f"bench_idle_proof: {scenario}: the proof was {'not ' if on else ''}in use")
         return took * 1e6
 

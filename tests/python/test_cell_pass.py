@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 import math
 import signal
 import sys
@@ -15,7 +16,7 @@ import types
 
 import pytest
 
-from gpucleanup import after_cell, extension
+from gpucleanup import after_cell, extension, report
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -78,7 +79,7 @@ def _device(fake_cuda, used=2 * GiB, pool=0):
 
 def _engine(*adapters):
     native = Native()
-    engine = after_cell.AfterCell(native, adapters=lambda: list(adapters), write=lambda text: None)
+    engine = after_cell.AfterCell(native, adapters=lambda: list(adapters), voice=report.CellVoice(write=lambda text: None))
     engine.baseline(native.probe())  # what the extension does at load
     native.calls.clear()
     return engine, native
@@ -160,7 +161,7 @@ def test_an_adapter_answering_as_before_gets_the_same_figures_and_one_with_no_si
 
         __hash__ = None
 
-    engine = after_cell.AfterCell(Native(), adapters=list, write=lambda text: None)
+    engine = after_cell.AfterCell(Native(), adapters=list, voice=report.CellVoice(write=lambda text: None))
     cupy = Framework(live={0: GiB})
     first = engine.stats([cupy], [0], [])["cupy"]
     again = engine.stats([cupy], [0], [])["cupy"]
@@ -210,7 +211,7 @@ def test_idle_cells_ask_which_frameworks_are_in_use_once_until_an_import_or_a_fu
     cupy, torch = Framework(live={0: GiB}), Framework("torch")
     in_use, asked = [cupy], []
     engine, native = _engine()
-    engine._adapters_fn = lambda: asked.append(1) or list(in_use)
+    engine.frameworks.find = lambda: asked.append(1) or list(in_use)
     engine.run(_settings(), cell=1)
     assert not engine.run(_settings(), cell=2).keep  # proven idle by the whole pass
     asked.clear()
@@ -222,7 +223,7 @@ def test_idle_cells_ask_which_frameworks_are_in_use_once_until_an_import_or_a_fu
     assert len(asked) == 2  # a module imported since: asked again
     # a full pass whose cell skipped the quiet check (%gpumem --drain here) forgets the answer kept
     engine.run(_settings(), cell=6, forced=True)
-    assert engine._quiet_adapters is None
+    assert engine.quiet.adapters_kept is None
     # PyTorch starts using the GPU: an allocation the quiet check sees, so the whole pass runs and reads it
     in_use.append(torch)
     torch.live[0] = GiB
@@ -326,16 +327,16 @@ def test_idle_cells_after_one_proven_idle_the_long_way_stand_on_its_proof_and_re
     settings = _settings()
     engine.run(settings, cell=1)
     assert not engine.run(settings, cell=2).keep  # proven idle by the whole pass: no proof of the quiet check
-    assert engine._idle_proof is None
+    assert engine.quiet.proof is None
     assert not engine.run(settings, cell=3).keep  # the quiet check, the long way: it leaves its proof
-    proof = engine._idle_proof
+    proof = engine.quiet.proof
     assert proof is not None and proof.settings is settings and proof.adapters == (cupy, torch)
     assert proof.tokens == (((GiB, 0),), ((2 * GiB, 0),)) and proof.held is None and proof.jobs == []
     asked, figures = checked["nothing_new"], (cupy.calls["stats"], torch.calls["stats"])
     tokens = (cupy.calls["quiet_token"], torch.calls["quiet_token"])
     for cell in range(4, 8):
         assert not engine.run(settings, cell=cell).keep
-    assert engine._idle_proof is proof and engine.skipped == 6 and native.calls["quiet"] == 5
+    assert engine.quiet.proof is proof and engine.skipped == 6 and native.calls["quiet"] == 5
     assert checked["nothing_new"] == asked  # not asked again
     assert (cupy.calls["stats"], torch.calls["stats"]) == figures  # no figures read
     assert (cupy.calls["quiet_token"], torch.calls["quiet_token"]) == (tokens[0] + 4, tokens[1] + 4)
@@ -344,7 +345,7 @@ def test_idle_cells_after_one_proven_idle_the_long_way_stand_on_its_proof_and_re
     torch.live[0], torch.cached[0] = GiB, GiB
     outcome = engine.run(settings, cell=8)
     assert outcome.keep and torch.calls["drain"] == 1 and torch.cached == {}
-    assert outcome.record.devices[0].freed_bytes.get("torch") == GiB and engine._idle_proof is None
+    assert outcome.record.devices[0].freed_bytes.get("torch") == GiB and engine.quiet.proof is None
 
 
 @pytest.mark.parametrize("change, still_idle", [
@@ -364,7 +365,7 @@ def test_the_proof_falls_when_anything_it_rested_on_changes(fake_cuda, monkeypat
     first = engine.run(settings, cell=1)
     for cell in range(2, 5):
         assert not engine.run(settings, cell=cell).keep
-    assert engine._idle_proof is not None and engine.skipped == 3
+    assert engine.quiet.proof is not None and engine.skipped == 3
     asked, after_forced = checked["nothing_new"], None
     if change == "other settings":
         settings = _settings()
@@ -383,10 +384,10 @@ def test_the_proof_falls_when_anything_it_rested_on_changes(fake_cuda, monkeypat
     assert outcome.keep is not still_idle or after_forced is not None
     if still_idle:  # the long way, which leaves a proof of its own
         assert checked["nothing_new"] == asked + 1
-        assert engine._idle_proof is not None and engine._idle_proof.settings is settings
-        assert engine._idle_proof.modules == len(sys.modules)
+        assert engine.quiet.proof is not None and engine.quiet.proof.settings is settings
+        assert engine.quiet.proof.modules == len(sys.modules)
     else:
-        assert engine._idle_proof is None
+        assert engine.quiet.proof is None
     if change == "a framework's token":
         assert cupy.calls["drain"] == 1 and outcome.record.devices[0].freed_bytes.get("cupy") == GiB
 
@@ -400,7 +401,7 @@ def test_no_proof_is_kept_while_a_framework_in_use_has_no_quiet_token(fake_cuda,
     asked = checked["nothing_new"]
     for cell in range(2, 6):
         assert not engine.run(_settings(), cell=cell).keep
-    assert engine._idle_proof is None and checked["nothing_new"] == asked + 4  # the long way on every cell
+    assert engine.quiet.proof is None and checked["nothing_new"] == asked + 4  # the long way on every cell
 
 
 def test_a_token_that_raises_under_the_proof_sends_the_cell_the_long_way_which_keeps_no_proof(fake_cuda, monkeypatch):
@@ -411,7 +412,7 @@ def test_a_token_that_raises_under_the_proof_sends_the_cell_the_long_way_which_k
     settings = _settings()
     for cell in range(1, 5):
         engine.run(settings, cell=cell)
-    assert engine._idle_proof is not None and engine.skipped == 3
+    assert engine.quiet.proof is not None and engine.skipped == 3
     asked, figures = checked["nothing_new"], cupy.calls["stats"]
 
     def broken(devices, in_use=False):
@@ -422,10 +423,10 @@ def test_a_token_that_raises_under_the_proof_sends_the_cell_the_long_way_which_k
     # no exception into the cell; its figures are read the long way, still equal, so the cell is idle
     assert not outcome.keep and engine.skipped == 4
     assert cupy.calls["stats"] == figures + 1 and checked["nothing_new"] == asked + 1
-    assert engine._idle_proof is None  # no token to rest a proof on
+    assert engine.quiet.proof is None  # no token to rest a proof on
     monkeypatch.undo()  # the token answers again: the next idle cell leaves a proof once more
     _count_nothing_new(monkeypatch)
-    assert not engine.run(settings, cell=6).keep and engine._idle_proof is not None
+    assert not engine.run(settings, cell=6).keep and engine.quiet.proof is not None
 
 
 def test_a_release_held_by_idle_cells_on_their_proof_is_re_armed_by_each_and_once_it_ran_the_next_cell_says_so(
@@ -443,19 +444,19 @@ def test_a_release_held_by_idle_cells_on_their_proof_is_re_armed_by_each_and_onc
     for cell in range(2, 4):
         engine.cell_starts()
         assert not engine.run(settings, cell=cell).keep
-    proof = engine._idle_proof
+    proof = engine.quiet.proof
     assert proof is not None and proof.held is job and proof.jobs == [job]
     asked = checked["nothing_new"]
     for cell in range(4, 7):
         engine.cell_starts()
         assert not engine.run(settings, cell=cell).keep
-    assert checked["nothing_new"] == asked and engine._idle_proof is proof
+    assert checked["nothing_new"] == asked and engine.quiet.proof is proof
     assert engine.idle_job is job and not job.cancelled and cupy.calls["drain"] == 0  # re-armed by each
     assert job.run_now() and job.done.wait(30) and cupy.calls["drain"] == 1  # it runs while the kernel is idle
     assert cupy.quiet_token([0]) == proof.tokens[0]
     engine.cell_starts()  # nothing to hold now: the proof falls
     outcome = engine.run(settings, cell=7)
-    assert outcome.keep and outcome.record.idle == [job.result()] and engine._idle_proof is None
+    assert outcome.keep and outcome.record.idle == [job.result()] and engine.quiet.proof is None
     engine.stop()
 
 
@@ -538,7 +539,7 @@ class CountedGc:
     def __init__(self, monkeypatch, found=0, on_collect=None):
         self.calls = []
         self.found, self.on_collect = found, on_collect
-        monkeypatch.setattr(after_cell.gc, "collect", self)
+        monkeypatch.setattr(gc, "collect", self)
 
     def __call__(self, generation=2):
         self.calls.append(generation)
@@ -677,14 +678,14 @@ def test_release_idle_a_re_run_that_leaves_the_same_cache_is_skipped_and_its_rel
     for cell in range(2, 6):
         outcome = engine.run(settings, cell=cell)
         assert outcome.lines == [] and not outcome.keep and outcome.record.deferred is None
-    assert engine.skipped == 4 and engine.idle_job is job and engine._idle_jobs == [job] and not job.cancelled
+    assert engine.skipped == 4 and engine.idle_job is job and engine.releases.unreported == [job] and not job.cancelled
     assert cupy.calls["drain"] == 0 and cupy.cached == {0: GiB}
     cupy.cached[0] = 2 * GiB  # the next cell caches more: a full cleanup defers it all anew
     outcome = engine.run(settings, cell=6)
     assert outcome.keep and outcome.record.devices[0].cached_bytes == {"cupy": 2 * GiB}
-    assert job.cancelled and engine.idle_job is not job and engine._idle_jobs == [engine.idle_job]
+    assert job.cancelled and engine.idle_job is not job and engine.releases.unreported == [engine.idle_job]
     engine.stop()
-    assert engine.idle_job is None and engine._idle_jobs == []
+    assert engine.idle_job is None and engine.releases.unreported == []
 
 
 def _asleep(job, until):

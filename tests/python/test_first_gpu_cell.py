@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from gpucleanup import after_cell, extension
+from gpucleanup import after_cell, extension, report
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -57,7 +57,7 @@ class Framework:
 def _engine(adapters=()):
     from gpucleanup import _native
 
-    engine = after_cell.AfterCell(_native, adapters=lambda: list(adapters))
+    engine = after_cell.AfterCell(_native, adapters=lambda: list(adapters), voice=report.CellVoice())
     engine.baseline(_native.probe())  # what the extension does at load
     return engine
 
