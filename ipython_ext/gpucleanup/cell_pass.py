@@ -58,7 +58,7 @@ class CtrlC:
         previous one back as it exits. A small object rather than a generator: it runs once per cell."""
         return _Armed(self)
 
-    def _handler(self, signum, frame) -> None:
+    def handler(self, signum, frame) -> None:
         self.pressed = True
 
     def check(self) -> None:
@@ -84,7 +84,7 @@ class _Armed:
             try:
                 self.previous = _raw_signal.getsignal(signal.SIGINT)
                 if self.previous is not None:
-                    _raw_signal.signal(signal.SIGINT, ctrl_c._handler)
+                    _raw_signal.signal(signal.SIGINT, ctrl_c.handler)
                     self.installed = True
             except (ValueError, TypeError, OSError):
                 self.installed = False

@@ -5,7 +5,8 @@ side by side in one process.
 Method: an IPython shell in this process (no kernel, no messages) with ``%load_ext gpucleanup`` and the
 scenario's set-up (a framework with memory in use and nothing to free: ``torch_idle`` or ``cupy_idle`` of
 profile_cell.py; ``fake_torch``: a stand-in torch from tests/python/stand_ins on the fake CUDA driver,
-for machines without a GPU). Then rounds: a block of ``--block`` cells (default 500) with the proof, and
+for machines without a GPU; ``fake_device``: a device in use on the fake driver and no framework, where the
+driver's figures alone prove a cell idle). Then rounds: a block of ``--block`` cells (default 500) with the proof, and
 one without (``IdleProof.made`` answering None and ``stands`` False, so every idle cell takes the long way
 as before the proof), in alternating order, each after 20 untimed cells. A cell is the extension's two
 hooks called as IPython calls them (``pre_run_cell(info)``, ``post_run_cell(result)``): what the cell
@@ -32,12 +33,14 @@ ROOT = HERE.parent.parent
 SETUP = {
     "torch_idle": "import torch\nw = torch.ones(1 << 20, device='cuda')\ntorch.cuda.synchronize()",
     "cupy_idle": "import cupy as cp\nw = cp.ones(1 << 20)\ncp.cuda.Device(0).synchronize()",
-    "fake_torch": None,  # made by _fake_torch
+    "fake_torch": None,  # made by _fake_device
+    "fake_device": None,  # made by _fake_device: a device in use, no framework
 }
 
 
-def _fake_torch() -> None:
-    """A stand-in torch with 1 GiB in use on the fake CUDA driver (tests/python/stand_ins)."""
+def _fake_device(torch: bool) -> None:
+    """A device in use on the fake CUDA driver and, with ``torch``, a stand-in torch with 1 GiB in use on it
+    (tests/python/stand_ins)."""
     import ctypes
 
     sys.path.insert(0, str(ROOT / "tests" / "python"))
@@ -49,6 +52,8 @@ def _fake_torch() -> None:
     scenario = {"devices": [{"total_bytes": 80 * gib, "free_bytes": 78 * gib, "primary_active": True}]}
     if fake.fake_cuda_reset(json.dumps(scenario).encode()) != 0:
         raise SystemExit("bench_idle_proof: the fake CUDA driver refused its scenario")
+    if not torch:
+        return
     import pytest
     from stand_ins import World
     from stand_ins.torch import install_torch
@@ -57,11 +62,18 @@ def _fake_torch() -> None:
                   reserved={0: gib}, host_keys="2.5")
 
 
+def _proof(engine) -> object:
+    """The engine's idle proof (its quiet check's; ``_idle_proof`` before the engine kept it there, so that
+    one script measures both)."""
+    quiet = getattr(engine, "quiet", None)
+    return quiet.proof if quiet is not None else getattr(engine, "_idle_proof")
+
+
 def run(scenario: str, rounds: int, block: int) -> dict:
     from IPython.core.interactiveshell import ExecutionInfo, ExecutionResult, InteractiveShell
 
-    if scenario == "fake_torch":
-        _fake_torch()
+    if scenario in ("fake_torch", "fake_device"):
+        _fake_device(torch=scenario == "fake_torch")
     shell = InteractiveShell.instance()
     for code in ("%load_ext gpucleanup", SETUP[scenario], "x = 1", "x = 1", "x = 1"):
         if code is not None:
@@ -94,7 +106,7 @@ def run(scenario: str, rounds: int, block: int) -> dict:
         took = (time.perf_counter() - start) / block
         if engine.skipped - skipped != block:
             raise SystemExit(f"bench_idle_proof: {scenario}: {block - engine.skipped + skipped} cells were not idle")
-        if (engine.quiet.proof is not None) != on:
+        if (_proof(engine) is not None) != on:
             raise SystemExit(f"bench_idle_proof: {scenario}: the proof was {'not ' if on else ''}in use")
         return took * 1e6
 
