@@ -1,10 +1,11 @@
 """The extension in an in-process IPython shell: lifecycle, the after-cell flow, failure paths.
 
-Two kinds of tests:
-- ``stand_in``: the native module and the framework adapters are small scripted
-  stand-ins injected into the extension (``extension.DEFAULTS``), so each path of
-  the after-cell flow is driven exactly;
-- ``fake``: the real libgpucleanup over the fake CUDA driver (conftest.fake_cuda).
+The native module is the real libgpucleanup over the fake CUDA driver (conftest.fake_cuda), whose devices the
+tests script (fixture ``gpu``); the framework adapters are small scripted stand-ins (``StandInAdapter``) that move
+memory on the fake driver as they free it, and the status endpoint a recording one. Both are what the extension
+finds when it loads (``gpucleanup.frameworks.active``, ``gpucleanup.status_endpoint.StatusEndpoint``).
+A few tests keep a stand-in native module (fixture ``stand_in``): no driver at all, and progress reports that
+the library sends only after seconds of real waiting.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import textwrap
 import threading
 import time
 import types
+import uuid
 
 import pytest
 
@@ -255,6 +257,102 @@ class StandInEndpoint:
         self.events.append(("close",))
 
 
+# ------------------------------------------------------------------ the fake driver's side
+
+
+def fake_device(used=0, pool_reserved=0, active=True, **more):
+    """One device of a fake driver scenario: ``used`` bytes outside the driver's default pool (a framework's own
+    pool, the context), ``pool_reserved`` bytes reserved by that pool, 80 GiB in all."""
+    return {"name": "NVIDIA H100 80GB HBM3", "primary_active": active, "total_bytes": 80 * GiB,
+            "free_bytes": 80 * GiB - used - pool_reserved, "default_pool": {"reserved_bytes": pool_reserved}, **more}
+
+
+class FakeDevice:
+    """A device of the fake driver as a stand-in framework moves memory on it: ``used`` is everything but the
+    default pool's reserved bytes, ``pool_reserved`` that pool's; setting one keeps the other."""
+
+    def __init__(self, fake, index):
+        self.fake = fake
+        self.index = index
+
+    def _state(self):
+        return self.fake.state()["devices"][self.index]
+
+    def _patch(self, **patch):
+        self.fake.update({"devices": [{}] * self.index + [patch]})
+
+    @property
+    def used(self):
+        s = self._state()
+        return s["total_bytes"] - s["free_bytes"] - s["default_pool"]["reserved_bytes"]
+
+    @used.setter
+    def used(self, value):
+        s = self._state()
+        self._patch(free_bytes=s["total_bytes"] - value - s["default_pool"]["reserved_bytes"])
+
+    @property
+    def pool_reserved(self):
+        return self._state()["default_pool"]["reserved_bytes"]
+
+    @pool_reserved.setter
+    def pool_reserved(self, value):
+        used = self.used
+        self._patch(default_pool={"reserved_bytes": value}, free_bytes=self._state()["total_bytes"] - used - value)
+
+
+class FakeGpus:
+    """The fake driver's devices, for the stand-in adapters (``StandInAdapter(name, gpus)``)."""
+
+    def __init__(self, fake):
+        self.fake = fake
+
+    def device(self, index):
+        return FakeDevice(self.fake, index)
+
+
+class NativeCalls:
+    """The real ``gpucleanup._native``, its calls counted: ``calls`` per function, ``trims`` the trim argument of
+    each after-cell pass, ``fail`` (function name -> exception) what a call raises instead of calling the library,
+    ``seen`` callables told each call's name before it runs."""
+
+    NAMES = ("probe", "snapshot", "drain", "after_cell", "trim", "cuda_initialized", "quiet")
+
+    def __init__(self, monkeypatch):
+        from gpucleanup import _native
+
+        self.calls = collections.Counter()
+        self.trims = []
+        self.fail = {}
+        self.seen = []
+        for name in self.NAMES:
+            monkeypatch.setattr(_native, name, self._counted(name, getattr(_native, name)))
+
+    def _counted(self, name, fn):
+        def counted(*args, **kwargs):
+            self.calls[name] += 1
+            for see in self.seen:
+                see(name)
+            if name == "after_cell":
+                self.trims.append(kwargs.get("trim", True))
+            if name in self.fail:
+                raise self.fail[name]
+            return fn(*args, **kwargs)
+
+        return counted
+
+
+def _inject(monkeypatch, adapters=(), endpoint=None):
+    """What the extension finds when it loads: these framework adapters (gpucleanup.frameworks.active) and this
+    status endpoint (gpucleanup.status_endpoint.StatusEndpoint, a factory); the native module is the real one."""
+    import gpucleanup.frameworks
+    import gpucleanup.status_endpoint
+
+    monkeypatch.setattr(gpucleanup.frameworks, "active", lambda: list(adapters))
+    if endpoint is not None:
+        monkeypatch.setattr(gpucleanup.status_endpoint, "StatusEndpoint", endpoint)
+
+
 # ------------------------------------------------------------------ fixtures
 
 
@@ -277,10 +375,34 @@ class StandIn(types.SimpleNamespace):
 
 
 @pytest.fixture
+def gpu(fake_cuda, monkeypatch):
+    """The real library over the fake driver's GPU0 (7 GiB used: 1 GiB reserved by the driver's pool, 1 GiB outside
+    every pool, and a cupy-like stand-in adapter's 2 GiB live and 3 GiB cached, 1 GiB pinned), with a recording
+    status endpoint. Its tests check what a cell's own cleanup does, so every cache is given back as the cell ends
+    (release "cell"); the default, "rerun", and the other policies have tests of their own that set them.
+    ``name``: GPU0's short name as the library reports it (it keeps the first it read, see _fake_name)."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    monkeypatch.setitem(InteractiveShell.instance().config.GPUCleanup, "release", "cell")
+    fake_cuda.reset({"devices": [fake_device(used=6 * GiB, pool_reserved=GiB)]})
+    name = _fake_name()
+    gpus = FakeGpus(fake_cuda)
+    native = NativeCalls(monkeypatch)
+    cupy = StandInAdapter("cupy", gpus, live={0: 2 * GiB}, cached={0: 3 * GiB}, pinned_cached=GiB)
+    adapters = [cupy]
+    endpoint = StandInEndpoint()
+    _inject(monkeypatch, adapters, lambda: endpoint)
+    yield StandIn(native=native, fake=fake_cuda, gpus=gpus, device=gpus.device, name=name, cupy=cupy,
+                  adapters=adapters, endpoint=endpoint)
+    _settled(fake_cuda)  # a wait this test left running ends before the next test's first call
+
+
+@pytest.fixture
 def stand_in(monkeypatch):
-    """Stand-in native module, one cupy-like adapter and a recording status endpoint, injected. Its tests
-    check what a cell's own cleanup does, so every cache is given back as the cell ends (release "cell");
-    the default, "rerun", and the other policies have tests of their own that set them."""
+    """A stand-in native module (StandInNative), for what the fake driver cannot produce in this process: no
+    driver at all (the library loads its driver once per process), and waits of several seconds (the library's
+    first progress report comes after 2 s of real waiting). Otherwise as ``gpu``."""
+    import gpucleanup
     from IPython.core.interactiveshell import InteractiveShell
 
     monkeypatch.setitem(InteractiveShell.instance().config.GPUCleanup, "release", "cell")
@@ -289,9 +411,8 @@ def stand_in(monkeypatch):
     native.device(0).used += 5 * GiB
     adapters = [cupy]
     endpoint = StandInEndpoint()
-    monkeypatch.setitem(extension.DEFAULTS, "native", native)
-    monkeypatch.setitem(extension.DEFAULTS, "adapters", lambda: list(adapters))
-    monkeypatch.setitem(extension.DEFAULTS, "status_endpoint", lambda: endpoint)
+    monkeypatch.setattr(gpucleanup, "_native", native)
+    _inject(monkeypatch, adapters, lambda: endpoint)
     return StandIn(native=native, cupy=cupy, adapters=adapters, endpoint=endpoint)
 
 
@@ -321,7 +442,7 @@ def _run(ip, code, capsys):
 # ------------------------------------------------------------------ lifecycle
 
 
-def test_load_registers_one_handler_pair_and_the_magic_stand_in(shell, stand_in, capsys):
+def test_load_registers_one_handler_pair_and_the_magic(shell, gpu, capsys):
     shell.run_line_magic("load_ext", "gpucleanup")
     ext = _ext(shell)
     assert shell.events.callbacks["pre_run_cell"].count(ext.pre_run_cell) == 1
@@ -331,7 +452,7 @@ def test_load_registers_one_handler_pair_and_the_magic_stand_in(shell, stand_in,
     assert capsys.readouterr().out == ""
 
 
-def test_load_again_says_it_is_loaded_stand_in(shell, stand_in, capsys):
+def test_load_again_says_it_is_loaded(shell, gpu, capsys):
     shell.run_line_magic("load_ext", "gpucleanup")
     shell.run_line_magic("load_ext", "gpucleanup")
     assert "already loaded" in capsys.readouterr().out
@@ -340,7 +461,7 @@ def test_load_again_says_it_is_loaded_stand_in(shell, stand_in, capsys):
     assert len([f for f in shell.events.callbacks["post_run_cell"] if getattr(f, "__self__", None).__class__.__name__ == "GPUCleanup"]) == 1
 
 
-def test_reload_does_not_register_twice_stand_in(shell, stand_in):
+def test_reload_does_not_register_twice(shell, gpu):
     shell.run_line_magic("load_ext", "gpucleanup")
     first = _ext(shell)
     for _ in range(3):
@@ -353,11 +474,11 @@ def test_reload_does_not_register_twice_stand_in(shell, stand_in):
     assert ours == [ext.pre_run_cell]
     assert [c for c in shell.configurables if isinstance(c, extension.GPUCleanup)] == [ext]
     assert shell.magics_manager.magics["line"]["gpumem"].__self__ is ext
-    closes = [e for e in stand_in.endpoint.events if e[0] == "close"]
+    closes = [e for e in gpu.endpoint.events if e[0] == "close"]
     assert len(closes) == 3  # each unload closed the endpoint it started
 
 
-def test_unload_unregisters_the_same_bound_methods_stand_in(shell, stand_in):
+def test_unload_unregisters_the_same_bound_methods(shell, gpu):
     shell.run_line_magic("load_ext", "gpucleanup")
     ext = _ext(shell)
     shell.run_line_magic("unload_ext", "gpucleanup")
@@ -366,12 +487,12 @@ def test_unload_unregisters_the_same_bound_methods_stand_in(shell, stand_in):
     assert "gpumem" not in shell.magics_manager.magics["line"]
     assert ext not in shell.configurables
     assert extension.get_extension(shell) is None
-    assert stand_in.endpoint.events[-1] == ("close",)
+    assert gpu.endpoint.events[-1] == ("close",)
     shell.run_line_magic("load_ext", "gpucleanup")  # and it loads again
     assert _ext(shell) is not None
 
 
-def test_autoload_through_config_reads_the_traits_stand_in(shell, stand_in):
+def test_autoload_through_config_reads_the_traits(shell, gpu):
     from traitlets.config import Config
 
     cfg = Config()
@@ -401,42 +522,48 @@ def test_no_driver_prints_one_line_and_costs_nothing_per_cell_stand_in(shell, st
     assert _ext(shell).post_run_cell not in shell.events.callbacks["post_run_cell"]
 
 
-def test_no_gpu_prints_one_line_stand_in(shell, stand_in, capsys):
-    stand_in.native.devices = []
+def test_no_gpu_prints_one_line(shell, gpu, capsys):
+    gpu.fake.reset({"devices": []})
     shell.run_line_magic("load_ext", "gpucleanup")
     assert capsys.readouterr().out == "gpucleanup · no GPU on this machine: nothing to clean, no cleanup after cells\n"
 
 
-def test_native_library_missing_prints_one_line_stand_in(shell, stand_in, capsys):
-    stand_in.native.fail["probe"] = OSError("libgpucleanup.so: cannot open shared object file")
-    shell.run_line_magic("load_ext", "gpucleanup")
-    assert capsys.readouterr().out == (
-        "gpucleanup · gpucleanup's native library could not be loaded (OSError: libgpucleanup.so: cannot open shared object file): "
-        "nothing is cleaned after cells; reinstall gpucleanup\n"
-    )
-    _run(shell, "x = 1", capsys)
-    assert capsys.readouterr().out == ""
+def test_native_library_missing_prints_one_line(shell, gpu, monkeypatch, capsys):
+    from gpucleanup import _native
+
+    # as a fresh process that cannot find its library: the first call loads it, and dlopen fails
+    with monkeypatch.context() as absent:
+        absent.setenv("GPUCLEANUP_LIBRARY", "libgpucleanup-absent.so")
+        absent.setattr(_native, "_lib", None)
+        absent.setattr(_native, "_held", None)
+        shell.run_line_magic("load_ext", "gpucleanup")
+        assert capsys.readouterr().out == (
+            "gpucleanup · gpucleanup's native library could not be loaded (OSError: libgpucleanup-absent.so: cannot open "
+            "shared object file: No such file or directory): nothing is cleaned after cells; reinstall gpucleanup\n"
+        )
+        _run(shell, "x = 1", capsys)
+        assert capsys.readouterr().out == ""
 
 
-def test_cuda_not_initialised_costs_one_quick_call_per_cell_stand_in(shell, stand_in, capsys):
-    stand_in.native.state = "not_initialized"
+def test_cuda_not_initialised_costs_one_quick_call_per_cell(shell, gpu, capsys):
+    gpu.fake.update({"initialized": False})
     shell.run_line_magic("load_ext", "gpucleanup")
-    stand_in.native.calls.clear()
+    gpu.native.calls.clear()
     for _ in range(5):
         _, out = _run(shell, "x = 1", capsys)
         assert out.out == ""
-    assert dict(stand_in.native.calls) == {"cuda_initialized": 5}  # no pass, no JSON
-    assert stand_in.cupy.calls == {}
+    assert dict(gpu.native.calls) == {"cuda_initialized": 5}  # no pass, no JSON
+    assert gpu.cupy.calls == {}
 
 
 # ------------------------------------------------------------------ after a cell
 
 
-def test_summary_line_after_a_cell_stand_in(shell, stand_in, capsys):
+def test_summary_line_after_a_cell(shell, gpu, capsys):
     shell.run_line_magic("load_ext", "gpucleanup")
     result, out = _run(shell, "x = 1", capsys)
     assert _lines(out.out) == [
-        "gpucleanup · GPU0 H100 · freed 4.0 GiB (cupy 3.0, driver 1.0) · pinned 1.0 GiB · kept 2.0 GiB live (cupy) · device 3.0/80.0 GiB · <t>"
+        f"gpucleanup · GPU0 {gpu.name} · freed 4.0 GiB (cupy 3.0, driver 1.0) · pinned 1.0 GiB · kept 2.0 GiB live (cupy) · device 3.0/80.0 GiB · <t>"
     ]
     record = _ext(shell).history.last()[-1]
     assert record["cell"] == result.execution_count
@@ -447,7 +574,7 @@ def test_summary_line_after_a_cell_stand_in(shell, stand_in, capsys):
     json.dumps(record)
 
 
-def test_show_auto_stays_quiet_when_nothing_changed_stand_in(shell, stand_in, capsys):
+def test_show_auto_stays_quiet_when_nothing_changed(shell, gpu, capsys):
     shell.run_line_magic("load_ext", "gpucleanup")
     _run(shell, "x = 1", capsys)
     _, out = _run(shell, "x = 2", capsys)
@@ -455,71 +582,71 @@ def test_show_auto_stays_quiet_when_nothing_changed_stand_in(shell, stand_in, ca
     assert _ext(shell).history.last()[-1]["shown"] is False
 
 
-def test_show_auto_prints_when_the_cell_touched_gpu_memory_stand_in(shell, stand_in, capsys):
+def test_show_auto_prints_when_the_cell_touched_gpu_memory(shell, gpu, capsys):
     shell.run_line_magic("load_ext", "gpucleanup")
     _run(shell, "x = 1", capsys)
-    stand_in.native.device(0).used += 256 * MiB  # the cell allocated and keeps it
+    gpu.device(0).used += 256 * MiB  # the cell allocated and keeps it
     shell.user_ns["grow"] = lambda: None
-    stand_in.cupy.live[0] += 512 * MiB  # both allocations are cupy's: nothing outside the pools
+    gpu.cupy.live[0] += 512 * MiB  # both allocations are cupy's: nothing outside the pools
     ext = _ext(shell)
     ext.pre_run_cell(None)
-    stand_in.native.device(0).used += 256 * MiB
+    gpu.device(0).used += 256 * MiB
     ext.post_run_cell(None)
     out = capsys.readouterr().out
-    assert _lines(out) == ["gpucleanup · GPU0 H100 · freed 0 B · kept 2.5 GiB live (cupy) · device 3.5/80.0 GiB · <t>"]
+    assert _lines(out) == [f"gpucleanup · GPU0 {gpu.name} · freed 0 B · kept 2.5 GiB live (cupy) · device 3.5/80.0 GiB · <t>"]
 
 
-def test_show_always_and_never_stand_in(shell, stand_in, capsys):
+def test_show_always_and_never(shell, gpu, capsys):
     shell.run_line_magic("load_ext", "gpucleanup")
     _run(shell, "x = 1", capsys)
     shell.run_line_magic("config", "GPUCleanup.show = 'always'")
     _, out = _run(shell, "x = 2", capsys)
-    assert _lines(out.out) == ["gpucleanup · GPU0 H100 · freed 0 B · kept 2.0 GiB live (cupy) · device 3.0/80.0 GiB · <t>"]
+    assert _lines(out.out) == [f"gpucleanup · GPU0 {gpu.name} · freed 0 B · kept 2.0 GiB live (cupy) · device 3.0/80.0 GiB · <t>"]
     shell.run_line_magic("config", "GPUCleanup.show = 'never'")
-    stand_in.cupy.cached[0] = GiB
+    gpu.cupy.cached[0] = GiB
     _, out = _run(shell, "x = 3", capsys)
     assert out.out == ""
     assert _ext(shell).history.last()[-1]["devices"][0]["freed_bytes"] == {"cupy": GiB}
 
 
-def test_several_devices_one_line_each_stand_in(shell, stand_in, capsys):
-    stand_in.native.devices.append(StandInDevice(1, name="NVIDIA H100 80GB HBM3", used=GiB, pool_reserved=2 * GiB))
-    stand_in.native.devices.append(StandInDevice(2, in_use=False))
+def test_several_devices_one_line_each(shell, gpu, capsys):
+    gpu.fake.reset({"devices": [fake_device(used=6 * GiB, pool_reserved=GiB), fake_device(used=GiB, pool_reserved=2 * GiB),
+                                fake_device(active=False)]})
     shell.run_line_magic("load_ext", "gpucleanup")
     _, out = _run(shell, "x = 1", capsys)
     assert _lines(out.out) == [
-        "gpucleanup · GPU0 H100 · freed 4.0 GiB (cupy 3.0, driver 1.0) · pinned 1.0 GiB · kept 2.0 GiB live (cupy) · device 3.0/80.0 GiB · <t>",
-        "gpucleanup · GPU1 H100 · freed 2.0 GiB (driver 2.0) · device 1.0/80.0 GiB · <t>",
+        f"gpucleanup · GPU0 {gpu.name} · freed 4.0 GiB (cupy 3.0, driver 1.0) · pinned 1.0 GiB · kept 2.0 GiB live (cupy) · device 3.0/80.0 GiB · <t>",
+        f"gpucleanup · GPU1 {_fake_name(1)} · freed 2.0 GiB (driver 2.0) · device 1.0/80.0 GiB · <t>",
     ]
-    assert stand_in.cupy.calls["drain"] == 1
+    assert gpu.cupy.calls["drain"] == 1
 
 
-def test_adapters_get_only_devices_in_use_and_only_when_ready_stand_in(shell, stand_in, capsys):
+def test_adapters_get_only_devices_in_use_and_only_when_ready(shell, gpu, capsys):
     seen = []
-    stand_in.cupy.on_drain = lambda: seen.append("drain")
-    original = stand_in.cupy.stats
-    stand_in.cupy.stats = lambda devices: (seen.append(list(devices)), original(devices))[1]
-    stand_in.native.devices.append(StandInDevice(1, in_use=False))
+    gpu.cupy.on_drain = lambda: seen.append("drain")
+    original = gpu.cupy.stats
+    gpu.cupy.stats = lambda devices: (seen.append(list(devices)), original(devices))[1]
+    gpu.fake.reset({"devices": [fake_device(used=6 * GiB, pool_reserved=GiB), fake_device(active=False)]})
     shell.run_line_magic("load_ext", "gpucleanup")
     _run(shell, "x = 1", capsys)
     assert [s for s in seen if isinstance(s, list)] and all(s == [0] for s in seen if isinstance(s, list))
-    stand_in.native.state = "not_initialized"
+    gpu.fake.update({"initialized": False})
     seen.clear()
     _run(shell, "x = 2", capsys)
     assert seen == []
 
 
-def test_disabled_framework_is_not_called_stand_in(shell, stand_in, capsys):
+def test_disabled_framework_is_not_called(shell, gpu, capsys):
     shell.run_line_magic("load_ext", "gpucleanup")
     _ext(shell).frameworks = {"cupy": False}
     _, out = _run(shell, "x = 1", capsys)
-    assert stand_in.cupy.calls == {}
-    assert _lines(out.out) == ["gpucleanup · GPU0 H100 · freed 1.0 GiB (driver 1.0) · device 6.0/80.0 GiB · <t>"]
+    assert gpu.cupy.calls == {}
+    assert _lines(out.out) == [f"gpucleanup · GPU0 {gpu.name} · freed 1.0 GiB (driver 1.0) · device 6.0/80.0 GiB · <t>"]
 
 
-def test_framework_that_cannot_release_is_reported_not_drained_stand_in(shell, stand_in, capsys):
-    jax = StandInAdapter("jax", stand_in.native, live={0: GiB}, cached={0: 4 * GiB}, can_release=False)
-    stand_in.adapters.append(jax)
+def test_framework_that_cannot_release_is_reported_not_drained(shell, gpu, capsys):
+    jax = StandInAdapter("jax", gpu.gpus, live={0: GiB}, cached={0: 4 * GiB}, can_release=False)
+    gpu.adapters.append(jax)
     shell.run_line_magic("load_ext", "gpucleanup")
     _, out = _run(shell, "x = 1", capsys)
     assert jax.calls["drain"] == 0 and jax.calls["drain_pinned"] == 0
@@ -527,97 +654,104 @@ def test_framework_that_cannot_release_is_reported_not_drained_stand_in(shell, s
     assert "· reserved by jax 4.0 GiB ·" in out.out and "cached" not in out.out
 
 
-def test_driver_pools_off_settles_without_any_trim_stand_in(shell, stand_in, capsys):
+def test_driver_pools_off_settles_without_any_trim(shell, gpu, capsys):
     shell.run_line_magic("load_ext", "gpucleanup")
     _ext(shell).driver_pools = False
-    del stand_in.native.trims[:]
+    del gpu.native.trims[:]
     _run(shell, "x = 1", capsys)
-    assert (stand_in.native.calls["after_cell"], stand_in.native.calls["trim"]) == (1, 0)
-    assert stand_in.native.trims == [False]  # the pass settles and reports the pools, trims nothing
-    assert stand_in.native.device(0).pool_reserved == GiB
+    assert (gpu.native.calls["after_cell"], gpu.native.calls["trim"]) == (1, 0)
+    assert gpu.native.trims == [False]  # the pass settles and reports the pools, trims nothing
+    assert gpu.device(0).pool_reserved == GiB
     _ext(shell).driver_pools = True
-    stand_in.cupy.cached[0] = GiB
+    gpu.cupy.cached[0] = GiB
     _run(shell, "x = 1", capsys)
     # the pass's own trim, then the second trim after cupy gave 1 GiB back
-    assert (stand_in.native.calls["after_cell"], stand_in.native.calls["trim"]) == (2, 1)
-    assert stand_in.native.trims[-1] is True
+    assert (gpu.native.calls["after_cell"], gpu.native.calls["trim"]) == (2, 1)
+    assert gpu.native.trims[-1] is True
     _run(shell, "x = 1", capsys)
     # nothing given back since the pass: no second trim
-    assert (stand_in.native.calls["after_cell"], stand_in.native.calls["trim"]) == (3, 1)
+    assert (gpu.native.calls["after_cell"], gpu.native.calls["trim"]) == (3, 1)
 
 
-def test_pinned_release_starts_after_the_cells_last_driver_call_stand_in(shell, stand_in, capsys, monkeypatch):
+def test_pinned_release_starts_after_the_cells_last_driver_call(shell, gpu, capsys, monkeypatch):
     # A pinned free makes driver calls made meanwhile wait for it: none of this cell's
     # own calls may overlap the background release.
     shell.run_line_magic("load_ext", "gpucleanup")
     seen = []
-    for name in ("after_cell", "trim", "snapshot", "probe"):
-        original = getattr(stand_in.native, name)
-
-        def spy(*args, _original=original, _name=name, **kwargs):
-            seen.append((_name, stand_in.cupy.calls["drain_pinned"]))
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(stand_in.native, name, spy)
+    gpu.native.seen.append(lambda name: seen.append((name, gpu.cupy.calls["drain_pinned"]))
+                           if name in ("after_cell", "trim", "snapshot", "probe") else None)
     _run(shell, "x = 1", capsys)
     _wait_pinned(shell)
-    assert stand_in.cupy.calls["drain_pinned"] == 1
+    assert gpu.cupy.calls["drain_pinned"] == 1
     assert {name for name, _ in seen} >= {"after_cell", "trim"}
     assert [name for name, started in seen if started] == []
 
 
-def test_pinned_off_does_not_touch_pinned_pools_stand_in(shell, stand_in, capsys):
+def test_pinned_off_does_not_touch_pinned_pools(shell, gpu, capsys):
     shell.run_line_magic("load_ext", "gpucleanup")
     _ext(shell).pinned = False
     _, out = _run(shell, "x = 1", capsys)
-    assert stand_in.cupy.calls["drain_pinned"] == 0
+    assert gpu.cupy.calls["drain_pinned"] == 0
     assert "pinned" not in out.out
 
 
-def test_pinned_release_runs_in_background_and_is_reported_next_cell_stand_in(shell, stand_in, capsys):
+def test_pinned_release_runs_in_background_and_is_reported_next_cell(shell, gpu, capsys):
     gate = threading.Event()
-    stand_in.cupy.pinned_gate = gate
+    gpu.cupy.pinned_gate = gate
     shell.run_line_magic("load_ext", "gpucleanup")
     _, out = _run(shell, "x = 1", capsys)
     assert _lines(out.out) == [
-        "gpucleanup · GPU0 H100 · freed 4.0 GiB (cupy 3.0, driver 1.0) · pinned release running in background · kept 2.0 GiB live (cupy) · device 3.0/80.0 GiB · <t>"
+        f"gpucleanup · GPU0 {gpu.name} · freed 4.0 GiB (cupy 3.0, driver 1.0) · pinned release running in background · kept 2.0 GiB live (cupy) · device 3.0/80.0 GiB · <t>"
     ]
-    assert stand_in.cupy.in_pinned  # the cell returned while the release runs
+    assert gpu.cupy.in_pinned  # the cell returned while the release runs
     gate.set()
     _wait_pinned(shell)
     _, out = _run(shell, "x = 2", capsys)
     assert _lines(out.out) == [
-        "gpucleanup · GPU0 H100 · freed 0 B · pinned 1.0 GiB freed in background · kept 2.0 GiB live (cupy) · device 3.0/80.0 GiB · <t>"
+        f"gpucleanup · GPU0 {gpu.name} · freed 0 B · pinned 1.0 GiB freed in background · kept 2.0 GiB live (cupy) · device 3.0/80.0 GiB · <t>"
     ]
     record = _ext(shell).history.last()[-1]
     assert record["pinned"]["background"][0]["freed_bytes"] == {"cupy": GiB}
     assert record["pinned"]["background"][0]["cell"] == record["cell"] - 1
 
 
-def test_pinned_release_never_overlaps_the_next_drain_of_the_same_adapter_stand_in(shell, stand_in, capsys):
+def test_pinned_release_never_overlaps_the_next_drain_of_the_same_adapter(shell, gpu, capsys):
     gate = threading.Event()
-    stand_in.cupy.pinned_gate = gate
+    gpu.cupy.pinned_gate = gate
     shell.run_line_magic("load_ext", "gpucleanup")
     _run(shell, "x = 1", capsys)
-    stand_in.cupy.cached[0] = GiB
+    gpu.cupy.cached[0] = GiB
     _, out = _run(shell, "x = 2", capsys)
-    assert stand_in.cupy.overlaps == 0
-    assert stand_in.cupy.calls["drain"] == 1  # skipped this time, not run beside the pinned release
-    assert stand_in.cupy.calls["drain_pinned"] == 1  # and no second pinned job started
+    assert gpu.cupy.overlaps == 0
+    assert gpu.cupy.calls["drain"] == 1  # skipped this time, not run beside the pinned release
+    assert gpu.cupy.calls["drain_pinned"] == 1  # and no second pinned job started
     assert "cupy: pinned release of an earlier cell still running" in out.out
     gate.set()
     _wait_pinned(shell)
     _run(shell, "x = 3", capsys)
-    assert stand_in.cupy.calls["drain"] == 2 and stand_in.cupy.overlaps == 0
+    assert gpu.cupy.calls["drain"] == 2 and gpu.cupy.overlaps == 0
 
 
-def test_busy_device_is_skipped_and_the_line_says_so_stand_in(shell, stand_in, capsys):
-    stand_in.native.busy.add(0)
+def _busy_line(gpu, limit_ms, used="7.0"):
+    """The line of a device that stayed busy for the whole settle: the wait is measured (at least the limit)."""
+    return re.compile(rf"gpucleanup · GPU0 {re.escape(gpu.name)} · busy after (\d+) ms: skipped freeing, queued work "
+                      rf"keeps running · device {used}/80.0 GiB · <t>"), limit_ms
+
+
+def _is_busy_line(line, expected):
+    pattern, limit_ms = expected
+    waited = pattern.fullmatch(line)
+    return waited is not None and int(waited.group(1)) >= limit_ms
+
+
+def test_busy_device_is_skipped_and_the_line_says_so(shell, gpu, capsys):
+    gpu.fake.update({"devices": [{"sync_seconds": -1}]})  # its queued work never finishes
     shell.run_line_magic("load_ext", "gpucleanup")
-    _ext(shell).settle_timeout = 30
+    _ext(shell).settle_timeout = 0.1
     _, out = _run(shell, "x = 1", capsys)
-    assert _lines(out.out) == ["gpucleanup · GPU0 H100 · busy after 30 s: skipped freeing, queued work keeps running · device 7.0/80.0 GiB · <t>"]
-    assert stand_in.cupy.calls["drain"] == 0 and stand_in.cupy.calls["drain_pinned"] == 0
+    (line,) = _lines(out.out)
+    assert _is_busy_line(line, _busy_line(gpu, 100)), line
+    assert gpu.cupy.calls["drain"] == 0 and gpu.cupy.calls["drain_pinned"] == 0
 
 
 def test_progress_line_while_the_settle_waits_stand_in(shell, stand_in, capsys):
@@ -640,10 +774,10 @@ def test_keyboard_interrupt_during_the_settle_stops_the_drain_and_says_so_stand_
     assert _ext(shell).history.last()[-1]["interrupted"] is True
 
 
-def test_keyboard_interrupt_in_a_framework_drain_stops_the_rest_stand_in(shell, stand_in, capsys):
-    torch = StandInAdapter("torch", stand_in.native, cached={0: GiB})
-    stand_in.adapters.append(torch)
-    stand_in.cupy.fail["drain"] = KeyboardInterrupt()
+def test_keyboard_interrupt_in_a_framework_drain_stops_the_rest(shell, gpu, capsys):
+    torch = StandInAdapter("torch", gpu.gpus, cached={0: GiB})
+    gpu.adapters.append(torch)
+    gpu.cupy.fail["drain"] = KeyboardInterrupt()
     shell.run_line_magic("load_ext", "gpucleanup")
     result, out = _run(shell, "x = 1", capsys)
     assert result.success
@@ -652,11 +786,11 @@ def test_keyboard_interrupt_in_a_framework_drain_stops_the_rest_stand_in(shell, 
     assert "Traceback" not in out.out + out.err
 
 
-def test_hook_never_raises_and_leaves_the_users_error_and_result_alone_stand_in(shell, stand_in, capsys):
+def test_hook_never_raises_and_leaves_the_users_error_and_result_alone(shell, gpu, capsys):
     shell.run_line_magic("load_ext", "gpucleanup")
-    stand_in.native.fail["drain"] = RuntimeError("[gpucleanup.api.999] boom")
-    stand_in.native.fail["snapshot"] = RuntimeError("[gpucleanup.api.998] boom")
-    stand_in.cupy.fail["stats"] = ValueError("stats broke")
+    gpu.native.fail["drain"] = RuntimeError("[gpucleanup.api.999] boom")
+    gpu.native.fail["snapshot"] = RuntimeError("[gpucleanup.api.998] boom")
+    gpu.cupy.fail["stats"] = ValueError("stats broke")
     result, out = _run(shell, "1 / 0", capsys)
     assert isinstance(result.error_in_exec, ZeroDivisionError)
     assert isinstance(sys.last_value, ZeroDivisionError)
@@ -667,62 +801,74 @@ def test_hook_never_raises_and_leaves_the_users_error_and_result_alone_stand_in(
     assert isinstance(sys.last_value, ZeroDivisionError)  # still the user's, not ours
 
 
-def test_one_warning_per_kind_of_failure_not_per_cell_stand_in(shell, stand_in, capsys):
-    stand_in.cupy.fail["drain"] = RuntimeError("cudaErrorMemoryAllocation")
+def test_one_warning_per_kind_of_failure_not_per_cell(shell, gpu, capsys):
+    gpu.cupy.fail["drain"] = RuntimeError("cudaErrorMemoryAllocation")
     shell.run_line_magic("load_ext", "gpucleanup")
     outputs = []
     for i in range(4):
-        stand_in.native.device(0).pool_reserved = GiB
+        gpu.device(0).pool_reserved = GiB
         outputs.append(_run(shell, f"x = {i}", capsys)[1].out)
     text = "".join(outputs)
     assert text.count("gpucleanup · cupy.drain failed: RuntimeError: cudaErrorMemoryAllocation") == 1
     assert all("cupy.drain failed" in r["notes"][0] for r in _ext(shell).history.last()[-4:])
 
 
-def test_post_run_cell_none_and_pre_run_cell_none_are_handled_stand_in(shell, stand_in, capsys):
+def test_post_run_cell_none_and_pre_run_cell_none_are_handled(shell, gpu, capsys):
     shell.run_line_magic("load_ext", "gpucleanup")
     ext = _ext(shell)
     ext.pre_run_cell(None)
     ext.post_run_cell(None)
     out = capsys.readouterr().out
-    assert _lines(out)[0].startswith("gpucleanup · GPU0 H100 · freed 4.0 GiB")
+    assert _lines(out)[0].startswith(f"gpucleanup · GPU0 {gpu.name} · freed 4.0 GiB")
     assert ext.history.last()[-1]["cell"] is None
     ext.post_run_cell()  # no argument at all, as old IPython versions call it
     assert "Error" not in capsys.readouterr().out
 
 
-def test_silent_executions_are_not_cleaned_stand_in(shell, stand_in, capsys):
+def test_silent_executions_are_not_cleaned(shell, gpu, capsys):
     shell.run_line_magic("load_ext", "gpucleanup")
-    stand_in.native.calls.clear()
+    gpu.native.calls.clear()
     shell.run_cell("x = 1", silent=True)
-    assert stand_in.native.calls == {}
+    assert gpu.native.calls == {}
     result = types.SimpleNamespace(info=types.SimpleNamespace(silent=True), execution_count=None)
     _ext(shell).post_run_cell(result)
-    assert stand_in.native.calls == {}
+    assert gpu.native.calls == {}
     assert capsys.readouterr().out == ""
 
 
-def test_sticky_error_is_said_once_then_the_device_is_left_alone_stand_in(shell, stand_in, capsys):
+def _a_device_of_its_own(gpu):
+    """GPU0 under a UUID no other test uses. The library remembers a sticky error for the device's life, by UUID:
+    the next tests' GPU0 is not the one this test leaves unusable. Its quiet check keeps the first enumeration it
+    saw (UUIDs included): one pass first, so that it is not this device's."""
+    from gpucleanup import _native
+
+    _native.trim()
+    gpu.fake.reset({"devices": [fake_device(used=6 * GiB, pool_reserved=GiB, uuid=f"GPU-{uuid.uuid4()}")]})
+
+
+def test_sticky_error_is_said_once_then_the_device_is_left_alone(shell, gpu, capsys):
+    _a_device_of_its_own(gpu)
     shell.run_line_magic("load_ext", "gpucleanup")
-    stand_in.native.sticky.add(0)
+    gpu.fake.update({"devices": [{"sticky_error": 700}]})  # CUDA_ERROR_ILLEGAL_ADDRESS
     _, out = _run(shell, "x = 1", capsys)
     assert out.out == "gpucleanup · GPU0 is unusable after CUDA_ERROR_ILLEGAL_ADDRESS: restart the kernel\n"
-    assert stand_in.cupy.calls["drain"] == 0
+    assert gpu.cupy.calls["drain"] == 0
     for i in range(3):
         _, out = _run(shell, f"x = {i}", capsys)
         assert out.out == ""
-    assert stand_in.cupy.calls["drain"] == 0 and stand_in.cupy.calls["stats"] == 0
+    assert gpu.cupy.calls["drain"] == 0 and gpu.cupy.calls["stats"] == 0
 
 
-def test_sticky_error_is_said_even_with_show_never_stand_in(shell, stand_in, capsys):
+def test_sticky_error_is_said_even_with_show_never(shell, gpu, capsys):
+    _a_device_of_its_own(gpu)
     shell.run_line_magic("load_ext", "gpucleanup")
     shell.run_line_magic("config", "GPUCleanup.show = 'never'")
-    stand_in.native.sticky.add(0)
+    gpu.fake.update({"devices": [{"sticky_error": 700}]})  # CUDA_ERROR_ILLEGAL_ADDRESS
     _, out = _run(shell, "x = 1", capsys)
     assert out.out == "gpucleanup · GPU0 is unusable after CUDA_ERROR_ILLEGAL_ADDRESS: restart the kernel\n"
 
 
-def test_unraisable_tracebacks_during_a_drain_are_captured_in_one_line_stand_in(shell, stand_in, capsys):
+def test_unraisable_tracebacks_during_a_drain_are_captured_in_one_line(shell, gpu, capsys):
     class Memory:
         def __del__(self):
             raise RuntimeError("cudaErrorIllegalAddress: an illegal memory access was encountered")
@@ -731,7 +877,7 @@ def test_unraisable_tracebacks_during_a_drain_are_captured_in_one_line_stand_in(
         for _ in range(3):
             Memory()  # each __del__ raises: CPython reports it through sys.unraisablehook
 
-    stand_in.cupy.on_drain = free_blocks
+    gpu.cupy.on_drain = free_blocks
     shell.run_line_magic("load_ext", "gpucleanup")
     hook = sys.unraisablehook
     _, out = _run(shell, "x = 1", capsys)
@@ -741,9 +887,9 @@ def test_unraisable_tracebacks_during_a_drain_are_captured_in_one_line_stand_in(
     assert len(_ext(shell).history.last()[-1]["unraisable"]) == 3
 
 
-def test_unraisable_from_other_threads_still_reach_the_previous_hook_stand_in(shell, stand_in, capsys):
+def test_unraisable_from_other_threads_still_reach_the_previous_hook(shell, gpu, capsys):
     seen = []
-    ext = extension.GPUCleanup(shell=shell, native=stand_in.native, adapters=None, status_endpoint=None)
+    ext = extension.GPUCleanup(shell=shell, adapters=None, status_endpoint=None)
     saved = sys.unraisablehook
     sys.unraisablehook = seen.append
     try:
@@ -764,12 +910,12 @@ def test_unraisable_from_other_threads_still_reach_the_previous_hook_stand_in(sh
 @pytest.fixture
 def collects(monkeypatch):
     calls = []
-    monkeypatch.setattr(after_cell.gc, "collect", lambda generation=2: calls.append(generation) or 0)
+    monkeypatch.setattr(gc, "collect", lambda generation=2: calls.append(generation) or 0)
     return calls
 
 
-def test_gc_auto_skips_collection_when_no_gpu_object_is_live_stand_in(shell, stand_in, collects, capsys):
-    stand_in.cupy.live = {}
+def test_gc_auto_skips_collection_when_no_gpu_object_is_live(shell, gpu, collects, capsys):
+    gpu.cupy.live = {}
     shell.run_line_magic("load_ext", "gpucleanup")
     _run(shell, "x = 1", capsys)  # not known yet: a young collection (cheaper than reading to decide)
     assert collects == [1]
@@ -779,7 +925,7 @@ def test_gc_auto_skips_collection_when_no_gpu_object_is_live_stand_in(shell, sta
     assert collects == []  # nothing live, no cache kept, nothing changed since
 
 
-def test_gc_auto_young_collection_only_when_nothing_was_unbound_stand_in(shell, stand_in, collects, capsys):
+def test_gc_auto_young_collection_only_when_nothing_was_unbound(shell, gpu, collects, capsys):
     shell.run_line_magic("load_ext", "gpucleanup")
     _run(shell, "x = 1", capsys)
     collects.clear()
@@ -800,7 +946,7 @@ def _stand_in_holders(shell, names=("x",)):
     return walks
 
 
-def test_gc_auto_full_collection_when_the_cell_deleted_a_name_that_held_gpu_memory_stand_in(shell, stand_in, collects, capsys):
+def test_gc_auto_full_collection_when_the_cell_deleted_a_name_that_held_gpu_memory(shell, gpu, collects, capsys):
     shell.run_line_magic("load_ext", "gpucleanup")
     _stand_in_holders(shell)
     _run(shell, "x = 1", capsys)
@@ -810,7 +956,7 @@ def test_gc_auto_full_collection_when_the_cell_deleted_a_name_that_held_gpu_memo
     assert _ext(shell).history.last()[-1]["gc"]["ran"] == "full"
 
 
-def test_gc_auto_deleting_a_name_that_held_no_gpu_memory_is_a_young_collection_stand_in(shell, stand_in, collects, capsys):
+def test_gc_auto_deleting_a_name_that_held_no_gpu_memory_is_a_young_collection(shell, gpu, collects, capsys):
     shell.run_line_magic("load_ext", "gpucleanup")
     _stand_in_holders(shell)
     _run(shell, "x = 1; y = 2", capsys)
@@ -819,59 +965,59 @@ def test_gc_auto_deleting_a_name_that_held_no_gpu_memory_is_a_young_collection_s
     assert collects == [1]
 
 
-def test_namespace_is_walked_only_when_live_gpu_memory_grows_stand_in(shell, stand_in, capsys):
+def test_namespace_is_walked_only_when_live_gpu_memory_grows(shell, gpu, capsys):
     shell.run_line_magic("load_ext", "gpucleanup")
     walks = _stand_in_holders(shell)
     for i in range(50):
         shell.user_ns[f"name{i}"] = i  # the namespace grows, GPU memory does not
         _run(shell, f"x = 1", capsys)
     assert len(walks) == 1  # the first cell: nothing known yet
-    stand_in.cupy.live[0] += GiB  # a cell made new GPU objects: the last walk cannot explain them
+    gpu.cupy.live[0] += GiB  # a cell made new GPU objects: the last walk cannot explain them
     _run(shell, "x = 1", capsys)
     assert len(walks) == 2
-    stand_in.cupy.live[0] -= GiB  # memory given back: nothing new to find
+    gpu.cupy.live[0] -= GiB  # memory given back: nothing new to find
     _run(shell, "x = 1", capsys)
     assert len(walks) == 2
     for i in range(50):
         shell.user_ns.pop(f"name{i}", None)
 
 
-def test_gc_auto_no_full_collection_when_the_young_one_released_everything_stand_in(shell, stand_in, monkeypatch, capsys):
+def test_gc_auto_no_full_collection_when_the_young_one_released_everything(shell, gpu, monkeypatch, capsys):
     calls = []
 
     def collect(generation=2):
         calls.append(generation)
-        stand_in.cupy.live = {}  # the young collection freed the cycle that held the memory
+        gpu.cupy.live = {}  # the young collection freed the cycle that held the memory
         return 1
 
-    monkeypatch.setattr(after_cell.gc, "collect", collect)
+    monkeypatch.setattr(gc, "collect", collect)
     shell.run_line_magic("load_ext", "gpucleanup")
     _stand_in_holders(shell)
     _run(shell, "x = 1", capsys)
     calls.clear()
-    stand_in.cupy.live = {0: GiB}
-    stand_in.native.devices[0].used += GiB  # allocated from the driver: the pass sees the change
+    gpu.cupy.live = {0: GiB}
+    gpu.device(0).used += GiB  # allocated from the driver: the pass sees the change
     _run(shell, "del x", capsys)
     assert calls == [1]
 
 
-def test_gc_always_and_never_stand_in(shell, stand_in, collects, capsys):
-    stand_in.cupy.live = {}
+def test_gc_always_and_never(shell, gpu, collects, capsys):
+    gpu.cupy.live = {}
     shell.run_line_magic("load_ext", "gpucleanup")
     shell.run_line_magic("config", "GPUCleanup.gc = 'always'")
     _run(shell, "x = 1", capsys)
     assert collects == [2]
     shell.run_line_magic("config", "GPUCleanup.gc = 'never'")
-    stand_in.cupy.live = {0: GiB}
+    gpu.cupy.live = {0: GiB}
     _run(shell, "del x", capsys)
     assert collects == [2]
 
 
-def test_gc_really_releases_a_gpu_object_held_in_a_cycle_stand_in(shell, stand_in, capsys):
+def test_gc_really_releases_a_gpu_object_held_in_a_cycle(shell, gpu, capsys):
     """End to end with the real gc: a cycle holding a (stand-in) GPU buffer is collected after `del`."""
     shell.run_line_magic("load_ext", "gpucleanup")
     _stand_in_holders(shell)
-    live = stand_in.cupy.live
+    live = gpu.cupy.live
     shell.run_cell(textwrap.dedent("""
         class Node:
             pass
@@ -890,12 +1036,12 @@ def test_gc_really_releases_a_gpu_object_held_in_a_cycle_stand_in(shell, stand_i
 # ------------------------------------------------------------------ history and status endpoint
 
 
-def test_history_is_bounded_by_history_size_stand_in(shell, stand_in, capsys):
+def test_history_is_bounded_by_history_size(shell, gpu, capsys):
     shell.run_line_magic("load_ext", "gpucleanup")
     shell.run_line_magic("config", "GPUCleanup.history_size = 3")
     for i in range(5):
-        stand_in.cupy.live[0] += 64 * MiB  # each cell allocates: none is an idle cell (those add no record)
-        stand_in.native.device(0).used += 64 * MiB
+        gpu.cupy.live[0] += 64 * MiB  # each cell allocates: none is an idle cell (those add no record)
+        gpu.device(0).used += 64 * MiB
         _run(shell, f"x = {i}", capsys)
     records = _ext(shell).history.last()
     assert len(records) == 3
@@ -904,117 +1050,97 @@ def test_history_is_bounded_by_history_size_stand_in(shell, stand_in, capsys):
     assert _ext(shell).history.last() == records and _ext(shell).engine.skipped == 1
 
 
-def test_status_endpoint_sees_running_draining_idle_and_each_record_stand_in(shell, stand_in, capsys):
+def test_status_endpoint_sees_running_draining_idle_and_each_record(shell, gpu, capsys):
     shell.run_line_magic("load_ext", "gpucleanup")
     ext = _ext(shell)
-    assert stand_in.endpoint.events[0] == ("start", shell)
-    del stand_in.endpoint.events[:]
+    assert gpu.endpoint.events[0] == ("start", shell)
+    del gpu.endpoint.events[:]
     result, _ = _run(shell, "x = 1", capsys)
-    kinds = [(e[0], e[1].get("state")) if e[0] == "set_state" else (e[0],) for e in stand_in.endpoint.events]
+    kinds = [(e[0], e[1].get("state")) if e[0] == "set_state" else (e[0],) for e in gpu.endpoint.events]
     assert kinds == [("set_state", "running"), ("set_state", "draining"), ("publish",), ("set_state", "idle")]
-    assert stand_in.endpoint.events[0][1]["cell"] == result.execution_count
-    published = dict(stand_in.endpoint.events[2][1])
+    assert gpu.endpoint.events[0][1]["cell"] == result.execution_count
+    published = dict(gpu.endpoint.events[2][1])
     assert published.pop("totals") == ext.totals.as_dict()  # the published copy adds the cumulative totals
     assert published == ext.history.last()[-1]
     shell.run_line_magic("unload_ext", "gpucleanup")
-    assert stand_in.endpoint.events[-1] == ("close",)
+    assert gpu.endpoint.events[-1] == ("close",)
 
 
-def test_status_endpoint_state_at_load_is_idle_outside_a_cell_and_running_inside_one_stand_in(shell, stand_in, capsys):
+def test_status_endpoint_state_at_load_is_idle_outside_a_cell_and_running_inside_one(shell, gpu, capsys):
     # as from c.InteractiveShellApp.extensions at start-up: no cell runs
     shell.extension_manager.load_extension("gpucleanup")
-    assert stand_in.endpoint.events[0] == ("start", shell)
-    assert stand_in.endpoint.events[1][0] == "set_state" and stand_in.endpoint.events[1][1]["state"] == "idle"
+    assert gpu.endpoint.events[0] == ("start", shell)
+    assert gpu.endpoint.events[1][0] == "set_state" and gpu.endpoint.events[1][1]["state"] == "idle"
     shell.extension_manager.unload_extension("gpucleanup")
-    del stand_in.endpoint.events[:]
+    del gpu.endpoint.events[:]
     # %load_ext in a cell: that cell is running until its end says idle
     result, _ = _run(shell, "%load_ext gpucleanup", capsys)
-    states = [e[1] for e in stand_in.endpoint.events if e[0] == "set_state"]
+    states = [e[1] for e in gpu.endpoint.events if e[0] == "set_state"]
     assert states[0]["state"] == "running" and states[0]["cell"] == result.execution_count
     assert states[-1]["state"] == "idle"
 
 
-def test_status_endpoint_is_closed_at_exit_and_no_driver_call_after_stand_in(shell, stand_in, capsys):
+def test_status_endpoint_is_closed_at_exit_and_no_driver_call_after(shell, gpu, capsys):
     shell.run_line_magic("load_ext", "gpucleanup")
     ext = _ext(shell)
     ext._at_exit()
-    assert stand_in.endpoint.events[-1] == ("close",)
-    stand_in.native.calls.clear()
+    assert gpu.endpoint.events[-1] == ("close",)
+    gpu.native.calls.clear()
     _run(shell, "x = 1", capsys)
-    assert stand_in.native.calls == {}
+    assert gpu.native.calls == {}
 
 
-def test_status_endpoint_failures_never_reach_the_cell_stand_in(shell, stand_in, capsys):
-    stand_in.endpoint.set_state = lambda state: 1 / 0
+def test_status_endpoint_failures_never_reach_the_cell(shell, gpu, capsys):
+    gpu.endpoint.set_state = lambda state: 1 / 0
     shell.run_line_magic("load_ext", "gpucleanup")
     result, out = _run(shell, "x = 1", capsys)
     assert result.success
     assert out.out.count("status endpoint failed (ZeroDivisionError") == 1
 
 
-def test_status_endpoint_module_absent_is_skipped_silently_stand_in(shell, stand_in, monkeypatch, capsys):
-    monkeypatch.setitem(extension.DEFAULTS, "status_endpoint", None)
+def test_status_endpoint_module_absent_is_skipped_silently(shell, gpu, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "gpucleanup.status_endpoint", None)  # import raises ModuleNotFoundError
     shell.run_line_magic("load_ext", "gpucleanup")
     assert _ext(shell)._endpoint is None
     assert capsys.readouterr().out == ""
 
 
-def test_status_server_off_starts_no_endpoint_stand_in(shell, stand_in):
+def test_status_server_off_starts_no_endpoint(shell, gpu):
     from traitlets.config import Config
 
     cfg = Config()
     cfg.GPUCleanup.status_server = False
     shell.config.merge(cfg)
     shell.run_line_magic("load_ext", "gpucleanup")
-    assert stand_in.endpoint.events == []
+    assert gpu.endpoint.events == []
 
 
-def test_enabled_false_does_nothing_per_cell_stand_in(shell, stand_in, capsys):
+def test_enabled_false_does_nothing_per_cell(shell, gpu, capsys):
     shell.run_line_magic("load_ext", "gpucleanup")
     _ext(shell).enabled = False
-    stand_in.native.calls.clear()
+    gpu.native.calls.clear()
     _run(shell, "x = 1", capsys)
-    assert stand_in.native.calls == {}
+    assert gpu.native.calls == {}
 
 
 # ------------------------------------------------------------------ with the fake CUDA driver
 
 
-class CountingNative:
-    """The real _native module, with its calls counted."""
-
-    def __init__(self):
-        from gpucleanup import _native
-
-        self._native = _native
-        self.calls = collections.Counter()
-
-    def __getattr__(self, name):
-        fn = getattr(self._native, name)
-        if callable(fn) and name in ("probe", "snapshot", "drain", "after_cell", "trim", "cuda_initialized"):
-            def counted(*a, **k):
-                self.calls[name] += 1
-                return fn(*a, **k)
-            return counted
-        return fn
-
-
 @pytest.fixture
 def real(monkeypatch):
-    native = CountingNative()
-    monkeypatch.setitem(extension.DEFAULTS, "native", native)
-    monkeypatch.setitem(extension.DEFAULTS, "adapters", lambda: [])
-    monkeypatch.setitem(extension.DEFAULTS, "status_endpoint", lambda: StandInEndpoint())
+    """The real library over the fake driver, its calls counted, with no framework adapter and a recording
+    status endpoint; the test scripts the fake driver itself."""
+    native = NativeCalls(monkeypatch)
+    _inject(monkeypatch, (), StandInEndpoint)
     return native
 
 
-def _fake_name():
+def _fake_name(index=0):
     """The device name as the native library reports it: it keeps the first name it read for the
     process's life (a real GPU does not change its name), so an earlier test's scenario may have set it."""
     from gpucleanup import _native, report
 
-    return report.short_device_name(_native.snapshot()["devices"][0]["name"])
+    return report.short_device_name(_native.snapshot()["devices"][index]["name"])
 
 
 def _settled(fake_cuda):
@@ -1098,7 +1224,7 @@ def test_fake_driver_progress_line_after_two_seconds(shell, real, fake_cuda, cap
 
 def test_fake_driver_status_endpoint_says_which_gpu_the_cell_waits_for(shell, real, fake_cuda, monkeypatch, capsys):
     endpoint = StandInEndpoint()
-    monkeypatch.setitem(extension.DEFAULTS, "status_endpoint", lambda: endpoint)
+    _inject(monkeypatch, (), lambda: endpoint)
     fake_cuda.reset({"devices": [{"name": "Fake H100", "primary_active": True, "sync_seconds": -1}]})
     shell.run_line_magic("load_ext", "gpucleanup")
     shell.run_line_magic("config", "GPUCleanup.settle_timeout = 2.5")
@@ -1229,14 +1355,14 @@ def test_running_cell_number_follows_the_ipython_version(monkeypatch):
         extension._counts_before_pre_run_cell.cache_clear()  # the real IPython's answer for the tests after
 
 
-def test_status_endpoint_keeps_as_many_records_as_the_history_stand_in(shell, stand_in, monkeypatch):
+def test_status_endpoint_keeps_as_many_records_as_the_history(shell, gpu, monkeypatch):
     made = []
 
     def factory(**options):
         made.append(options)
         return StandInEndpoint()
 
-    monkeypatch.setitem(extension.DEFAULTS, "status_endpoint", factory)
+    _inject(monkeypatch, gpu.adapters, factory)
     shell.run_line_magic("load_ext", "gpucleanup")
     assert made == [{"history_limit": 100, "max_peers": 64}]
     first = _ext(shell)._endpoint
@@ -1245,7 +1371,7 @@ def test_status_endpoint_keeps_as_many_records_as_the_history_stand_in(shell, st
     assert first.events[-1] == ("close",) and _ext(shell)._endpoint is not first
 
 
-def test_gpumem_drain_in_a_cell_says_one_line_and_keeps_one_record_stand_in(shell, stand_in, capsys):
+def test_gpumem_drain_in_a_cell_says_one_line_and_keeps_one_record(shell, gpu, capsys):
     shell.run_line_magic("load_ext", "gpucleanup")
     shell.run_line_magic("config", "GPUCleanup.show = 'always'")
     _run(shell, "x = 1", capsys)
@@ -1255,33 +1381,35 @@ def test_gpumem_drain_in_a_cell_says_one_line_and_keeps_one_record_stand_in(shel
     assert len(_ext(shell).history.last()) == before + 1
 
 
-def test_gpumem_drain_of_a_busy_device_says_it_once_and_waits_once_stand_in(shell, stand_in, capsys):
-    stand_in.native.busy.add(0)
+def test_gpumem_drain_of_a_busy_device_says_it_once_and_waits_once(shell, gpu, capsys):
     shell.run_line_magic("load_ext", "gpucleanup")
-    _run(shell, "x = 1", capsys)
+    shell.run_line_magic("config", "GPUCleanup.settle_timeout = 0.1")
+    _run(shell, "x = 1", capsys)  # 3 GiB left on the device
+    gpu.fake.update({"devices": [{"sync_seconds": -1}]})  # then work is queued that never finishes
     before = len(_ext(shell).history.last())
-    stand_in.native.trims.clear()
+    gpu.native.trims.clear()
     _, out = _run(shell, "%gpumem --drain", capsys)
-    assert _lines(out.out) == ["gpucleanup · GPU0 H100 · busy after 30 s: skipped freeing, queued work keeps running · device 7.0/80.0 GiB · <t>"]
+    (line,) = _lines(out.out)
+    assert _is_busy_line(line, _busy_line(gpu, 100, used="3.0")), line
     assert len(_ext(shell).history.last()) == before + 1
     # the after-cell pass did not wait a second time for the device the magic waited for
-    assert len(stand_in.native.trims) == 2
+    assert len(gpu.native.trims) == 2
 
 
-def test_gpumem_drain_then_more_work_in_the_same_cell_is_still_cleaned_stand_in(shell, stand_in, capsys):
+def test_gpumem_drain_then_more_work_in_the_same_cell_is_still_cleaned(shell, gpu, capsys):
     shell.run_line_magic("load_ext", "gpucleanup")
     _run(shell, "x = 1", capsys)
-    cell = "%gpumem --drain\nget_ipython().user_ns['_stand_in'].device(0).pool_reserved = 1 << 30"
-    shell.user_ns["_stand_in"] = stand_in.native
+    cell = "%gpumem --drain\nget_ipython().user_ns['_gpus'].device(0).pool_reserved = 1 << 30"
+    shell.user_ns["_gpus"] = gpu.gpus
     try:
         _, out = _run(shell, cell, capsys)
     finally:
-        shell.user_ns.pop("_stand_in", None)
+        shell.user_ns.pop("_gpus", None)
     lines = _lines(out.out)
     assert len(lines) == 2 and "freed 1.0 GiB (driver 1.0)" in lines[1]
 
 
-def test_a_drain_from_outside_never_makes_the_cell_wait_stand_in(shell, stand_in, capsys):
+def test_a_drain_from_outside_never_makes_the_cell_wait(shell, gpu, capsys):
     from gpucleanup._native import NativeError
 
     shell.run_line_magic("load_ext", "gpucleanup")
@@ -1289,11 +1417,11 @@ def test_a_drain_from_outside_never_makes_the_cell_wait_stand_in(shell, stand_in
     busy = NativeError(6, "[gpucleanup.api.111] a drain asked for with gpucleanup drain is still finishing: this call "
                           "was skipped so that the kernel does not wait for it; the next one runs as usual")
     for name in ("after_cell", "trim", "snapshot", "probe"):
-        stand_in.native.fail[name] = busy
+        gpu.native.fail[name] = busy
     result, out = _run(shell, "x = 2", capsys)
     assert result.success
     assert out.out == f"gpucleanup · {busy}\n"  # no "snapshot before the cell failed", no "cleanup failed"
-    stand_in.native.fail.clear()
+    gpu.native.fail.clear()
     _, out = _run(shell, "x = 3", capsys)
     assert out.out == ""  # the next cell runs as usual
 
@@ -1312,9 +1440,9 @@ class _InterruptedOnce(StandInEndpoint):
         super().set_state(state)
 
 
-def test_ctrl_c_during_the_pre_cell_hook_stops_the_cell_stand_in(shell, stand_in, monkeypatch, capsys):
+def test_ctrl_c_during_the_pre_cell_hook_stops_the_cell(shell, gpu, monkeypatch, capsys):
     endpoint = _InterruptedOnce()
-    monkeypatch.setitem(extension.DEFAULTS, "status_endpoint", lambda: endpoint)
+    _inject(monkeypatch, gpu.adapters, lambda: endpoint)
     shell.run_line_magic("load_ext", "gpucleanup")
     _run(shell, "x = 1", capsys)
     endpoint.armed = True
@@ -1327,9 +1455,9 @@ def test_ctrl_c_during_the_pre_cell_hook_stops_the_cell_stand_in(shell, stand_in
     assert result.success and shell.user_ns["x"] == 3
 
 
-def test_the_interrupt_transformer_is_set_only_for_an_interrupted_cell_stand_in(shell, stand_in, monkeypatch, capsys):
+def test_the_interrupt_transformer_is_set_only_for_an_interrupted_cell(shell, gpu, monkeypatch, capsys):
     endpoint = _InterruptedOnce()
-    monkeypatch.setitem(extension.DEFAULTS, "status_endpoint", lambda: endpoint)
+    _inject(monkeypatch, gpu.adapters, lambda: endpoint)
     before = list(shell.ast_transformers)
     shell.run_line_magic("load_ext", "gpucleanup")
     _run(shell, "x = 1", capsys)
@@ -1341,18 +1469,20 @@ def test_the_interrupt_transformer_is_set_only_for_an_interrupted_cell_stand_in(
     assert shell.ast_transformers == before
 
 
-def test_every_kept_record_matches_its_schema_stand_in(shell, stand_in, schemas, capsys):
+def test_every_kept_record_matches_its_schema(shell, gpu, schemas, capsys):
     shell.run_line_magic("load_ext", "gpucleanup")
     _run(shell, "x = 1", capsys)
-    stand_in.native.busy.add(0)
+    shell.run_line_magic("config", "GPUCleanup.settle_timeout = 0.1")
+    gpu.fake.update({"devices": [{"sync_seconds": -1}]})  # busy
     _run(shell, "x = 2", capsys)
-    stand_in.native.busy.clear()
+    gpu.fake.update({"devices": [{"sync_seconds": 0}]})
+    _settled(gpu.fake)
     _run(shell, "%gpumem --drain", capsys)
     records = _ext(shell).history.last()
     assert len(records) >= 3
     for record in records:
         schemas["cell_record.schema.json"].validate(record)
-    published = [e[1] for e in stand_in.endpoint.events if e[0] == "publish"]
+    published = [e[1] for e in gpu.endpoint.events if e[0] == "publish"]
     for record in published:
         schemas["cell_record.schema.json"].validate(record)
     # the published copy is the kept record plus the cumulative totals (gpucleanup.totals)
@@ -1380,40 +1510,40 @@ def _idle_job_done(shell):
     return job
 
 
-def test_release_idle_keeps_the_caches_for_the_next_cell_and_gives_them_back_when_idle_stand_in(shell, stand_in, capsys):
+def test_release_idle_keeps_the_caches_for_the_next_cell_and_gives_them_back_when_idle(shell, gpu, capsys):
     shell.run_line_magic("load_ext", "gpucleanup")
     _run(shell, "x = 1", capsys)
-    stand_in.cupy.cached[0] = GiB
+    gpu.cupy.cached[0] = GiB
     shell.run_line_magic("config", "GPUCleanup.release = 'idle'")
     shell.run_line_magic("config", "GPUCleanup.idle_release_s = 0.05")
     shell.run_line_magic("config", "GPUCleanup.show = 'always'")
-    drains = stand_in.cupy.calls["drain"]
+    drains = gpu.cupy.calls["drain"]
     _, out = _run(shell, "x = 2", capsys)
-    assert stand_in.cupy.calls["drain"] == drains  # nothing torn down after the cell
+    assert gpu.cupy.calls["drain"] == drains  # nothing torn down after the cell
     (line,) = _lines(out.out)
     assert "cached 1.0 GiB until idle (cupy 1.0)" in line
     assert _ext(shell).history.last()[-1]["deferred"] == {"device": True, "pinned": False, "after_s": 0.05}  # pinned: emptied by cell 1
     job = _idle_job_done(shell)  # the kernel stayed idle: the release ran on its own thread
-    assert stand_in.cupy.calls["drain"] == drains + 1 and stand_in.cupy.cached.get(0, 0) == 0
+    assert gpu.cupy.calls["drain"] == drains + 1 and gpu.cupy.cached.get(0, 0) == 0
     assert job.result()["devices"] == [{"index": 0, "freed_bytes": {"cupy": GiB}}]
     _, out = _run(shell, "y = 3", capsys)
     assert "freed 1.0 GiB when idle (cupy 1.0)" in _lines(out.out)[0]
     assert _ext(shell).history.last()[-1]["idle"][0]["devices"] == [{"index": 0, "freed_bytes": {"cupy": GiB}}]
 
 
-def _a_release_deferred_for_an_hour(shell, stand_in, capsys):
+def _a_release_deferred_for_an_hour(shell, gpu, capsys):
     """release "idle" with 1 GiB cached by CuPy after cell "x = 0": the engine and the release it deferred."""
     shell.run_line_magic("load_ext", "gpucleanup")
     shell.run_line_magic("config", "GPUCleanup.release = 'idle'")
     shell.run_line_magic("config", "GPUCleanup.idle_release_s = 3600")  # never reached in these tests
-    stand_in.cupy.cached[0] = GiB
+    gpu.cupy.cached[0] = GiB
     _run(shell, "x = 0", capsys)
     engine = _ext(shell).engine
     return engine, engine.idle_job
 
 
-def test_release_idle_a_cell_re_run_back_to_back_keeps_one_pending_release_re_armed_stand_in(shell, stand_in, capsys):
-    engine, first = _a_release_deferred_for_an_hour(shell, stand_in, capsys)
+def test_release_idle_a_cell_re_run_back_to_back_keeps_one_pending_release_re_armed(shell, gpu, capsys):
+    engine, first = _a_release_deferred_for_an_hour(shell, gpu, capsys)
     assert _ext(shell).history.last()[-1]["deferred"] == {"device": True, "pinned": True, "after_s": 3600.0}
     skipped, records = engine.skipped, len(_ext(shell).history.last())
     for i in range(1, 5):  # the same caches after every cell: nothing changed since the release was deferred
@@ -1424,59 +1554,59 @@ def test_release_idle_a_cell_re_run_back_to_back_keeps_one_pending_release_re_ar
     assert engine._idle_jobs == [first]
     assert first._deadline is not None and first._deadline > time.monotonic() + 3000  # re-armed for its whole delay
     assert [t.name for t in threading.enumerate()].count("gpucleanup-idle-release") == 1
-    assert stand_in.cupy.calls["drain"] == 0 and stand_in.cupy.cached[0] == GiB
+    assert gpu.cupy.calls["drain"] == 0 and gpu.cupy.cached[0] == GiB
     shell.run_line_magic("unload_ext", "gpucleanup")
     assert first.cancelled and engine.idle_job is None
     first._thread.join(5)
     assert not first._thread.is_alive()  # its thread ended with it
 
 
-def test_release_idle_a_cell_that_caches_more_replaces_the_pending_release_stand_in(shell, stand_in, capsys):
-    engine, first = _a_release_deferred_for_an_hour(shell, stand_in, capsys)
-    stand_in.cupy.cached[0] = 2 * GiB
+def test_release_idle_a_cell_that_caches_more_replaces_the_pending_release(shell, gpu, capsys):
+    engine, first = _a_release_deferred_for_an_hour(shell, gpu, capsys)
+    gpu.cupy.cached[0] = 2 * GiB
     _run(shell, "x = 2", capsys)
     record = _ext(shell).history.last()[-1]
     assert record["devices"][0]["cached_bytes"] == {"cupy": 2 * GiB} and record["deferred"]["device"] is True
     first._thread.join(5)
     assert first.cancelled and first.done.is_set() and not first._thread.is_alive()
     assert engine.idle_job is not first and engine._idle_jobs == [engine.idle_job]
-    assert stand_in.cupy.calls["drain"] == 0
+    assert gpu.cupy.calls["drain"] == 0
 
 
-def test_release_idle_a_cell_with_the_cleanup_paused_drops_the_pending_release_stand_in(shell, stand_in, capsys):
-    engine, first = _a_release_deferred_for_an_hour(shell, stand_in, capsys)
+def test_release_idle_a_cell_with_the_cleanup_paused_drops_the_pending_release(shell, gpu, capsys):
+    engine, first = _a_release_deferred_for_an_hour(shell, gpu, capsys)
     _run(shell, "%gpumem --off", capsys)  # paused during this cell: no cleanup after it, nothing re-arms
     assert first.cancelled and engine.idle_job is None and engine.held() is None
-    assert stand_in.cupy.calls["drain"] == 0
+    assert gpu.cupy.calls["drain"] == 0
 
 
-def test_release_rerun_is_the_default_and_another_cell_starts_with_the_caches_given_back_stand_in(shell, stand_in, capsys):
+def test_release_rerun_is_the_default_and_another_cell_starts_with_the_caches_given_back(shell, gpu, capsys):
     del shell.config.GPUCleanup["release"]  # the default, not the stand-in's "cell"
     shell.run_line_magic("load_ext", "gpucleanup")
     assert _ext(shell).release == "rerun"
     shell.run_line_magic("config", "GPUCleanup.idle_release_s = 3600")  # never reached in this test
-    stand_in.cupy.cached[0] = GiB
+    gpu.cupy.cached[0] = GiB
     _run(shell, "x = 0", capsys)
     job = _ext(shell).engine.idle_job
-    assert job is not None and stand_in.cupy.calls["drain"] == 0
+    assert job is not None and gpu.cupy.calls["drain"] == 0
     _run(shell, "x = 0", capsys)  # the same cell again: it finds the cache
-    assert _ext(shell).engine.idle_job is job and stand_in.cupy.calls["drain"] == 0
-    shell.user_ns["drains"] = lambda: stand_in.cupy.calls["drain"]
+    assert _ext(shell).engine.idle_job is job and gpu.cupy.calls["drain"] == 0
+    shell.user_ns["drains"] = lambda: gpu.cupy.calls["drain"]
     _run(shell, "seen = drains()", capsys)  # another cell: the release ran before its body
-    assert shell.user_ns["seen"] == 1 and stand_in.cupy.cached.get(0, 0) == 0
+    assert shell.user_ns["seen"] == 1 and gpu.cupy.cached.get(0, 0) == 0
     assert job.result()["when"] == "cell" and _ext(shell).history.last()[-1]["idle"] == [job.result()]
 
 
-def test_release_rerun_another_cell_waits_for_the_release_at_most_settle_timeout_stand_in(shell, stand_in, capsys):
+def test_release_rerun_another_cell_waits_for_the_release_at_most_settle_timeout(shell, gpu, capsys):
     shell.config.GPUCleanup.release = "rerun"
     shell.run_line_magic("load_ext", "gpucleanup")
     shell.run_line_magic("config", "GPUCleanup.idle_release_s = 3600")
     shell.run_line_magic("config", "GPUCleanup.settle_timeout = 0.2")
-    stand_in.cupy.cached[0] = GiB
+    gpu.cupy.cached[0] = GiB
     _run(shell, "x = 0", capsys)
     job = _ext(shell).engine.idle_job
     stuck = threading.Event()
-    stand_in.cupy.on_drain = lambda: stuck.wait(60)  # a framework's free that waits for a busy GPU
+    gpu.cupy.on_drain = lambda: stuck.wait(60)  # a framework's free that waits for a busy GPU
     try:
         _, out = _run(shell, "y = 1", capsys)  # runs after the bound, alongside the release
         assert shell.user_ns["y"] == 1 and not job.done.is_set()
@@ -1488,33 +1618,33 @@ def test_release_rerun_another_cell_waits_for_the_release_at_most_settle_timeout
     assert "still ran after" not in out.out  # said once
 
 
-def test_release_auto_frees_device_caches_now_and_pinned_pools_when_idle_stand_in(shell, stand_in, capsys):
+def test_release_auto_frees_device_caches_now_and_pinned_pools_when_idle(shell, gpu, capsys):
     shell.run_line_magic("load_ext", "gpucleanup")
     shell.run_line_magic("config", "GPUCleanup.release = 'auto'")
     shell.run_line_magic("config", "GPUCleanup.idle_release_s = 0.05")
     _, out = _run(shell, "x = 1", capsys)
-    assert stand_in.cupy.calls["drain"] == 1 and stand_in.cupy.calls["drain_pinned"] == 0
+    assert gpu.cupy.calls["drain"] == 1 and gpu.cupy.calls["drain_pinned"] == 0
     (line,) = _lines(out.out)
     assert "freed 4.0 GiB (cupy 3.0, driver 1.0)" in line and "pinned 1.0 GiB cached until idle" in line
     _idle_job_done(shell)
-    assert stand_in.cupy.calls["drain_pinned"] == 1
+    assert gpu.cupy.calls["drain_pinned"] == 1
     _, out = _run(shell, "x = 2", capsys)
     assert "pinned 1.0 GiB freed when idle" in _lines(out.out)[0]
 
 
-def test_gpumem_drain_gives_everything_back_now_whatever_the_release_policy_stand_in(shell, stand_in, capsys):
+def test_gpumem_drain_gives_everything_back_now_whatever_the_release_policy(shell, gpu, capsys):
     shell.run_line_magic("load_ext", "gpucleanup")
     shell.run_line_magic("config", "GPUCleanup.release = 'idle'")
     shell.run_line_magic("config", "GPUCleanup.idle_release_s = 3600")
     _run(shell, "x = 1", capsys)
-    assert stand_in.cupy.calls["drain"] == 0
+    assert gpu.cupy.calls["drain"] == 0
     _run(shell, "%gpumem --drain", capsys)
     _wait_pinned(shell)
-    assert stand_in.cupy.calls["drain"] == 1 and stand_in.cupy.calls["drain_pinned"] == 1
+    assert gpu.cupy.calls["drain"] == 1 and gpu.cupy.calls["drain_pinned"] == 1
     assert _ext(shell).history.last()[-1]["release"] == "cell"
 
 
-def test_release_idle_a_silent_request_does_not_cancel_the_pending_release_stand_in(shell, stand_in, capsys):
+def test_release_idle_a_silent_request_does_not_cancel_the_pending_release(shell, gpu, capsys):
     shell.run_line_magic("load_ext", "gpucleanup")
     shell.run_line_magic("config", "GPUCleanup.release = 'idle'")
     shell.run_line_magic("config", "GPUCleanup.idle_release_s = 3600")
@@ -1526,41 +1656,41 @@ def test_release_idle_a_silent_request_does_not_cancel_the_pending_release_stand
 
 # ---------------------------------------------------------------- what an idle cell costs
 
-def test_an_idle_cell_reads_each_framework_once_and_empties_nothing_stand_in(shell, stand_in, capsys):
+def test_an_idle_cell_reads_each_framework_once_and_empties_nothing(shell, gpu, capsys):
     # after a cell that emptied the caches, a cell that touches no GPU memory: one read of
     # the framework's figures, no drain of an empty cache, no second trim of the driver's pools
     shell.run_line_magic("load_ext", "gpucleanup")
     _run(shell, "x = 1", capsys)
     _wait_pinned(shell)
-    assert stand_in.cupy.cached == {} and stand_in.cupy.live == {0: 2 * GiB}
-    stand_in.cupy.calls.clear()
-    stand_in.native.calls.clear()
+    assert gpu.cupy.cached == {} and gpu.cupy.live == {0: 2 * GiB}
+    gpu.cupy.calls.clear()
+    gpu.native.calls.clear()
     for _ in range(5):
         _run(shell, "x += 1", capsys)
-    assert stand_in.cupy.calls == {"stats": 5}
-    assert stand_in.native.calls["trim"] == 0
+    assert gpu.cupy.calls == {"stats": 5}
+    assert gpu.native.calls["trim"] == 0
 
 
-def test_a_framework_caching_nothing_is_not_drained_one_caching_something_is_stand_in(shell, stand_in, capsys):
-    empty = StandInAdapter("torch", stand_in.native, live={0: GiB})
-    stand_in.adapters.append(empty)
+def test_a_framework_caching_nothing_is_not_drained_one_caching_something_is(shell, gpu, capsys):
+    empty = StandInAdapter("torch", gpu.gpus, live={0: GiB})
+    gpu.adapters.append(empty)
     shell.run_line_magic("load_ext", "gpucleanup")
     _run(shell, "x = 1", capsys)
-    assert stand_in.cupy.calls["drain"] == 1 and stand_in.cupy.cached == {}
+    assert gpu.cupy.calls["drain"] == 1 and gpu.cupy.cached == {}
     assert empty.calls["drain"] == 0
     empty.cached = {0: GiB}  # torch frees a tensor into its cache
     empty.live = {}
     _run(shell, "x = 2", capsys)
     assert empty.calls["drain"] == 1 and empty.cached == {}
-    assert stand_in.cupy.calls["drain"] == 1  # still nothing cached there
+    assert gpu.cupy.calls["drain"] == 1  # still nothing cached there
 
 
-def test_gc_auto_collects_when_a_kept_cache_hands_out_memory_the_driver_cannot_see_stand_in(shell, stand_in, collects,
+def test_gc_auto_collects_when_a_kept_cache_hands_out_memory_the_driver_cannot_see(shell, gpu, collects,
                                                                                               capsys):
     # a framework that cannot release keeps its cache: it can hand out memory again
     # without the driver's figures moving, so "nothing live last time" proves nothing
-    keeper = StandInAdapter("jax", stand_in.native, cached={0: 4 * GiB}, can_release=False)
-    stand_in.adapters[:] = [keeper]
+    keeper = StandInAdapter("jax", gpu.gpus, cached={0: 4 * GiB}, can_release=False)
+    gpu.adapters[:] = [keeper]
     shell.run_line_magic("load_ext", "gpucleanup")
     _run(shell, "x = 1", capsys)
     collects.clear()
@@ -1576,27 +1706,26 @@ def test_gc_auto_collects_when_a_kept_cache_hands_out_memory_the_driver_cannot_s
     assert collects == []
 
 
-def test_a_kernel_that_never_used_cuda_costs_one_quick_call_per_cell_stand_in(shell, stand_in, capsys):
+def test_a_kernel_that_never_used_cuda_costs_one_quick_call_per_cell(shell, gpu, capsys):
     # the library answers "nothing initialised CUDA" in one driver call: no JSON pass at all
-    stand_in.native.cuda_initialized = lambda: (stand_in.native.calls.update(["cuda_initialized"]), False)[1]
+    gpu.fake.update({"initialized": False})
     shell.run_line_magic("load_ext", "gpucleanup")
-    stand_in.native.calls.clear()
+    gpu.native.calls.clear()
     for _ in range(3):
         _, out = _run(shell, "x = 1", capsys)
         assert _lines(out.out) == []
-    assert stand_in.native.calls == {"cuda_initialized": 3}
+    assert gpu.native.calls == {"cuda_initialized": 3}
     assert _ext(shell).engine.last_driver_state == "not_initialized"
     # %gpumem --drain still asks the full probe, which says why there is nothing to clean
-    stand_in.native.state = "not_initialized"
     _, out = _run(shell, "%gpumem --drain", capsys)
-    assert stand_in.native.calls["cuda_initialized"] == 4  # the cell's own cleanup after the magic
-    assert sum(stand_in.native.calls.values()) > 4
+    assert gpu.native.calls["cuda_initialized"] == 4  # the cell's own cleanup after the magic
+    assert sum(gpu.native.calls.values()) > 4
     assert len(_lines(out.out)) == 1
 
 
-def test_a_cache_its_drain_cannot_empty_is_not_drained_again_until_it_changes_stand_in(shell, stand_in, capsys):
+def test_a_cache_its_drain_cannot_empty_is_not_drained_again_until_it_changes(shell, gpu, capsys):
     # torch keeps a segment that still holds a live block: empty_cache leaves its free part
-    stuck = StandInAdapter("torch", stand_in.native, live={0: GiB}, cached={0: MiB})
+    stuck = StandInAdapter("torch", gpu.gpus, live={0: GiB}, cached={0: MiB})
     original = stuck.drain
 
     def drain_leaving_the_segment(devices):
@@ -1606,7 +1735,7 @@ def test_a_cache_its_drain_cannot_empty_is_not_drained_again_until_it_changes_st
         return result
 
     stuck.drain = drain_leaving_the_segment
-    stand_in.adapters[:] = [stuck]
+    gpu.adapters[:] = [stuck]
     shell.run_line_magic("load_ext", "gpucleanup")
     _run(shell, "x = 1", capsys)
     assert stuck.calls["drain"] == 1
@@ -1618,27 +1747,27 @@ def test_a_cache_its_drain_cannot_empty_is_not_drained_again_until_it_changes_st
     assert stuck.calls["drain"] == 2
 
 
-def test_memory_outside_every_pool_that_grows_in_a_cell_is_said_with_the_cell_stand_in(shell, stand_in, capsys):
+def test_memory_outside_every_pool_that_grows_in_a_cell_is_said_with_the_cell(shell, gpu, capsys):
     # a raw allocation (cuMemAlloc through ctypes, say): no framework, no pool accounts for it
     shell.run_line_magic("load_ext", "gpucleanup")
     shell.run_line_magic("config", "GPUCleanup.outside_warning_mib = 512")
     _run(shell, "x = 1", capsys)
     _wait_pinned(shell)
-    stand_in.native.device(0).used += 320 * MiB
+    gpu.device(0).used += 320 * MiB
     _, out = _run(shell, "x = 2", capsys)
     [line] = _lines(out.out)
     assert "+320 MiB outside every pool in this cell (library code and handles, raw allocations, or another process on GPU0)" in line
     record = _ext(shell).history.last(1)[0]["devices"][0]
     assert record["outside_growth_bytes"] == 320 * MiB
     first_outside = record["outside_bytes"]
-    stand_in.native.device(0).used += 320 * MiB  # 640 MiB since load: past the 512 MiB warning, said once
+    gpu.device(0).used += 320 * MiB  # 640 MiB since load: past the 512 MiB warning, said once
     _, out = _run(shell, "x = 3", capsys)
     lines = _lines(out.out)
     assert lines[1:] == ["gpucleanup · GPU0: 640 MiB outside every pool have appeared since gpucleanup loaded: CUDA "
                          "libraries' code and handles, raw allocations (cuMemAlloc through ctypes or cuda-python) that "
                          "nothing frees, or another process on this GPU; %gpumem shows the total"]
     assert _ext(shell).history.last(1)[0]["devices"][0]["outside_bytes"] == first_outside + 320 * MiB
-    stand_in.native.device(0).used += 320 * MiB
+    gpu.device(0).used += 320 * MiB
     _, out = _run(shell, "x = 4", capsys)
     assert not any("appeared since gpucleanup loaded" in l for l in _lines(out.out))
     assert _ext(shell).status()["devices"][0]["outside_since_load_bytes"] == 960 * MiB
