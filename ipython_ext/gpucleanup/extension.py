@@ -16,7 +16,6 @@ import dataclasses
 import functools
 import gc
 import os
-import threading
 import time
 import weakref
 from typing import Any, Dict, List, NamedTuple, Optional
@@ -27,10 +26,14 @@ from traitlets import All, observe
 
 from . import frameworks, holders, report
 from .after_cell import AfterCell, Settings
+from .allocation_trace import AllocationTrace
+from .cell_state import CellState, a_cell_runs_code
 from .config import GPUCleanupOptions
+from .dask_workers import DaskWorkers
 from .frameworks.objects import find_gpu_objects
 from .history import History
 from .magics import gpumem_arguments, parse_gpumem, with_settings
+from .outside_drain import OutsideDrain, gave_no_way as outside_drain_gave_no_way
 from .parking import InKernel, RequestGuard
 from .record import CellRecord, Outcome
 from .say import PREFIX, say
@@ -46,9 +49,6 @@ __all__ = ["GPUCleanup", "load_ipython_extension", "unload_ipython_extension", "
 DEFAULTS: Dict[str, Any] = {"native": None, "adapters": None, "status_endpoint": None}
 
 _MISSING = object()
-
-# How much longer than its own time limit a cell that starts waits for a drain from outside to end.
-OUTSIDE_DRAIN_MARGIN_S = 10.0
 
 
 @functools.lru_cache(maxsize=None)
@@ -86,12 +86,6 @@ class _HookTraits(NamedTuple):
     park_after_idle_s: float
 
 
-def outside_drain_gave_no_way(exc: BaseException) -> bool:
-    """Did a native call refuse to wait behind a drain started with ``gpucleanup drain``?"""
-    return getattr(exc, "status", None) == 6 or str(exc).startswith("[gpucleanup.api.111]")
-
-
-
 class _InterruptTheCell:
     """An IPython AST transformer that hands a Ctrl-C caught in ``pre_run_cell`` to the cell.
 
@@ -120,22 +114,23 @@ class _InterruptTheCell:
             ast.fix_missing_locations(node)
         return node
 
+    def arm(self, shell: Any) -> None:
+        """A Ctrl-C landed in ``pre_run_cell``: the cell about to run stops at once. In the shell's
+        transformers only for this cell (IPython makes cyclic garbage per cell while one is set)."""
+        self.pending = True
+        with contextlib.suppress(Exception):
+            if self not in shell.ast_transformers:
+                shell.ast_transformers.append(self)
+            self.installed = True
 
-def _a_cell_runs_code() -> bool:
-    """Whether a cell's code is running further up this thread's stack (IPython's ``run_code`` frame): a
-    ``run_cell`` from inside a cell (``%%capture``, ``%run -i``) is nested in it; one from outside any cell is not.
-    Asked only when the count of cells under way says a cell runs, never on a plain cell."""
-    import sys
-
-    from IPython.core.interactiveshell import InteractiveShell
-
-    target = InteractiveShell.run_code.__code__
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code is target:
-            return True
-        frame = frame.f_back
-    return False
+    def disarm(self, shell: Any) -> None:
+        """The cell has ended (its ``post_run_cell``)."""
+        self.pending = False
+        if self.installed:  # only by a Ctrl-C in this cell's pre_run_cell
+            self.installed = False
+            with contextlib.suppress(Exception):
+                if self in shell.ast_transformers:
+                    shell.ast_transformers.remove(self)
 
 
 class KernelStillParked(InputRejected):
@@ -201,10 +196,11 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             adapters_fn = list
         else:
             adapters_fn = adapters
-        self.engine = AfterCell(native, adapters=adapters_fn, status=self._status)
-        self.tracer = Tracer(native, shell)
-        self.engine.traced = self.tracer.cell_entries
-        self.engine.tracing = lambda: bool(self.tracer.active)
+        self.engine = AfterCell(native, adapters=adapters_fn, status=self._status, voice=report.CellVoice())
+        tracer = Tracer(native, shell)
+        self.trace = AllocationTrace(tracer, self._driver_ready, self._warn_once_now)
+        self.engine.traced = tracer.cell_entries
+        self.engine.tracing = lambda: bool(tracer.active)
         self._endpoint_factory = status_endpoint
         self.history = History(self.history_size)
         self.totals = Totals()  # cumulative since load: published beside each record (gpucleanup.metrics)
@@ -212,22 +208,29 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         self._hooks_registered = False
         self._magics_registered = False
         self._loaded = False
-        self._forced_in_cell: Optional[CellRecord] = None  # what %gpumem --drain did in the running cell
+        self.cells = CellState()
         self._interrupt_the_cell = _InterruptTheCell()
         self.parking = InKernel(lambda: self._endpoint, self._say)
         self._refuse_the_cell = _RefuseTheCell(shell)
         self._request_guard = RequestGuard(self.parking, self._refuse_the_cell.arm)
         self.engine.background = self._background
-        self._depth = 0  # cells running: more than one while a cell runs another (%%capture)
         # A drain from outside (gpucleanup drain, the page's Drain button) runs the kernel's cleanup on the
-        # status server's thread only while no cell is under way, and a cell that starts meanwhile waits for it
-        # (outside_drain): both under this condition.
-        self._outside_lock = threading.RLock()  # the condition's: taken alone where nothing waits or is woken
-        self._outside_cv = threading.Condition(self._outside_lock)
-        self._cells_under_way = 0  # from pre_run_cell to the end of its post_run_cell (nested ones too)
-        self._outside_running = False
-        self._outside_deadline = 0.0  # time.monotonic() by which it has ended
-        self._drain_target: Any = None  # what the native drain hook calls while this extension serves
+        # status server's thread only while no cell is under way; a cell that starts meanwhile waits for it.
+        self.outside = OutsideDrain(native, self.cells, self._clean_for_outside, self._why_no_outside_drain,
+                                    self._say, self._warn_once_now)
+
+    @property
+    def tracer(self) -> Tracer:
+        return self.trace.tracer
+
+    # what the cell hooks count, as tests read it
+    @property
+    def _depth(self) -> int:
+        return self.cells.depth
+
+    @property
+    def _cells_under_way(self) -> int:
+        return self.cells.under_way
 
     def settings(self) -> Settings:
         """The traits as the engine reads them for one cell: built once and kept until a trait
@@ -321,7 +324,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             self._request_guard.remove()
         self._refuse_the_cell.disarm()
         with contextlib.suppress(Exception):
-            self._stop_trace()
+            self.trace.stop()
         self.engine.stop()
         if self._hooks_registered:
             for event, fn in (("pre_run_cell", self.pre_run_cell), ("post_run_cell", self.post_run_cell)):
@@ -350,7 +353,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
     def _at_exit(self) -> None:
         # no driver call may happen while the process exits, and no callback into Python
         with contextlib.suppress(Exception):
-            self._stop_trace()
+            self.trace.stop()
         self.parking.disarm()
         self.parking.resume_at_exit()  # a parked process's frees at exit would wait for a restore
         self.engine.exiting = True
@@ -381,7 +384,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                 endpoint = factory()  # a factory that takes no options
             endpoint.start(self.shell)
             self._endpoint = endpoint
-            self._set_drain_hook(endpoint)
+            self.outside.hook(endpoint)
         except Exception as exc:
             self._warn_once_now("status:start", f"status endpoint did not start ({type(exc).__name__}: {exc})")
             return
@@ -402,29 +405,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         if endpoint is not None:
             with contextlib.suppress(Exception):
                 endpoint.close()  # the server's thread is joined: no drain of ours runs after this
-        target, self._drain_target = self._drain_target, None
-        if target is not None:
-            with contextlib.suppress(Exception):
-                self.native.clear_drain_hook(target)
-
-    def _set_drain_hook(self, endpoint: Any) -> None:
-        """A drain from outside runs this kernel's cleanup first (outside_drain), where the library has the hook."""
-        setter = getattr(self.native, "set_drain_hook", None)
-        if setter is None or not getattr(endpoint, "running", False):
-            return
-        ref = weakref.ref(self)  # the library's hook must not keep an unloaded extension alive
-
-        def target(timeout_s: float) -> dict:
-            ext = ref()
-            if ext is None:
-                return {"ran": False, "skipped": "gpucleanup is not loaded in this kernel", "error": None}
-            return ext.outside_drain(timeout_s)
-
-        try:
-            if setter(target):
-                self._drain_target = target
-        except Exception as exc:
-            self._warn_once_now("status:drain-hook", f"a drain from outside cannot empty the frameworks' caches ({exc})")
+        self.outside.unhook()
 
     def _cell_state(self, state: str, cell: Optional[int] = None) -> Optional[int]:
         """A cell's "running" (with its number) or "idle" for the status endpoint, twice per cell: through
@@ -494,27 +475,24 @@ class GPUCleanup(Magics, GPUCleanupOptions):
 
     def pre_run_cell(self, info: Any = None) -> None:
         """Before a cell: mark it running for the status endpoint. No driver call."""
-        with self._outside_lock:
-            self._cells_under_way += 1  # from here no drain from outside runs the kernel's cleanup
-            outside_drain = self._outside_running
-        self._depth += 1  # run_cell inside a cell (%%capture, %run -i): its post_run_cell leaves it to the cell's
-        if self._depth > 1:
-            if _a_cell_runs_code():
+        outside_drain = self.outside.cell_starts()  # from here no drain from outside runs the kernel's cleanup
+        if self.cells.enter() > 1:  # run_cell inside a cell (%%capture, %run -i): left to the enclosing cell
+            if a_cell_runs_code():
                 return
             self._put_right_unended_cells()
         self.parking.parked_at_start = None  # set again below by the resume, once the cell says "running"
         try:
             if outside_drain:
-                self._wait_for_outside_drain()  # one that began before this cell: it ends first
-            self._forced_in_cell = None
+                self.outside.wait()  # one that began before this cell: it ends first
+            self.cells.forced = None
             if info is not None and getattr(info, "silent", False):
                 return  # a frontend's silent request (no cleanup follows it) leaves a pending release alone
             # a release waiting for the kernel to be idle waits for this cell's end, or runs now if it is another cell
             released = self.engine.cell_starts(getattr(info, "raw_cell", None))
             if released is not None:
                 self._wait_for_release(released)
-            if self.tracer.active:
-                self.tracer.set_cell(running_cell_number(self.shell, info))
+            if self.trace.active:
+                self.trace.set_cell(running_cell_number(self.shell, info))
             if self.engine.exiting:
                 return
             # Said with the cleanup paused too (%gpumem --off): no park or drain may begin during a cell,
@@ -530,13 +508,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             if self.parking.refusal:
                 self._refuse_the_cell.arm(self.parking.refusal)
         except KeyboardInterrupt:
-            # Ctrl-C is the user's: it stops the cell. The transformer is there only
-            # for this cell (IPython makes cyclic garbage per cell while one is set).
-            self._interrupt_the_cell.pending = True
-            with contextlib.suppress(Exception):
-                if self._interrupt_the_cell not in self.shell.ast_transformers:
-                    self.shell.ast_transformers.append(self._interrupt_the_cell)
-                self._interrupt_the_cell.installed = True
+            self._interrupt_the_cell.arm(self.shell)  # Ctrl-C is the user's: it stops the cell
         except Exception as exc:
             with contextlib.suppress(Exception):
                 self._warn_once_now(f"pre:{type(exc).__name__}", f"before the cell: {type(exc).__name__}: {exc}")
@@ -546,10 +518,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         never got its ``post_run_cell`` (IPython fires it only from ``run_cell``, so a tool that awaits
         ``run_cell_async`` itself leaves it out). Counted as still running, it would make every later cell
         "nested": no line, no cleanup, drains refused, a park asked for never done. Put right, said once."""
-        unended = self._depth - 1
-        self._depth = 1
-        with self._outside_lock:
-            self._cells_under_way = 1  # this cell's
+        unended = self.cells.put_right()
         with contextlib.suppress(Exception):
             self.engine.cell_ends()  # what the unended cell held is dropped, as its post_run_cell would have
         with contextlib.suppress(Exception):
@@ -557,6 +526,15 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                                 "post_run_cell (IPython fires it only from run_cell): gpucleanup had counted "
                                 f"{'it' if unended == 1 else 'them'} as still running; put right, this cell and the "
                                 "next are cleaned as usual")
+
+    def _wait_for_release(self, job: Any) -> None:
+        """Another cell starts under release "rerun": it finds the caches the last cell left given back, as
+        after release "cell". The release runs on its own thread; the cell waits for it at most
+        ``settle_timeout`` seconds (past that it runs alongside the release, and says so once)."""
+        limit = float(self.settle_timeout)
+        if limit > 0 and not job.done.wait(limit):
+            self._warn_once_now("release:late", f"the release of what cell [{job.cell}] left still ran after "
+                                f"{limit:g} s: this cell runs alongside it (a framework's free waits for the GPU)")
 
     def post_run_cell(self, result: Any = None) -> None:
         """After a cell: the cleanup; never raises and leaves the cell's result and error alone.
@@ -566,12 +544,10 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         try:
             self._post_run_cell(result)
         finally:
-            with self._outside_lock:
-                self._cells_under_way = max(0, self._cells_under_way - 1)
+            self.cells.counted_out()
 
     def _post_run_cell(self, result: Any = None) -> None:
-        self._depth = max(0, self._depth - 1)
-        if self._depth > 0:
+        if self.cells.leave() > 0:
             return
         traits = None
         try:
@@ -585,11 +561,11 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                 self._release_after_oom(result, cell)
             # asked for by the engine once this cell's pass found a device in use (the first GPU cell too)
             hidden = functools.partial(holders.held_after_cell, self.shell, result, cell)
-            outcome = self.cleanup(cell=cell, after_forced=self._forced_in_cell, hidden=hidden)
+            outcome = self.cleanup(cell=cell, after_forced=self.cells.forced, hidden=hidden)
             if outcome is not None and outcome.lines:  # an idle cell's has none
                 self._say(outcome.lines, cell)
-            if traits.trace_allocations and not self.tracer.active and outcome is not None:
-                self._start_trace(automatic=True)
+            if traits.trace_allocations and not self.trace.active and outcome is not None:
+                self.trace.start(automatic=True)
         except KeyboardInterrupt:
             with contextlib.suppress(Exception):
                 self._say([say("interrupted (Ctrl-C): cleanup stopped")])
@@ -602,13 +578,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                 self._warn_once_now(f"internal:{type(exc).__name__}", f"cleanup failed ({type(exc).__name__}: {exc}); the cell is not affected")
         finally:
             self.engine.cell_ends()  # a release the cell held and no cleanup re-armed (paused, parked) is dropped
-            self._forced_in_cell = None
-            self._interrupt_the_cell.pending = False
-            if self._interrupt_the_cell.installed:  # only by a Ctrl-C in this cell's pre_run_cell
-                self._interrupt_the_cell.installed = False
-                with contextlib.suppress(Exception):
-                    if self._interrupt_the_cell in self.shell.ast_transformers:
-                        self.shell.ast_transformers.remove(self._interrupt_the_cell)
+            self.cells.forced = None
+            self._interrupt_the_cell.disarm(self.shell)
             with contextlib.suppress(Exception):  # before "idle": from then a policy may park the kernel
                 self.parking.threads_seen()
             self._say_idle()
@@ -668,75 +639,21 @@ class GPUCleanup(Magics, GPUCleanupOptions):
 
     # ------------------------------------------------------------ a drain from outside
 
-    def outside_drain(self, timeout_s: float = 0.0) -> dict:
-        """The kernel's part of a drain asked for through the status server (``gpucleanup drain``, the page's
-        **Drain**), after the library's drain has waited for queued work: the cleanup ``%gpumem --drain`` runs
-        (the frameworks' caches, device and pinned, garbage that holds GPU memory, the driver's pools again),
-        its own wait for queued work bounded by ``timeout_s`` (0 from the library), said nowhere but in the
-        reply and the history. Runs on the status server's thread.
-
-        Never beside a cell: it runs only while no cell is under way (from ``pre_run_cell`` to the end of
-        ``post_run_cell``), and a cell that starts meanwhile waits in ``pre_run_cell`` until it has ended
-        (at most ``timeout_s`` + ``OUTSIDE_DRAIN_MARGIN_S``). Returns the drain result's ``kernel``
-        (share/schema/drain.schema.json); never raises.
-        """
-        start = time.perf_counter()
-        with self._outside_cv:
-            if self._outside_running:
-                return _drain_part(start, skipped="another drain from outside is running the kernel's cleanup")
-            why = self._why_no_outside_drain()
-            if why is not None:
-                return _drain_part(start, skipped=why)
-            self._outside_running = True
-            self._outside_deadline = time.monotonic() + float(timeout_s) + OUTSIDE_DRAIN_MARGIN_S
+    def _clean_for_outside(self, overrides: dict) -> Optional[Outcome]:
+        """The cleanup for a drain from outside (OutsideDrain.run), said to the status endpoint as "draining"."""
+        self._status("set_state", {"state": "draining", "cell": None, "since_ns": time.time_ns()})
         try:
-            self._status("set_state", {"state": "draining", "cell": None, "since_ns": time.time_ns()})
-            try:
-                outcome = self.cleanup(forced=True, overrides={"settle_timeout": float(timeout_s), "show": "never"})
-            except Exception as exc:
-                return _drain_part(start, error=f"{type(exc).__name__}: {exc}")
-            finally:
-                self._say_idle()  # before a waiting cell says "running"
-            return _drain_part(start, data=None if outcome is None else outcome.as_dict())
-        except BaseException as exc:  # on the server's thread: nothing may escape
-            return _drain_part(start, error=f"{type(exc).__name__}: {exc}")
+            return self.cleanup(forced=True, overrides=overrides)
         finally:
-            with self._outside_cv:
-                self._outside_running = False
-                self._outside_cv.notify_all()
+            self._say_idle()  # before a waiting cell says "running"
 
     def _why_no_outside_drain(self) -> Optional[str]:
-        if self._cells_under_way > 0 or self._depth > 0:
-            return "a cell is under way"
+        """Why a drain from outside may not run the kernel's cleanup now, besides a cell under way."""
         if not self._loaded or not self._hooks_registered or self.engine.exiting:
             return "gpucleanup's cleanup is not active in this kernel"
         if self.parking.parked():
             return "the kernel is parked"
         return None
-
-    def _wait_for_release(self, job: Any) -> None:
-        """Another cell starts under release "rerun": it finds the caches the last cell left given back, as
-        after release "cell". The release runs on its own thread; the cell waits for it at most
-        ``settle_timeout`` seconds (past that it runs alongside the release, and says so once)."""
-        limit = float(self.settle_timeout)
-        if limit > 0 and not job.done.wait(limit):
-            self._warn_once_now("release:late", f"the release of what cell [{job.cell}] left still ran after "
-                                f"{limit:g} s: this cell runs alongside it (a framework's free waits for the GPU)")
-
-    def _wait_for_outside_drain(self) -> None:
-        """A cell starts while a drain from outside runs the kernel's cleanup: the cell waits for it, bounded
-        (the drain's own limit and a margin; past it, the cell runs and says so)."""
-        with self._outside_cv:
-            if not self._outside_running:
-                return
-            limit = max(0.0, self._outside_deadline - time.monotonic())
-        self._say([say("waiting for a drain asked for from outside (gpucleanup drain or the "
-                       f"page's Drain) to finish emptying this kernel's caches, at most {limit:.0f} s")])
-        with self._outside_cv:
-            ended = self._outside_cv.wait_for(lambda: not self._outside_running, timeout=limit)
-        if not ended:
-            self._warn_once_now("outside-drain:late", f"a drain from outside still ran after {limit:.0f} s: the cell "
-                                                      "runs beside it")
 
     # ------------------------------------------------------------ %gpumem
 
@@ -756,7 +673,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         out = self.engine.memory_status(self.settings())
         out["enabled"] = bool(self.enabled)
         out["history"] = self.history.last(5)
-        out["trace"] = {"active": self.tracer.active, "library": self.tracer.library, "refused": self.tracer.refused}
+        out["trace"] = self.trace.brief()
         return out
 
     @gpumem_arguments
@@ -804,7 +721,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             self.enabled = True
             print(say("automatic cleanup resumed"))
         if args.dask is not None:
-            return self._dask(args, display)
+            return DaskWorkers(self.status).gpumem(args.dask, args.drain, args.json, display)
         if not self._hooks_registered and not args.json and self._say_nothing_here(args):
             return None
         if args.plot is not None:
@@ -817,16 +734,16 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             return None
         if args.trace in ("on", "off"):
             if args.trace == "on":
-                self._start_trace(automatic=False)
+                self.trace.start(automatic=False, cell=running_cell_number(self.shell))
             else:
-                stopped = self._stop_trace()
+                stopped = self.trace.stop()
                 print(say("allocation trace stopped (what it found stays in %gpumem --trace)"
                           if stopped else "the allocation trace was not running"))
             return None
         if args.trace == "show":
             if args.json:
-                return report.JSONReport(self._trace_status())
-            display(report.trace_report(self._trace_status()))
+                return report.JSONReport(self.trace.report())
+            display(report.trace_report(self.trace.report()))
             return None
         if args.release is not None:
             self._release(args.release)
@@ -835,7 +752,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             if outcome is not None:
                 for text in outcome.lines:
                     print(text)
-                self._forced_in_cell = outcome.record
+                self.cells.forced = outcome.record
         wants_table = not (args.off or args.on or args.drain or args.release is not None) or args.json
         if args.json:
             data = self.status() if (args.history is None and args.vars is None) or wants_table else {}
@@ -855,84 +772,6 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             display(report.memory_report(self.status()))
         return None
 
-    # ------------------------------------------------------------ Dask workers
-
-    def _dask(self, args: Any, display: Any):
-        """``%gpumem --dask [on|off] [--drain] [--json]``: the workers of the kernel's Dask client."""
-        import sys
-
-        if "distributed" not in sys.modules:
-            raise UsageError("%gpumem --dask: Dask's distributed is not imported in this kernel: create a client "
-                             "first (from dask.distributed import Client; client = Client(...))")
-        try:
-            client = sys.modules["distributed"].get_client()
-        except ValueError:
-            raise UsageError("%gpumem --dask: this kernel has no Dask client: create one first "
-                             "(from dask.distributed import Client; client = Client(...))") from None
-        from . import dask as gpucleanup_dask
-
-        if args.dask == "on":
-            gpucleanup_dask.register(client)
-            print(say(f"gpucleanup's plugin registered on {len(client.scheduler_info().get('workers', {}))} "
-                      "Dask workers: each cleans its GPU memory once idle after its tasks (%gpumem --dask shows them)"))
-            return None
-        if args.dask == "off":
-            gpucleanup_dask.unregister(client)
-            print(say("gpucleanup's plugin removed from the Dask workers"))
-            return None
-        drained = gpucleanup_dask.drain_cluster(client) if args.drain else None
-        workers = gpucleanup_dask.cluster_memory(client)
-        if args.json:
-            data = {"kind": "gpumem-dask", "workers": workers}
-            if drained is not None:
-                data["drained"] = drained
-            return report.JSONReport(data)
-        if drained is not None:
-            for text in report.dask_drain_lines(drained):
-                print(text)
-        display(report.memory_report(self.status()))
-        display(report.dask_report(workers))
-        return None
-
-    # ------------------------------------------------------------ allocation trace
-
-    def _start_trace(self, automatic: bool) -> None:
-        """Start tracing raw allocations; say that it runs, or why not (automatic: once per reason)."""
-        if self.tracer.active:
-            if not automatic:
-                print(say(f"the allocation trace is already running ({self.tracer.library})"))
-            return
-        if automatic and self.engine.last_driver_state != "ready":
-            return
-        try:
-            reply = self.tracer.start()
-        except Exception as exc:
-            reply = {"active": False, "error": f"{type(exc).__name__}: {exc}"}
-            self.tracer.refused = reply["error"]
-        if reply.get("active"):
-            self.tracer.set_cell(running_cell_number(self.shell) if not automatic else None)
-            print(say(f"tracing raw GPU allocations to their line (CUPTI: {reply.get('library')}); "
-                      "each cell's line names what it allocated and kept; %gpumem --trace shows all, --trace off stops"))
-            return
-        error = reply.get("error") or "the trace could not start"
-        if automatic:
-            if "not initialised" in error:
-                return  # tried again after the next cell that uses the GPU
-            self._warn_once_now(f"trace:{error}", f"allocation trace (trace_allocations) is off: {error}")
-        else:
-            print(say(f"allocation trace not started: {error}"))
-
-    def _stop_trace(self) -> bool:
-        return self.tracer.stop()
-
-    def _trace_status(self) -> dict:
-        if not self.tracer.active and self.tracer.library is None:
-            return {"active": False, "library": None, "refused": self.tracer.refused, "groups": [], "pools": [],
-                    "live_bytes": 0, "live_allocations": 0, "dropped": 0}
-        data = self.tracer.report()
-        data["refused"] = self.tracer.refused
-        return data
-
     def _say_nothing_here(self, args: Any) -> bool:
         """Without a usable driver, a GPU or the native library, say so for what can never come (True if said).
 
@@ -950,6 +789,9 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             return False
         print(say(said))
         return True
+
+    def _driver_ready(self) -> bool:
+        return self.engine.last_driver_state == "ready"
 
     def _why_no_hooks(self) -> str:
         state = self.engine.last_driver_state
@@ -998,31 +840,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         if outcome is not None:
             for text in outcome.lines:
                 print(text)
-            self._forced_in_cell = outcome.record
-
-
-def _drain_part(start: float, data: Optional[dict] = None, skipped: Optional[str] = None,
-                error: Optional[str] = None) -> dict:
-    """The drain result's ``kernel`` (share/schema/drain.schema.json) from the cleanup's record ``data``
-    (None: nothing in the kernel uses CUDA), or why it did not run."""
-    part: Dict[str, Any] = {"ran": skipped is None and error is None, "skipped": skipped, "error": error,
-                            "elapsed_s": round(time.perf_counter() - start, 6), "interrupted": False,
-                            "released_bytes": {}, "pinned_released_bytes": {}, "pinned_pending": False, "devices": []}
-    if data is None:
-        return part
-    total: Dict[str, int] = {}
-    for dev in data.get("devices") or []:
-        freed = {name: int(n) for name, n in (dev.get("freed_bytes") or {}).items() if int(n or 0) > 0}
-        for name, n in freed.items():
-            total[name] = total.get(name, 0) + n
-        part["devices"].append({"index": dev.get("index"), "state": dev.get("state"), "released_bytes": freed})
-    part["released_bytes"] = total
-    pinned = (data.get("pinned") or {}).get("freed_bytes") or {}
-    part["pinned_released_bytes"] = {name: int(n) for name, n in pinned.items() if int(n or 0) > 0} \
-        if isinstance(pinned, dict) else {}
-    part["pinned_pending"] = bool((data.get("pinned") or {}).get("pending"))  # given back in the background
-    part["interrupted"] = bool(data.get("interrupted"))
-    return part
+            self.cells.forced = outcome.record
 
 
 # ---------------------------------------------------------------- entry points
