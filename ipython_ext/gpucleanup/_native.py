@@ -9,9 +9,11 @@ such as "no CUDA driver" are values in the returned dicts, never exceptions.
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import math
 import os
+import re
 import signal
 import stat
 import threading
@@ -135,95 +137,75 @@ def _refuse_special_file(path: str) -> None:
         )
 
 
+# The C types of native/include/gpucleanup/entry_points.def as ctypes declares them.
+_C_TYPES = {
+    "void": None,
+    "int": ctypes.c_int,
+    "unsigned int": ctypes.c_uint,
+    "long long": ctypes.c_longlong,
+    "double": ctypes.c_double,
+    "gpucleanup_status": ctypes.c_int,
+    "const char*": ctypes.c_char_p,
+    "char*": ctypes.c_void_p,  # a reply handed back to gpucleanup_free as the address it came as
+    "char**": ctypes.POINTER(ctypes.c_void_p),
+    "int*": ctypes.POINTER(ctypes.c_int),
+    "void*": ctypes.c_void_p,
+    "gpucleanup_progress_fn": PROGRESS_FN,
+    "gpucleanup_drain_hook_fn": DRAIN_HOOK_FN,
+    # addresses: the interpreter's own functions, and the caller's CFUNCTYPE cast to c_void_p
+    "gpucleanup_gil_check_fn": ctypes.c_void_p,
+    "gpucleanup_gil_save_fn": ctypes.c_void_p,
+    "gpucleanup_gil_restore_fn": ctypes.c_void_p,
+    "gpucleanup_trace_site_fn": ctypes.c_void_p,
+}
+_ENTRY = re.compile(r"\b(GPUCLEANUP_ENTRY(?:_ADDED)?)\(\s*([^,()]+?)\s*,\s*(\w+)\s*,\s*\(([^()]*)\)\s*\)")
+
+
+def _entry_points_text() -> str:
+    """entry_points.def: the wheel's copy beside the library, else the one of the checkout the package is in."""
+    shipped = resources.files("gpucleanup").joinpath("entry_points.def")
+    checkout = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                            "native", "include", "gpucleanup", "entry_points.def")
+    try:
+        return shipped.read_text(encoding="utf-8") if shipped.is_file() else open(checkout, encoding="utf-8").read()
+    except OSError as exc:
+        raise NativeError(ERR_INTERNAL, f"[gpucleanup.python.104] the list of the library's C functions "
+                          f"(gpucleanup/entry_points.def) cannot be read ({exc.strerror}): reinstall gpucleanup") from None
+
+
+def _c_type(spelling: str) -> Any:
+    spelling = re.sub(r"\s*(\*+)\s*", r"\1 ", " ".join(spelling.split())).strip()
+    if spelling not in _C_TYPES:
+        raise NativeError(ERR_INTERNAL, f"[gpucleanup.python.105] entry_points.def uses the C type {spelling!r}, "
+                          "which gpucleanup._native cannot declare: add it to _C_TYPES")
+    return _C_TYPES[spelling]
+
+
+@functools.lru_cache(maxsize=None)
+def _entry_points() -> tuple:
+    """(name, restype, argtypes, added later) of every C function, read from entry_points.def."""
+    text = re.sub(r"/\*.*?\*/|//[^\n]*", " ", _entry_points_text(), flags=re.S)
+    entries = []
+    for macro, result, name, parameters in _ENTRY.findall(text):
+        argtypes = []
+        for parameter in parameters.split(","):
+            parameter = re.sub(r"\s*(\*+)\s*", r"\1 ", " ".join(parameter.split())).strip()
+            if parameter != "void":
+                argtypes.append(_c_type(parameter.rpartition(" ")[0]))  # the type, less the parameter's name
+        entries.append((name, _c_type(result), argtypes, macro == "GPUCLEANUP_ENTRY_ADDED"))
+    if not entries or len(entries) != len(re.findall(r"\bGPUCLEANUP_ENTRY(?:_ADDED)?\s*\(", text)):
+        raise NativeError(ERR_INTERNAL, "[gpucleanup.python.105] entry_points.def has an entry that is not "
+                          "GPUCLEANUP_ENTRY(result, name, (parameters)): fix it")
+    return tuple(entries)
+
+
 def _declare(lib: ctypes.CDLL) -> None:
-    c_char_pp = ctypes.POINTER(ctypes.c_void_p)
-    lib.gpucleanup_version.argtypes = []
-    lib.gpucleanup_version.restype = ctypes.c_char_p
-    lib.gpucleanup_abi_version.argtypes = []
-    lib.gpucleanup_abi_version.restype = ctypes.c_int
-    lib.gpucleanup_free.argtypes = [ctypes.c_void_p]
-    lib.gpucleanup_free.restype = None
-    lib.gpucleanup_last_error.argtypes = []
-    lib.gpucleanup_last_error.restype = ctypes.c_char_p
-    lib.gpucleanup_probe.argtypes = [c_char_pp]
-    lib.gpucleanup_probe.restype = ctypes.c_int
-    lib.gpucleanup_snapshot.argtypes = [c_char_pp]
-    lib.gpucleanup_snapshot.restype = ctypes.c_int
-    lib.gpucleanup_drain.argtypes = [ctypes.c_double, PROGRESS_FN, ctypes.c_void_p, c_char_pp]
-    lib.gpucleanup_drain.restype = ctypes.c_int
-    lib.gpucleanup_settle.argtypes = [ctypes.c_double, PROGRESS_FN, ctypes.c_void_p, c_char_pp]
-    lib.gpucleanup_settle.restype = ctypes.c_int
-    # Added to ABI version 1 later: a library from before has neither (after_cell() and trim() say so).
-    after_cell = getattr(lib, "gpucleanup_after_cell", None)
-    if after_cell is not None:
-        after_cell.argtypes = [ctypes.c_double, ctypes.c_int, PROGRESS_FN, ctypes.c_void_p, c_char_pp]
-        after_cell.restype = ctypes.c_int
-    trim = getattr(lib, "gpucleanup_trim", None)
-    if trim is not None:
-        trim.argtypes = [c_char_pp]
-        trim.restype = ctypes.c_int
-    # Added to ABI version 2 later: a library from before has none (quiet() says so; the cleanup runs whole).
-    quiet_fn = getattr(lib, "gpucleanup_quiet", None)
-    if quiet_fn is not None:
-        quiet_fn.argtypes = [ctypes.POINTER(ctypes.c_int)]
-        quiet_fn.restype = ctypes.c_int
-    lib.gpucleanup_shutdown.argtypes = []
-    lib.gpucleanup_shutdown.restype = None
-    lib.gpucleanup_server_start.argtypes = [ctypes.c_char_p, c_char_pp]
-    lib.gpucleanup_server_start.restype = ctypes.c_int
-    lib.gpucleanup_server_stop.argtypes = []
-    lib.gpucleanup_server_stop.restype = ctypes.c_int
-    lib.gpucleanup_server_set_state.argtypes = [ctypes.c_char_p]
-    lib.gpucleanup_server_set_state.restype = ctypes.c_int
-    lib.gpucleanup_server_publish.argtypes = [ctypes.c_char_p]
-    lib.gpucleanup_server_publish.restype = ctypes.c_int
-    lib.gpucleanup_server_state.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int]
-    lib.gpucleanup_server_state.restype = ctypes.c_int
-    lib.gpucleanup_cuda_initialized.argtypes = []
-    lib.gpucleanup_cuda_initialized.restype = ctypes.c_int
-    lib.gpucleanup_set_gil_hooks.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    lib.gpucleanup_set_gil_hooks.restype = None
-    lib.gpucleanup_server_connections.argtypes = [c_char_pp]
-    lib.gpucleanup_server_connections.restype = ctypes.c_int
-    # The kernel's part of a drain from outside (a later addition to ABI version 2).
-    if getattr(lib, "gpucleanup_set_drain_hook", None) is not None:
-        lib.gpucleanup_set_drain_hook.argtypes = [DRAIN_HOOK_FN, ctypes.c_void_p]
-        lib.gpucleanup_set_drain_hook.restype = None
-    # Parking's state in the status server (a later addition to ABI version 2).
-    if getattr(lib, "gpucleanup_server_park", None) is not None:
-        lib.gpucleanup_server_park.argtypes = [ctypes.c_char_p, ctypes.c_longlong, ctypes.c_char_p, c_char_pp]
-        lib.gpucleanup_server_park.restype = ctypes.c_int
-        lib.gpucleanup_server_parked.argtypes = []
-        lib.gpucleanup_server_parked.restype = ctypes.c_int
-    # What keeps an automatic park away (a later addition to ABI version 2).
-    if getattr(lib, "gpucleanup_server_park_blocker", None) is not None:
-        lib.gpucleanup_server_park_blocker.argtypes = [ctypes.c_char_p]
-        lib.gpucleanup_server_park_blocker.restype = ctypes.c_int
-    # A cell's state and the park state in one call (a later addition to ABI version 2).
-    if getattr(lib, "gpucleanup_server_cell", None) is not None:
-        lib.gpucleanup_server_cell.argtypes = [ctypes.c_int, ctypes.c_longlong]
-        lib.gpucleanup_server_cell.restype = ctypes.c_int
-    if getattr(lib, "gpucleanup_server_background", None) is not None:
-        lib.gpucleanup_server_background.argtypes = [ctypes.c_int]
-        lib.gpucleanup_server_background.restype = ctypes.c_int
-    # SIGTERM's cleanup of the status endpoint's files (a later addition to ABI version 2).
-    if getattr(lib, "gpucleanup_sigterm_cleanup", None) is not None:
-        lib.gpucleanup_sigterm_cleanup.argtypes = [ctypes.c_char_p]
-        lib.gpucleanup_sigterm_cleanup.restype = ctypes.c_int
-    # The park helper's step (a later addition to ABI version 2).
-    if getattr(lib, "gpucleanup_checkpoint_step", None) is not None:
-        lib.gpucleanup_checkpoint_step.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint, c_char_pp]
-        lib.gpucleanup_checkpoint_step.restype = ctypes.c_int
-    # The allocation trace (a later addition to ABI version 2: an older build has none of it).
-    if getattr(lib, "gpucleanup_trace_start", None) is not None:
-        lib.gpucleanup_trace_start.argtypes = [ctypes.c_char_p, ctypes.c_void_p, c_char_pp]
-        lib.gpucleanup_trace_start.restype = ctypes.c_int
-        lib.gpucleanup_trace_stop.argtypes = [c_char_pp]
-        lib.gpucleanup_trace_stop.restype = ctypes.c_int
-        lib.gpucleanup_trace_set_cell.argtypes = [ctypes.c_longlong]
-        lib.gpucleanup_trace_set_cell.restype = None
-        lib.gpucleanup_trace_report.argtypes = [ctypes.c_longlong, c_char_pp]
-        lib.gpucleanup_trace_report.restype = ctypes.c_int
+    # A function added to this ABI version later may be missing from an older build: its wrapper says so.
+    for name, restype, argtypes, added in _entry_points():
+        fn = getattr(lib, name, None) if added else getattr(lib, name)
+        if fn is not None:
+            fn.argtypes = argtypes
+            fn.restype = restype
 
 
 def library() -> ctypes.CDLL:
