@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from . import discovery, kernels as kernels_view, park as park_steps, parking, status_client
+from . import discovery, kernels as kernels_view, park as park_steps, parking, remote_park, status_client
 from . import report
 from .report import Table, format_bytes, format_duration
 
@@ -470,7 +470,7 @@ def cmd_park(args) -> int:
         return _park_check(args, kernel)
     try:
         with _TermAsInterrupt():
-            outcome = parking.park_from_outside(kernel.pid, _target(kernel), args.timeout, _park_lock(kernel))
+            outcome = remote_park.park_from_outside(kernel.pid, _target(kernel), args.timeout, _park_lock(kernel))
     except status_client.StatusError as exc:
         raise _failure(kernel, exc, args.timeout) from None
     except (park_steps.ParkRefused, parking.LockBusy, OSError) as exc:
@@ -481,12 +481,12 @@ def cmd_park(args) -> int:
     except KeyboardInterrupt:
         raise CliError(f"kernel {kernel.pid}: interrupted before the driver's first step: nothing was parked",
                        EXIT_INTERRUPTED) from None
-    return _park_outcome(args, kernel, outcome, parking.outcome_text(outcome))
+    return _park_outcome(args, kernel, outcome, remote_park.outcome_text(outcome))
 
 
 def _park_check(args, kernel: discovery.Kernel) -> int:
     """``gpucleanup park --check``: whether the kernel can be parked now, and why not; touches nothing."""
-    found = parking.check_kernel(kernel.pid, _target(kernel), args.timeout, _park_lock(kernel))
+    found = remote_park.check_kernel(kernel.pid, _target(kernel), args.timeout, _park_lock(kernel))
     if args.json:
         print(json.dumps(found, indent=1))
     elif found["parkable"]:
@@ -504,7 +504,7 @@ def cmd_resume(args) -> int:
     kernel = _resolve(args, args.kernel)
     try:
         with _TermAsInterrupt():
-            outcome, before = parking.resume_from_outside(kernel.pid, _target(kernel), args.timeout,
+            outcome, before = remote_park.resume_from_outside(kernel.pid, _target(kernel), args.timeout,
                                                           _park_lock(kernel), args.wait)
     except status_client.StatusError as exc:
         raise _failure(kernel, exc, args.timeout) from None
@@ -516,7 +516,7 @@ def cmd_resume(args) -> int:
     except KeyboardInterrupt:
         raise CliError(f"kernel {kernel.pid}: interrupted before the driver's first step: nothing was done",
                        EXIT_INTERRUPTED) from None
-    return _park_outcome(args, kernel, outcome, parking.outcome_text(outcome, before))
+    return _park_outcome(args, kernel, outcome, remote_park.outcome_text(outcome, before))
 
 
 def _park_outcome(args, kernel: discovery.Kernel, outcome: park_steps.Outcome, text: str) -> int:

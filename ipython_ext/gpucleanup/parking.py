@@ -14,6 +14,9 @@ Two things keep them apart:
   racing it, and a park of a killed ``gpucleanup park`` is left to the next holder, which reads the
   driver's own state. The kernel's resume waits for it at most as long as the park's own limits.
 
+This module is what every party shares (the lock, the park and the resume under it, their sentences) and
+the kernel's own side (:class:`InKernel`, :class:`RequestGuard`); what only a party outside the kernel needs
+(its state through signed requests to the status endpoint, the owner's check) is :mod:`.remote_park`'s.
 Nothing here makes a driver call in the calling process: each step runs in a helper (:mod:`.park`).
 """
 
@@ -29,12 +32,12 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from . import park as park_steps, report
+from . import park as park_steps
+from .say import say
 from .units import format_bytes, format_duration
 
-__all__ = ["LockBusy", "LockUnusable", "ParkLock", "parked_need", "outliving_threads", "lock_path", "remote_record", "park_kernel", "park_from_outside",
-           "resume_from_outside", "outcome_text", "resume_kernel", "parked_text", "resumed_text", "kernel_message",
-           "wait_limit"]
+__all__ = ["LockBusy", "LockUnusable", "ParkLock", "parked_need", "outliving_threads", "lock_path", "park_kernel",
+           "resume_kernel", "parked_text", "resumed_text", "kernel_message", "wait_limit", "InKernel", "RequestGuard"]
 
 #: Records one step in the kernel's state: ``(step, bytes) -> state after``; raises with a sentence when refused.
 RecordStep = Callable[[str, Optional[int]], dict]
@@ -139,24 +142,6 @@ def parked_need(note: dict) -> Optional[dict]:
     return usage or None
 
 
-def remote_record(target, timeout: float, automatic: bool = False) -> RecordStep:
-    """The park steps of a kernel's state as signed ``park`` requests to its status endpoint (``target``:
-    a :class:`~gpucleanup.status_client.Target`); a refusal raises status_client's error, its sentence.
-    ``automatic``: the begin is a policy's (the server's ``park_idle_after_s``), which the kernel refuses
-    while a thread a cell started still runs."""
-    from . import status_client
-
-    def record(step: str, parked_bytes: Optional[int]) -> dict:
-        fields: dict = {"step": step}
-        if parked_bytes is not None:
-            fields["bytes"] = int(parked_bytes)
-        if automatic and step == "begin":
-            fields["automatic"] = True
-        return status_client.request(target, "park", timeout, **fields).get("state") or {}
-
-    return record
-
-
 #: The refusals of a park's ``begin`` that pass by themselves (share/protocol.md): a drain, or the kernel's own
 #: release on a thread, is under way; on the socket and in the kernel's own process.
 PASSING_REFUSALS = ("gpucleanup.server.421", "gpucleanup.server.510")
@@ -236,118 +221,6 @@ def kernel_message(outcome: park_steps.Outcome) -> str:
     return outcome.message.replace(f"python -m gpucleanup.park resume {outcome.pid}", f"gpucleanup resume {outcome.pid}")
 
 
-def process_uid(pid: int, proc: str = "/proc") -> Optional[int]:
-    """The real uid of process ``pid`` (``/proc/<pid>/status``), None when it cannot be read (gone, hidden)."""
-    try:
-        with open(f"{proc}/{int(pid)}/status", encoding="ascii", errors="replace") as fh:
-            for line in fh:
-                if line.startswith("Uid:"):
-                    fields = line.split()
-                    return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
-    except OSError:
-        return None
-    return None
-
-
-def _user(uid: Optional[int]) -> str:
-    try:
-        import pwd
-
-        return f"{uid} ({pwd.getpwuid(uid).pw_name})" if uid is not None else "unknown"
-    except (KeyError, ImportError):
-        return str(uid)
-
-
-def owner_refusal(pid: int, lock_file: os.PathLike, proc: str = "/proc") -> Optional[str]:
-    """A sentence when process ``pid`` does not belong to whoever owns the kernel's files (the directory of
-    its key and park lock), else None. A discovery file and a key can be planted in a directory of one's own
-    naming any process: root's ``gpucleanup park`` would then checkpoint a third user's process."""
-    directory = Path(lock_file).parent
-    try:
-        owner = os.stat(directory, follow_symlinks=False).st_uid
-    except OSError as exc:
-        return (f"[gpucleanup.park.644] the kernel's directory {directory} cannot be read ({exc.strerror}): "
-                "nothing was done")
-    uid = process_uid(pid, proc)
-    if uid is None:
-        return (f"[gpucleanup.park.612] process {pid} is not a CUDA process the driver can park (it cannot be "
-                "seen here): it has not used the GPU, or it has exited")
-    if uid != owner:
-        return (f"[gpucleanup.park.643] process {pid} belongs to uid {_user(uid)}, not to uid {_user(owner)}, who "
-                f"owns {directory}: its discovery file names another user's process, so nothing was done; remove "
-                "that file if it is not a kernel's")
-    return None
-
-
-def park_from_outside(pid: int, target, timeout: float, lock_file: os.PathLike,
-                      automatic: bool = False) -> park_steps.Outcome:
-    """``gpucleanup park``, the page's Park and the server's automatic park (``automatic``): :func:`park_kernel`
-    with the kernel's state kept through signed requests to its status endpoint (``target``). Refused
-    (ParkRefused) when the process at ``pid`` is not its files' owner's."""
-    refusal = owner_refusal(pid, lock_file)
-    if refusal:
-        raise park_steps.ParkRefused(refusal)
-    return park_kernel(pid, remote_record(target, timeout, automatic), lock_file)
-
-
-def check_kernel(pid: int, target, timeout: float, lock_file: os.PathLike) -> dict:
-    """``gpucleanup park --check``: whether kernel ``pid`` can be parked now and, if not, every reason, from
-    what can be read without touching it: who owns it, its state (a cell or a drain running, parked already),
-    the driver's state of the process (a helper's read-only look: a driver without checkpoint calls says so
-    there), the GPUs it uses (nvidia-smi), host memory and its cgroup's limit. Returns ``{"parkable",
-    "reasons", "usage", "state", "driver_state"}``; never raises for what it finds."""
-    from . import status_client
-
-    out: dict = {"pid": pid, "parkable": False, "reasons": [], "usage": None, "state": None, "driver_state": None}
-    refusal = owner_refusal(pid, lock_file)
-    if refusal:
-        out["reasons"].append(refusal)
-        return out
-    try:
-        state = status_client.request(target, "status", timeout).get("state") or {}
-    except status_client.StatusError as exc:
-        state = {}
-        out["reasons"].append(f"the kernel did not answer its status request ({exc}): a park would be refused")
-    out["state"] = kernel_state = state.get("state")
-    if kernel_state in ("running", "draining"):
-        cell = state.get("cell")
-        out["reasons"].append(f"the kernel is {kernel_state}" + (f" (cell {cell})" if cell else "")
-                              + ": a park starts only between cells; ask again when it is idle")
-    elif kernel_state in ("parking", "parked"):
-        out["reasons"].append(f"the kernel is {kernel_state} already: gpucleanup resume {pid} brings it back")
-    found = park_steps.state(pid)
-    out["driver_state"] = found.state
-    apps = park_steps.compute_apps()
-    usage = out["usage"] = park_steps.process_gpu_usage(pid, apps=apps)
-    reasons = park_steps.refusals(pid, None if kernel_state in ("parking", "parked") else found, usage,
-                                  park_steps.gpus() if usage else None)
-    out["reasons"].extend(reasons)
-    out["parkable"] = not out["reasons"]
-    return out
-
-
-def resume_from_outside(pid: int, target, timeout: float, lock_file: os.PathLike,
-                        wait: Optional[float] = None) -> tuple:
-    """``gpucleanup resume`` and the page's Resume: ``(outcome, state before)``. The driver's state decides
-    what is done; the kernel's state is told ``resumed`` only when it said parking or parked (a kernel
-    parked by ``python -m gpucleanup.park`` alone never knew)."""
-    from . import status_client
-
-    refusal = owner_refusal(pid, lock_file)
-    if refusal:
-        raise park_steps.ParkRefused(refusal)
-    before = status_client.request(target, "status", timeout).get("state") or {}
-    record = remote_record(target, timeout) if before.get("state") in ("parking", "parked") else None
-    return resume_kernel(pid, record, lock_file, lock_timeout=wait), before
-
-
-def outcome_text(outcome: park_steps.Outcome, before: Optional[dict] = None) -> str:
-    """A park's or a resume's one sentence for a kernel."""
-    if outcome.ok and outcome.changed:
-        return parked_text(outcome) if outcome.action == "park" else resumed_text(outcome, before)
-    return kernel_message(outcome)
-
-
 def parked_text(outcome: park_steps.Outcome) -> str:
     """``parked 8.2 GiB of GPU memory in host memory in 3.1 s``: an ``ok`` park's sentence."""
     what = f"{format_bytes(outcome.parked_bytes)} of GPU memory" if outcome.parked_bytes else "its GPU memory"
@@ -393,8 +266,6 @@ class InKernel:
     joins: a Ctrl-C then stops the wait, never a step half-way (the step goes on, and the next cell or
     ``gpucleanup resume`` finds the lock and the driver's state).
     """
-
-    PREFIX = report.PREFIX + report.SEP  # gpucleanup's own lines start as every other line of it
 
     def __init__(self, endpoint: Callable[[], object], say: Callable[[list], None],
                  limits: park_steps.Limits = park_steps.Limits(), env: Optional[dict] = None):
@@ -514,8 +385,8 @@ class InKernel:
         self.requested = False
         endpoint = self._endpoint()
         if getattr(endpoint, "park_lock", None) is None:
-            self._say([self.PREFIX + "not parked: parking needs the status endpoint, which is off "
-                       "(%config GPUCleanup.status_server = True, with a private Jupyter runtime directory)"])
+            self._say([say("not parked: parking needs the status endpoint, which is off "
+                           "(%config GPUCleanup.status_server = True, with a private Jupyter runtime directory)")])
             return
         pid = os.getpid()
 
@@ -525,7 +396,7 @@ class InKernel:
                 return (parked_text(outcome) + "; the next cell brings it back (or: gpucleanup resume "
                         f"{pid})")
             return kernel_message(outcome)
-        self._say([self.PREFIX + self._joined(run, "the park")])
+        self._say([say(self._joined(run, "the park"))])
 
     def parked_for_cleanup(self) -> bool:
         """Whether the cell's cleanup must be left out (the kernel is parked: a driver call would wait for the
@@ -545,7 +416,7 @@ class InKernel:
             self.disarm()
         note = self.take_note() if self._auto_note is not None else None  # set by the timer's thread
         if note:
-            self._say([self.PREFIX + note])
+            self._say([say(note)])
         if not (self.parked() if parked is None else parked):
             self.parked_at_start = False
             return
@@ -554,7 +425,7 @@ class InKernel:
             self.refusal = (f"this cell was not run: the kernel is still parked ({text}); nothing is lost: run the "
                             f"cell again, or resume it with gpucleanup resume {os.getpid()}")
             return
-        self._say([self.PREFIX + text])
+        self._say([say(text)])
 
     def resume_for_request(self) -> bool:
         """A request that runs code and is no cell (a silent execute, a comm message, an inspection) brings a

@@ -407,13 +407,13 @@ def test_a_park_asked_for_during_the_kernels_own_release_asks_again_and_begins_o
         tmp_path, monkeypatch, remote):
     # gpucleanup's release once idle (a thread of its own) comes due about a second after a cell: a park asked
     # for then is told "ask again" (server.421 on the socket, server.510 in the process), and asks again.
-    from gpucleanup import park, parking
+    from gpucleanup import park, parking, remote_park
 
     endpoint, target, key_file = _endpoint_in_this_process(tmp_path, monkeypatch)
     try:
         endpoint.cell_state("idle", None, 0)
         assert endpoint.background(True)
-        ask = parking.remote_record(target, 5.0) if remote else endpoint.park_step
+        ask = remote_park.remote_record(target, 5.0) if remote else endpoint.park_step
         steps, refused = [], []
 
         def record(step, parked_bytes):
@@ -435,14 +435,14 @@ def test_a_park_asked_for_during_the_kernels_own_release_asks_again_and_begins_o
 
 
 def test_a_park_still_told_to_ask_again_past_its_wait_says_why_and_changes_nothing(tmp_path, monkeypatch):
-    from gpucleanup import parking
+    from gpucleanup import parking, remote_park
 
     endpoint, target, key_file = _endpoint_in_this_process(tmp_path, monkeypatch)
     try:
         endpoint.cell_state("idle", None, 0)
         assert endpoint.background(True)  # a release that has not ended
         with pytest.raises(status_client.StatusRejected) as refused:
-            parking.park_kernel(os.getpid(), parking.remote_record(target, 5.0),
+            parking.park_kernel(os.getpid(), remote_park.remote_record(target, 5.0),
                                 parking.lock_path(key_file, os.getpid()), begin_wait_s=0.2)
         assert refused.value.error_id == "gpucleanup.server.421"
         assert str(refused.value) == ("[gpucleanup.server.421] park refused: gpucleanup is giving the frameworks' caches back on a thread "

@@ -26,7 +26,7 @@ import pytest
 from conftest import FAKE_CUDA
 from test_park import FAST, TARGET, patch, record
 
-from gpucleanup import park, parking
+from gpucleanup import park, parking, remote_park
 
 HERE = pathlib.Path(__file__).resolve().parent
 STAND_IN_BIN = HERE / "stand_ins" / "bin"
@@ -317,12 +317,12 @@ def test_a_process_that_is_not_the_file_owners_is_refused(tmp_path):
     write(proc / "4343" / "status", f"Name:\tpython\nUid:\t{own}\t{own}\t{own}\t{own}\n")
     lock = tmp_path / "gpucleanup" / "4242.park"
     lock.parent.mkdir()
-    refusal = parking.owner_refusal(4242, lock, str(proc))
+    refusal = remote_park.owner_refusal(4242, lock, str(proc))
     assert refusal.startswith(f"[gpucleanup.park.643] process 4242 belongs to uid {own + 1}")
     assert refusal.endswith(f"who owns {lock.parent}: its discovery file names another user's process, so nothing "
                             "was done; remove that file if it is not a kernel's")
-    assert parking.owner_refusal(4343, lock, str(proc)) is None
-    assert parking.owner_refusal(4444, lock, str(proc)).startswith("[gpucleanup.park.612] process 4444 ")
+    assert remote_park.owner_refusal(4343, lock, str(proc)) is None
+    assert remote_park.owner_refusal(4444, lock, str(proc)).startswith("[gpucleanup.park.612] process 4444 ")
 
 
 # ------------------------------------------------------------------ the kernel's side

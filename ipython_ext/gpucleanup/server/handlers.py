@@ -24,7 +24,7 @@ from tornado import template, web
 from traitlets import Float, Int
 from traitlets.config import LoggingConfigurable
 
-from .. import discovery, kernels, park as park_steps, parking, status_client
+from .. import discovery, kernels, park as park_steps, parking, remote_park, status_client
 from ..version import __version__
 from . import model
 
@@ -104,14 +104,14 @@ class KernelWatch:
             self._drains, partial(status_client.request, target, "drain", wait, timeout_s=drain_timeout))
 
     def park(self, kernel: discovery.Kernel, target: status_client.Target, action: str, automatic: bool = False):
-        """Park or resume ``kernel`` (gpucleanup.parking, each step in a helper process), on the drains'
+        """Park or resume ``kernel`` (gpucleanup.remote_park, each step in a helper process), on the drains'
         pool: a park moves the kernel's whole device memory and may take minutes. ``automatic``: the
         policy's park (``park_idle_after_s``), which a kernel refuses while a thread a cell started runs on."""
         lock = parking.lock_path(kernel.key_file, kernel.pid)
         if action == "park":
-            call = partial(parking.park_from_outside, kernel.pid, target, self.settings.timeout, lock, automatic)
+            call = partial(remote_park.park_from_outside, kernel.pid, target, self.settings.timeout, lock, automatic)
         else:
-            call = partial(parking.resume_from_outside, kernel.pid, target, self.settings.timeout, lock, 0.0)
+            call = partial(remote_park.resume_from_outside, kernel.pid, target, self.settings.timeout, lock, 0.0)
         return asyncio.get_running_loop().run_in_executor(self._drains, call)
 
     async def park_idle(self) -> List[str]:
@@ -143,7 +143,7 @@ class KernelWatch:
                 continue
             try:
                 outcome = await self.park(kernel, kernels.target_of(kernel), "park", automatic=True)
-                said.append(f"kernel {entry['id']} idle {state['age_s']:.0f} s: {parking.outcome_text(outcome)}")
+                said.append(f"kernel {entry['id']} idle {state['age_s']:.0f} s: {remote_park.outcome_text(outcome)}")
                 if not outcome.ok:
                     refused[entry["id"]] = state.get("since_ns")
             except Exception as exc:  # refused, no answer, a key file that cannot be read: next time, if it changes
@@ -318,7 +318,7 @@ def _target_of(kernel: discovery.Kernel, key: str) -> status_client.Target:
 
 class ParkHandler(_API):
     """``POST api/gpucleanup/kernels/<id>/park`` and ``.../resume``: the kernel's whole GPU memory, its
-    context included, to host memory and back (gpucleanup.parking; the same as ``gpucleanup park|resume``).
+    context included, to host memory and back (gpucleanup.remote_park; the same as ``gpucleanup park|resume``).
     200 with ``ok``, the driver's ``state`` and one sentence when the steps ran (``ok`` false: they failed,
     and the sentence says where the process is); 409 when refused (a cell or a drain is running, already
     parked, a restore known to fail, not enough host memory, another park of it under way); 504 when the
@@ -353,14 +353,14 @@ class ParkHandler(_API):
             "action": action,
             "ok": outcome.ok,
             "state": outcome.state,
-            "message": parking.outcome_text(outcome, before),
+            "message": remote_park.outcome_text(outcome, before),
             "outcome": outcome.as_dict(),
         })
 
 
 class ParkCheckHandler(_API):
     """``GET api/gpucleanup/kernels/<id>/park-check``: whether the kernel can be parked now and, if not, every
-    reason (gpucleanup.parking.check_kernel, the same as ``gpucleanup park --check``); touches nothing. 200 with
+    reason (gpucleanup.remote_park.check_kernel, the same as ``gpucleanup park --check``); touches nothing. 200 with
     ``parkable``, ``reasons``, ``usage`` (bytes per GPU UUID), the kernel's and the driver's state, and one
     sentence in ``message``."""
 
@@ -373,8 +373,8 @@ class ParkCheckHandler(_API):
         target = _target_of(kernel, key)
         lock = parking.lock_path(kernel.key_file, kernel.pid)
         # a helper's look at the driver's state and nvidia-smi: seconds at worst, on the drains' pool
-        found = await asyncio.get_running_loop().run_in_executor(
-            self.watch._drains, partial(parking.check_kernel, kernel.pid, target, self.watch.settings.timeout, lock))
+        check = partial(remote_park.check_kernel, kernel.pid, target, self.watch.settings.timeout, lock)
+        found = await asyncio.get_running_loop().run_in_executor(self.watch._drains, check)
         found["id"] = key
         found["message"] = ("can be parked now" if found["parkable"] else
                             "cannot be parked now: " + "; ".join(found["reasons"]))

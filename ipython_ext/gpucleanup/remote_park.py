@@ -1,0 +1,144 @@
+"""Parking a kernel from outside it: ``gpucleanup park|resume KERNEL``, ``gpucleanup park --check``, and the
+Jupyter Server page's Park and Resume and its automatic park.
+
+The kernel's state is kept through signed ``park`` requests to its status endpoint (:mod:`.status_client`),
+the driver's steps and the lock are :mod:`.parking`'s, the same as the kernel's own park and resume. Before
+anything is done, the process at the kernel's pid must belong to whoever owns the kernel's files.
+Nothing here makes a driver call in the calling process: each step runs in a helper (:mod:`.park`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+from . import park as park_steps, parking, status_client
+
+__all__ = ["remote_record", "owner_refusal", "process_uid", "park_from_outside", "check_kernel",
+           "resume_from_outside", "outcome_text"]
+
+
+def remote_record(target, timeout: float, automatic: bool = False) -> parking.RecordStep:
+    """The park steps of a kernel's state as signed ``park`` requests to its status endpoint (``target``:
+    a :class:`~gpucleanup.status_client.Target`); a refusal raises status_client's error, its sentence.
+    ``automatic``: the begin is a policy's (the server's ``park_idle_after_s``), which the kernel refuses
+    while a thread a cell started still runs."""
+
+    def record(step: str, parked_bytes: Optional[int]) -> dict:
+        fields: dict = {"step": step}
+        if parked_bytes is not None:
+            fields["bytes"] = int(parked_bytes)
+        if automatic and step == "begin":
+            fields["automatic"] = True
+        return status_client.request(target, "park", timeout, **fields).get("state") or {}
+
+    return record
+
+
+def process_uid(pid: int, proc: str = "/proc") -> Optional[int]:
+    """The real uid of process ``pid`` (``/proc/<pid>/status``), None when it cannot be read (gone, hidden)."""
+    try:
+        with open(f"{proc}/{int(pid)}/status", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("Uid:"):
+                    fields = line.split()
+                    return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
+    except OSError:
+        return None
+    return None
+
+
+def _user(uid: Optional[int]) -> str:
+    try:
+        import pwd
+
+        return f"{uid} ({pwd.getpwuid(uid).pw_name})" if uid is not None else "unknown"
+    except (KeyError, ImportError):
+        return str(uid)
+
+
+def owner_refusal(pid: int, lock_file: os.PathLike, proc: str = "/proc") -> Optional[str]:
+    """A sentence when process ``pid`` does not belong to whoever owns the kernel's files (the directory of
+    its key and park lock), else None. A discovery file and a key can be planted in a directory of one's own
+    naming any process: root's ``gpucleanup park`` would then checkpoint a third user's process."""
+    directory = Path(lock_file).parent
+    try:
+        owner = os.stat(directory, follow_symlinks=False).st_uid
+    except OSError as exc:
+        return (f"[gpucleanup.park.644] the kernel's directory {directory} cannot be read ({exc.strerror}): "
+                "nothing was done")
+    uid = process_uid(pid, proc)
+    if uid is None:
+        return (f"[gpucleanup.park.612] process {pid} is not a CUDA process the driver can park (it cannot be "
+                "seen here): it has not used the GPU, or it has exited")
+    if uid != owner:
+        return (f"[gpucleanup.park.643] process {pid} belongs to uid {_user(uid)}, not to uid {_user(owner)}, who "
+                f"owns {directory}: its discovery file names another user's process, so nothing was done; remove "
+                "that file if it is not a kernel's")
+    return None
+
+
+def park_from_outside(pid: int, target, timeout: float, lock_file: os.PathLike,
+                      automatic: bool = False) -> park_steps.Outcome:
+    """``gpucleanup park``, the page's Park and the server's automatic park (``automatic``):
+    :func:`~gpucleanup.parking.park_kernel` with the kernel's state kept through signed requests to its status
+    endpoint (``target``). Refused (ParkRefused) when the process at ``pid`` is not its files' owner's."""
+    refusal = owner_refusal(pid, lock_file)
+    if refusal:
+        raise park_steps.ParkRefused(refusal)
+    return parking.park_kernel(pid, remote_record(target, timeout, automatic), lock_file)
+
+
+def check_kernel(pid: int, target, timeout: float, lock_file: os.PathLike) -> dict:
+    """``gpucleanup park --check``: whether kernel ``pid`` can be parked now and, if not, every reason, from
+    what can be read without touching it: who owns it, its state (a cell or a drain running, parked already),
+    the driver's state of the process (a helper's read-only look: a driver without checkpoint calls says so
+    there), the GPUs it uses (nvidia-smi), host memory and its cgroup's limit. Returns ``{"parkable",
+    "reasons", "usage", "state", "driver_state"}``; never raises for what it finds."""
+    out: dict = {"pid": pid, "parkable": False, "reasons": [], "usage": None, "state": None, "driver_state": None}
+    refusal = owner_refusal(pid, lock_file)
+    if refusal:
+        out["reasons"].append(refusal)
+        return out
+    try:
+        state = status_client.request(target, "status", timeout).get("state") or {}
+    except status_client.StatusError as exc:
+        state = {}
+        out["reasons"].append(f"the kernel did not answer its status request ({exc}): a park would be refused")
+    out["state"] = kernel_state = state.get("state")
+    if kernel_state in ("running", "draining"):
+        cell = state.get("cell")
+        out["reasons"].append(f"the kernel is {kernel_state}" + (f" (cell {cell})" if cell else "")
+                              + ": a park starts only between cells; ask again when it is idle")
+    elif kernel_state in ("parking", "parked"):
+        out["reasons"].append(f"the kernel is {kernel_state} already: gpucleanup resume {pid} brings it back")
+    found = park_steps.state(pid)
+    out["driver_state"] = found.state
+    apps = park_steps.compute_apps()
+    usage = out["usage"] = park_steps.process_gpu_usage(pid, apps=apps)
+    reasons = park_steps.refusals(pid, None if kernel_state in ("parking", "parked") else found, usage,
+                                  park_steps.gpus() if usage else None)
+    out["reasons"].extend(reasons)
+    out["parkable"] = not out["reasons"]
+    return out
+
+
+def resume_from_outside(pid: int, target, timeout: float, lock_file: os.PathLike,
+                        wait: Optional[float] = None) -> tuple:
+    """``gpucleanup resume`` and the page's Resume: ``(outcome, state before)``. The driver's state decides
+    what is done; the kernel's state is told ``resumed`` only when it said parking or parked (a kernel
+    parked by ``python -m gpucleanup.park`` alone never knew)."""
+    refusal = owner_refusal(pid, lock_file)
+    if refusal:
+        raise park_steps.ParkRefused(refusal)
+    before = status_client.request(target, "status", timeout).get("state") or {}
+    record = remote_record(target, timeout) if before.get("state") in ("parking", "parked") else None
+    return parking.resume_kernel(pid, record, lock_file, lock_timeout=wait), before
+
+
+def outcome_text(outcome: park_steps.Outcome, before: Optional[dict] = None) -> str:
+    """A park's or a resume's one sentence for a kernel."""
+    if outcome.ok and outcome.changed:
+        return parking.parked_text(outcome) if outcome.action == "park" else parking.resumed_text(outcome, before)
+    return parking.kernel_message(outcome)
