@@ -1551,7 +1551,7 @@ def test_release_idle_a_cell_re_run_back_to_back_keeps_one_pending_release_re_ar
         assert _lines(out.out) == []
     assert engine.skipped == skipped + 4 and len(_ext(shell).history.last()) == records
     assert engine.idle_job is first and not first.cancelled and not first.done.is_set()
-    assert engine._idle_jobs == [first]
+    assert engine.releases.unreported == [first]
     assert first._deadline is not None and first._deadline > time.monotonic() + 3000  # re-armed for its whole delay
     assert [t.name for t in threading.enumerate()].count("gpucleanup-idle-release") == 1
     assert gpu.cupy.calls["drain"] == 0 and gpu.cupy.cached[0] == GiB
@@ -1569,7 +1569,7 @@ def test_release_idle_a_cell_that_caches_more_replaces_the_pending_release(shell
     assert record["devices"][0]["cached_bytes"] == {"cupy": 2 * GiB} and record["deferred"]["device"] is True
     first._thread.join(5)
     assert first.cancelled and first.done.is_set() and not first._thread.is_alive()
-    assert engine.idle_job is not first and engine._idle_jobs == [engine.idle_job]
+    assert engine.idle_job is not first and engine.releases.unreported == [engine.idle_job]
     assert gpu.cupy.calls["drain"] == 0
 
 
