@@ -1,0 +1,168 @@
+#include "kernel_state.hpp"
+
+#include <time.h>
+
+#include <utility>
+
+namespace gpucleanup {
+
+using json = nlohmann::json;
+
+std::int64_t realtime_ns() {
+  timespec ts{};
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return static_cast<std::int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
+}
+
+KernelState::KernelState() { since_ns_ = updated_ns_ = realtime_ns(); }
+
+void KernelState::set(json state) {
+  const std::int64_t now = realtime_ns();
+  std::int64_t since = now;
+  if (const auto it = state.find("since_ns"); it != state.end() && it->is_number_integer()) since = it->get<std::int64_t>();
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (park_state_locked() != 0) return;  // only park() ends a park
+  cell_state_.reset();
+  state_ = std::move(state);
+  since_ns_ = since;
+  updated_ns_ = now;
+}
+
+int KernelState::set_cell(bool running, std::int64_t cell) noexcept {
+  const std::int64_t now = realtime_ns();
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (const int parked = park_state_locked(); parked != 0) return parked;  // only park() ends a park
+  cell_state_ = CellState{running, cell < 0 ? -1 : cell};
+  since_ns_ = now;
+  updated_ns_ = now;
+  return 0;
+}
+
+json& KernelState::state_locked() {
+  if (cell_state_) {
+    json value = json::object();
+    value["state"] = cell_state_->running ? "running" : "idle";
+    value["since_ns"] = since_ns_;
+    if (cell_state_->running) value["cell"] = cell_state_->cell < 0 ? json(nullptr) : json(cell_state_->cell);
+    state_ = std::move(value);
+    cell_state_.reset();
+  }
+  return state_;
+}
+
+std::string KernelState::name_locked() {
+  const json& state = state_locked();
+  const auto it = state.find("state");
+  return it != state.end() && it->is_string() ? it->get<std::string>() : "unknown";
+}
+
+json KernelState::view(std::int64_t now_ns) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  json view = state_locked();
+  view["since_ns"] = since_ns_;
+  view["updated_ns"] = updated_ns_;
+  view["age_s"] = static_cast<double>(now_ns - since_ns_) / 1e9;
+  return view;
+}
+
+int KernelState::park_state_locked() const {
+  if (cell_state_) return 0;  // a cell's state: idle or running
+  const auto it = state_.find("state");
+  if (it == state_.end() || !it->is_string()) return 0;
+  const auto& name = it->get_ref<const std::string&>();
+  return name == "parking" ? 1 : name == "parked" ? 2 : 0;
+}
+
+std::optional<ParkRefusal> KernelState::park(const std::string& step, std::optional<std::int64_t> bytes, json& after,
+                                             const json* then, bool automatic,
+                                             const std::function<bool()>& drain_running) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const int parked = park_state_locked();
+  const std::string name = name_locked();
+  const std::int64_t now = realtime_ns();
+  if (step == "begin") {
+    if (name != "idle") {
+      return ParkRefusal{false, "park refused: the kernel is " + name +
+                                    (parked ? "" : "; a park starts only between cells (state idle): ask again when "
+                                                   "the cell has ended")};
+    }
+    if (drain_running()) return ParkRefusal{true, "park refused: a drain is running; ask again when it has answered"};
+    if (background_ > 0) {
+      return ParkRefusal{true, "park refused: gpucleanup is giving the frameworks' caches back on a thread of its "
+                               "own; ask again in a few seconds"};
+    }
+    if (automatic && !park_blocker_.empty()) return ParkRefusal{false, park_blocker_};
+    before_park_ = BeforePark{std::move(state_), since_ns_, updated_ns_};
+    state_ = json{{"state", "parking"}};
+  } else if (step == "parked" || step == "failed") {
+    if (parked != 1) {
+      return ParkRefusal{false, "park step \"" + step + "\" refused: the kernel is " + name + ", not parking"};
+    }
+    if (step == "failed" && before_park_) {
+      // Idle again as if no park had been asked for: the same object, idle since the same time.
+      state_ = std::move(before_park_->state);
+      since_ns_ = before_park_->since_ns;
+      updated_ns_ = before_park_->updated_ns;
+      before_park_.reset();
+      after = state_;
+      after["since_ns"] = since_ns_;
+      return std::nullopt;
+    }
+    before_park_.reset();  // parked: what comes next is the resume's own state
+    state_ = step == "parked" ? json{{"state", "parked"}, {"bytes", bytes ? json(*bytes) : json(nullptr)}}
+                              : json{{"state", "idle"}};  // no "begin" (set() said parking): idle from now
+  } else if (step == "resumed") {
+    if (parked == 0) return ParkRefusal{false, "park step \"resumed\" refused: the kernel is " + name + ", not parked"};
+    before_park_.reset();
+    json was = state_;
+    was["since_ns"] = since_ns_;
+    state_ = then != nullptr ? *then : json{{"state", "idle"}};
+    since_ns_ = now;
+    updated_ns_ = now;
+    after = state_;
+    after["since_ns"] = now;
+    after["was"] = std::move(was);  // what the park was: its bytes, since when
+    return std::nullopt;
+  } else {
+    return ParkRefusal{false, "unknown park step \"" + step + "\": use begin, parked, failed or resumed"};
+  }
+  since_ns_ = now;
+  updated_ns_ = now;
+  after = state_;
+  after["since_ns"] = now;
+  return std::nullopt;
+}
+
+int KernelState::park_state() const noexcept {
+  try {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return park_state_locked();
+  } catch (...) {
+    return 0;
+  }
+}
+
+void KernelState::set_park_blocker(std::string why) noexcept {
+  try {
+    std::lock_guard<std::mutex> lock(mutex_);
+    park_blocker_ = std::move(why);
+  } catch (...) {
+  }
+}
+
+int KernelState::background(bool begin) noexcept {
+  try {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!begin) {
+      if (background_ > 0) --background_;
+      return 0;
+    }
+    if (const int parked = park_state_locked(); parked != 0) return parked;
+    ++background_;
+    return 0;
+  } catch (...) {
+    return 0;
+  }
+}
+
+}  // namespace gpucleanup
