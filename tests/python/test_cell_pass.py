@@ -16,6 +16,10 @@ import types
 
 import pytest
 
+import gpucleanup
+import gpucleanup._native
+import gpucleanup.frameworks
+import gpucleanup.status_endpoint
 from gpucleanup import after_cell, extension, report
 
 GiB = 1 << 30
@@ -838,9 +842,9 @@ def test_an_idle_cell_publishes_nothing_and_prints_nothing(shell, fake_cuda, mon
     _device(fake_cuda)
     cupy = Framework(live={0: GiB})
     endpoint = Endpoint()
-    monkeypatch.setitem(extension.DEFAULTS, "native", Native())
-    monkeypatch.setitem(extension.DEFAULTS, "adapters", lambda: [cupy])
-    monkeypatch.setitem(extension.DEFAULTS, "status_endpoint", lambda: endpoint)
+    monkeypatch.setattr(gpucleanup, "_native", Native())
+    monkeypatch.setattr(gpucleanup.frameworks, "active", lambda: [cupy])
+    monkeypatch.setattr(gpucleanup.status_endpoint, "StatusEndpoint", lambda: endpoint)
     shell.run_line_magic("load_ext", "gpucleanup")
     ext = extension.get_extension(shell)
     shell.run_cell("a = 1", store_history=True)

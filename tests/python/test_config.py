@@ -6,6 +6,10 @@ import pytest
 from traitlets import TraitError
 from traitlets.config import Config
 
+import gpucleanup
+import gpucleanup._native
+import gpucleanup.frameworks
+import gpucleanup.status_endpoint
 from gpucleanup import config, extension
 from test_extension import StandInEndpoint, StandInNative, shell  # noqa: F401  (fixture)
 
@@ -13,9 +17,9 @@ from test_extension import StandInEndpoint, StandInNative, shell  # noqa: F401  
 @pytest.fixture
 def stand_in(monkeypatch):
     native = StandInNative()
-    monkeypatch.setitem(extension.DEFAULTS, "native", native)
-    monkeypatch.setitem(extension.DEFAULTS, "adapters", lambda: [])
-    monkeypatch.setitem(extension.DEFAULTS, "status_endpoint", lambda: StandInEndpoint())
+    monkeypatch.setattr(gpucleanup, "_native", native)
+    monkeypatch.setattr(gpucleanup.frameworks, "active", lambda: [])
+    monkeypatch.setattr(gpucleanup.status_endpoint, "StatusEndpoint", lambda: StandInEndpoint())
     return native
 
 

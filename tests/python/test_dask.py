@@ -21,7 +21,9 @@ from IPython.core.error import UsageError  # noqa: E402
 from IPython.utils.capture import capture_output  # noqa: E402
 
 import gpucleanup.dask as gdask  # noqa: E402
-from gpucleanup import extension, report  # noqa: E402
+import gpucleanup.frameworks  # noqa: E402
+import gpucleanup.status_endpoint  # noqa: E402
+from gpucleanup import report  # noqa: E402
 from test_extension import GiB, StandInEndpoint, shell  # noqa: E402,F401
 
 # the functions below run in the workers: pickled by value (the workers cannot import this file)
@@ -237,8 +239,8 @@ def test_bad_plugin_options_are_refused_with_what_to_pass():
 
 
 def test_gpumem_dask_in_a_kernel_registers_shows_and_drains_the_workers(shell, client, monkeypatch):  # noqa: F811
-    monkeypatch.setitem(extension.DEFAULTS, "adapters", lambda: [])
-    monkeypatch.setitem(extension.DEFAULTS, "status_endpoint", lambda: StandInEndpoint())
+    monkeypatch.setattr(gpucleanup.frameworks, "active", lambda: [])
+    monkeypatch.setattr(gpucleanup.status_endpoint, "StatusEndpoint", lambda: StandInEndpoint())
     shell.run_line_magic("load_ext", "gpucleanup")
     with capture_output() as cap:
         shell.run_line_magic("gpumem", "--dask on")
@@ -258,8 +260,8 @@ def test_gpumem_dask_in_a_kernel_registers_shows_and_drains_the_workers(shell, c
 
 
 def test_gpumem_dask_without_a_client_says_how_to_make_one(shell, monkeypatch):  # noqa: F811
-    monkeypatch.setitem(extension.DEFAULTS, "adapters", lambda: [])
-    monkeypatch.setitem(extension.DEFAULTS, "status_endpoint", lambda: StandInEndpoint())
+    monkeypatch.setattr(gpucleanup.frameworks, "active", lambda: [])
+    monkeypatch.setattr(gpucleanup.status_endpoint, "StatusEndpoint", lambda: StandInEndpoint())
     shell.run_line_magic("load_ext", "gpucleanup")
     with pytest.raises(UsageError, match="this kernel has no Dask client: create one first"):
         shell.run_line_magic("gpumem", "--dask")
