@@ -84,6 +84,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import json
 import math
 import os
@@ -98,6 +99,9 @@ import textwrap
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import kernel_harness  # noqa: E402  (tests/kernel_harness.py)
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -257,36 +261,22 @@ def nvidia_smi_machine() -> Optional[str]:
 # ------------------------------------------------------------------ kernels
 
 
-class Kernel:
-    """One kernel (one variant): start, run cells, measure execute-to-idle."""
+class Kernel(kernel_harness.Kernel):
+    """One kernel (one variant): start, run cells, measure execute-to-idle (tests/kernel_harness.py)."""
 
     def __init__(self, variant: str, python: str, env: dict, timeout: float, log: Optional[Path] = None):
-        from jupyter_client.manager import KernelManager
-
         self.variant = variant
         self.log = log
-        self.timeout = timeout
-        self.km = KernelManager()
-        try:
-            spec = self.km.kernel_spec
-        except Exception:
-            spec = None
-        if spec is None:  # no kernelspec found: make one
-            from jupyter_client.kernelspec import KernelSpec
-
-            self.km._kernel_spec = KernelSpec(argv=[], display_name="bench", language="python")  # noqa: SLF001
-        self.km.kernel_spec.argv = [python, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
-        kwargs: dict = {}
+        self._log_fh = None
+        output: dict = {}
         if log is not None:  # the kernel's own stdout/stderr (warnings, crashes): a file, shown on failure
             self._log_fh = open(log, "w")
-            kwargs.update(stdout=self._log_fh, stderr=subprocess.STDOUT)
-        self.km.start_kernel(env=env, **kwargs)
-        self.kc = self.km.client()
-        self.kc.start_channels()
+            output.update(stdout=self._log_fh, stderr=subprocess.STDOUT)
+        super().__init__(env, python=python, ready=None, timeout=timeout, **output)
         self.pid: Optional[int] = None
 
     def wait_ready(self) -> None:
-        self.kc.wait_for_ready(timeout=max(self.timeout, 120))
+        super().wait_ready(max(self.timeout, 120))
         self.pid = int(self.expressions({"pid": "__import__('os').getpid()"})["pid"])
 
     def log_tail(self, n: int = 1500) -> str:
@@ -297,13 +287,10 @@ class Kernel:
 
     def shutdown(self) -> None:
         try:
-            self.kc.stop_channels()
+            with contextlib.suppress(Exception):
+                self.stop()
         finally:
-            try:
-                self.km.shutdown_kernel(now=True)
-            except Exception:
-                pass
-            if getattr(self, "_log_fh", None) is not None:
+            if self._log_fh is not None:
                 self._log_fh.close()
 
     def flush_iopub(self) -> int:
@@ -315,53 +302,21 @@ class Kernel:
             except queue.Empty:
                 return n
 
-    def _reply(self, msg_id: str, deadline: float) -> dict:
-        while True:
-            left = deadline - time.perf_counter()
-            if left <= 0:
-                raise TimeoutError(f"{self.variant}: no execute_reply within {self.timeout} s")
-            try:
-                reply = self.kc.get_shell_msg(timeout=left)
-            except queue.Empty:
-                continue
-            if reply["parent_header"].get("msg_id") == msg_id:
-                return reply["content"]
-
     def run(self, code: str, silent: bool = False, user_expressions: Optional[dict] = None) -> dict:
         """Execute to idle: elapsed_s from sending until both idle (iopub) and the reply (shell) arrived."""
-        kc = self.kc
         t0 = time.perf_counter()
-        msg_id = kc.execute(code, silent=silent, store_history=not silent,
-                            user_expressions=user_expressions or {}, allow_stdin=False)
-        deadline = t0 + self.timeout
-        stdout: List[str] = []
-        error = None
-        while True:
-            left = deadline - time.perf_counter()
-            if left <= 0:
-                raise TimeoutError(f"{self.variant}: the kernel did not report idle within {self.timeout} s")
-            try:
-                msg = kc.get_iopub_msg(timeout=left)
-            except queue.Empty:
-                continue
-            if msg["parent_header"].get("msg_id") != msg_id:
-                continue
-            kind, content = msg["msg_type"], msg["content"]
-            if kind == "stream":
-                stdout.append(content.get("text", ""))
-            elif kind == "display_data" and "gpucleanup" in content.get("metadata", {}):
-                stdout.append(content["data"].get("text/plain", "") + "\n")  # gpucleanup's own output
-            elif kind == "error":
-                error = content
-            elif kind == "status" and content.get("execution_state") == "idle":
-                break
-        reply = self._reply(msg_id, deadline)
+        msg_id = self.send(code, silent=silent, user_expressions=user_expressions)
+        try:
+            cell = self.collect(msg_id, self.timeout, within=t0 + self.timeout - time.perf_counter())
+        except queue.Empty as exc:
+            raise TimeoutError(f"{self.variant}: {exc}") from None
         elapsed = time.perf_counter() - t0
-        if reply.get("status") != "ok":
-            err = error or reply
+        said = cell.joined("stdout", "stderr", kernel_harness.GPUCLEANUP)
+        if cell.reply.get("status") != "ok":
+            err = cell.error or cell.reply
             raise CellFailed(f"{self.variant}: {err.get('ename')}: {err.get('evalue')}\n"
-                             + "\n".join(err.get("traceback") or [])[-3000:] + "\n" + "".join(stdout)[-2000:])
-        return {"elapsed_s": elapsed, "stdout": "".join(stdout), "reply": reply}
+                             + "\n".join(err.get("traceback") or [])[-3000:] + "\n" + said[-2000:])
+        return {"elapsed_s": elapsed, "stdout": said, "reply": cell.reply}
 
     def expressions(self, exprs: Dict[str, str]) -> Dict[str, Any]:
         """Evaluate expressions silently (no cell hooks); values parsed back from their repr."""
@@ -384,10 +339,7 @@ class Kernel:
             out[key] = value
         return out
 
-    # pipelined requests (set-up in parallel over kernels, the long session)
-    def send(self, code: str, store_history: bool = True) -> str:
-        return self.kc.execute(code, silent=False, store_history=store_history, allow_stdin=False)
-
+    # pipelined requests (set-up in parallel over kernels, the long session): sent with send()
     def wait(self, msg_ids: List[str]) -> None:
         pending = set(msg_ids)
         deadline = time.perf_counter() + self.timeout * max(1, len(msg_ids))

@@ -29,6 +29,8 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "gpu"))
+sys.path.insert(0, str(ROOT / "tests"))
+import kernel_harness  # noqa: E402  (tests/kernel_harness.py)
 from test_park_gpu import used_mib  # noqa: E402  (nvidia-smi's figure for one pid)
 
 GiB = 1 << 30
@@ -47,50 +49,29 @@ SETUP = {
 }
 
 
-class Kernel:
+class Kernel(kernel_harness.Kernel):
+    """A real ipykernel (tests/kernel_harness.py) that can be restarted as Jupyter restarts one."""
+
     def __init__(self, workdir: pathlib.Path, env: dict):
-        from jupyter_client.manager import KernelManager
-
-        self.env = env
-        self.km = KernelManager()
-        self.km.kernel_spec.argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
-        self.km.start_kernel(env=env, cwd=str(workdir))
-        self.connect()
-
-    def connect(self) -> None:
-        self.kc = self.km.client()
-        self.kc.start_channels()
-        self.kc.wait_for_ready(timeout=TIMEOUT)
-
-    @property
-    def pid(self) -> int:
-        return self.km.provisioner.pid
+        super().__init__(env, python=sys.executable, cwd=workdir, ready=TIMEOUT, timeout=TIMEOUT)
 
     def run(self, code: str) -> str:
-        msg_id = self.kc.execute(code)
-        out = []
-        while True:
-            msg = self.kc.get_iopub_msg(timeout=TIMEOUT)
-            if msg["parent_header"].get("msg_id") != msg_id:
-                continue
-            kind, content = msg["msg_type"], msg["content"]
-            if kind == "stream" and content["name"] == "stdout":
-                out.append(content["text"])
-            elif kind == "display_data" and "gpucleanup" in content.get("metadata", {}):
-                out.append(content["data"]["text/plain"] + "\n")
-            elif kind == "error":
-                raise RuntimeError(f"{content['ename']}: {content['evalue']}")
-            elif kind == "status" and content["execution_state"] == "idle":
-                return "".join(out)
+        """The cell's stdout and gpucleanup's lines; an error in the cell raises RuntimeError."""
+        cell = self.execute(code)
+        if cell.error is not None:
+            raise RuntimeError(cell.error_line)
+        return cell.printed
 
     def restart(self) -> None:
         self.kc.stop_channels()
         self.km.restart_kernel(now=False)
-        self.connect()
+        self.process, self.pid = self.km.provisioner.process, self.km.provisioner.pid
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.wait_ready(TIMEOUT)
 
     def close(self) -> None:
-        self.kc.stop_channels()
-        self.km.shutdown_kernel(now=False)
+        self.stop(now=False)
 
 
 def rss(pid: int) -> int:

@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import ast
 import json
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from conftest import MiB, ROOT, TOLERANCE, require, stop_kernel, subprocess_env
+
+sys.path.insert(0, str(ROOT / "tests"))
+import kernel_harness  # noqa: E402  (tests/kernel_harness.py)
 
 EXAMPLES = ROOT / "share" / "examples"
 TIMEOUT = 180
@@ -71,7 +75,7 @@ def __gpucleanup_probe():
 '''
 
 
-def _check_lines(cell, summary: list, out: dict, background_report_due: bool) -> bool:
+def _check_lines(cell, summary: list, out: kernel_harness.Cell, background_report_due: bool) -> bool:
     """The cell's line as the notebook's metadata expects it under release "cell"; True when a pinned
     release left to the background is due on the next cell's line."""
     if background_report_due:
@@ -81,7 +85,7 @@ def _check_lines(cell, summary: list, out: dict, background_report_due: bool) ->
     if expect == "same-or-next" and not summary:
         background_report_due = True   # a pinned-only cell: its release may be reported next
     elif expect:
-        assert summary and summary[0].startswith("gpucleanup · GPU0"), out["stdout"]
+        assert summary and summary[0].startswith("gpucleanup · GPU0"), out.printed
     says = cell.metadata.get("gpucleanup", {}).get("expect_text")
     if says:
         assert summary and says in summary[0], (says, summary)
@@ -92,52 +96,19 @@ def _notebooks():
     return sorted(p.name for p in EXAMPLES.glob("*.ipynb"))
 
 
-class Kernel:
-    def __init__(self, tmp_path: Path):
-        from jupyter_client.manager import KernelManager
-        import sys
+class Kernel(kernel_harness.Kernel):
+    """A real ipykernel on this machine's GPUs (tests/kernel_harness.py)."""
 
-        self.km = KernelManager()
-        self.km.kernel_spec
-        self.km.kernel_spec.argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
-        self.km.start_kernel(env=subprocess_env(JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
-                                                IPYTHONDIR=str(tmp_path / "ipython")),
-                             cwd=str(tmp_path))
-        self.kc = self.km.client()
-        self.kc.start_channels()
-        self.kc.wait_for_ready(timeout=TIMEOUT)
+    def __init__(self, tmp_path: Path):
+        super().__init__(subprocess_env(JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
+                                        IPYTHONDIR=str(tmp_path / "ipython")),
+                         python=sys.executable, cwd=tmp_path, ready=TIMEOUT, timeout=TIMEOUT)
 
     def close(self):
         stop_kernel(self.km, self.kc)
 
-    def execute(self, code: str, silent: bool = False, user_expressions=None) -> dict:
-        msg_id = self.kc.execute(code, silent=silent, store_history=not silent,
-                                 user_expressions=user_expressions or {})
-        out = {"stdout": "", "stderr": "", "error": None, "result": None}
-        while True:
-            msg = self.kc.get_iopub_msg(timeout=TIMEOUT)
-            if msg["parent_header"].get("msg_id") != msg_id:
-                continue
-            kind, content = msg["msg_type"], msg["content"]
-            if kind == "stream":
-                out[content["name"]] += content["text"]
-            elif kind == "display_data" and "gpucleanup" in content.get("metadata", {}):
-                out["stdout"] += content["data"]["text/plain"] + "\n"  # gpucleanup's own output, after the cell's
-            elif kind == "execute_result":
-                out["result"] = content["data"].get("text/plain")
-            elif kind == "error":
-                out["error"] = "\n".join(content["traceback"])
-            elif kind == "status" and content["execution_state"] == "idle":
-                break
-        while True:
-            reply = self.kc.get_shell_msg(timeout=TIMEOUT)
-            if reply["parent_header"].get("msg_id") == msg_id:
-                break
-        out["reply"] = reply["content"]
-        return out
-
     def probe(self) -> dict:
-        reply = self.execute("", silent=True, user_expressions={"p": "__gpucleanup_probe()"})["reply"]
+        reply = self.execute("", silent=True, user_expressions={"p": "__gpucleanup_probe()"}).reply
         value = reply["user_expressions"]["p"]
         assert value["status"] == "ok", value
         return json.loads(ast.literal_eval(value["data"]["text/plain"]))
@@ -168,8 +139,8 @@ def test_notebook_cells_leave_no_freeable_gpu_memory(name, release, tmp_path):
             t0 = time.perf_counter()
             out = kernel.execute(cell.source)
             elapsed = (time.perf_counter() - t0) * 1e3
-            assert out["error"] is None, f"cell {number} failed:\n{out['error']}"
-            summary = [line for line in out["stdout"].splitlines() if line.startswith("gpucleanup ·")]
+            assert out.error is None, f"cell {number} failed:\n{out.traceback}"
+            summary = [line for line in out.printed.splitlines() if line.startswith("gpucleanup ·")]
             now = kernel.probe()
             # the pinned pools are released on a background thread, and "rerun" releases once idle: poll
             deadline = time.monotonic() + 60
@@ -204,9 +175,9 @@ def test_notebook_cells_leave_no_freeable_gpu_memory(name, release, tmp_path):
                     assert abs(free - expected) <= TOLERANCE, (dev, free, expected)
             previous = now
         status = kernel.execute("%gpumem --json")
-        assert status["error"] is None
+        assert status.error is None
         # %gpumem --json returns a dict shown as JSON text (d = %gpumem --json keeps it)
-        data = json.loads(status["result"])
+        data = json.loads(status.result)
         assert data["kind"] == "gpumem"
         assert data["frameworks"], data
         for framework, text in data["frameworks"].items():
@@ -235,13 +206,13 @@ def test_torch_cells_that_pin_nothing_say_nothing_about_pinned_memory(tmp_path):
         lines = []
         for cell in cells:
             out = kernel.execute(cell)
-            assert out["error"] is None, out["error"]
-            summary = [line for line in out["stdout"].splitlines() if line.startswith("gpucleanup ·")]
-            stats = kernel.execute(HOST_STATS)
-            host = [line for line in stats["stdout"].splitlines() if line.startswith("HOST ")]
+            assert out.error is None, out.traceback
+            summary = [line for line in out.printed.splitlines() if line.startswith("gpucleanup ·")]
+            stats = kernel.execute(HOST_STATS).printed
+            host = [line for line in stats.splitlines() if line.startswith("HOST ")]
             print(f"FIGURE pinned-nothing {cell.splitlines()[0][:40]!r}: {summary}; torch host stats after: {host}")
-            print(f"FIGURE pinned-nothing stats cell said: {[l for l in stats['stdout'].splitlines() if l.startswith('gpucleanup')]}")
-            lines += summary + [l for l in stats["stdout"].splitlines() if l.startswith("gpucleanup ·")]
+            print(f"FIGURE pinned-nothing stats cell said: {[l for l in stats.splitlines() if l.startswith('gpucleanup')]}")
+            lines += summary + [l for l in stats.splitlines() if l.startswith("gpucleanup ·")]
         assert lines, "no summary line at all"
         assert not [line for line in lines if " pinned " in f" {line} "], lines
     finally:

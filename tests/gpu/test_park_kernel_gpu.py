@@ -22,7 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import GiB, require, stop_kernel, subprocess_env
+from conftest import GiB, ROOT, require, stop_kernel, subprocess_env
+
+sys.path.insert(0, str(ROOT / "tests"))
+import kernel_harness  # noqa: E402  (tests/kernel_harness.py)
 
 TIMEOUT = 300
 RESUME_TIMEOUT = 120  # a resume of these sizes takes seconds: past this the kernel is stuck
@@ -48,25 +51,17 @@ def used_mib(pid: int) -> int:
                if p.strip() == str(pid) and used.strip().isdigit())
 
 
-class KernelDied(AssertionError):
-    pass
+class Kernel(kernel_harness.Kernel):
+    """A real ipykernel on this machine's GPUs (tests/kernel_harness.py); a kernel that dies in a cell fails it
+    at once, with :meth:`diagnose`."""
 
-
-class Kernel:
     def __init__(self, tmp_path: Path, **env: str):
-        from jupyter_client.manager import KernelManager
-
-        self.runtime = tmp_path / "runtime"
-        self.env = subprocess_env(JUPYTER_RUNTIME_DIR=str(self.runtime), IPYTHONDIR=str(tmp_path / "ipython"), **env)
-        self.km = KernelManager()
-        self.km.kernel_spec.argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
         self.output = tmp_path / "kernel-output.txt"  # the kernel's own stdout and stderr (a failure says them)
         with open(self.output, "wb") as output:
-            self.km.start_kernel(env=self.env, cwd=str(tmp_path), stdout=output, stderr=output)
-        self.kc = self.km.client()
-        self.kc.start_channels()
-        self.kc.wait_for_ready(timeout=TIMEOUT)
-        self.pid = self.km.provisioner.pid
+            super().__init__(subprocess_env(JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
+                                            IPYTHONDIR=str(tmp_path / "ipython"), **env),
+                             python=sys.executable, cwd=tmp_path, stdout=output, stderr=output, ready=TIMEOUT,
+                             timeout=TIMEOUT)
 
     def run(self, code: str, timeout: float = TIMEOUT) -> str:
         """The cell's stdout and gpucleanup's lines; fails on an error in the cell (queue.Empty: no message
@@ -77,31 +72,8 @@ class Kernel:
 
     def run_with_error(self, code: str, timeout: float = TIMEOUT) -> tuple:
         """The cell's stdout and gpucleanup's lines, and its error (``ename: evalue``) or None."""
-        msg_id = self.kc.execute(code)
-        out, error = [], None
-        deadline = time.monotonic() + timeout
-        while True:
-            # a kernel that dies says nothing more: asked every second, not waited for
-            while not self.kc.iopub_channel.msg_ready():
-                if not self.km.is_alive():
-                    raise KernelDied(f"the kernel died (exit status {self.exit_status()}) in a cell\n{self.diagnose()}")
-                if time.monotonic() > deadline:
-                    raise queue.Empty
-                self.kc.iopub_channel.socket.poll(1000)
-            deadline = time.monotonic() + timeout
-            msg = self.kc.get_iopub_msg(timeout=timeout)
-            if msg["parent_header"].get("msg_id") != msg_id:
-                continue
-            kind, content = msg["msg_type"], msg["content"]
-            if kind == "stream" and content["name"] == "stdout":
-                out.append(content["text"])
-            elif kind == "display_data" and "gpucleanup" in content.get("metadata", {}):
-                out.append(content["data"]["text/plain"] + "\n")
-            elif kind == "error":
-                error = f"{content['ename']}: {content['evalue']}"
-            elif kind == "status" and content["execution_state"] == "idle":
-                break
-        return "".join(out), error
+        cell = self.execute(code, timeout, watch=True)
+        return cell.printed, cell.error_line
 
     def cli(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "gpucleanup.cli", *args], capture_output=True, text=True,
@@ -109,11 +81,6 @@ class Kernel:
 
     def close(self) -> None:
         stop_kernel(self.km, self.kc)
-
-    def exit_status(self) -> object:
-        """The kernel process's exit status (a negative number: the signal that ended it), None while it runs."""
-        process = getattr(self.km.provisioner, "process", None)
-        return None if process is None else process.poll()
 
     def dump_on_signal(self) -> None:
         """The kernel writes every Python thread's stack to a file on SIGUSR2 (for :meth:`diagnose`), and to
@@ -216,5 +183,4 @@ def test_a_parked_kernel_shuts_down_without_hanging(tmp_path):
         assert not kernel.km.is_alive()
         assert not (kernel.runtime / f"gpucleanup-{kernel.pid}.json").exists()  # ended by itself, files removed
     finally:
-        if kernel.km.is_alive():
-            kernel.km.shutdown_kernel(now=True)
+        kernel.stop()

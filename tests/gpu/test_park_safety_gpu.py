@@ -137,5 +137,4 @@ def test_a_parked_kernel_whose_gpu_was_taken_still_shuts_down_at_once(tmp_path):
         if hog is not None:
             hog.kill()
             hog.wait()
-        if kernel.km.is_alive():
-            kernel.km.shutdown_kernel(now=True)
+        kernel.stop()

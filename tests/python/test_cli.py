@@ -29,6 +29,9 @@ from gpucleanup import _native, discovery, status_client
 from gpucleanup import cli as gpucleanup_cli
 from gpucleanup.status_endpoint import StatusEndpoint
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernel_harness import Kernel  # noqa: E402  (tests/kernel_harness.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = Path(os.environ.get("GPUCLEANUP_BUILD_DIR", ROOT / "build")).resolve()
 
@@ -475,62 +478,22 @@ def hold_gil_library(tmp_path_factory):
     return directory / "libhold.so"
 
 
-class Kernel:
-    """A real ipykernel with gpucleanup loaded, through jupyter_client."""
-
-    def __init__(self, runtime: Path):
-        from jupyter_client.manager import KernelManager
-
-        self.id = str(uuid.uuid4())
-        env = dict(os.environ)
-        env["PYTHONPATH"] = str(ROOT / "ipython_ext")
-        env["GPUCLEANUP_LIBRARY"] = str(BUILD / "native" / "libgpucleanup.so")
-        env["GPUCLEANUP_LIBCUDA"] = str(BUILD / "tests" / "fake_cuda" / "libcuda.so.1")
-        env["JUPYTER_RUNTIME_DIR"] = str(runtime)
-        self.km = KernelManager(kernel_name="python3", connection_file=str(runtime / f"kernel-{self.id}.json"))
-        self.km.start_kernel(env=env)
-        self.kc = self.km.client()
-        self.kc.start_channels()
-        self.kc.wait_for_ready(timeout=60)
-        self.pid = self.km.provisioner.pid
-
-    def execute(self, code: str, timeout: float = 60) -> str:
-        """Runs a cell and returns its stream output (errors included), like ipykernel's assemble_output."""
-        msg_id = self.kc.execute(code)
-        return self.collect(msg_id, timeout)
-
-    def collect(self, msg_id: str, timeout: float = 60) -> str:
-        out = []
-        while True:
-            msg = self.kc.get_iopub_msg(timeout=timeout)
-            if msg["parent_header"].get("msg_id") != msg_id:
-                continue
-            kind = msg["msg_type"]
-            if kind == "stream":
-                out.append(msg["content"]["text"])
-            elif kind == "error":
-                out.append(f"{msg['content']['ename']}: {msg['content']['evalue']}\n")
-            elif kind == "status" and msg["content"]["execution_state"] == "idle":
-                return "".join(out)
-
-    def target(self) -> status_client.Target:
-        info = json.loads((Path(os.environ["JUPYTER_RUNTIME_DIR"]) / f"gpucleanup-{self.pid}.json").read_text())
-        return status_client.Target(info["endpoint"], Path(info["key_file"]).read_bytes())
-
-    def stop(self) -> None:
-        try:
-            self.kc.stop_channels()
-        finally:
-            if self.km.is_alive():
-                self.km.shutdown_kernel(now=True)
+def kernel_env(runtime: Path) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT / "ipython_ext")
+    env["GPUCLEANUP_LIBRARY"] = str(BUILD / "native" / "libgpucleanup.so")
+    env["GPUCLEANUP_LIBCUDA"] = str(BUILD / "tests" / "fake_cuda" / "libcuda.so.1")
+    env["JUPYTER_RUNTIME_DIR"] = str(runtime)
+    return env
 
 
 @pytest.fixture
 def kernels(runtime):
+    """Starts real ipykernels with gpucleanup loaded (tests/kernel_harness.py); each stopped at the end."""
     started = []
 
     def start() -> Kernel:
-        k = Kernel(runtime)
+        k = Kernel(kernel_env(runtime), kernel_id=str(uuid.uuid4()))
         started.append(k)
         out = k.execute("%load_ext gpucleanup")
         assert "Error" not in out, out

@@ -37,6 +37,9 @@ import pytest
 from conftest import BUILD, FAKE_CUDA
 from gpucleanup import extension, status_client
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernel_harness import Kernel, output  # noqa: E402  (tests/kernel_harness.py)
+
 jupyter_client = pytest.importorskip("jupyter_client")
 pytest.importorskip("ipykernel")
 
@@ -195,64 +198,17 @@ def test_script_ends_while_a_status_drain_waits_on_a_hanging_synchronize(runtime
     _assert_drain_stopped_early(answer)
 
 
-class Kernel:
-    """A real ipykernel with gpucleanup loaded, through jupyter_client."""
-
-    def __init__(self, runtime: Path):
-        from jupyter_client.manager import KernelManager
-
-        self.runtime = runtime
-        self.km = KernelManager(kernel_name="python3")
-        # Jupyter interrupts, asks the kernel to shut down, then after half of this sends
-        # SIGTERM: here only a kernel that hangs would get it.
-        self.km.shutdown_wait_time = 2 * (DRAIN_S + MARGIN_S)
-        self.km.start_kernel(env=_env(runtime))
-        self.process = self.km.provisioner.process
-        self.pid = self.process.pid
-        self.kc = self.km.client()
-        self.kc.start_channels()
-        self.kc.wait_for_ready(timeout=60)
-
-    def run(self, code: str, silent: bool = False) -> str:
-        """Runs a cell to its end; its stream output and error name."""
-        return self.collect(self.kc.execute(code, silent=silent))
-
-    def collect(self, msg_id: str) -> str:
-        out = []
-        while True:
-            msg = self.kc.get_iopub_msg(timeout=60)
-            if msg["parent_header"].get("msg_id") != msg_id:
-                continue
-            if msg["msg_type"] == "stream":
-                out.append(msg["content"]["text"])
-            elif msg["msg_type"] == "display_data" and "gpucleanup" in msg["content"].get("metadata", {}):
-                out.append(msg["content"]["data"]["text/plain"] + "\n")  # gpucleanup's own output
-            elif msg["msg_type"] == "error":
-                out.append(f"{msg['content']['ename']}: {msg['content']['evalue']}\n")
-            elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-                return "".join(out)
-
-    def status(self) -> dict:
-        return status_client.request(_target(self.runtime, self.pid), "status", timeout=5)
-
-    def stop(self) -> None:
-        with contextlib.suppress(Exception):
-            self.kc.stop_channels()
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-        with contextlib.suppress(Exception):
-            self.km.cleanup_resources()
-
-
 @pytest.fixture
 def kernel(runtime):
+    """Starts real ipykernels with gpucleanup loaded (tests/kernel_harness.py); each stopped at the end."""
     started = []
 
     def start() -> Kernel:
-        k = Kernel(runtime)
+        # Jupyter interrupts, asks the kernel to shut down, then after half of shutdown_wait_time sends
+        # SIGTERM: here only a kernel that hangs would get it.
+        k = Kernel(_env(runtime), shutdown_wait_s=2 * (DRAIN_S + MARGIN_S))
         started.append(k)
-        out = k.run(f"%load_ext gpucleanup\n%config GPUCleanup.settle_timeout = {SETTLE_S}")
+        out = k.execute(f"%load_ext gpucleanup\n%config GPUCleanup.settle_timeout = {SETTLE_S}")
         assert out == "", out
         assert _files(runtime) == sorted(_kernel_files(runtime, k.pid) + [p.name for p in runtime.glob("kernel-*.json")])
         return k
@@ -272,7 +228,7 @@ def _waiting_in_the_cells_cleanup(k: Kernel) -> str:
 
 def _waiting_in_a_status_drain(k: Kernel, answer: dict) -> threading.Thread:
     """Between cells, a ``gpucleanup drain`` that waits for queued work that never finishes."""
-    k.run(HANG, silent=True)  # a silent request: no cleanup after it, the kernel stays idle
+    k.execute(HANG, silent=True)  # a silent request: no cleanup after it, the kernel stays idle
     assert k.status()["state"]["state"] == "idle"
     asking = _ask_drain(_target(k.runtime, k.pid), answer)
     _until(lambda: k.status()["server"]["drain_running"], "the drain runs")
@@ -310,9 +266,8 @@ def test_jupyter_shuts_the_kernel_down_while_a_drain_waits(kernel, runtime, wait
         asking.join()
         _assert_drain_stopped_early(answer)
     else:  # Jupyter's interrupt stopped the wait: the cell's line, sent before the kernel exited, says so
-        said = "".join(m["content"]["data"]["text/plain"] + "\n" for m in _iopub(k)
-                       if m["parent_header"].get("msg_id") == cell and m["msg_type"] == "display_data"
-                       and "gpucleanup" in m["content"].get("metadata", {}))  # gpucleanup's own output
+        outputs = [output(m["msg_type"], m["content"]) for m in _iopub(k) if m["parent_header"].get("msg_id") == cell]
+        said = "".join(out.text for out in outputs if out is not None and out.kind == "gpucleanup")
         assert re.search(r"^gpucleanup · GPU0 .* · interrupted \(Ctrl-C\): cleanup stopped", said, re.MULTILINE), said
 
 

@@ -24,6 +24,9 @@ import pytest
 
 from conftest import BUILD, FAKE_CUDA
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernel_harness import Kernel  # noqa: E402  (tests/kernel_harness.py)
+
 jupyter_client = pytest.importorskip("jupyter_client")
 pytest.importorskip("ipykernel")
 
@@ -51,58 +54,23 @@ def _kernel_env(tmp_path: Path, **extra: str) -> dict:
 
 @contextlib.contextmanager
 def kernel(tmp_path: Path, python: str = sys.executable, **env: str):
-    from jupyter_client.manager import KernelManager
-
-    km = KernelManager()
-    km.kernel_spec  # resolve the spec, then make it run the interpreter we want
-    km.kernel_spec.argv = [python, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
-    km.start_kernel(env=_kernel_env(tmp_path, **env))
-    kc = km.client()
-    kc.start_channels()
+    """A real ipykernel run by ``python`` (tests/kernel_harness.py), stopped when the block ends."""
+    k = Kernel(_kernel_env(tmp_path, **env), python=python, ready=TIMEOUT, timeout=TIMEOUT)
     try:
-        kc.wait_for_ready(timeout=TIMEOUT)
-        yield kc
+        yield k
     finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
+        k.stop()
 
 
-def execute(kc, code: str) -> dict:
-    """Run one cell; its stdout, stderr, rich outputs and reply, collected until the kernel is idle."""
-    msg_id = kc.execute(code)
-    out = {"stdout": "", "stderr": "", "display": [], "gpucleanup": "", "error": None}
-    while True:
-        msg = kc.get_iopub_msg(timeout=TIMEOUT)
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        kind, content = msg["msg_type"], msg["content"]
-        if kind == "stream":
-            out[content["name"]] += content["text"]
-        elif kind == "display_data" and "gpucleanup" in content.get("metadata", {}):
-            # gpucleanup's own output after the cell: never in the cell's stdout
-            assert content["metadata"]["tags"] == ["gpucleanup"]
-            assert content["data"]["text/html"].startswith('<div class="gpucleanup-line"')
-            out["gpucleanup"] += content["data"]["text/plain"] + "\n"
-        elif kind in ("display_data", "execute_result"):
-            out["display"].append(content["data"])
-        elif kind == "error":
-            out["error"] = content
-        elif kind == "status" and content["execution_state"] == "idle":
-            break
-    out["reply"] = shell_reply(kc, msg_id)
-    return out
-
-
-def shell_reply(kc, msg_id: str) -> dict:
-    """The shell reply to ``msg_id``; replies to earlier requests still queued are dropped.
-
-    ``wait_for_ready`` may send several kernel_info requests and return after the
-    first reply: the others arrive later on the same channel, before ours.
-    """
-    while True:
-        reply = kc.get_shell_msg(timeout=TIMEOUT)
-        if reply["parent_header"].get("msg_id") == msg_id:
-            return reply["content"]
+def execute(k: Kernel, code: str) -> dict:
+    """Run one cell; its stdout, stderr, rich outputs, gpucleanup's lines, error and reply."""
+    cell = k.execute(code)
+    for out in cell.outputs:
+        if out.kind == "gpucleanup":  # gpucleanup's own output after the cell: never in the cell's stdout
+            assert out.metadata["tags"] == ["gpucleanup"]
+            assert out.data["text/html"].startswith('<div class="gpucleanup-line"')
+    return {"stdout": cell.stdout, "stderr": cell.stderr, "gpucleanup": cell.gpucleanup, "error": cell.error,
+            "display": [out.data for out in cell.outputs if out.kind in ("display", "result")], "reply": cell.reply}
 
 
 def _timeless(text: str) -> str:

@@ -22,6 +22,9 @@ import pytest
 
 from gpucleanup import status_client
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import kernel_harness  # noqa: E402  (tests/kernel_harness.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = Path(os.environ.get("GPUCLEANUP_BUILD_DIR", ROOT / "build")).resolve()
 
@@ -71,59 +74,17 @@ def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           env=environment(), timeout=timeout)
 
 
-class Kernel:
-    """A real ipykernel with gpucleanup loaded on the fake driver, through jupyter_client."""
+class Kernel(kernel_harness.Kernel):
+    """A real ipykernel on the fake driver (tests/kernel_harness.py); its outputs include gpucleanup's lines."""
 
     def __init__(self, runtime: Path):
-        from jupyter_client.manager import KernelManager
+        super().__init__(dict(environment(), JUPYTER_RUNTIME_DIR=str(runtime)), kernel_id=str(uuid.uuid4()),
+                         timeout=120)
 
-        self.id = str(uuid.uuid4())
-        env = environment()
-        env["JUPYTER_RUNTIME_DIR"] = str(runtime)
-        self.km = KernelManager(kernel_name="python3", connection_file=str(runtime / f"kernel-{self.id}.json"))
-        self.km.start_kernel(env=env)
-        self.kc = self.km.client()
-        self.kc.start_channels()
-        self.kc.wait_for_ready(timeout=60)
-        self.pid = self.km.provisioner.pid
-        self.runtime = runtime
-
-    def start(self, code: str) -> str:
-        return self.kc.execute(code)
-
-    def collect(self, msg_id: str, timeout: float = 120) -> str:
-        """The cell's stream text, error and display outputs (gpucleanup's lines are display outputs)."""
-        out = []
-        while True:
-            msg = self.kc.get_iopub_msg(timeout=timeout)
-            if msg["parent_header"].get("msg_id") != msg_id:
-                continue
-            kind, content = msg["msg_type"], msg["content"]
-            if kind == "stream":
-                out.append(content["text"])
-            elif kind in ("display_data", "execute_result"):
-                out.append(content["data"].get("text/plain", "") + "\n")
-            elif kind == "error":
-                out.append(f"{content['ename']}: {content['evalue']}\n")
-            elif kind == "status" and content["execution_state"] == "idle":
-                return "".join(out)
-
-    def execute(self, code: str, timeout: float = 120) -> str:
-        return self.collect(self.start(code), timeout)
-
-    def target(self) -> status_client.Target:
-        info = json.loads((self.runtime / f"gpucleanup-{self.pid}.json").read_text())
-        return status_client.Target(info["endpoint"], Path(info["key_file"]).read_bytes())
+    start = kernel_harness.Kernel.send  # the name tests/python/test_outside_drain.py uses
 
     def state(self) -> dict:
-        return status_client.request(self.target(), "status", timeout=5)["state"]
-
-    def stop(self) -> None:
-        try:
-            self.kc.stop_channels()
-        finally:
-            if self.km.is_alive():
-                self.km.shutdown_kernel(now=True)
+        return self.status()["state"]
 
 
 @pytest.fixture
@@ -257,7 +218,7 @@ def test_a_silent_execute_resumes_a_parked_kernel_before_its_code(kernel, checkp
     # a variable inspector's poll: silent, no pre_run_cell, and a driver call that would wait while parked
     msg_id = kernel.kc.execute("import gpucleanup; _n = len(gpucleanup.snapshot()['devices'])", silent=True)
     reply = kernel.kc.get_shell_msg(timeout=120)
-    while reply["parent_header"].get("msg_id") != msg_id:  # the replies to the fixture's own cells come first
+    while reply["parent_header"].get("msg_id") != msg_id:  # replies to earlier requests may come first
         reply = kernel.kc.get_shell_msg(timeout=120)
     assert reply["content"]["status"] == "ok", reply["content"]
     assert record(checkpoints, kernel.pid)["state"] == "running"

@@ -66,6 +66,8 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+import kernel_harness  # noqa: E402  (tests/kernel_harness.py)
 
 MiB = 1 << 20
 #: seconds one reply (a cell's, a status request's) may take before it counts as missing
@@ -254,59 +256,29 @@ def _fixed_ports(n: int) -> List[int]:
     raise RuntimeError(f"no {n} free ports below {low}")
 
 
-class Kernel:
-    """A kernel started through jupyter_client with the extension's environment."""
+class Kernel(kernel_harness.Kernel):
+    """A kernel started through jupyter_client with the extension's environment (tests/kernel_harness.py); a reply
+    that does not come raises :class:`Missing`."""
 
     def __init__(self, env: dict):
-        from jupyter_client.manager import KernelManager
-
-        self.km = KernelManager(cache_ports=False)  # the provisioner's port cache would replace the ports below
         # jupyter_client would pick the five ports by binding port 0 and letting it go: an ephemeral port, which
         # an outgoing connection of this busy process (its clients, gpucleanup ps) can take before the kernel
-        # binds it; the loser's heartbeat thread then dies on "Address already in use" (seen once in CI)
-        (self.km.shell_port, self.km.iopub_port, self.km.stdin_port, self.km.hb_port,
-         self.km.control_port) = _fixed_ports(5)
-        self.km.kernel_spec  # resolve the spec, then make it run this interpreter
-        self.km.kernel_spec.argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
-        # the kernel process's own output (ipykernel's and libraries' logging) goes to the soak's log
-        self.km.start_kernel(env=env, stdout=KERNEL_LOG, stderr=KERNEL_LOG)
-        self.kc = None
-        self.pid = self.km.provisioner.pid
+        # binds it; the loser's heartbeat thread then dies on "Address already in use" (seen once in CI).
+        # The kernel process's own output (ipykernel's and libraries' logging) goes to the soak's log.
+        super().__init__(env, python=sys.executable, ports=_fixed_ports(5), stdout=KERNEL_LOG, stderr=KERNEL_LOG,
+                         ready=None, timeout=REPLY_TIMEOUT)
 
     def ready(self) -> "Kernel":
-        self.kc = self.km.client()
-        self.kc.start_channels()
         try:
-            self.kc.wait_for_ready(timeout=REPLY_TIMEOUT)
+            self.wait_ready(REPLY_TIMEOUT)
         except RuntimeError as exc:
             raise Missing(f"kernel {self.pid} did not become ready: {exc}") from None
         return self
 
-    def send(self, code: str) -> str:
-        return self.kc.execute(code)
-
-    def collect(self, msg_id: str) -> dict:
-        """One cell's stdout, stderr, error and reply, gathered until the kernel is idle."""
-        out = {"stdout": "", "stderr": "", "error": None}
+    def collect(self, msg_id: str, *args, **kwargs) -> kernel_harness.Cell:
+        """One cell's outputs, error and reply, gathered until the kernel is idle."""
         try:
-            while True:
-                msg = self.kc.get_iopub_msg(timeout=REPLY_TIMEOUT)
-                if msg["parent_header"].get("msg_id") != msg_id:
-                    continue
-                kind, content = msg["msg_type"], msg["content"]
-                if kind == "stream":
-                    out[content["name"]] += content["text"]
-                elif kind == "display_data" and "gpucleanup" in content.get("metadata", {}):
-                    out["stdout"] += content["data"]["text/plain"] + "\n"  # gpucleanup's own output, after the cell's
-                elif kind == "error":
-                    out["error"] = f"{content['ename']}: {content['evalue']}"
-                elif kind == "status" and content["execution_state"] == "idle":
-                    break
-            while True:  # replies to wait_for_ready's extra kernel_info requests may come first
-                reply = self.kc.get_shell_msg(timeout=REPLY_TIMEOUT)
-                if reply["parent_header"].get("msg_id") == msg_id:
-                    out["reply"] = reply["content"]
-                    return out
+            return super().collect(msg_id, *args, **kwargs)
         except queue.Empty:
             why = self.why()
             raise Missing(f"kernel {self.pid}: no reply within {REPLY_TIMEOUT:g} s{why}",
@@ -314,8 +286,7 @@ class Kernel:
 
     def why(self) -> str:
         """How the kernel ended, when it did (a reply never comes from a dead kernel)."""
-        process = getattr(self.km.provisioner, "process", None)
-        code = process.poll() if process is not None else None
+        code = self.exit_status()
         if code is None:
             return " (the kernel is still running)"
         return f" (the kernel exited: {'signal ' + str(-code) if code < 0 else 'status ' + str(code)})"
@@ -331,21 +302,12 @@ class Kernel:
             return f"gdb failed: {exc}"
         return done.stdout[-60000:]
 
-    def execute(self, code: str) -> dict:
-        return self.collect(self.send(code))
 
-    def stop(self, now: bool = False) -> None:
-        if self.kc is not None:
-            self.kc.stop_channels()
-        self.km.shutdown_kernel(now=now)
-        self.km.cleanup_resources()
-
-
-def cell_failed(cell: dict) -> Optional[str]:
-    if cell["reply"].get("status") != "ok" or cell["error"]:
-        return cell["error"] or f"reply status {cell['reply'].get('status')}"
-    if cell["stderr"]:
-        return f"stderr: {cell['stderr'].strip()}"
+def cell_failed(cell: kernel_harness.Cell) -> Optional[str]:
+    if cell.reply.get("status") != "ok" or cell.error:
+        return cell.error_line or f"reply status {cell.reply.get('status')}"
+    if cell.stderr:
+        return f"stderr: {cell.stderr.strip()}"
     return None
 
 
@@ -465,22 +427,22 @@ def part_cells(n: int, every: int, seed: int, env: dict, runtime: Path, rss_limi
             failed = cell_failed(cell)
             if failed:
                 problems.append(f"cells: cell {i} ({step}) failed: {failed}")
-            for kind, lines in line_kinds(cell["stdout"]).items():
+            for kind, lines in line_kinds(cell.printed).items():
                 part["lines"][kind] = part["lines"].get(kind, 0) + len(lines)
                 part["examples"].setdefault(kind, lines[0])
                 if kind == "unusable":
                     unusable_at.append(i)
-            if cell["stdout"].strip():
-                part["examples_by_step"].setdefault(step["why"] if step else "idle", cell["stdout"].strip())
+            if cell.printed.strip():
+                part["examples_by_step"].setdefault(step["why"] if step else "idle", cell.printed.strip())
             if step and step["why"] == "stall" and i < sticky_at:
                 part["stalls"] += 1
                 part["stalls_said_busy"] += any(
-                    line.startswith("gpucleanup · GPU0 ") and "busy" in line for line in cell["stdout"].splitlines())
+                    line.startswith("gpucleanup · GPU0 ") and "busy" in line for line in cell.printed.splitlines())
             if asks:
                 part["sent"]["gpumem"] += 1
                 shown = kernel.execute(GPUMEM)
                 # its JSON on one line; the cleanup after this cell may add its own line
-                printed = [line for line in shown["stdout"].splitlines() if line.startswith("{")]
+                printed = [line for line in shown.printed.splitlines() if line.startswith("{")]
                 try:
                     data = json.loads(printed[0]) if len(printed) == 1 else None
                 except ValueError:
@@ -488,7 +450,7 @@ def part_cells(n: int, every: int, seed: int, env: dict, runtime: Path, rss_limi
                 if isinstance(data, dict) and data.get("kind") == "gpumem" and isinstance(data.get("devices"), list):
                     part["received"]["gpumem"] += 1
                 else:
-                    problems.append(f"cells: %gpumem --json after cell {i} printed no JSON: {shown['stdout'][:200]!r}")
+                    problems.append(f"cells: %gpumem --json after cell {i} printed no JSON: {shown.printed[:200]!r}")
             if (i + 1) % max(1, n // 10) == 0:
                 part["rss_samples"].append([i + 1, resources(pid)["rss_bytes"]])
                 log(f"cells: {i + 1}/{n}")
