@@ -25,7 +25,7 @@ class DaskWorkers:
         self._kernel_status = kernel_status
 
     def gpumem(self, choice: Optional[str], drain: bool, as_json: bool, display: Callable[[Any], None]):
-        """``choice``: "on" registers gpucleanup's plugin on the workers, "off" removes it, "" shows them
+        """``choice``: "on" registers gpucleanup's plugin on the workers, "off" removes it, "show" shows them
         (after a drain with ``drain``); ``as_json`` returns the data instead of showing it."""
         client = self._client()
         from . import dask as gpucleanup_dask
