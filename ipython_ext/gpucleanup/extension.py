@@ -18,7 +18,7 @@ import gc
 import os
 import time
 import weakref
-from typing import Any, Dict, List, NamedTuple, Optional
+from typing import Any, List, NamedTuple, Optional
 
 from IPython.core.error import InputRejected, UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
@@ -41,12 +41,7 @@ from .totals import Totals
 from .units import count_of
 from .tracing import Tracer
 
-__all__ = ["GPUCleanup", "load_ipython_extension", "unload_ipython_extension", "DEFAULTS"]
-
-# What a fresh extension object is built with; tests substitute stand-ins here.
-# None means: the real thing (gpucleanup._native, gpucleanup.frameworks.active,
-# gpucleanup.status_endpoint.StatusEndpoint), imported at load time.
-DEFAULTS: Dict[str, Any] = {"native": None, "adapters": None, "status_endpoint": None}
+__all__ = ["GPUCleanup", "load_ipython_extension", "unload_ipython_extension"]
 
 _MISSING = object()
 
@@ -185,6 +180,9 @@ class GPUCleanup(Magics, GPUCleanupOptions):
     """
 
     def __init__(self, shell=None, native: Any = None, adapters: Any = _MISSING, status_endpoint: Any = _MISSING, **kwargs):
+        """``native``, ``adapters`` and ``status_endpoint`` left out: the real ones (``gpucleanup._native``,
+        ``gpucleanup.frameworks.active``, ``gpucleanup.status_endpoint.StatusEndpoint``), each looked up
+        where it lives, the native library now, the others when first used."""
         super().__init__(shell=shell, **kwargs)
         if native is None:
             from . import _native as native
@@ -856,14 +854,7 @@ def load_ipython_extension(ipython) -> None:
     if ipython in _instances:
         print(f"{PREFIX} is already loaded (%reload_ext gpucleanup reloads it)")
         return
-    kwargs = {}
-    if DEFAULTS.get("native") is not None:
-        kwargs["native"] = DEFAULTS["native"]
-    if DEFAULTS.get("adapters") is not None:
-        kwargs["adapters"] = DEFAULTS["adapters"]
-    if DEFAULTS.get("status_endpoint") is not None:
-        kwargs["status_endpoint"] = DEFAULTS["status_endpoint"]
-    ext = GPUCleanup(shell=ipython, **kwargs)
+    ext = GPUCleanup(shell=ipython)  # the real parts, looked up where they live as it loads
     _instances[ipython] = ext
     try:
         ext.load()

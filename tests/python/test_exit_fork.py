@@ -35,7 +35,11 @@ from pathlib import Path
 import pytest
 
 from conftest import BUILD, FAKE_CUDA
+import gpucleanup
+import gpucleanup.frameworks
+import gpucleanup.status_endpoint
 from gpucleanup import extension, status_client
+from gpucleanup.cell_pass import CellPass
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernel_harness import Kernel, output  # noqa: E402  (tests/kernel_harness.py)
@@ -504,19 +508,19 @@ CAME_AFTER = "after"
 
 PHASES = {
     # the native wait for queued work (Ctrl-C reaches Python at its progress report)
-    "settle": (lambda ext, fw, mp: _interrupt_once(mp, ext.engine, "_progress"), STOPPED_ON_THE_DEVICE),
+    "settle": (lambda ext, fw, mp: _interrupt_once(mp, CellPass, "_progress"), STOPPED_ON_THE_DEVICE),
     # said once the pass has found something to clean, in the device's steps: the device's line says it stopped
     "draining state": (lambda ext, fw, mp: _interrupt_once(mp, ext._endpoint, "set_state", _state_is("draining")),
                        STOPPED_ON_THE_DEVICE),
-    "gc": (lambda ext, fw, mp: _interrupt_once(mp, ext.engine, "_collect"), STOPPED_ON_THE_DEVICE),
-    "framework stats": (lambda ext, fw, mp: _interrupt_once(mp, ext.engine, "stats"), STOPPED_ON_THE_DEVICE),
+    "gc": (lambda ext, fw, mp: _interrupt_once(mp, CellPass, "collect_garbage"), STOPPED_ON_THE_DEVICE),
+    "framework stats": (lambda ext, fw, mp: _interrupt_once(mp, ext.engine.frameworks, "stats"), STOPPED_ON_THE_DEVICE),
     "framework drain": (lambda ext, fw, mp: _interrupt_once(mp, fw, "drain"), STOPPED_ON_THE_DEVICE),
-    "driver trim": (lambda ext, fw, mp: _interrupt_once(mp, ext.engine, "_trim"), STOPPED_ON_THE_DEVICE),
-    "snapshot": (lambda ext, fw, mp: _interrupt_once(mp, ext.engine, "_snapshot"), STOPPED_THE_HOOK),
-    "pinned release": (lambda ext, fw, mp: _interrupt_once(mp, ext.engine, "_start_pinned"), STOPPED_THE_HOOK),
-    # the cell pass's record step: its first call into the engine (what is outside every pool, per device)
-    "record": (lambda ext, fw, mp: _interrupt_once(mp, ext.engine, "_outside"), STOPPED_THE_HOOK),
-    "summary": (lambda ext, fw, mp: _interrupt_once(mp, ext.engine, "_outcome"), STOPPED_THE_HOOK),
+    "driver trim": (lambda ext, fw, mp: _interrupt_once(mp, CellPass, "trim_pools"), STOPPED_ON_THE_DEVICE),
+    "snapshot": (lambda ext, fw, mp: _interrupt_once(mp, CellPass, "snapshot"), STOPPED_THE_HOOK),
+    "pinned release": (lambda ext, fw, mp: _interrupt_once(mp, ext.engine.releases, "start_pinned"), STOPPED_THE_HOOK),
+    # the cell pass's record step: what is outside every pool, per device (the figures since the last pass)
+    "record": (lambda ext, fw, mp: _interrupt_once(mp, ext.engine.since, "outside_after"), STOPPED_THE_HOOK),
+    "summary": (lambda ext, fw, mp: _interrupt_once(mp, CellPass, "outcome"), STOPPED_THE_HOOK),
     "publish": (lambda ext, fw, mp: _interrupt_once(mp, ext._endpoint, "publish"), STOPPED_THE_HOOK),
     "summary line": (None, STOPPED_THE_HOOK),
     # said as the hook ends, through the endpoint's call for a cell's own states
@@ -533,7 +537,7 @@ def shell(runtime, fake_cuda, monkeypatch):
 
     fake_cuda.reset(SCENARIO)
     framework = Scripted()
-    monkeypatch.setitem(extension.DEFAULTS, "adapters", lambda: [framework])
+    monkeypatch.setattr(gpucleanup.frameworks, "active", lambda: [framework])
     ip = InteractiveShell.instance()
     ip.config.pop("GPUCleanup", None)
     ip.run_line_magic("load_ext", "gpucleanup")

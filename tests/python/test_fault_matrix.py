@@ -258,9 +258,14 @@ def matrix_shell():
     endpoint), after one clean case: imports done, the matrix's device known to the library."""
     from IPython.core.interactiveshell import InteractiveShell
 
-    from gpucleanup import extension
+    import gpucleanup._native
+    import gpucleanup.frameworks
+    import gpucleanup.status_endpoint
 
-    assert extension.DEFAULTS == {"native": None, "adapters": None, "status_endpoint": None}
+    # the real parts, as the extension looks them up at load: no stand-in left behind by another test
+    assert gpucleanup._native.__name__ == "gpucleanup._native"
+    assert gpucleanup.frameworks.active.__module__ == "gpucleanup.frameworks"
+    assert gpucleanup.status_endpoint.StatusEndpoint.__module__ == "gpucleanup.status_endpoint"
     ip = InteractiveShell.instance()
     ip.extension_manager.unload_extension("gpucleanup")
     saved = ip.config.pop("GPUCleanup", None)

@@ -13,6 +13,9 @@ import re
 
 import pytest
 
+import gpucleanup
+import gpucleanup.frameworks
+import gpucleanup.status_endpoint
 from gpucleanup import after_cell, extension, report
 
 GiB = 1 << 30
@@ -201,9 +204,9 @@ def test_out_n_is_named_on_the_first_gpu_cell(shell, fake_cuda, monkeypatch, cap
 
     fake_cuda.reset({"devices": [{"total_bytes": TOTAL, "primary_active": False}]})
     cupy = Framework("cupy")
-    monkeypatch.setitem(extension.DEFAULTS, "native", _native)
-    monkeypatch.setitem(extension.DEFAULTS, "adapters", lambda: [cupy])
-    monkeypatch.setitem(extension.DEFAULTS, "status_endpoint", lambda: Endpoint())
+    monkeypatch.setattr(gpucleanup, "_native", _native)
+    monkeypatch.setattr(gpucleanup.frameworks, "active", lambda: [cupy])
+    monkeypatch.setattr(gpucleanup.status_endpoint, "StatusEndpoint", lambda: Endpoint())
     shell.run_line_magic("load_ext", "gpucleanup")
     shell.run_cell("x = 1", store_history=True)
     capsys.readouterr()
@@ -314,9 +317,9 @@ def _loaded(shell, fake_cuda, monkeypatch):
 
     fake_cuda.reset({"devices": [{"total_bytes": TOTAL, "primary_active": True,
                                   "free_bytes": TOTAL - GiB}]})
-    monkeypatch.setitem(extension.DEFAULTS, "native", _native)
-    monkeypatch.setitem(extension.DEFAULTS, "adapters", lambda: [])
-    monkeypatch.setitem(extension.DEFAULTS, "status_endpoint", lambda: Endpoint())
+    monkeypatch.setattr(gpucleanup, "_native", _native)
+    monkeypatch.setattr(gpucleanup.frameworks, "active", lambda: [])
+    monkeypatch.setattr(gpucleanup.status_endpoint, "StatusEndpoint", lambda: Endpoint())
     shell.run_line_magic("load_ext", "gpucleanup")
     shell.run_line_magic("config", "GPUCleanup.show = 'always'")
 

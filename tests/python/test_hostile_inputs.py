@@ -41,6 +41,9 @@ from IPython.utils.capture import capture_output
 from traitlets.config import Config
 
 from conftest import BUILD, FAKE_CUDA
+import gpucleanup
+import gpucleanup.frameworks
+import gpucleanup.status_endpoint
 from gpucleanup import config, extension, magics, status_client
 from gpucleanup.status_endpoint import StatusEndpoint
 from test_extension import StandInEndpoint, shell  # noqa: F401  (fixture)
@@ -103,8 +106,8 @@ def _tree(path: Path) -> dict:
 def loaded(shell, fake_cuda, monkeypatch):  # noqa: F811
     """gpucleanup loaded against the fake driver (GPU0 in use), one cell's record kept, a few variables."""
     fake_cuda.reset(SCENARIO)
-    monkeypatch.setitem(extension.DEFAULTS, "adapters", lambda: [])
-    monkeypatch.setitem(extension.DEFAULTS, "status_endpoint", lambda: StandInEndpoint())
+    monkeypatch.setattr(gpucleanup.frameworks, "active", lambda: [])
+    monkeypatch.setattr(gpucleanup.status_endpoint, "StatusEndpoint", lambda: StandInEndpoint())
     shell.run_line_magic("load_ext", "gpucleanup")
     with capture_output():
         shell.run_cell("weights = [1.0, 2.0]\nzero = 0\nnothing = None\nname = 'model'", store_history=True)
@@ -291,9 +294,9 @@ def test_the_sweep_covers_every_config_trait():
 def stand_in_loaded(shell, monkeypatch):  # noqa: F811
     from test_extension import StandInNative
 
-    monkeypatch.setitem(extension.DEFAULTS, "native", StandInNative())
-    monkeypatch.setitem(extension.DEFAULTS, "adapters", lambda: [])
-    monkeypatch.setitem(extension.DEFAULTS, "status_endpoint", lambda: StandInEndpoint())
+    monkeypatch.setattr(gpucleanup, "_native", StandInNative())
+    monkeypatch.setattr(gpucleanup.frameworks, "active", lambda: [])
+    monkeypatch.setattr(gpucleanup.status_endpoint, "StatusEndpoint", lambda: StandInEndpoint())
     return shell
 
 
@@ -645,7 +648,7 @@ def test_a_planted_name_is_never_written_through_and_the_cells_work(shell, fake_
     _plant(runtime, outside, where, what)
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(runtime))
     monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
-    monkeypatch.setitem(extension.DEFAULTS, "adapters", lambda: [])
+    monkeypatch.setattr(gpucleanup.frameworks, "active", lambda: [])
     fake_cuda.reset(SCENARIO)
     before = _tree(outside)
     with caplog.at_level(logging.WARNING, logger="gpucleanup"), capture_output() as shown:

@@ -9,6 +9,9 @@ import pytest
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
+import gpucleanup
+import gpucleanup.frameworks
+import gpucleanup.status_endpoint
 from gpucleanup import extension, magics
 from gpucleanup.frameworks import objects
 from test_extension import GiB, MiB, StandInAdapter, StandInEndpoint, StandInNative, _lines, shell  # noqa: F401
@@ -23,9 +26,9 @@ def stand_in(monkeypatch):
     native = StandInNative()
     cupy = StandInAdapter("cupy", native, live={0: 2 * GiB}, cached={0: 512 * MiB}, pinned_cached=GiB)
     native.device(0).used += 2 * GiB + 512 * MiB
-    monkeypatch.setitem(extension.DEFAULTS, "native", native)
-    monkeypatch.setitem(extension.DEFAULTS, "adapters", lambda: [cupy])
-    monkeypatch.setitem(extension.DEFAULTS, "status_endpoint", lambda: StandInEndpoint())
+    monkeypatch.setattr(gpucleanup, "_native", native)
+    monkeypatch.setattr(gpucleanup.frameworks, "active", lambda: [cupy])
+    monkeypatch.setattr(gpucleanup.status_endpoint, "StatusEndpoint", lambda: StandInEndpoint())
     return types.SimpleNamespace(native=native, cupy=cupy)
 
 
@@ -246,8 +249,8 @@ def test_gpumem_without_driver_says_so_stand_in(shell, stand_in):  # noqa: F811
 
 
 def test_gpumem_with_the_fake_driver(shell, fake_cuda, monkeypatch):  # noqa: F811
-    monkeypatch.setitem(extension.DEFAULTS, "adapters", lambda: [])
-    monkeypatch.setitem(extension.DEFAULTS, "status_endpoint", lambda: StandInEndpoint())
+    monkeypatch.setattr(gpucleanup.frameworks, "active", lambda: [])
+    monkeypatch.setattr(gpucleanup.status_endpoint, "StatusEndpoint", lambda: StandInEndpoint())
     fake_cuda.reset({"devices": [{"name": "Fake H100", "primary_active": True, "default_pool": {"reserved_bytes": GiB, "used_bytes": 256 * MiB}}, {"primary_active": False}]})
     shell.run_line_magic("load_ext", "gpucleanup")
     data = shell.run_line_magic("gpumem", "--json")

@@ -30,6 +30,9 @@ import pytest
 prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+import gpucleanup
+import gpucleanup.frameworks
+import gpucleanup.status_endpoint
 from gpucleanup import discovery, extension, kernels, metrics  # noqa: E402
 from gpucleanup.status_endpoint import StatusEndpoint  # noqa: E402
 from gpucleanup.totals import BUCKETS_S, Totals, settle_wait_s  # noqa: E402
@@ -368,7 +371,7 @@ def shell(runtime, monkeypatch):
     status endpoint, and no framework adapters; unloaded afterwards."""
     from IPython.core.interactiveshell import InteractiveShell
 
-    monkeypatch.setitem(extension.DEFAULTS, "adapters", lambda: [])
+    monkeypatch.setattr(gpucleanup.frameworks, "active", lambda: [])
     monkeypatch.setenv("JPY_SESSION_NAME", "/home/me/train.ipynb")
     ip = InteractiveShell.instance()
     ip.config.pop("GPUCleanup", None)

@@ -14,6 +14,9 @@ from IPython.core.error import UsageError
 from IPython.core.formatters import DisplayFormatter
 from IPython.utils.capture import capture_output
 
+import gpucleanup
+import gpucleanup.frameworks
+import gpucleanup.status_endpoint
 from gpucleanup import extension, plot, timeline
 from test_extension import (GiB, MiB, ROOT, StandInAdapter, StandInEndpoint, _fake_name, _run,  # noqa: F401
                             real, shell)
@@ -369,9 +372,8 @@ class FakeDriverCupy(StandInAdapter):
 def fake_cupy(fake_cuda, monkeypatch):
     """The real libgpucleanup over the fake driver, with a CuPy-like adapter whose memory the fake counts."""
     cupy = FakeDriverCupy(fake_cuda)
-    monkeypatch.setitem(extension.DEFAULTS, "native", None)
-    monkeypatch.setitem(extension.DEFAULTS, "adapters", lambda: [cupy])
-    monkeypatch.setitem(extension.DEFAULTS, "status_endpoint", lambda: StandInEndpoint())
+    monkeypatch.setattr(gpucleanup.frameworks, "active", lambda: [cupy])
+    monkeypatch.setattr(gpucleanup.status_endpoint, "StatusEndpoint", lambda: StandInEndpoint())
     return cupy
 
 

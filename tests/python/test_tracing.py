@@ -13,6 +13,9 @@ from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 from conftest import BUILD
+import gpucleanup
+import gpucleanup.frameworks
+import gpucleanup.status_endpoint
 from gpucleanup import extension, report, tracing
 from test_extension import MiB, StandInEndpoint, _lines, shell  # noqa: F401
 
@@ -33,8 +36,8 @@ def cupti(monkeypatch, fake_cuda):
     lib.fake_cupti_reset.argtypes = [ctypes.c_int]
     lib.fake_cupti_reset(0)
     monkeypatch.setenv("GPUCLEANUP_CUPTI", str(FAKE_CUPTI))
-    monkeypatch.setitem(extension.DEFAULTS, "adapters", lambda: [])
-    monkeypatch.setitem(extension.DEFAULTS, "status_endpoint", lambda: StandInEndpoint())
+    monkeypatch.setattr(gpucleanup.frameworks, "active", lambda: [])
+    monkeypatch.setattr(gpucleanup.status_endpoint, "StatusEndpoint", lambda: StandInEndpoint())
     fake_cuda.reset({"devices": [{"primary_active": True}], "current_context": {"device": 0}})
     yield lib
     from gpucleanup import _native
