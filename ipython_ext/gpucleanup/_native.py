@@ -161,8 +161,16 @@ _C_TYPES = {
 _ENTRY = re.compile(r"\b(GPUCLEANUP_ENTRY(?:_ADDED)?)\(\s*([^,()]+?)\s*,\s*(\w+)\s*,\s*\(([^()]*)\)\s*\)")
 
 
-def _entry_points_text() -> str:
-    """entry_points.def: the wheel's copy beside the library, else the one of the checkout the package is in."""
+def _entry_points_text(lib: Optional[ctypes.CDLL] = None) -> str:
+    """The list of the library's C functions: as the loaded library itself gives it (``gpucleanup_entry_points``,
+    made from entry_points.def when it was built, so it always belongs to that library); from a library without
+    it, entry_points.def: the wheel's copy beside the library, else the one of the checkout the package is in."""
+    own = getattr(lib, "gpucleanup_entry_points", None) if lib is not None else None
+    if own is not None:
+        own.argtypes, own.restype = [], ctypes.c_char_p
+        text = own()
+        if text:
+            return text.decode("utf-8")
     shipped = resources.files("gpucleanup").joinpath("entry_points.def")
     checkout = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                             "native", "include", "gpucleanup", "entry_points.def")
@@ -181,10 +189,10 @@ def _c_type(spelling: str) -> Any:
     return _C_TYPES[spelling]
 
 
-@functools.lru_cache(maxsize=None)
-def _entry_points() -> tuple:
-    """(name, restype, argtypes, added later) of every C function, read from entry_points.def."""
-    text = re.sub(r"/\*.*?\*/|//[^\n]*", " ", _entry_points_text(), flags=re.S)
+def _entry_points(lib: Optional[ctypes.CDLL] = None) -> tuple:
+    """(name, restype, argtypes, added later) of every C function, read from the library's own list (or
+    entry_points.def, :func:`_entry_points_text`)."""
+    text = re.sub(r"/\*.*?\*/|//[^\n]*", " ", _entry_points_text(lib), flags=re.S)
     entries = []
     for macro, result, name, parameters in _ENTRY.findall(text):
         argtypes = []
@@ -201,7 +209,7 @@ def _entry_points() -> tuple:
 
 def _declare(lib: ctypes.CDLL) -> None:
     # A function added to this ABI version later may be missing from an older build: its wrapper says so.
-    for name, restype, argtypes, added in _entry_points():
+    for name, restype, argtypes, added in _entry_points(lib):
         fn = getattr(lib, name, None) if added else getattr(lib, name)
         if fn is not None:
             fn.argtypes = argtypes

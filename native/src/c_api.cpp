@@ -280,6 +280,19 @@ const char* gpucleanup_version(void) { return GPUCLEANUP_VERSION; }
 
 int gpucleanup_abi_version(void) { return GPUCLEANUP_ABI_VERSION; }
 
+// The list of entry points as text, made by the preprocessor from entry_points.def (its comments gone): each
+// entry spelt as the file spells it, so one parser reads either.
+#define GPUCLEANUP_ENTRY(result, name, parameters) "GPUCLEANUP_ENTRY(" #result ", " #name ", " #parameters ")\n"
+#define GPUCLEANUP_ENTRY_ADDED(result, name, parameters) \
+    "GPUCLEANUP_ENTRY_ADDED(" #result ", " #name ", " #parameters ")\n"
+const char* gpucleanup_entry_points(void) {
+    return
+#include "gpucleanup/entry_points.def"
+        ;
+}
+#undef GPUCLEANUP_ENTRY
+#undef GPUCLEANUP_ENTRY_ADDED
+
 void gpucleanup_free(char* json) { std::free(json); }
 
 const char* gpucleanup_last_error(void) { return last_error.c_str(); }

@@ -208,3 +208,16 @@ def test_no_driver_is_a_state_in_a_fresh_process():
     assert snapshot["driver"]["state"] == "no_driver"
     assert snapshot["driver"]["message"].startswith("[gpucleanup.driver.101] no CUDA driver: cannot load /nonexistent/libcuda.so.1")
     assert snapshot["devices"] == []
+
+
+def test_the_library_gives_the_list_of_its_entry_points_and_it_is_the_checkouts_entry_points_def():
+    # the list the binding declares every function with comes from the library it loaded (made from
+    # entry_points.def when it was built): a copy of the package or of the library never needs the file
+    from gpucleanup import _native
+
+    lib = _native.library()
+    own = _native._entry_points(lib)
+    from_file = _native._entry_points(None)
+    assert [e[0] for e in own] == [e[0] for e in from_file]
+    assert own == from_file
+    assert "gpucleanup_entry_points" in [e[0] for e in own] and len(own) == 33
