@@ -221,15 +221,6 @@ class GPUCleanup(Magics, GPUCleanupOptions):
     def tracer(self) -> Tracer:
         return self.trace.tracer
 
-    # what the cell hooks count, as tests read it
-    @property
-    def _depth(self) -> int:
-        return self.cells.depth
-
-    @property
-    def _cells_under_way(self) -> int:
-        return self.cells.under_way
-
     def settings(self) -> Settings:
         """The traits as the engine reads them for one cell: built once and kept until a trait
         changes (``%config``), or the ``frameworks`` dict is changed in place."""

@@ -166,18 +166,18 @@ def test_a_cell_awaited_through_run_cell_async_does_not_switch_gpucleanup_off(sh
     # IPython fires pre_run_cell inside run_cell_async, post_run_cell only from run_cell: a tool that awaits
     # run_cell_async itself leaves the count of cells under way at one.
     asyncio.run(shell.run_cell_async("a = 1", store_history=False, transformed_cell="a = 1\n"))
-    assert ext._depth == 1
+    assert ext.cells.depth == 1
     with capture_output() as first:
         shell.run_cell("b = 2")
     said = [line for o in first.outputs for line in o.data.get("text/plain", "").splitlines() if "run_cell_async" in line]
     assert said == ["gpucleanup · 1 cell run through run_cell_async got no post_run_cell (IPython fires it only from "
                     "run_cell): gpucleanup had counted it as still running; put right, this cell and the next are "
                     "cleaned as usual"]
-    assert (ext._depth, ext._cells_under_way) == (0, 0)
+    assert (ext.cells.depth, ext.cells.under_way) == (0, 0)
     with capture_output() as second:
         shell.run_cell("c = 3")
     assert not [o for o in second.outputs if "run_cell_async" in o.data.get("text/plain", "")]  # said once
-    assert (ext._depth, ext._cells_under_way) == (0, 0)
+    assert (ext.cells.depth, ext.cells.under_way) == (0, 0)
 
 
 def test_a_cell_run_from_inside_a_cell_is_still_left_to_the_enclosing_one(shell):
@@ -185,10 +185,10 @@ def test_a_cell_run_from_inside_a_cell_is_still_left_to_the_enclosing_one(shell)
     with capture_output() as out:
         shell.run_cell("%%capture inner\nx = 1")
     assert not [o for o in out.outputs if "run_cell_async" in o.data.get("text/plain", "")]
-    assert (ext._depth, ext._cells_under_way) == (0, 0)
+    assert (ext.cells.depth, ext.cells.under_way) == (0, 0)
     depth_inside = []
-    shell.user_ns["_depth_inside"] = lambda: depth_inside.append(ext._depth)
+    shell.user_ns["_depth_inside"] = lambda: depth_inside.append(ext.cells.depth)
     with capture_output() as out:
         shell.run_cell("get_ipython().run_cell('_depth_inside()')")
     assert depth_inside == [2] and not [o for o in out.outputs if "run_cell_async" in o.data.get("text/plain", "")]
-    assert (ext._depth, ext._cells_under_way) == (0, 0)
+    assert (ext.cells.depth, ext.cells.under_way) == (0, 0)
