@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 from .figures import LastPass
 from .releases import IdleRelease
 from .settings import Settings
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .cell_pass import CellPass
+#: the cell being cleaned (``cell_pass.CellPass``, which builds on this module: named, not imported)
+CellPass = Any
 
 __all__ = ["QuietCheck", "IdleProof"]
 
@@ -44,7 +44,7 @@ class IdleProof:
     tokens: Tuple[tuple, ...]
 
     @classmethod
-    def made(cls, cell_pass: "CellPass") -> Optional["IdleProof"]:
+    def made(cls, cell_pass: CellPass) -> Optional["IdleProof"]:
         """The proof of a cell that :meth:`QuietCheck.proves` just found idle the long way; None where a
         framework in use gave no quiet token this cell (its figures are then read on every cell)."""
         last = cell_pass.since.last
@@ -62,7 +62,7 @@ class IdleProof:
         return cls(cell_pass.settings, len(sys.modules), last, releases.held_job, list(releases.unreported),
                    tuple(cell_pass.adapters), tuple(tokens))
 
-    def stands(self, cell_pass: "CellPass") -> bool:
+    def stands(self, cell_pass: CellPass) -> bool:
         """Whether this cell finds everything the proof rested on as it was. Each framework's quiet token is
         read again, the one read no proof can spare: a framework's memory may change with no change the
         driver sees (an array deleted into its pool). The last cleanup and the releases not yet reported
@@ -108,7 +108,7 @@ class QuietCheck:
     def forget_adapters(self) -> None:
         self.adapters_kept = None
 
-    def proves(self, cell_pass: "CellPass", proof: Optional[IdleProof] = None) -> bool:
+    def proves(self, cell_pass: CellPass, proof: Optional[IdleProof] = None) -> bool:
         """The idle cell without the driver pass: True when the library's quiet check says nothing changed since
         the last cleanup, and the frameworks' figures are those the last cleanup left with nothing new to give
         back (:meth:`CellPass.nothing_new`, over the last cleanup's devices): then no collection could find
@@ -154,7 +154,7 @@ class QuietCheck:
         cell_pass.stats_settled, cell_pass.state = {}, None
         return False
 
-    def adapters_in_use(self, cell_pass: "CellPass") -> list:
+    def adapters_in_use(self, cell_pass: CellPass) -> list:
         """The adapters in use, as the last idle cell found them when nothing was imported since and the
         settings are the same, else asked afresh. Sound only behind the library's quiet check: a framework
         that starts using the GPU during a cell allocates, which changes the free memory that check compares,
