@@ -15,30 +15,20 @@ from gpucleanup import after_cell, report
 from gpucleanup.figures import FrameworkFigures, Held, outside_every_pool
 from gpucleanup.releases import Release, Releases
 from gpucleanup.settings import Settings
+from test_cell_pass import TOTAL, Native, _device  # noqa: F401  (the real library, its calls counted)
 
 GiB = 1 << 30
 MiB = 1 << 20
-TOTAL = 80 * GiB
 PACKAGE = pathlib.Path(after_cell.__file__).parent
 
 
-class Native:
-    """The real _native module, its calls counted."""
-
-    def __init__(self):
-        from gpucleanup import _native
-
-        self._native = _native
-        self.calls = collections.Counter()
-
-    def __getattr__(self, name):
-        fn = getattr(self._native, name)
-
-        def counted(*args, **kwargs):
-            self.calls[name] += 1
-            return fn(*args, **kwargs)
-
-        return counted
+def _engine(*adapters):
+    native = Native()
+    engine = after_cell.AfterCell(native, adapters=lambda: list(adapters),
+                                  voice=report.CellVoice(write=lambda text: None))
+    engine.baseline(native.probe())
+    native.calls.clear()
+    return engine, native
 
 
 class Framework:
@@ -68,20 +58,6 @@ class Framework:
 
     def describe(self):
         return f"{self.name} holds its arrays"
-
-
-def _device(fake_cuda, used=2 * GiB, pool=0):
-    fake_cuda.reset({"devices": [{"total_bytes": TOTAL, "free_bytes": TOTAL - used, "primary_active": True,
-                                  "default_pool": {"reserved_bytes": pool, "used_bytes": 0}}]})
-
-
-def _engine(*adapters):
-    native = Native()
-    engine = after_cell.AfterCell(native, adapters=lambda: list(adapters),
-                                  voice=report.CellVoice(write=lambda text: None))
-    engine.baseline(native.probe())
-    native.calls.clear()
-    return engine, native
 
 
 # ------------------------------------------------------------------ QuietCheck
