@@ -222,6 +222,15 @@ if [[ $stages == *" paired-ab "* ]]; then
     done
   done 2>&1 | tee -a "$out/paired-ab.log"
   tar -cf "$out/paired-ab-json.tar" -C /tmp/paired-ab-json .
+  # the hooks of an idle cell in process, with and without the idle proof, each build (bench_idle_proof.py,
+  # about 20 s a build): PyTorch and CuPy idle, and a device in use with no framework on the fake driver
+  for build in baseline this; do
+    path=$PYTHONPATH
+    [ "$build" = baseline ] && path=$base:$PYTHONPATH
+    echo "== idle proof, $build"
+    PYTHONPATH=$path python3 tests/bench/bench_idle_proof.py torch_idle cupy_idle --rounds 10 --block 500 \
+      --json "/tmp/idle-proof-$build.json"
+  done 2>&1 | tee "$out/idle-proof-ab.log"
 fi
 if [[ $stages == *" kernels-focus "* ]]; then
   # the per-cell headline scenarios again with 600 timed cells per variant (about 4 min): the
