@@ -203,6 +203,13 @@ class CellPass:
     (what the extension hands over), ``since`` (the figures the last pass left), ``quiet`` (the idle proof),
     ``releases`` (the background releases) and ``hooks``."""
 
+    # slots: a cell pass is built on every cell, idle ones too (a third of the cost of 35 dict-held fields)
+    __slots__ = ("native", "frameworks", "settings", "cell", "since", "quiet_check", "releases", "hooks",
+                 "start", "now_device", "now_trim", "notes", "captured", "first", "driver", "state", "work",
+                 "devices", "settled", "adapters", "stats_settled", "stats_after", "gc_record", "candidates",
+                 "pending", "interrupted", "given_back", "figures_stale", "drained_now", "background",
+                 "idle_done", "pinned_now", "deferred", "progress_shown", "progress_opened")
+
     def __init__(self, native: Any, frameworks: FrameworkReader, settings: Settings, cell: Cell,
                  since: SinceLastPass, quiet: QuietCheck, releases: Releases, hooks: CellHooks):
         self.native = native

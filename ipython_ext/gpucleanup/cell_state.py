@@ -25,13 +25,9 @@ class CellState:
         # a cell counted in and a drain that checks the count are one step each (OutsideDrain.cell_starts, .run).
         self.lock = threading.RLock()
         self.depth = 0  # cells running: more than one while a cell runs another (%%capture)
-        self.under_way = 0  # from pre_run_cell to the end of its post_run_cell (nested ones too)
+        self.under_way = 0  # from pre_run_cell to the end of its post_run_cell (nested ones too): counted in by
+        #                     OutsideDrain.cell_starts, under the lock, in the step in which a drain's is checked
         self.forced: Optional[CellRecord] = None  # what %gpumem --drain did in the running cell
-
-    def counted_in(self) -> None:
-        """``pre_run_cell`` begins: from here no drain from outside runs the kernel's cleanup."""
-        with self.lock:
-            self.under_way += 1
 
     def counted_out(self) -> None:
         """``post_run_cell`` has ended."""

@@ -124,8 +124,9 @@ class OutsideDrain:
     def cell_starts(self) -> bool:
         """``pre_run_cell``'s first step: the cell is counted under way, in the same step as a drain checks
         the count, so that no drain begins from here; True when one runs now (the cell waits: :meth:`wait`)."""
-        with self._cv:
-            self.cells.counted_in()
+        cells = self.cells
+        with cells.lock:  # the condition's own lock, taken alone: nothing waits or is woken here (every cell)
+            cells.under_way += 1
             return self.running
 
     def wait(self) -> None:
