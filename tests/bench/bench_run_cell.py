@@ -1,0 +1,104 @@
+#!/usr/bin/env python3
+"""What gpucleanup adds to a whole idle cell in process, on the fake CUDA driver: ``shell.run_cell`` on and off.
+
+Method: an IPython shell in this process (no kernel, no messages), the fake driver (tests/fake_cuda) scripted with
+one 80 GiB device, and no framework. Scenarios: ``device`` (the process has a context on it: every cell takes the
+quiet check) and ``unused`` (no context: the one-call path of a kernel that never used CUDA). Rounds: a block of
+``--block`` cells ``x = 1`` with gpucleanup loaded and one with it unloaded, in alternating order (on first in even
+rounds), each after 20 untimed cells. Per state the median over the rounds of each block's mean; added = median(on)
+- median(off). The cell's own work is in both, so the difference is what the hooks and IPython's calls of them
+cost.
+
+Usage: python tests/bench/bench_run_cell.py [device|unused ...] [--rounds N] [--block N] [--json PATH]
+(GPUCLEANUP_BUILD_DIR selects the build tree whose fake driver and library are used, default build/)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+GIB = 1 << 30
+SCENARIOS = {
+    "device": {"devices": [{"total_bytes": 80 * GIB, "free_bytes": 78 * GIB, "primary_active": True}]},
+    "unused": {"devices": [{"total_bytes": 80 * GIB, "free_bytes": 80 * GIB, "primary_active": False}]},
+}
+
+
+def run(scenario: str, rounds: int, block: int) -> dict:
+    build = pathlib.Path(os.environ.get("GPUCLEANUP_BUILD_DIR", ROOT / "build"))
+    libcuda = os.environ.setdefault("GPUCLEANUP_LIBCUDA", str(build / "tests" / "fake_cuda" / "libcuda.so.1"))
+    os.environ.setdefault("GPUCLEANUP_LIBRARY", str(build / "native" / "libgpucleanup.so"))
+    fake = ctypes.CDLL(libcuda, mode=os.RTLD_LOCAL)
+    fake.fake_cuda_reset.argtypes = [ctypes.c_char_p]
+    if fake.fake_cuda_reset(json.dumps(SCENARIOS[scenario]).encode()) != 0:
+        raise SystemExit("bench_run_cell: the fake CUDA driver refused its scenario")
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+
+    def timed(on: bool) -> float:
+        shell.run_line_magic("load_ext" if on else "unload_ext", "gpucleanup")
+        for _ in range(20):
+            shell.run_cell("x = 1", store_history=True)
+        start = time.perf_counter()
+        for _ in range(block):
+            result = shell.run_cell("x = 1", store_history=True)
+            if not result.success:
+                raise SystemExit(f"bench_run_cell: a cell failed: {result.error_in_exec!r}")
+        return (time.perf_counter() - start) / block * 1e3
+
+    on: list = []
+    off: list = []
+    for r in range(rounds):
+        for state in ((True, False) if r % 2 == 0 else (False, True)):
+            (on if state else off).append(timed(state))
+    on_med, off_med = statistics.median(on), statistics.median(off)
+    return {"scenario": scenario, "rounds": rounds, "block": block, "on_ms": on, "off_ms": off,
+            "on_median_ms": on_med, "off_median_ms": off_med, "added_ms": on_med - off_med, "ratio": on_med / off_med}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("scenario", nargs="*", help=f"of {sorted(SCENARIOS)} (default: all)")
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--block", type=int, default=300)
+    parser.add_argument("--json", type=pathlib.Path)
+    args = parser.parse_args()
+    args.scenario = args.scenario or list(SCENARIOS)
+    unknown = [s for s in args.scenario if s not in SCENARIOS]
+    if unknown:
+        parser.error(f"unknown scenario {unknown[0]!r}: choose from {', '.join(SCENARIOS)}")
+    if len(args.scenario) != 1:  # one shell per process: each scenario in a process of its own
+        out = []
+        for scenario in args.scenario:
+            cmd = [sys.executable, __file__, scenario, "--rounds", str(args.rounds), "--block", str(args.block),
+                   "--json", "/dev/stdout"]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
+                print(f"bench_run_cell: {scenario} failed (exit {done.returncode})")
+                return 1
+            out.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    else:
+        out = [run(args.scenario[0], args.rounds, args.block)]
+    for r in out:
+        print(f"{r['scenario']:8s} run_cell per idle cell: on {r['on_median_ms']:.3f} ms, off {r['off_median_ms']:.3f} ms: "
+              f"added {r['added_ms']:+.3f} ms, {r['ratio']:.2f}x ({r['rounds']} rounds of {r['block']} cells each)",
+              file=sys.stderr if str(args.json) == "/dev/stdout" else sys.stdout)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(json.dumps(out if len(out) > 1 else out[0]) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
