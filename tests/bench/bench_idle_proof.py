@@ -124,11 +124,16 @@ def run(scenario: str, rounds: int, block: int) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("scenario", nargs="*", default=["torch_idle"], choices=sorted(SETUP))
+    # no choices= here: argparse checks a list default of nargs="*" against them as one value, and refuses it
+    parser.add_argument("scenario", nargs="*", help=f"of {sorted(SETUP)} (default: torch_idle)")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--block", type=int, default=500)
     parser.add_argument("--json", type=pathlib.Path)
     args = parser.parse_args()
+    args.scenario = args.scenario or ["torch_idle"]
+    unknown = [name for name in args.scenario if name not in SETUP]
+    if unknown:
+        parser.error(f"unknown scenario {unknown[0]!r}: choose from {', '.join(sorted(SETUP))}")
     if len(args.scenario) != 1:
         # one shell per process: each scenario in a process of its own
         import subprocess
