@@ -36,7 +36,13 @@ SCENARIOS = {
 def run(scenario: str, rounds: int, block: int) -> dict:
     build = pathlib.Path(os.environ.get("GPUCLEANUP_BUILD_DIR", ROOT / "build"))
     libcuda = os.environ.setdefault("GPUCLEANUP_LIBCUDA", str(build / "tests" / "fake_cuda" / "libcuda.so.1"))
-    os.environ.setdefault("GPUCLEANUP_LIBRARY", str(build / "native" / "libgpucleanup.so"))
+    # the installed package's own library, else (the package from PYTHONPATH=ipython_ext) the build tree's
+    import importlib.util
+
+    spec = importlib.util.find_spec("gpucleanup")
+    packaged = pathlib.Path(list(spec.submodule_search_locations)[0]) / "libgpucleanup.so" if spec else None
+    if packaged is None or not packaged.exists():
+        os.environ.setdefault("GPUCLEANUP_LIBRARY", str(build / "native" / "libgpucleanup.so"))
     fake = ctypes.CDLL(libcuda, mode=os.RTLD_LOCAL)
     fake.fake_cuda_reset.argtypes = [ctypes.c_char_p]
     if fake.fake_cuda_reset(json.dumps(SCENARIOS[scenario]).encode()) != 0:
