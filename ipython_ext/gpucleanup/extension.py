@@ -32,6 +32,7 @@ from .config import GPUCleanupOptions
 from .dask_workers import DaskWorkers
 from .frameworks.objects import find_gpu_objects
 from .history import History
+from .load_notes import LoadNotes
 from .magics import gpumem_arguments, parse_gpumem, with_settings
 from .outside_drain import OutsideDrain, gave_no_way as outside_drain_gave_no_way
 from .parking import InKernel, RequestGuard
@@ -207,6 +208,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         self._magics_registered = False
         self._loaded = False
         self.cells = CellState()
+        self.load_notes = LoadNotes(shell, self._say)  # what load says, heard in a kernel too
         self._interrupt_the_cell = _InterruptTheCell()
         self.parking = InKernel(lambda: self._endpoint, self._say)
         self._refuse_the_cell = _RefuseTheCell(shell)
@@ -261,20 +263,19 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         self.shell.register_magics(self)
         self._magics_registered = True
         self._loaded = True
+        notes = self.load_notes
         for sentence in self.ignored_config:
-            print(say(sentence))
+            notes.say(sentence)
         try:
             probe = self.native.probe()
         except Exception as exc:
             if str(exc).startswith("[gpucleanup.driver."):
                 # the library loaded; the driver it found cannot be used (its message says why and what to do)
                 self.engine.last_driver_state = "unusable"
-                print(say(f"{exc}: no cleanup after cells"))
+                notes.say(f"{exc}: no cleanup after cells")
                 return
-            print(
-                say(f"gpucleanup's native library could not be loaded ({type(exc).__name__}: {exc}): "
-                    "nothing is cleaned after cells; reinstall gpucleanup")
-            )
+            notes.say(f"gpucleanup's native library could not be loaded ({type(exc).__name__}: {exc}): "
+                      "nothing is cleaned after cells; reinstall gpucleanup")
             return
         driver = probe.get("driver") or {}
         state = driver.get("state")
@@ -283,14 +284,14 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             self.engine.baseline(probe)
         if state == "no_driver":
             where = report.printable(driver.get("path") or "libcuda.so.1")
-            print(say(f"no CUDA driver found ({where}): nothing to clean, no cleanup after cells"))
+            notes.say(f"no CUDA driver found ({where}): nothing to clean, no cleanup after cells")
             return
         if state == "unusable":
             where = report.printable(driver.get("path") or "libcuda.so.1")
-            print(say(f"the CUDA driver {where} is unusable ({driver.get('message')}): no cleanup after cells"))
+            notes.say(f"the CUDA driver {where} is unusable ({driver.get('message')}): no cleanup after cells")
             return
         if state == "ready" and not probe.get("devices"):
-            print(say("no GPU on this machine: nothing to clean, no cleanup after cells"))
+            notes.say("no GPU on this machine: nothing to clean, no cleanup after cells")
             return
         self.shell.events.register("pre_run_cell", self.pre_run_cell)
         self.shell.events.register("post_run_cell", self.post_run_cell)
@@ -312,6 +313,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         with contextlib.suppress(Exception):
             self._request_guard.remove()
         self._refuse_the_cell.disarm()
+        self.load_notes.remove()
         with contextlib.suppress(Exception):
             self.trace.stop()
         self.engine.stop()
