@@ -7,6 +7,7 @@ imported only where the kernel already imported it.
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from typing import Any, Callable, Optional
 
@@ -56,6 +57,10 @@ class DaskWorkers:
     @staticmethod
     def _client() -> Any:
         if "distributed" not in sys.modules:
+            if importlib.util.find_spec("distributed") is None:
+                raise UsageError("%gpumem --dask: Dask's distributed is not installed: pip install "
+                                 "'gpucleanup[dask]', then create a client (from dask.distributed import Client; "
+                                 "client = Client(...))")
             raise UsageError("%gpumem --dask: Dask's distributed is not imported in this kernel: create a client "
                              "first (from dask.distributed import Client; client = Client(...))")
         try:

@@ -662,7 +662,7 @@ def dask_drain_lines(drained: Dict[str, dict]) -> List[str]:
 def history_report(records: Sequence[dict]) -> Report:
     if not records:
         return Report([], [f"{PREFIX}{SEP}no cell recorded yet"])
-    return Report([history_table(records, title=f"last {len(records)} cells")])
+    return Report([history_table(records, title=f"last {count_of(len(records), 'cell')}")])
 
 
 def vars_report(found: Sequence[dict], limit: int) -> Report:

@@ -267,6 +267,20 @@ def test_gpumem_dask_without_a_client_says_how_to_make_one(shell, monkeypatch): 
         shell.run_line_magic("gpumem", "--dask")
 
 
+def test_gpumem_dask_without_dask_installed_names_the_extra_to_install(shell, monkeypatch):  # noqa: F811
+    import importlib.util
+    import sys
+
+    monkeypatch.setattr(gpucleanup.frameworks, "active", lambda: [])
+    monkeypatch.setattr(gpucleanup.status_endpoint, "StatusEndpoint", lambda: StandInEndpoint())
+    shell.run_line_magic("load_ext", "gpucleanup")
+    monkeypatch.delitem(sys.modules, "distributed", raising=False)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "distributed" else real(name, *a))
+    with pytest.raises(UsageError, match=r"Dask's distributed is not installed: pip install 'gpucleanup\[dask\]'"):
+        shell.run_line_magic("gpumem", "--dask")
+
+
 def _stand_in_rmm_pool(pool_bytes: int, current_bytes: int) -> list:
     """In the worker: a stand-in RMM (tests/python/stand_ins) with a pool on device 0, as dask-cuda's
     rmm_pool_size sets one up; kept in sys.modules for the worker's life."""

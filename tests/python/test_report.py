@@ -200,7 +200,7 @@ def test_memory_report_without_driver_says_so():
 def test_history_table_from_records():
     text = report.history_report([_record()]).text()
     assert text.splitlines() == [
-        "last 1 cells",
+        "last 1 cell",
         "cell    freed   pinned  gc  device used        outside pools  state  time",
         "----  -------  -------  --  -----------------  -------------  -----  -----",
         "[3]   6.0 GiB  1.0 GiB  -   GPU0 2.7/79.6 GiB              -  ok     12 ms",
