@@ -37,9 +37,11 @@ Exit status:
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -791,6 +793,22 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _refuse_unknown(command: argparse.ArgumentParser, name: str, unknown: List[str]) -> None:
+    """Arguments the command did not take: one of its own options written before it (``gpucleanup --json ps``)
+    is said to go after it; a near miss (``--jsno``) gets "did you mean"; anything else is unrecognised."""
+    options = sorted(set(re.findall(r"(?<![\w-])--[a-z][\w-]*", command.format_help())))
+    misplaced = [token for token in unknown if token.split("=", 1)[0] in options]
+    if misplaced:
+        shown = " ".join(misplaced)
+        command.error(f"{shown} is an option of {name}: it goes after the command (gpucleanup {name} {shown})")
+    hints = []
+    for token in unknown:
+        close = difflib.get_close_matches(token.split("=", 1)[0], options, n=1) if token.startswith("-") else []
+        if close:
+            hints.append(f"{token}: did you mean {close[0]}?")
+    command.error(f"unrecognized arguments: {' '.join(unknown)}" + (" (" + "; ".join(hints) + ")" if hints else ""))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _parser()
     args, unknown = parser.parse_known_args(argv)
@@ -801,7 +819,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return EXIT_OK
     if unknown:
         # argparse would report it with the top level's usage; the command's own usage is what helps
-        args.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+        _refuse_unknown(args.commands[args.command], args.command, unknown)
     try:
         return args.run(args)
     except CliError as exc:

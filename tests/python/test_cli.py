@@ -391,6 +391,24 @@ def test_drain_timeout_out_of_range_is_a_usage_error(runtime):
 TIMEOUT_RANGE = "greater than 0 and at most 86400"
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["--json", "ps"], "gpucleanup ps: error: --json is an option of ps: it goes after the command (gpucleanup ps --json)"),
+    (["--json", "status", "123"],
+     "gpucleanup status: error: --json is an option of status: it goes after the command (gpucleanup status --json)"),
+    (["ps", "--jsno"], "gpucleanup ps: error: unrecognized arguments: --jsno (--jsno: did you mean --json?)"),
+    (["drain", "123", "--drain-timout", "5"],
+     "gpucleanup drain: error: unrecognized arguments: --drain-timout 5 (--drain-timout: did you mean --drain-timeout?)"),
+    (["ps", "--frobnicate"], "gpucleanup ps: error: unrecognized arguments: --frobnicate"),
+])
+def test_an_option_before_its_command_or_misspelt_is_a_usage_error_that_says_what_to_write(argv, said, runtime,
+                                                                                           capsys):
+    with pytest.raises(SystemExit) as raised:
+        gpucleanup_cli.main(argv)
+    assert raised.value.code == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.splitlines()[-1] == said
+
+
 @pytest.mark.parametrize(
     "argv, option, allowed",
     [
