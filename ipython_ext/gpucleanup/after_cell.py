@@ -219,7 +219,7 @@ def memory_status(native: Any, frameworks: FrameworkReader, since: SinceLastPass
         snap = native.snapshot()
     except Exception as exc:
         out["driver"] = {"state": "unusable", "message": str(exc)}
-        out["notes"] = [f"snapshot failed: {exc}"]
+        out["notes"] = []  # the driver's sentence says it, once
         return out
     driver = snap.get("driver") or {}
     out["driver"] = driver

@@ -538,6 +538,9 @@ def driver_sentence(driver: dict) -> str:
     if state == "exiting":
         return "the kernel is exiting"
     message = driver.get("message")
+    if isinstance(message, str) and message.startswith("[gpucleanup.python."):
+        # gpucleanup's own library, not the driver, is what could not be used
+        return f"gpucleanup's native library could not be loaded: {message}"
     return f"CUDA driver unusable: {message}" if message else f"CUDA driver state: {state}"
 
 

@@ -263,3 +263,22 @@ def test_memory_report_lists_each_pycuda_pool_under_pycuda_and_says_which_is_not
     assert [r[:width].rstrip() for r in rows[start:start + 3]] == [
         "pycuda", "  DeviceMemoryPool #1", "  DeviceMemoryPool #2, thread loader: not drained here"]
     assert rows[start + 2].endswith("136 MiB")
+
+
+def test_a_library_that_cannot_be_loaded_is_said_once_and_not_called_the_driver():
+    # %gpumem with GPUCLEANUP_LIBRARY pointing nowhere: the engine's status says it in the driver's entry alone,
+    # and the report names gpucleanup's library, not the CUDA driver
+    from gpucleanup import after_cell
+
+    message = ("[gpucleanup.python.103] GPUCLEANUP_LIBRARY '/nowhere.so' cannot be opened (No such file or "
+               "directory): point GPUCLEANUP_LIBRARY at libgpucleanup.so, or unset it")
+
+    class Missing:
+        def snapshot(self):
+            raise RuntimeError(message)
+
+    status = after_cell.AfterCell(Missing()).memory_status(after_cell.Settings())
+    assert status["notes"] == [] and status["driver"] == {"state": "unusable", "message": message}
+    status["enabled"] = True
+    assert report.memory_report(status).text() == f"gpucleanup · gpucleanup's native library could not be loaded: {message}"
+    assert report.driver_sentence({"state": "unusable", "message": "cuInit failed"}) == "CUDA driver unusable: cuInit failed"
