@@ -139,7 +139,8 @@ def _pinned_segment(pinned: dict, record: Optional[dict] = None) -> Optional[str
     if deferred.get("pinned"):
         held = sum(int((p or {}).get("cached_bytes") or 0) for p in (pinned.get("pools") or {}).values())
         segs.append(f"pinned {format_bytes(held)} cached {_until(record)}" if held
-                    else f"pinned release {_until(record).replace('until', 'when')}")
+                    else "pinned pools given back once idle" + (
+                        " or as another cell starts" if (record or {}).get("release") == "rerun" else ""))
     return SEP.join(segs) if segs else None
 
 

@@ -72,9 +72,27 @@ def _run(args, tmp_path, **kw) -> subprocess.CompletedProcess:
 
 
 def test_every_marked_example_is_checked_here():
-    assert set(EXAMPLES) == {"gpumem-table", "gpumem-vars", "plot-sparklines", "no-driver-snapshot",
-                             "no-driver-magics", "config-refusals"}
+    assert set(EXAMPLES) == {"h200-demo-cupy", "gpumem-table", "gpumem-vars", "plot-sparklines",
+                             "no-driver-snapshot", "no-driver-magics", "config-refusals"}
     assert all(EXAMPLES[name] for name in EXAMPLES)
+
+
+def test_the_first_example_is_one_notebook_of_one_recorded_h200_run():
+    # every cell of the example, in order, is the cell of that number in the CuPy notebook's part of the run's log,
+    # and its line is the line the run printed after it (the code is shortened in the README, the lines are not)
+    log = (ROOT / "tests" / "bench" / "results" / "h200-demo-rerun-2026-11-26.log").read_text(encoding="utf-8")
+    part = log.split("=== share/examples/cupy_images.ipynb", 1)[1].split("\n=== ", 1)[0]
+    recorded = {}
+    for cell in re.split(r"\n(?=In \[\d+\]: )", part):
+        number = re.match(r"In \[(\d+)\]: ", cell)
+        if number:
+            recorded[int(number.group(1))] = [line for line in cell.splitlines() if line.startswith("gpucleanup · ")]
+    shown = EXAMPLES["h200-demo-cupy"]
+    assert [int(re.match(r"In \[(\d+)\]", prompt).group(1)) for prompt, _ in shown] == [1, 2, 3, 4, 5]
+    for prompt, output in shown:
+        number = int(re.match(r"In \[(\d+)\]", prompt).group(1))
+        lines = [line for line in output.splitlines() if line.startswith("gpucleanup · ")]
+        assert lines and lines == recorded[number], prompt
 
 
 def test_the_gpumem_table_is_what_the_code_prints_from_the_h100_record():

@@ -282,3 +282,9 @@ def test_a_library_that_cannot_be_loaded_is_said_once_and_not_called_the_driver(
     status["enabled"] = True
     assert report.memory_report(status).text() == f"gpucleanup · gpucleanup's native library could not be loaded: {message}"
     assert report.driver_sentence({"state": "unusable", "message": "cuInit failed"}) == "CUDA driver unusable: cuInit failed"
+
+
+def test_a_deferred_pinned_release_of_unknown_size_says_when_the_pools_are_given_back():
+    rerun = {"release": "rerun", "deferred": {"pinned": True}}
+    assert report._pinned_segment({}, rerun) == "pinned pools given back once idle or as another cell starts"
+    assert report._pinned_segment({}, dict(rerun, release="idle")) == "pinned pools given back once idle"
