@@ -84,10 +84,16 @@ def block(data: dict) -> str:
         for run, label in RUNS.items():
             if runs.get(run):
                 r = runs[run]
-                measured.append(f"{shown}, {label}: {r['date']}, commit {r['commit']}, {r['cores']} cores")
+                load = f", load {r['load_1m']:.1f} at its end" if r.get("load_1m") is not None else ""
+                measured.append(f"{shown}, {label}: {r['date']}, commit {r['commit']}, {r['cores']} cores{load}")
     lines.append("")
     lines.append("Measured by the runs themselves (`GPUCLEANUP_RECORD_TIMINGS=1`): " + "; ".join(measured) + "."
                  if measured else "No run has been recorded yet.")
+    lines.append("")
+    lines.append("A first run's time is mostly the set-up: Debian packages and Python wheels downloaded and installed, "
+                 "the C++ library built; it grows with a slower network, fewer cores, and other work on the machine "
+                 "(the same first demo run took 6 min 41 s on 2 busy cores). The load is the 1-minute load average "
+                 "as the run ended, where recorded.")
     lines.append(END)
     return "\n".join(lines)
 
@@ -122,6 +128,7 @@ def cmd_record(args) -> int:
         "date": datetime.date.today().isoformat(),
         "commit": _commit(),
         "cores": os.cpu_count(),
+        "load_1m": round(os.getloadavg()[0], 2),
         "note": args.note,
     }
     TIMINGS.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")

@@ -187,6 +187,12 @@ def test_timings_are_recorded_from_a_runs_stage_file(tmp_path, monkeypatch):
     data = json.loads(store.read_text())
     assert data["test"]["fresh"]["stages"] == [["set-up", 161], ["C++ build", 220], ["Python suites", 380]]
     assert data["test"]["fresh"]["total_s"] == 2180
+    monkeypatch.setattr(timings.os, "getloadavg", lambda: (3.456, 2.0, 1.0))
+    assert timings.main(["record", "--command", "test", "--run", "fresh", "--stages", str(stages),
+                         "--total", "2180"]) == 0
+    data = json.loads(store.read_text())
+    assert data["test"]["fresh"]["load_1m"] == 3.46 and data["test"]["fresh"]["cores"] == os.cpu_count()
+    assert f"{os.cpu_count()} cores, load 3.5 at its end" in readme.read_text()
     text = readme.read_text()
     assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text
     row = next(line for line in text.splitlines() if line.startswith("| `bash scripts/test.sh`"))
