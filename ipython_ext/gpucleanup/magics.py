@@ -9,12 +9,13 @@ knowledge: ``frameworks/objects.py``.
 from __future__ import annotations
 
 import difflib
+import inspect
 import re
 import textwrap
 from typing import Callable
 
 from IPython.core.error import UsageError
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import MagicHelpFormatter, argument, magic_arguments, parse_argstring
 from IPython.utils.process import arg_split
 
 __all__ = ["gpumem_arguments", "parse_gpumem", "settings_help", "with_settings", "OPTIONS", "PLOT_ALL"]
@@ -158,10 +159,22 @@ def with_settings(options_cls) -> Callable:
     """Append :func:`settings_help` of ``options_cls`` to the decorated function's docstring."""
 
     def decorate(func: Callable) -> Callable:
-        func.__doc__ = (func.__doc__ or "").rstrip() + "\n\n" + settings_help(options_cls) + "\n"
+        # dedented first, as IPython's own magics read in %gpumem?: the settings appended below start at the margin
+        func.__doc__ = inspect.cleandoc(func.__doc__ or "") + "\n\n" + settings_help(options_cls) + "\n"
         return func
 
     return decorate
+
+
+class _HelpFormatter(MagicHelpFormatter):
+    """IPython's, except that an option's value is written as the usage line writes it (``--history [N]``),
+    not wrapped in ``<...>`` (``--history <[N]>``), which IPython adds for reStructuredText."""
+
+    def _format_action_invocation(self, action) -> str:
+        if not action.option_strings or action.nargs == 0:
+            return super()._format_action_invocation(action)
+        value = self._format_args(action, action.dest.upper())
+        return ", ".join(f"{option} {value}" for option in action.option_strings)
 
 
 def gpumem_arguments(func: Callable) -> Callable:
@@ -170,6 +183,9 @@ def gpumem_arguments(func: Callable) -> Callable:
         func = deco(func)
     # "--dr" must not silently mean --drain (MagicArgumentParser takes no allow_abbrev)
     func.parser.allow_abbrev = False
+    # the help again, as magic_arguments made it, with the options written as the usage line writes them
+    func.parser.formatter_class = _HelpFormatter
+    func.__doc__ = func.parser.format_help()
     return func
 
 

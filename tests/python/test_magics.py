@@ -241,6 +241,19 @@ def test_gpumem_help_documents_every_option_stand_in(shell, stand_in):  # noqa: 
     assert "--park" in doc and "host memory" in doc
 
 
+def test_gpumem_help_reads_as_the_usage_line_and_is_dedented():
+    from gpucleanup.extension import GPUCleanup
+
+    doc = GPUCleanup.gpumem.__doc__  # what %gpumem? shows
+    options = doc[doc.index("options:"):].splitlines()
+    assert "<" not in doc[doc.index("options:"):]  # no --history <[N]>
+    assert [line.split()[:2] for line in options if line.startswith(("  --history", "  --trace", "  --plot"))] == [
+        ["--history", "[N]"], ["--trace", "[on|off]"], ["--plot", "[N]"]]
+    assert "\n\nWith no option, a table per device in use: total and used memory (device-wide,\nas the driver" in doc
+    described = doc[doc.index("GPU memory of this kernel"):doc.index("Settings (")]
+    assert not [line for line in described.splitlines() if line.startswith("    ")]  # no line keeps the source's indent
+
+
 def test_gpumem_without_driver_says_so_stand_in(shell, stand_in):  # noqa: F811
     stand_in.native.state = "no_driver"
     shell.run_line_magic("load_ext", "gpucleanup")
