@@ -18,17 +18,24 @@ PID namespace are shown as "elsewhere" and left alone, and a discovery file that
 cannot be used is skipped with one line on stderr. Each kernel gets at most
 ``--timeout`` seconds (default 1), and all are asked at once.
 
-Exit status:
-  0    done (ps --json with no kernel prints [])
-  1    no kernel with gpucleanup; KERNEL unknown, ambiguous or dead
-  2    usage: unknown command or option, option value out of range
-  3    a kernel did not answer within --timeout
-  4    a kernel refused the request (bad key, drain refused) or answered
-       something unreadable
+Exit status (the page's REST API answers the same outcomes with the HTTP status in brackets):
+  0    done [200]; ps --json with no kernel prints []; park --check: it can
+       be parked now
+  1    no kernel with gpucleanup; KERNEL unknown, ambiguous or dead [404]
+  2    usage: unknown command or option, option value out of range [400]
+  3    a kernel did not answer within --timeout [504]
+  4    refused, nothing was done [409]: a cell or a drain is running, the
+       kernel is parked already (park) or not parked (resume), another park
+       of it is under way, no room to resume it, it cannot be parked (park
+       --check says why); also a key file that cannot be used, or an answer
+       that cannot be read [502]
   5    drain: the kernel answered, but a device was not drained (busy,
-       unusable, failed) or its CUDA driver is unusable
-  6    park, resume: the driver's steps failed; the message says what state
-       the process is in and what to do
+       unusable, failed) or its CUDA driver is unusable [200, "drained":
+       false]
+  6    park, resume: a driver step failed [500, "ok": false]; the message
+       says what state the process is in and what to do
+  7    cannot run here: exporter without prometheus_client (pip install
+       'gpucleanup[server]'), or its port or token file cannot be used
   130  interrupted (Ctrl-C; SIGTERM too during park and resume, which let the
        driver's step under way finish and say the state they left), except
        watch, which exits 0
@@ -58,6 +65,7 @@ EXIT_NO_ANSWER = 3
 EXIT_REFUSED = 4
 EXIT_NOT_DRAINED = 5
 EXIT_NOT_PARKED = 6
+EXIT_CANNOT_RUN = 7
 EXIT_INTERRUPTED = 130
 
 # The status server refuses a drain timeout outside 0..max_drain_timeout_s
@@ -474,12 +482,9 @@ def cmd_park(args) -> int:
         with _TermAsInterrupt():
             outcome = remote_park.park_from_outside(kernel.pid, _target(kernel), args.timeout, _park_lock(kernel))
     except status_client.StatusError as exc:
-        raise _failure(kernel, exc, args.timeout) from None
+        raise _not_done(args, kernel, "park", _failure(kernel, exc, args.timeout)) from None
     except (park_steps.ParkRefused, parking.LockBusy, OSError) as exc:
-        if args.json:
-            print(json.dumps({"action": "park", "pid": kernel.pid, "ok": False, "changed": False,
-                              "message": f"not parked: {exc}"}, indent=1))
-        raise CliError(f"kernel {kernel.pid} not parked: {exc}", EXIT_REFUSED) from None
+        raise _not_done(args, kernel, "park", CliError(f"kernel {kernel.pid} not parked: {exc}", EXIT_REFUSED)) from None
     except KeyboardInterrupt:
         raise CliError(f"kernel {kernel.pid}: interrupted before the driver's first step: nothing was parked",
                        EXIT_INTERRUPTED) from None
@@ -509,16 +514,23 @@ def cmd_resume(args) -> int:
             outcome, before = remote_park.resume_from_outside(kernel.pid, _target(kernel), args.timeout,
                                                           _park_lock(kernel), args.wait)
     except status_client.StatusError as exc:
-        raise _failure(kernel, exc, args.timeout) from None
+        raise _not_done(args, kernel, "resume", _failure(kernel, exc, args.timeout)) from None
     except (park_steps.ParkRefused, parking.LockBusy, OSError) as exc:
-        if args.json:
-            print(json.dumps({"action": "resume", "pid": kernel.pid, "ok": False, "changed": False,
-                              "message": f"not resumed: {exc}"}, indent=1))
-        raise CliError(f"kernel {kernel.pid} not resumed: {exc}", EXIT_REFUSED) from None
+        raise _not_done(args, kernel, "resume", CliError(f"kernel {kernel.pid} not resumed: {exc}",
+                                                         EXIT_REFUSED)) from None
     except KeyboardInterrupt:
         raise CliError(f"kernel {kernel.pid}: interrupted before the driver's first step: nothing was done",
                        EXIT_INTERRUPTED) from None
     return _park_outcome(args, kernel, outcome, remote_park.outcome_text(outcome, before))
+
+
+def _not_done(args, kernel: discovery.Kernel, action: str, error: CliError) -> CliError:
+    """A park or resume that did nothing (refused, no answer): with --json its object on stdout all the same,
+    so that a script reads one object whatever happened; ``error`` goes to stderr with its exit status."""
+    if args.json:
+        print(json.dumps({"action": action, "pid": kernel.pid, "ok": False, "changed": False,
+                          "message": str(error)}, indent=1))
+    return error
 
 
 def _park_outcome(args, kernel: discovery.Kernel, outcome: park_steps.Outcome, text: str) -> int:
@@ -649,13 +661,14 @@ def cmd_exporter(args) -> int:
     try:
         from . import metrics
     except ImportError as exc:  # pragma: no cover - metrics imports prometheus_client lazily
-        raise CliError(f"the exporter needs prometheus_client ({exc}): pip install 'gpucleanup[server]'", EXIT_USAGE)
+        raise CliError(f"the exporter needs prometheus_client ({exc}): pip install 'gpucleanup[server]'",
+                       EXIT_CANNOT_RUN)
     directory = Path(args.runtime_dir) if args.runtime_dir else None
     try:
         server = metrics.start_exporter(args.port, args.host, runtime_dir=directory, timeout=args.timeout,
                                         token_file=args.token_file, public=args.public)
     except metrics.ExporterError as exc:
-        raise CliError(str(exc), EXIT_USAGE) from None
+        raise CliError(str(exc), EXIT_CANNOT_RUN) from None
     try:
         url = f"http://{_url_host(args.host)}:{server.port}/metrics"
         token_file = str(server.token_file) if server.token_file is not None else None
@@ -738,7 +751,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="gpucleanup",
         description="GPU memory of every Jupyter kernel with gpucleanup loaded, asked from outside the kernels.",
         # The module docstring's table, so that --help and the docs cannot disagree.
-        epilog=__doc__[__doc__.index("Exit status:"):].rstrip(),
+        epilog=__doc__[__doc__.index("Exit status"):].rstrip(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"gpucleanup {_version()}")

@@ -16,7 +16,7 @@ from typing import Optional
 from . import park as park_steps, parking, status_client
 
 __all__ = ["remote_record", "owner_refusal", "process_uid", "park_from_outside", "check_kernel",
-           "resume_from_outside", "outcome_text"]
+           "resume_from_outside", "not_parked_refusal", "outcome_text"]
 
 
 def remote_record(target, timeout: float, automatic: bool = False) -> parking.RecordStep:
@@ -133,8 +133,30 @@ def resume_from_outside(pid: int, target, timeout: float, lock_file: os.PathLike
     if refusal:
         raise park_steps.ParkRefused(refusal)
     before = status_client.request(target, "status", timeout).get("state") or {}
-    record = remote_record(target, timeout) if before.get("state") in ("parking", "parked") else None
-    return parking.resume_kernel(pid, record, lock_file, lock_timeout=wait), before
+    known_parked = before.get("state") in ("parking", "parked")
+    record = remote_record(target, timeout) if known_parked else None
+    outcome = parking.resume_kernel(pid, record, lock_file, lock_timeout=wait)
+    if outcome.changed or outcome.interrupted:
+        return outcome, before
+    if not known_parked and outcome.state in (None, park_steps.RUNNING):
+        # never parked: the driver finds it running, or (no GPU used yet) does not know it at all
+        raise park_steps.ParkRefused(not_parked_refusal(pid))
+    if not outcome.ok and _nothing_tried(outcome):
+        # only the driver's state was read (no room, a step under way, a state that cannot be resumed):
+        # a refusal, as a park's are, not a failed step
+        raise park_steps.ParkRefused(parking.kernel_message(outcome))
+    return outcome, before
+
+
+def not_parked_refusal(pid: int) -> str:
+    """``gpucleanup resume`` of a kernel that is not parked."""
+    return f"[gpucleanup.park.645] kernel {pid} is not parked: nothing to resume"
+
+
+def _nothing_tried(outcome: park_steps.Outcome) -> bool:
+    """Did the resume stop before any step that changes the process (every step a look at its state that
+    answered in time)?"""
+    return all(step.name == "state" and not step.hung for step in outcome.steps)
 
 
 def outcome_text(outcome: park_steps.Outcome, before: Optional[dict] = None) -> str:

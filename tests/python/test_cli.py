@@ -358,17 +358,24 @@ def test_help_lists_the_exit_codes(runtime):
     result = cli("--help")
     assert result.returncode == 0
     assert result.stdout.endswith(
-        "Exit status:\n"
-        "  0    done (ps --json with no kernel prints [])\n"
-        "  1    no kernel with gpucleanup; KERNEL unknown, ambiguous or dead\n"
-        "  2    usage: unknown command or option, option value out of range\n"
-        "  3    a kernel did not answer within --timeout\n"
-        "  4    a kernel refused the request (bad key, drain refused) or answered\n"
-        "       something unreadable\n"
+        "Exit status (the page's REST API answers the same outcomes with the HTTP status in brackets):\n"
+        "  0    done [200]; ps --json with no kernel prints []; park --check: it can\n"
+        "       be parked now\n"
+        "  1    no kernel with gpucleanup; KERNEL unknown, ambiguous or dead [404]\n"
+        "  2    usage: unknown command or option, option value out of range [400]\n"
+        "  3    a kernel did not answer within --timeout [504]\n"
+        "  4    refused, nothing was done [409]: a cell or a drain is running, the\n"
+        "       kernel is parked already (park) or not parked (resume), another park\n"
+        "       of it is under way, no room to resume it, it cannot be parked (park\n"
+        "       --check says why); also a key file that cannot be used, or an answer\n"
+        "       that cannot be read [502]\n"
         "  5    drain: the kernel answered, but a device was not drained (busy,\n"
-        "       unusable, failed) or its CUDA driver is unusable\n"
-        "  6    park, resume: the driver's steps failed; the message says what state\n"
-        "       the process is in and what to do\n"
+        "       unusable, failed) or its CUDA driver is unusable [200, \"drained\":\n"
+        "       false]\n"
+        "  6    park, resume: a driver step failed [500, \"ok\": false]; the message\n"
+        "       says what state the process is in and what to do\n"
+        "  7    cannot run here: exporter without prometheus_client (pip install\n"
+        "       'gpucleanup[server]'), or its port or token file cannot be used\n"
         "  130  interrupted (Ctrl-C; SIGTERM too during park and resume, which let the\n"
         "       driver's step under way finish and say the state they left), except\n"
         "       watch, which exits 0\n"
@@ -747,12 +754,24 @@ def test_exporter_serves_metrics_until_interrupted(kernel):
         proc.stderr.close()
 
 
-def test_exporter_on_a_port_in_use_is_a_usage_error(runtime):
+def test_exporter_on_a_port_in_use_cannot_run_here(runtime):
     import socket
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         result = cli("exporter", "--port", str(taken.getsockname()[1]))
-    assert result.returncode == 2
+    assert result.returncode == 7  # before: 2, the usage code, though the command line was right
     assert "the port is in use by another program; choose another port with --port" in result.stderr
+
+
+def test_exporter_without_prometheus_client_cannot_run_here(runtime, monkeypatch, capsys):
+    from gpucleanup import cli as cli_module
+
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)
+    monkeypatch.setitem(sys.modules, "prometheus_client.core", None)
+    # before: 2, the usage code, though the command line was right
+    assert cli_module.main(["exporter", "--port", "0", "--runtime-dir", str(runtime)]) == cli_module.EXIT_CANNOT_RUN == 7
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert out.err.startswith("gpucleanup: ") and "pip install 'gpucleanup[server]'" in out.err

@@ -147,6 +147,28 @@ def test_the_command_parks_an_idle_kernel_and_resumes_it(kernel, checkpoints):
     assert kernel.execute("print(6 * 7)") == "42\n"  # nothing to resume: no line
 
 
+def test_resume_of_a_kernel_never_parked_is_refused_and_park_json_prints_its_object_when_refused(kernel,
+                                                                                                   checkpoints):
+    # before: exit 6, "it has not used the GPU, or it has exited" (a failed driver step); nothing was refused
+    never = cli("resume", str(kernel.pid))
+    assert (never.returncode, never.stdout) == (4, "")
+    assert never.stderr == (f"gpucleanup: kernel {kernel.pid} not resumed: [gpucleanup.park.645] kernel {kernel.pid} "
+                            "is not parked: nothing to resume\n")
+    as_json = cli("resume", "--json", str(kernel.pid))
+    assert as_json.returncode == 4
+    assert json.loads(as_json.stdout) == {"action": "resume", "pid": kernel.pid, "ok": False, "changed": False,
+                                          "message": f"kernel {kernel.pid} not resumed: [gpucleanup.park.645] kernel "
+                                                     f"{kernel.pid} is not parked: nothing to resume"}
+    assert cli("park", str(kernel.pid)).returncode == 0
+    again = cli("park", "--json", str(kernel.pid))  # refused by the kernel: before, nothing on stdout
+    assert again.returncode == 4
+    assert json.loads(again.stdout) == {"action": "park", "pid": kernel.pid, "ok": False, "changed": False,
+                                        "message": f"kernel {kernel.pid}: [gpucleanup.server.420] park refused: the "
+                                                   "kernel is parked"}
+    assert kernel.state()["state"] == "parked"
+    assert cli("resume", str(kernel.pid)).returncode == 0
+
+
 def test_a_kernel_running_a_cell_is_not_parked(kernel, checkpoints):
     msg_id = kernel.start("import time\nwhile not __import__('os').path.exists(%r): time.sleep(0.01)"
                           % str(checkpoints / "go"))

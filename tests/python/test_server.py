@@ -643,6 +643,21 @@ def test_park_and_resume_through_the_api(tmp_path):
         assert json.loads((checkpoints / f"{pid}.json").read_text())["state"] == "running"
         srv.wait_for(nb.kernel_id, lambda e: e["state"]["state"] == "idle", "idle after the resume")
         assert nb.run("print(1 + 1)") == "2\n"
+
+        # a resume of a kernel that is not parked is refused, as a park of a parked one (before: 200, ok true)
+        not_parked = srv.request("POST", f"{path}/resume", body={}, token=True)
+        assert not_parked.status == 409, not_parked.body
+        assert not_parked.json()["message"] == (f"kernel {nb.kernel_id} not resumed: [gpucleanup.park.645] kernel "
+                                                f"{pid} is not parked: nothing to resume")
+        # a failed driver step is 500, its body the same as a success's (before: 200 with ok false)
+        record = json.loads((checkpoints / f"{pid}.json").read_text())
+        record["errors"] = {"cuCheckpointProcessCheckpoint": 2}
+        (checkpoints / f"{pid}.json").write_text(json.dumps(record))
+        failed = srv.request("POST", f"{path}/park", body={}, token=True)
+        assert failed.status == 500, failed.body
+        data = failed.json()
+        assert (data["action"], data["ok"], data["state"]) == ("park", False, "running")
+        assert data["message"].startswith("[gpucleanup.park.620] the checkpoint failed with CUDA_ERROR_OUT_OF_MEMORY")
     finally:
         if nb is not None:
             nb.close()

@@ -319,10 +319,11 @@ def _target_of(kernel: discovery.Kernel, key: str) -> status_client.Target:
 class ParkHandler(_API):
     """``POST api/gpucleanup/kernels/<id>/park`` and ``.../resume``: the kernel's whole GPU memory, its
     context included, to host memory and back (gpucleanup.remote_park; the same as ``gpucleanup park|resume``).
-    200 with ``ok``, the driver's ``state`` and one sentence when the steps ran (``ok`` false: they failed,
-    and the sentence says where the process is); 409 when refused (a cell or a drain is running, already
-    parked, a restore known to fail, not enough host memory, another park of it under way); 504 when the
-    kernel did not answer."""
+    200 with ``ok`` true, the driver's ``state`` and one sentence when it was done; 500 with the same body,
+    ``ok`` false, when a driver step failed (the sentence says where the process is: ``gpucleanup park|resume``
+    exit 6); 409 when refused and nothing was done (a cell or a drain is running, already parked, not parked,
+    a restore known to fail, not enough host memory or no room to resume, another park of it under way:
+    exit 4); 504 when the kernel did not answer."""
 
     @web.authenticated
     @authorized
@@ -346,6 +347,9 @@ class ParkHandler(_API):
             raise web.HTTPError(409, "%s", f"kernel {key} not {'parked' if action == 'park' else 'resumed'}: "
                                 f"{exc}") from None
         outcome, before = done if action == "resume" else (done, None)
+        if not outcome.ok:
+            # the steps ran and a driver step failed (gpucleanup park|resume exit 6): not a success
+            self.set_status(500)
         self.finish({
             "id": key,
             "kernel_id": kernel.kernel_id,
