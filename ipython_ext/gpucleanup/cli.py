@@ -18,7 +18,7 @@ PID namespace are shown as "elsewhere" and left alone, and a discovery file that
 cannot be used is skipped with one line on stderr. Each kernel gets at most
 ``--timeout`` seconds (default 1), and all are asked at once.
 
-Exit status (the page's REST API answers the same outcomes with the HTTP status in brackets):
+Exit status: (the page's REST API answers the same outcomes with the HTTP status in brackets)
   0    done [200]; ps --json with no kernel prints []; park --check: it can
        be parked now
   1    no kernel with gpucleanup; KERNEL unknown, ambiguous or dead [404]

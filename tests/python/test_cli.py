@@ -358,7 +358,7 @@ def test_help_lists_the_exit_codes(runtime):
     result = cli("--help")
     assert result.returncode == 0
     assert result.stdout.endswith(
-        "Exit status (the page's REST API answers the same outcomes with the HTTP status in brackets):\n"
+        "Exit status: (the page's REST API answers the same outcomes with the HTTP status in brackets)\n"
         "  0    done [200]; ps --json with no kernel prints []; park --check: it can\n"
         "       be parked now\n"
         "  1    no kernel with gpucleanup; KERNEL unknown, ambiguous or dead [404]\n"

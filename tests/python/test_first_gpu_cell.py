@@ -14,6 +14,7 @@ import re
 import pytest
 
 import gpucleanup
+import gpucleanup._native  # noqa: F401  (the package attribute a stand-in replaces)
 import gpucleanup.frameworks
 import gpucleanup.status_endpoint
 from gpucleanup import after_cell, extension, report

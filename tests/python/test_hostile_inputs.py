@@ -42,6 +42,7 @@ from traitlets.config import Config
 
 from conftest import BUILD, FAKE_CUDA
 import gpucleanup
+import gpucleanup._native  # noqa: F401  (the package attribute a stand-in replaces)
 import gpucleanup.frameworks
 import gpucleanup.status_endpoint
 from gpucleanup import config, extension, magics, status_client

@@ -10,6 +10,7 @@ from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 import gpucleanup
+import gpucleanup._native  # noqa: F401  (the package attribute a stand-in replaces)
 import gpucleanup.frameworks
 import gpucleanup.status_endpoint
 from gpucleanup import extension, magics

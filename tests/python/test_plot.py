@@ -322,8 +322,8 @@ def test_plot_is_in_the_magics_help(shell, real, fake_cuda):  # noqa: F811
     shell.run_line_magic("load_ext", "gpucleanup")
     doc = shell.find_line_magic("gpumem").__doc__
     assert "[--plot [N]]" in doc
-    help_text = " ".join(doc[doc.index("  --plot <[N]>"):].split())  # argparse wraps the help's lines
-    assert help_text.startswith("--plot <[N]> Device memory over the last N cells (default: every record kept")
+    help_text = " ".join(doc[doc.index("  --plot [N]"):].split())  # argparse wraps the help's lines
+    assert help_text.startswith("--plot [N] Device memory over the last N cells (default: every record kept")
     assert "terminals one text sparkline per series. With --json: the timeline's data with exact bytes." in help_text
 
 
