@@ -221,9 +221,11 @@ run_suite() {
   # Each test gets a second run if its first fails (flaky's --force-flaky; tests with a flaky marker of their own
   # keep it): ipykernel's embed and start_kernel tests race their own kernel_info replies on a loaded machine, with
   # or without gpucleanup (see the left-out list). A failure that comes back every time still fails the stage, and
-  # flaky's report at the end names every test that needed its second run.
-  (cd "$work/suite" && "$py" -m pytest -q -p no:cacheprovider -o asyncio_default_fixture_loop_scope=function \
-    --force-flaky --max-runs=2 --min-passes=1 \
+  # flaky's report names every test that needed its second run; its line for each test that passed at once
+  # (--no-success-flaky-report) is left out, so pytest's summary ends the log. No colour codes in the log.
+  (cd "$work/suite" && "$py" -m pytest -q -p no:cacheprovider --color=no \
+    -o asyncio_default_fixture_loop_scope=function \
+    --force-flaky --max-runs=2 --min-passes=1 --no-success-flaky-report \
     ${deselect_args[@]+"${deselect_args[@]}"} "$@") || r=$?
   if [ "$r" = 5 ] && [ "$given" -gt 0 ]; then
     say "no test selected in this run by the arguments given"

@@ -3,7 +3,8 @@
 # driver) and the Python suites (pytest: native binding, extension in an
 # InteractiveShell, real kernels through jupyter_client, status server, CLI).
 # tests/gpu runs only where a GPU is present; it skips elsewhere.
-# Then ipykernel's own test suite with gpucleanup in every kernel (scripts/ipykernel_suite.sh), and the
+# Then ipykernel's own test suite with gpucleanup in every kernel (scripts/ipykernel_suite.sh), IPython's own
+# with gpucleanup in every shell (scripts/ipython_suite.sh), and the
 # IPython-facing suites again in .venv-ipython-low, with the lowest
 # IPython (and jupyter_core) that pyproject.toml claims, on the same wheel.
 #
@@ -14,7 +15,8 @@
 # Every stage prints a line as it starts and its duration as it ends (scripts/lib/stages.sh); how long each took
 # on a measured run is in tests/timings.json and the README's table, and nowhere else.
 # Environment: GPUCLEANUP_BUILD_DIR (default build), GPUCLEANUP_SKIP_LOW_IPYTHON=1 skips the
-#   lowest-IPython run, GPUCLEANUP_SKIP_IPYKERNEL_SUITE=1 ipykernel's suite, GPUCLEANUP_SKIP_SANITIZERS=1 the
+#   lowest-IPython run, GPUCLEANUP_SKIP_IPYKERNEL_SUITE=1 ipykernel's suite, GPUCLEANUP_SKIP_IPYTHON_SUITE=1
+#   IPython's suite, GPUCLEANUP_SKIP_SANITIZERS=1 the
 #   sanitizer runs, GPUCLEANUP_SKIP_FUZZ=1 the fuzz runs, GPUCLEANUP_FUZZ_SECONDS (default 60) sets how long
 #   each fuzz target runs,
 #   GPUCLEANUP_RECORD_TIMINGS=1 stores a whole run's stage times in tests/timings.json and the README's table
@@ -103,6 +105,18 @@ else
   stage_end "ipykernel suite"
 fi
 
+# IPython's own test suite with gpucleanup loaded into every shell it makes, on the fake driver
+# (scripts/ipython_suite.sh): the proof that a shell behaves as before. Skipped as ipykernel's suite is.
+if [ "${GPUCLEANUP_SKIP_IPYTHON_SUITE:-0}" = 1 ]; then
+  say "IPython suite skipped (GPUCLEANUP_SKIP_IPYTHON_SUITE=1)"
+elif [ ${#pytest_args[@]} -gt 0 ] || [ "$repeat" != 1 ]; then
+  say "IPython suite skipped (a partial or repeated run: bash scripts/ipython_suite.sh runs it)"
+else
+  stage_begin "IPython suite"
+  GPUCLEANUP_BUILD_DIR="$build" bash scripts/ipython_suite.sh
+  stage_end "IPython suite"
+fi
+
 # The sanitizer runs (scripts/sanitizers.sh): the C++ suites under ASan + UBSan and under TSan, the Python
 # suite against the ASan + UBSan library. Skipped when pytest arguments or --repeat select a partial run.
 run_sanitizers() {
@@ -137,7 +151,7 @@ record_timings() {
   if [ "${GPUCLEANUP_RECORD_TIMINGS:-0}" != 1 ]; then return 0; fi
   if [ ${#pytest_args[@]} -gt 0 ] || [ "$repeat" != 1 ] || [ "${GPUCLEANUP_SKIP_SANITIZERS:-0}" = 1 ] \
     || [ "${GPUCLEANUP_SKIP_FUZZ:-0}" = 1 ] || [ "${GPUCLEANUP_SKIP_LOW_IPYTHON:-0}" = 1 ] \
-    || [ "${GPUCLEANUP_SKIP_IPYKERNEL_SUITE:-0}" = 1 ]; then
+    || [ "${GPUCLEANUP_SKIP_IPYKERNEL_SUITE:-0}" = 1 ] || [ "${GPUCLEANUP_SKIP_IPYTHON_SUITE:-0}" = 1 ]; then
     say "timings not recorded: only a whole run is (no pytest arguments, --repeat or GPUCLEANUP_SKIP_*)"
     return 0
   fi
