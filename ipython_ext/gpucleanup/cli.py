@@ -213,6 +213,8 @@ def last_cell_text(reply: dict) -> str:
     freed = sum(_total(d.get("freed_bytes")) for d in record.get("devices") or [] if isinstance(d, dict))
     freed += _total((record.get("pinned") or {}).get("freed_bytes"))
     cell = record.get("cell")
+    if record.get("source") == "outside":
+        return f"drain from outside freed {format_bytes(freed)}"
     return f"cell {cell} freed {format_bytes(freed)}" if cell is not None else f"freed {format_bytes(freed)}"
 
 

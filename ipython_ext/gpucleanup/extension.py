@@ -610,10 +610,11 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                   cell)
 
     def cleanup(self, cell: Optional[int] = None, forced: bool = False, after_forced: Optional[CellRecord] = None,
-                hidden: Any = None, overrides: Optional[dict] = None) -> Optional[Outcome]:
+                hidden: Any = None, overrides: Optional[dict] = None, source: Optional[str] = None) -> Optional[Outcome]:
         """The after-cell cleanup now (the engine's); its record goes to the history and
         the status endpoint. None when nothing in the kernel uses CUDA. ``overrides``: settings
-        that differ from the traits for this pass only (a drain from outside: its time limit)."""
+        that differ from the traits for this pass only (a drain from outside: its time limit); ``source``:
+        "outside" for a drain asked for from outside the kernel, which its record says (not a cell)."""
         namespace = getattr(self.shell, "user_ns", None)
         settings = self.settings()
         if overrides:
@@ -622,6 +623,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                                   hidden=hidden)
         if outcome is not None and outcome.keep:
             data = outcome.as_dict()
+            if source is not None:
+                data["source"] = source
             self.history.append(data)
             self.totals.add(data)
             # only the published copy carries the totals: the history and %gpumem --json stay per cell
@@ -634,7 +637,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         """The cleanup for a drain from outside (OutsideDrain.run), said to the status endpoint as "draining"."""
         self._status("set_state", {"state": "draining", "cell": None, "since_ns": time.time_ns()})
         try:
-            return self.cleanup(forced=True, overrides=overrides)
+            return self.cleanup(forced=True, overrides=overrides, source="outside")
         finally:
             self._say_idle()  # before a waiting cell says "running"
 

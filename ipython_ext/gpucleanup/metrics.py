@@ -34,6 +34,7 @@ a reload of the extension is a counter reset, with a new ``_created``):
 - ``gpucleanup_freed_bytes_total{device, uuid, framework}``: bytes freed on each device;
 - ``gpucleanup_pinned_freed_bytes_total{framework}``: pinned (page-locked) host memory freed;
 - ``gpucleanup_cells_cleaned_total``: cleanups recorded (cells that used the GPU, ``%gpumem --drain``);
+- ``gpucleanup_drains_from_outside_total``: drains asked for from outside the kernel (not cells);
 - ``gpucleanup_wait_seconds`` (histogram): how long each cleanup waited for queued GPU work to settle.
 
 Where they are served: :func:`register_server_collector` (jupyter_server's own ``/metrics``) and
@@ -185,6 +186,10 @@ class KernelCollector:
                              "Cleanups gpucleanup recorded in the kernel since its extension loaded (cells that used "
                              "the GPU, %gpumem --drain).",
                              labels=KERNEL_LABELS),
+            "outside_drains": counter("gpucleanup_drains_from_outside",
+                                      "Drains asked for from outside the kernel (gpucleanup drain, the page's Drain) "
+                                      "since its extension loaded; not counted as cells cleaned.",
+                                      labels=KERNEL_LABELS),
             "wait": histogram("gpucleanup_wait_seconds",
                               "How long each cleanup waited for the kernel's queued GPU work to settle.",
                               labels=KERNEL_LABELS, unit="seconds"),
@@ -346,6 +351,9 @@ class KernelCollector:
         cleanups = _count(totals.get("cleanups"))
         if cleanups is not None:
             families["cells"].add_metric(labels, cleanups, created=created)
+        outside = _count(totals.get("drains_from_outside"))
+        if outside is not None:
+            families["outside_drains"].add_metric(labels, outside, created=created)
         for device in totals.get("devices") or []:
             index = device.get("index") if isinstance(device, dict) else None
             if type(index) is not int:

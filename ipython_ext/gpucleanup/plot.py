@@ -41,8 +41,8 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 from . import report, timeline
 
-__all__ = ["TimelinePlot", "SERIES", "FREED_LABEL", "DRAIN_LABEL", "EMPTY", "figure", "png", "png_size", "svg",
-           "sparklines", "positions"]
+__all__ = ["TimelinePlot", "SERIES", "FREED_LABEL", "DRAIN_LABEL", "OUTSIDE_DRAIN_LABEL", "drains_label", "EMPTY",
+           "figure", "png", "png_size", "svg", "sparklines", "positions"]
 
 #: (key of a timeline point, label, colour), drawn in this order
 SERIES: Tuple[Tuple[str, str, str], ...] = (
@@ -54,6 +54,16 @@ SERIES: Tuple[Tuple[str, str, str], ...] = (
 FREED_LABEL = "freed by the cleanup"
 FREED_COLOR = "#c62828"
 DRAIN_LABEL = "%gpumem --drain"
+OUTSIDE_DRAIN_LABEL = "drain from outside"  # gpucleanup drain, the page's Drain
+
+
+def drains_label(points: List[dict]) -> str:
+    """The label of the drains among ``points`` (records with no cell): ``%gpumem --drain``, a drain from outside
+    the kernel, or both."""
+    kinds = {p.get("source") == "outside" for p in points if p.get("cell") is None}
+    if kinds == {True}:
+        return OUTSIDE_DRAIN_LABEL
+    return f"{DRAIN_LABEL} or {OUTSIDE_DRAIN_LABEL}" if kinds == {True, False} else DRAIN_LABEL
 DRAIN_COLOR = "#7b4fa8"
 
 #: what --plot says when the history holds no GPU use
@@ -163,6 +173,10 @@ class _Panel:
 
     def drains(self) -> List[float]:
         return self._drains
+
+    def drain_label(self) -> str:
+        """What this panel's drains were: ``%gpumem --drain``, drains from outside the kernel, or both."""
+        return drains_label(self.records)
 
     def labelled(self) -> set:
         """The x of the freed markers whose amount is written: all of them when they are few, else
@@ -298,7 +312,7 @@ def figure(data: dict):
                                 path_effects=[patheffects.withStroke(linewidth=2.5, foreground="white")])
         if panel.drains():
             ax.vlines(panel.drains(), 0, 1, transform=ax.get_xaxis_transform(), colors=DRAIN_COLOR, linestyles=":",
-                      linewidth=1.2, label=DRAIN_LABEL, zorder=1)
+                      linewidth=1.2, label=panel.drain_label(), zorder=1)
         ax.set_title(panel.title, loc="left", fontsize=11)
         ax.set_ylabel(panel.unit)
         ax.set_xlabel(panel.xlabel())
@@ -317,7 +331,8 @@ def figure(data: dict):
     for ax in axes:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, handle)
-    order = [label for _, label, _ in SERIES] + [FREED_LABEL, DRAIN_LABEL]
+    order = [label for _, label, _ in SERIES] + [FREED_LABEL, DRAIN_LABEL, OUTSIDE_DRAIN_LABEL,
+                                                 f"{DRAIN_LABEL} or {OUTSIDE_DRAIN_LABEL}"]
     labels = [label for label in order if label in handles]
     axes[0].legend([handles[label] for label in labels], labels, loc="upper left", bbox_to_anchor=(1.01, 1.0),
                    fontsize=9, frameon=False, borderaxespad=0)
@@ -425,7 +440,7 @@ def _svg_panel(panel: _Panel, y0: float, plot_w: float) -> List[str]:
         out.append(f'<g class="drains" stroke="{DRAIN_COLOR}" stroke-width="1.2" stroke-dasharray="2,3">')
         for x in drains:
             out.append(f'<line x1="{_num(px(x))}" x2="{_num(px(x))}" y1="{_num(y0)}" y2="{_num(py(0))}">'
-                       f'<title>{_esc(DRAIN_LABEL)}</title></line>')
+                       f'<title>{_esc(panel.drain_label())}</title></line>')
         out.append("</g>")
     # the area under "used", then the lines
     used = panel.values("used_bytes")
@@ -456,7 +471,7 @@ def _svg_panel(panel: _Panel, y0: float, plot_w: float) -> List[str]:
         for i, (x, p) in enumerate(freed):
             cx, cy = px(x), py(_Panel.freed_top(p) / panel.size)
             r = (3.5 + 5.5 * math.sqrt(p["freed_bytes"] / biggest)) * math.sqrt(panel.marker_scale)
-            where = f"cell [{p['cell']}]" if p.get("cell") is not None else DRAIN_LABEL
+            where = f"cell [{p['cell']}]" if p.get("cell") is not None else drains_label([p])
             amount = report.format_bytes(p["freed_bytes"])
             if p.get("used_bytes") is not None:
                 out.append(f'<line x1="{_num(cx)}" x2="{_num(cx)}" y1="{_num(cy)}" '
@@ -521,7 +536,8 @@ def _svg_legend(panels: Sequence[_Panel], x: float, y: float) -> List[str]:
         yy = y + row * 18
         out.append(f'<line x1="{_num(x + 11)}" x2="{_num(x + 11)}" y1="{_num(yy - 7)}" y2="{_num(yy + 7)}" '
                    f'stroke="{DRAIN_COLOR}" stroke-width="1.2" stroke-dasharray="2,3"/>')
-        out.append(f'<text x="{_num(x + 28)}" y="{_num(yy + 4)}">{_esc(DRAIN_LABEL)}</text>')
+        label = drains_label([p for panel in panels for p in panel.records])
+        out.append(f'<text x="{_num(x + 28)}" y="{_num(yy + 4)}">{_esc(label)}</text>')
     out.append("</g>")
     return out
 

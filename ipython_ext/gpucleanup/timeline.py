@@ -11,7 +11,8 @@ kernel from the records its status endpoint keeps. One shape for all of them
       "devices": [{
           "index": 0, "name": "NVIDIA H100 80GB HBM3", "total_bytes": 85045460992,
           "points": [{
-              "cell": 7 | None,          # None: a %gpumem --drain between cells
+              "cell": 7 | None,          # None: a %gpumem --drain between cells, or a drain from outside
+                                         # ("source": "outside" then)
               "time_ns": ...,
               "used_bytes": ...,         # device used after the cleanup (None: unknown)
               "used_before_bytes": ...,  # ... when the cell ended, before it
@@ -92,6 +93,8 @@ def series(records: Iterable[dict]) -> dict:
                     "outside_bytes": _int(device.get("outside_bytes")),
                     "freed_bytes": _sum(device.get("freed_bytes")) + released_later(record, index),
                     "state": device.get("state") if isinstance(device.get("state"), str) else None,
+                    # a drain asked for from outside the kernel (gpucleanup drain, the page's Drain), not a cell
+                    **({"source": "outside"} if record.get("source") == "outside" else {}),
                 }
             )
     ordered: List[dict] = [devices[i] for i in sorted(devices)]

@@ -81,6 +81,7 @@ class Totals:
         self.buckets = tuple(bounds)
         self.started_ns = int(started_ns) if started_ns is not None else time.time_ns()
         self.cleanups = 0
+        self.drains_from_outside = 0  # gpucleanup drain, the page's Drain: not cells, counted apart
         self.device_freed: Dict[int, Dict[str, int]] = {}
         self.pinned_freed: Dict[str, int] = {}
         # per bucket, not cumulative; the last one is +Inf
@@ -107,7 +108,10 @@ class Totals:
         if not isinstance(record, dict):
             return
         with self._lock:
-            self.cleanups += 1
+            if record.get("source") == "outside":
+                self.drains_from_outside += 1
+            else:
+                self.cleanups += 1
             for device in record.get("devices") or ():
                 if isinstance(device, dict):
                     self._add_device(device.get("index"), device.get("freed_bytes"))
@@ -142,6 +146,7 @@ class Totals:
             return {
                 "started_ns": self.started_ns,
                 "cleanups": self.cleanups,
+                "drains_from_outside": self.drains_from_outside,
                 "devices": [{"index": i, "freed_bytes": dict(f)} for i, f in sorted(self.device_freed.items())],
                 "pinned_freed_bytes": dict(self.pinned_freed),
                 "settle_wait_s": {"le": list(self.buckets), "counts": cumulative, "count": self.wait_count,

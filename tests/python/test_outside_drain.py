@@ -96,6 +96,24 @@ def test_the_reply_carries_the_figures_and_the_history_keeps_the_drain(kernel, s
     assert last == f"None {{'cupy': {GiB}, 'torch': {512 * MiB}}}\n"  # the drain's record: no cell
 
 
+def test_a_drain_from_outside_is_counted_and_shown_as_one_not_as_a_cell(kernel):
+    before = kernel.execute("from gpucleanup.extension import get_extension\n"
+                            "_t = get_extension(get_ipython()).totals.as_dict()\n"
+                            "print(_t['cleanups'], _t['drains_from_outside'])")
+    cleanups = int(before.split()[0])
+    assert before.split()[1] == "0"
+    result = cli("drain", str(kernel.pid), "--drain-timeout", "5")
+    assert result.returncode == 0, result.stderr
+    after = kernel.execute("_e = get_extension(get_ipython())\n"
+                           "_t = _e.totals.as_dict()\n"
+                           "print(_t['cleanups'], _t['drains_from_outside'], _e.history.last(1)[0].get('source'))")
+    # the drain's record says where it came from; the cells cleaned stay as they were
+    assert after == f"{cleanups} 1 outside\n"
+    shown = cli("status", str(kernel.pid))
+    assert shown.returncode == 0, shown.stderr
+    assert "last cell  drain from outside freed 1.5 GiB" in shown.stdout, shown.stdout
+
+
 def test_a_cell_started_during_the_kernels_part_of_the_drain_waits_for_it(kernel, tmp_path):
     # CuPy's pool gives its blocks back only once the test lets it: the drain's part in the kernel is under way
     # until then.

@@ -431,3 +431,16 @@ def test_plot_json_in_a_shell_over_the_fake_driver(shell, fake_cupy, fake_cuda, 
     assert json.loads(repr(data)) == json.loads(json.dumps(data))  # shown as its JSON text
     last = shell.run_line_magic("gpumem", "--plot 2 --json")
     assert [p["cell"] for p in last["devices"][0]["points"]] == [None, third]
+
+
+def test_drains_are_labelled_by_what_asked_for_them():
+    magic, outside, cell = {"cell": None}, {"cell": None, "source": "outside"}, {"cell": 3}
+    assert plot.drains_label([cell, magic]) == "%gpumem --drain"
+    assert plot.drains_label([cell, outside]) == "drain from outside"
+    assert plot.drains_label([magic, outside]) == "%gpumem --drain or drain from outside"
+    from gpucleanup import timeline
+
+    record = {"cell": None, "source": "outside", "time_ns": 1,
+              "devices": [{"index": 0, "used_after_bytes": 1 << 30, "freed_bytes": {"cupy": 1 << 20}}]}
+    [point] = timeline.series([record])["devices"][0]["points"]
+    assert point["source"] == "outside" and point["cell"] is None
