@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import statistics
 import sys
@@ -41,24 +40,12 @@ SETUP = {
 def _fake_device(torch: bool) -> None:
     """A device in use on the fake CUDA driver and, with ``torch``, a stand-in torch with 1 GiB in use on it
     (tests/python/stand_ins)."""
-    import ctypes
-
     sys.path.insert(0, str(ROOT / "tests" / "python"))
-    build = pathlib.Path(os.environ.get("GPUCLEANUP_BUILD_DIR", ROOT / "build"))
-    libcuda = os.environ.setdefault("GPUCLEANUP_LIBCUDA", str(build / "tests" / "fake_cuda" / "libcuda.so.1"))
-    # the installed package's own library, else (the package from PYTHONPATH=ipython_ext) the build tree's
-    import importlib.util
+    sys.path.insert(0, str(HERE))
+    import fake_driver  # tests/bench/fake_driver.py
 
-    spec = importlib.util.find_spec("gpucleanup")
-    packaged = pathlib.Path(list(spec.submodule_search_locations)[0]) / "libgpucleanup.so" if spec else None
-    if packaged is None or not packaged.exists():
-        os.environ.setdefault("GPUCLEANUP_LIBRARY", str(build / "native" / "libgpucleanup.so"))
-    fake = ctypes.CDLL(libcuda, mode=os.RTLD_LOCAL)
-    fake.fake_cuda_reset.argtypes = [ctypes.c_char_p]
     gib = 1 << 30
-    scenario = {"devices": [{"total_bytes": 80 * gib, "free_bytes": 78 * gib, "primary_active": True}]}
-    if fake.fake_cuda_reset(json.dumps(scenario).encode()) != 0:
-        raise SystemExit("bench_idle_proof: the fake CUDA driver refused its scenario")
+    fake_driver.use({"devices": [{"total_bytes": 80 * gib, "free_bytes": 78 * gib, "primary_active": True}]})
     if not torch:
         return
     import pytest

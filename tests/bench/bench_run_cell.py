@@ -16,16 +16,13 @@ Usage: python tests/bench/bench_run_cell.py [device|unused ...] [--rounds N] [--
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
-import os
 import pathlib
 import statistics
 import subprocess
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 GIB = 1 << 30
 SCENARIOS = {
     "device": {"devices": [{"total_bytes": 80 * GIB, "free_bytes": 78 * GIB, "primary_active": True}]},
@@ -34,19 +31,10 @@ SCENARIOS = {
 
 
 def run(scenario: str, rounds: int, block: int) -> dict:
-    build = pathlib.Path(os.environ.get("GPUCLEANUP_BUILD_DIR", ROOT / "build"))
-    libcuda = os.environ.setdefault("GPUCLEANUP_LIBCUDA", str(build / "tests" / "fake_cuda" / "libcuda.so.1"))
-    # the installed package's own library, else (the package from PYTHONPATH=ipython_ext) the build tree's
-    import importlib.util
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    import fake_driver  # tests/bench/fake_driver.py
 
-    spec = importlib.util.find_spec("gpucleanup")
-    packaged = pathlib.Path(list(spec.submodule_search_locations)[0]) / "libgpucleanup.so" if spec else None
-    if packaged is None or not packaged.exists():
-        os.environ.setdefault("GPUCLEANUP_LIBRARY", str(build / "native" / "libgpucleanup.so"))
-    fake = ctypes.CDLL(libcuda, mode=os.RTLD_LOCAL)
-    fake.fake_cuda_reset.argtypes = [ctypes.c_char_p]
-    if fake.fake_cuda_reset(json.dumps(SCENARIOS[scenario]).encode()) != 0:
-        raise SystemExit("bench_run_cell: the fake CUDA driver refused its scenario")
+    fake_driver.use(SCENARIOS[scenario])
     from IPython.core.interactiveshell import InteractiveShell
 
     shell = InteractiveShell.instance()
