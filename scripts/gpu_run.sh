@@ -90,11 +90,23 @@ fi
 if [[ $stages == *" park-loop "* ]]; then
   # the JAX notebook parked from outside about a second after its cell (about when a release once idle comes due),
   # again and again: PARK_LOOP_RUNS runs (default 8), stopping at the first failure, within PARK_LOOP_S seconds
-  # (default 420); each run's outcome and figures in park-loop.log, a failure's whole output after them
+  # (default 420); each run's outcome and figures in park-loop.log, a failure's whole output after them.
+  # The kernel runs with tests/gpu/native/crash_backtrace.c preloaded (built here, or carried built as
+  # .whl/crash_backtrace.so): a thread that dies of a fatal signal writes its native stack to the kernel's stderr,
+  # which the failure's output shows.
+  if command -v cc >/dev/null && cc -shared -fPIC -O1 -o /tmp/crash_backtrace.so tests/gpu/native/crash_backtrace.c; then
+    export GPUCLEANUP_TEST_CRASH_BACKTRACE=/tmp/crash_backtrace.so
+  elif [[ -f .whl/crash_backtrace.so ]]; then
+    export GPUCLEANUP_TEST_CRASH_BACKTRACE=$PWD/.whl/crash_backtrace.so
+  fi
+  echo "park-loop: native stacks on a fatal signal from ${GPUCLEANUP_TEST_CRASH_BACKTRACE:-nothing (no cc, none carried)}" | tee "$out/park-loop.log"
+  # PARK_LOOP_TEST: another pytest selection to run again and again instead (e.g. the whole file, whose other
+  # kernels park just before the JAX one, as in the suite where the losses came); PARK_LOOP_RUN_S: each run's limit
+  jax_command="tests/gpu/test_park_kernel_gpu.py::test_a_notebook_is_parked_to_zero_and_resumed_with_every_byte[jax-command]"
   runs=${PARK_LOOP_RUNS:-8} passed=0 ran=0 loop_end=$((SECONDS + ${PARK_LOOP_S:-420}))
   for ((run = 1; run <= runs && SECONDS < loop_end; run++)); do
     ran=$run
-    timeout 150 python3 -m pytest "tests/gpu/test_park_kernel_gpu.py::test_a_notebook_is_parked_to_zero_and_resumed_with_every_byte[jax-command]" \
+    timeout "${PARK_LOOP_RUN_S:-150}" python3 -m pytest "${PARK_LOOP_TEST:-$jax_command}" \
       -x -q -s -p no:cacheprovider >"$out/park-loop-run.log" 2>&1
     rc=$?
     echo "park-loop run $run: rc $rc; $(grep -h FIGURE "$out/park-loop-run.log" | tr '\n' ' ')" | tee -a "$out/park-loop.log"

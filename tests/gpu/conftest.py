@@ -81,6 +81,12 @@ def subprocess_env(**extra: str) -> dict:
     lib = library_path()
     if lib:
         env["GPUCLEANUP_LIBRARY"] = lib
+    # GPUCLEANUP_TEST_CRASH_BACKTRACE: a built tests/gpu/native/crash_backtrace.c, preloaded into every process
+    # a GPU test starts, which then writes the native stack of a thread that dies of a fatal signal to its stderr
+    # (scripts/gpu_run.sh park-loop sets it).
+    preload = os.environ.get("GPUCLEANUP_TEST_CRASH_BACKTRACE")
+    if preload and os.path.exists(preload):
+        env["LD_PRELOAD"] = " ".join(p for p in (preload, env.get("LD_PRELOAD", "")) if p)
     env.update(extra)
     return env
 
