@@ -660,16 +660,13 @@ def cmd_watch(args) -> int:
 
 def cmd_exporter(args) -> int:
     """Prometheus metrics of every kernel (``gpucleanup.metrics``) on http://HOST:PORT/metrics until Ctrl-C."""
-    try:
-        from . import metrics
-    except ImportError as exc:  # pragma: no cover - metrics imports prometheus_client lazily
-        raise CliError(f"the exporter needs prometheus_client ({exc}): pip install 'gpucleanup[server]'",
-                       EXIT_CANNOT_RUN)
+    from . import exporter
+
     directory = Path(args.runtime_dir) if args.runtime_dir else None
     try:
-        server = metrics.start_exporter(args.port, args.host, runtime_dir=directory, timeout=args.timeout,
-                                        token_file=args.token_file, public=args.public)
-    except metrics.ExporterError as exc:
+        server = exporter.start_exporter(args.port, args.host, runtime_dir=directory, timeout=args.timeout,
+                                         token_file=args.token_file, public=args.public)
+    except exporter.ExporterError as exc:
         raise CliError(str(exc), EXIT_CANNOT_RUN) from None
     try:
         url = f"http://{_url_host(args.host)}:{server.port}/metrics"
@@ -799,7 +796,8 @@ def _parser() -> argparse.ArgumentParser:
                           help="address to listen on (default: %(default)s, this machine only)")
     exporter.add_argument("--token-file", default=None, metavar="PATH",
                           help="the bearer token scrapes must send (default: exporter.token in the runtime "
-                               "directory's gpucleanup/, made 0600 with a random token when missing)")
+                               "directory's gpucleanup/, made 0600 with a random token when missing); its "
+                               "directory must be writable by you and root only, and keeps its mode")
     exporter.add_argument("--public", action="store_true",
                           help="answer every scrape without a token, with no notebook or kernel id in the labels")
     exporter.add_argument("--json", action="store_true", help="say where it listens as one JSON line")

@@ -2,7 +2,9 @@
 
 :class:`KernelCollector` asks every kernel with gpucleanup on this machine (``kernels.gather``, all at
 once, each at most ``timeout`` seconds) when it is scraped, and exports per kernel and device. Labels:
-``kernel_id``, ``notebook`` (empty when unknown), ``pid``; device series add ``device`` (the CUDA index)
+``kernel_id``, ``notebook`` (empty when unknown), ``pid``, ``user`` (the name of the kernel process's
+owner, its uid when the name is not known: always there, so that a dashboard's ``sum by (user)`` works
+alike on a one-user and a shared machine); device series add ``device`` (the CUDA index)
 and ``uuid`` (the device's UUID from the kernel's snapshot, empty when unknown); per-framework series add
 ``framework`` (``driver`` is the CUDA driver's own pools).
 
@@ -18,7 +20,9 @@ Gauges, as of the kernel's last cleanup (its ``last_record``) or its live snapsh
   memory pools (live snapshot);
 - ``gpucleanup_kernel_state{state}``: 1 for the kernel's state, 0 for the others (idle, running, draining,
   waiting, parking, parked, unknown); ``gpucleanup_kernel_state_age_seconds``: how long it has been in it;
+  ``gpucleanup_kernel_idle_seconds``: how long it has been idle (0 while a cell runs; see :func:`idle_seconds`);
   ``gpucleanup_kernel_parked`` (1 while parked) and ``gpucleanup_kernel_parked_bytes`` (what it holds in host memory);
+- ``gpucleanup_device_parked_bytes{device, uuid}``: per GPU, what the kernels parked from it hold in host memory;
 - ``gpucleanup_kernel_up``: 1 when the kernel answered, 0 when not; a kernel that did not answer has
   ``gpucleanup_kernel_error{kind}`` 1 (kind: no_answer, refused, bad_key) and no other series;
 - ``gpucleanup_kernels``: kernels found in this PID namespace; ``gpucleanup_kernels_elsewhere``: kernels
@@ -26,7 +30,7 @@ Gauges, as of the kernel's last cleanup (its ``last_record``) or its live snapsh
 - ``gpucleanup_scrape_duration_seconds``, ``gpucleanup_scrape_ok`` (0: the runtime directory could not be
   scanned; the error is logged on the ``gpucleanup`` logger), ``gpucleanup_collected_timestamp_seconds``
   (when the kernels were asked: jupyter_server's ``/metrics`` shows the collection the previous scrape
-  started, never asking a kernel on the server's event loop).
+  started, never asking a kernel on the server's event loop; its first scrape waits, bounded, for one).
 
 Counters, cumulative since the kernel's extension loaded (``last_record.totals``, ``gpucleanup.totals``;
 a reload of the extension is a counter reset, with a new ``_created``):
@@ -38,28 +42,25 @@ a reload of the extension is a counter reset, with a new ``_created``):
 - ``gpucleanup_wait_seconds`` (histogram): how long each cleanup waited for queued GPU work to settle.
 
 Where they are served: :func:`register_server_collector` (jupyter_server's own ``/metrics``) and
-:func:`run_exporter` / :func:`start_exporter` (``gpucleanup exporter``, hosts without a Jupyter server).
+``gpucleanup.exporter`` (``gpucleanup exporter``, hosts without a Jupyter server).
 
 ``prometheus_client`` is an optional dependency (``pip install gpucleanup[server]``): this module imports
-without it; using it without it raises :class:`MetricsUnavailable` (the exporter: :class:`ExporterError`),
+without it; using it without it raises :class:`MetricsUnavailable` (the exporter: ``ExporterError``),
 which says how to install it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
-import hmac
+import functools
+import json
 import logging
 import math
 import os
-import re
-import secrets
-import socket
-import stat
-import sys
+import pwd
 import threading
 import time
+import weakref
 from concurrent.futures import Future, TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple
@@ -68,15 +69,14 @@ from . import discovery, kernels, status_client
 
 __all__ = [
     "KernelCollector",
+    "ServerCollector",
     "MetricsUnavailable",
-    "ExporterError",
-    "Exporter",
     "STATES",
     "register_server_collector",
     "unregister_server_collector",
     "make_registry",
-    "start_exporter",
-    "run_exporter",
+    "kernel_user",
+    "idle_seconds",
 ]
 
 log = logging.getLogger("gpucleanup")
@@ -84,18 +84,15 @@ log = logging.getLogger("gpucleanup")
 #: the states ``gpucleanup_kernel_state`` has a series for; any other state counts as "unknown"
 STATES = ("idle", "running", "draining", "waiting", "parking", "parked", "unknown")
 
-KERNEL_LABELS = ("kernel_id", "notebook", "pid")
-#: the kernel labels that carry a value in a public exporter's metrics (``--public``); the others are empty
-PUBLIC_KERNEL_LABELS = ("pid",)
+KERNEL_LABELS = ("kernel_id", "notebook", "pid", "user")
+#: the kernel labels that carry a value in a public exporter's metrics (``--public``): what ``ps`` shows every
+#: local user (the pid and its owner); the others are empty
+PUBLIC_KERNEL_LABELS = ("pid", "user")
 DEVICE_LABELS = KERNEL_LABELS + ("device", "uuid")
 
 
 class MetricsUnavailable(ImportError):
     """prometheus_client is not installed."""
-
-
-class ExporterError(ValueError):
-    """The exporter cannot serve as asked; the message is one sentence that says what to do."""
 
 
 def _prometheus():
@@ -144,6 +141,7 @@ class KernelCollector:
         self._lock = threading.Lock()
         self._running: Optional[Future] = None  # the collection in progress, shared by every scrape
         self._latest: Optional[List[Any]] = None  # the families of the last collection that finished
+        self._latest_started = 0.0  # when that collection started (time.monotonic())
         self.collections = 0  # how many collections ran (each asked every kernel once)
 
     # ------------------------------------------------------------------ the families
@@ -199,12 +197,20 @@ class KernelCollector:
                            labels=KERNEL_LABELS + ("state",)),
             "state_age": gauge("gpucleanup_kernel_state_age_seconds", "How long the kernel has been in its state.",
                                labels=KERNEL_LABELS),
+            "idle": gauge("gpucleanup_kernel_idle_seconds",
+                          "Seconds since the kernel last ran something (a cell, a drain from outside, a park or a "
+                          "resume), or since gpucleanup loaded if nothing ran; 0 while a cell runs.",
+                          labels=KERNEL_LABELS, unit="seconds"),
             "parked": gauge("gpucleanup_kernel_parked",
                             "1 while the kernel is parked (its GPU memory, context included, in host memory), else 0.",
                             labels=KERNEL_LABELS),
             "parked_bytes": gauge("gpucleanup_kernel_parked_bytes",
                                   "Device memory the parked kernel holds in host memory (while parked, when known).",
                                   labels=KERNEL_LABELS, unit="bytes"),
+            "device_parked": gauge("gpucleanup_device_parked_bytes",
+                                   "Device memory that kernels parked from this GPU hold in host memory (the sum "
+                                   "over them; device empty when the GPU is not known).",
+                                   labels=("device", "uuid"), unit="bytes"),
             "up": gauge("gpucleanup_kernel_up", "1 when the kernel's status endpoint answered this scrape, 0 when not.",
                         labels=KERNEL_LABELS),
             "error": gauge("gpucleanup_kernel_error",
@@ -231,16 +237,25 @@ class KernelCollector:
         Scrapes that come while a collection runs share it: every kernel is asked once, however
         many scrapes wait. A collection runs on a thread of its own, never on the caller's. Called
         on a thread that runs an event loop (jupyter_server's ``/metrics`` handler is synchronous,
-        on the server's loop), it never waits: it returns the figures of the last collection that
-        finished (none before the first) and starts the next, so the server's loop never waits on
-        a kernel; its figures are then one scrape old (``gpucleanup_scrape_age_seconds``). Called
+        on the server's loop), it returns the figures of the last collection that finished and starts
+        the next, so the server's loop does not wait on a kernel; its figures are then one scrape old
+        (``gpucleanup_collected_timestamp_seconds``). Only when there are no such figures (the first
+        scrape) or they are older than :data:`STALE_AFTER_S` does it wait for the collection, at most
+        ``timeout`` + 0.5 s (every kernel is asked at once), then shows what there is. Called
         elsewhere (the exporter's request threads, a test), it waits for the shared collection,
         which is bounded by ``timeout`` (every kernel is asked at once).
         """
         running = self._start()
         if _on_event_loop():
             latest = self._latest
-            return latest if latest is not None else list(self._families(_prometheus()).values())
+            if latest is not None and time.monotonic() - self._latest_started < STALE_AFTER_S:
+                return latest
+            # the first scrape, or one after a long pause: the figures of a collection it started, not
+            # those of the server's start; bounded (every kernel is asked at once, each for ``timeout``)
+            try:
+                return running.result(timeout=self.timeout + _LOOP_MARGIN_S)
+            except FutureTimeout:
+                return latest if latest is not None else list(self._families(_prometheus()).values())
         try:
             return running.result(timeout=self.timeout + _COLLECT_MARGIN_S)
         except FutureTimeout:  # a directory that takes ages to scan: the last figures
@@ -257,9 +272,10 @@ class KernelCollector:
         return running
 
     def _run(self, running: "Future") -> None:
+        started = time.monotonic()
         try:
             families = self.collect_now()
-            self._latest = families
+            self._latest, self._latest_started = families, started
             running.set_result(families)
         except BaseException as exc:  # never lost: the waiting scrapes see it
             running.set_exception(exc)
@@ -274,34 +290,49 @@ class KernelCollector:
         self.collections += 1
         families = self._families(prom)
         start = time.perf_counter()
-        try:
-            # a scrape only reads: whoever can scrape must not be able to delete files
-            gathered = kernels.gather(self.runtime_dir, timeout=self.timeout, clean=False)
-        except Exception as exc:
-            log.warning("gpucleanup metrics: cannot scan %s for kernels (%s: %s)",
-                        self.runtime_dir or "Jupyter's runtime directory", type(exc).__name__, exc)
-            families["scrape_ok"].add_metric([], 0)
-        else:
-            families["scrape_ok"].add_metric([], 1)
-            here = [v for v in gathered.kernels if v.elsewhere is None]
-            families["kernels"].add_metric([], len(here))
-            families["elsewhere"].add_metric([], len(gathered.kernels) - len(here))
-            for view in here:
-                self._add_kernel(prom, families, view)
+        ok, here, elsewhere = True, 0, 0
+        parked: Dict[Tuple[str, str], int] = {}  # (device, uuid) -> parked bytes, over every kernel
+        for directory in self.directories():
+            try:
+                # a scrape only reads: whoever can scrape must not be able to delete files
+                gathered = kernels.gather(directory, timeout=self.timeout, clean=False)
+            except Exception as exc:
+                log.warning("gpucleanup metrics: cannot scan %s for kernels (%s: %s)",
+                            directory or "Jupyter's runtime directory", type(exc).__name__, exc)
+                ok = False
+                continue
+            for view in gathered.kernels:
+                if view.elsewhere is not None:
+                    elsewhere += 1
+                    continue
+                here += 1
+                self._add_kernel(prom, families, view, parked)
+        families["scrape_ok"].add_metric([], 1 if ok else 0)
+        if ok:
+            families["kernels"].add_metric([], here)
+            families["elsewhere"].add_metric([], elsewhere)
+        for (device, uuid), n in sorted(parked.items()):
+            families["device_parked"].add_metric([device, uuid], n)
         families["duration"].add_metric([], time.perf_counter() - start)
         families["collected"].add_metric([], time.time())
         return list(families.values())
 
+    def directories(self) -> List[Optional[Path]]:
+        """The runtime directories asked at each collection (None: Jupyter's runtime directory)."""
+        return [self.runtime_dir]
+
     # ------------------------------------------------------------------ one kernel
 
     def _kernel_labels(self, view: kernels.KernelView) -> List[str]:
-        # Built from an allow-list: a public view names what every local user may see anyway (the pid,
-        # as ps shows it), never the notebook or the kernel id.
-        known = {"kernel_id": view.kernel_id or "", "notebook": view.notebook or "", "pid": str(view.pid)}
+        # Built from an allow-list: a public view names what every local user may see anyway (the pid and
+        # its owner, as ps shows them), never the notebook or the kernel id.
+        known = {"kernel_id": view.kernel_id or "", "notebook": view.notebook or "", "pid": str(view.pid),
+                 "user": kernel_user(view)}
         allowed = PUBLIC_KERNEL_LABELS if self.public else KERNEL_LABELS
         return [known[name] if name in allowed else "" for name in KERNEL_LABELS]
 
-    def _add_kernel(self, prom, families: Dict[str, Any], view: kernels.KernelView) -> None:
+    def _add_kernel(self, prom, families: Dict[str, Any], view: kernels.KernelView,
+                    parked: Dict[Tuple[str, str], int]) -> None:
         labels = self._kernel_labels(view)
         reply = view.status
         if not isinstance(reply, dict):
@@ -318,9 +349,14 @@ class KernelCollector:
         parked_bytes = state.get("bytes")
         if name == "parked" and type(parked_bytes) is int and parked_bytes >= 0:
             families["parked_bytes"].add_metric(labels, parked_bytes)
+            for key, n in _parked_per_device(view, reply, parked_bytes).items():
+                parked[key] = parked.get(key, 0) + n
         age = _number(state.get("age_s"))
         if age is not None:
             families["state_age"].add_metric(labels, max(0.0, age))
+        idle = idle_seconds(state)
+        if idle is not None:
+            families["idle"].add_metric(labels, idle)
 
         uuids = _uuids(reply)
         for row in kernels.device_rows(reply):
@@ -374,6 +410,102 @@ class KernelCollector:
 #: how much longer than the kernels' timeout a scrape off the event loop waits for the shared collection
 #: (the scan of the runtime directory, reading the keys)
 _COLLECT_MARGIN_S = 30.0
+#: how much longer than the kernels' timeout a scrape on the server's event loop may wait for a collection,
+#: when it must wait at all (the first scrape, or figures older than STALE_AFTER_S)
+_LOOP_MARGIN_S = 0.5
+#: figures older than this (from the start of their collection) are not shown by a scrape on the event
+#: loop: it waits for fresh ones instead (Prometheus's default scrape interval is 1 min; a longer pause,
+#: or none before, means the last figures say little about now)
+STALE_AFTER_S = 300.0
+
+#: states in which the kernel is running something of its user's: idle for 0 s
+_BUSY_STATES = ("running", "waiting")
+
+
+def idle_seconds(state: dict) -> Optional[float]:
+    """How long the kernel has been idle, from its status reply's ``state``; None when unknown.
+
+    0 while a cell runs (``running``, ``waiting``, ``draining`` a cell's cleanup); else the age of the
+    state, which the kernel resets when a cell ends, and also when a drain from outside, a park or a
+    resume ends (each sets a state of its own): for a kernel parked since its last cell, the time since
+    the park.
+    """
+    if not isinstance(state, dict):
+        return None
+    name = state.get("state")
+    if name in _BUSY_STATES or (name == "draining" and state.get("cell") is not None):
+        return 0.0
+    age = _number(state.get("age_s"))
+    return max(0.0, age) if age is not None else None
+
+
+@functools.lru_cache(maxsize=4096)
+def _user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except (KeyError, OverflowError):
+        return str(uid)
+
+
+def _process_uid(pid: int) -> Optional[int]:
+    """The real uid of process ``pid`` in this PID namespace (``/proc/<pid>/status``), None if unreadable."""
+    try:
+        with open(f"/proc/{int(pid)}/status", "r", encoding="ascii", errors="replace") as lines:
+            for line in lines:
+                if line.startswith("Uid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def kernel_user(view: kernels.KernelView) -> str:
+    """The ``user`` label: the name of the kernel process's owner (its uid when the name is not known),
+    else the owner of its discovery file; empty when neither is known."""
+    uid = _process_uid(view.pid) if view.elsewhere is None else None
+    if uid is None:
+        uid = getattr(view.kernel, "owner", None)
+    return _user_name(uid) if type(uid) is int and uid >= 0 else ""
+
+
+def _park_note(view: kernels.KernelView) -> dict:
+    """What the kernel's last park wrote beside its key (``{"usage": {uuid: bytes}}``), {} when unreadable.
+    Read without the park's lock: a note being written reads as malformed, and is ignored."""
+    key_file = getattr(view.kernel, "key_file", None)
+    if not key_file:
+        return {}
+    try:
+        from .parking import lock_path
+
+        data, _ = discovery.read_bounded(lock_path(key_file, view.pid), owners={os.geteuid()})
+        note = json.loads(data.decode("utf-8")) if data else {}
+    except (OSError, ValueError, ImportError):
+        return {}
+    return note if isinstance(note, dict) else {}
+
+
+def _parked_per_device(view: kernels.KernelView, reply: dict, parked_bytes: int) -> Dict[Tuple[str, str], int]:
+    """A parked kernel's bytes per GPU, keyed (device index, UUID) as the device labels are.
+
+    A park is refused for a process with memory on more than one GPU, so the bytes go to the one GPU the
+    park's note names (what it moved, per GPU UUID), else to the one device the kernel's last snapshot or
+    record shows in use; when neither tells, to device "" (not known)."""
+    uuids = _uuids(reply)
+    index_of = {uuid: index for index, uuid in uuids.items()}
+    usage = _park_note(view).get("usage")
+    if isinstance(usage, dict):
+        moved = {u: n for u, n in usage.items() if isinstance(u, str) and _count(n) and n > 0}
+        if len(moved) == 1:
+            (uuid,) = moved
+            index = index_of.get(uuid)
+            return {("" if index is None else str(index), uuid): parked_bytes}
+        if len(moved) > 1:
+            return {("" if index_of.get(u) is None else str(index_of[u]), u): n for u, n in moved.items()}
+    used = [row for row in kernels.device_rows(reply) if type(row.get("index")) is int]
+    if len(used) == 1:
+        index = used[0]["index"]
+        return {(str(index), used[0].get("uuid") or uuids.get(index, "")): parked_bytes}
+    return {("", ""): parked_bytes}
 
 
 def _on_event_loop() -> bool:
@@ -416,11 +548,76 @@ def _buckets(prom, wait) -> Optional[Tuple[List[Tuple[str, float]], float]]:
 
 # ---------------------------------------------------------------- jupyter_server's /metrics
 
+
+class ServerCollector(KernelCollector):
+    """The collector on jupyter_server's ``/metrics``: the kernels of every server registered with it,
+    each from that server's own runtime directory, read at every collection.
+
+    Every server in a process serves the same default registry, so one collector serves them all: it
+    follows each server that registered (a server that stopped, or whose object is gone, is left out),
+    and a directory two servers share is asked once.
+    """
+
+    def __init__(self, timeout: float = 0.5):
+        super().__init__(None, timeout=timeout)
+        self._servers_lock = threading.Lock()
+        self._servers: Dict[int, Any] = {}  # id -> a callable giving the server app (None once it is gone)
+
+    def add(self, serverapp: Any) -> bool:
+        """Follow ``serverapp`` (None: Jupyter's runtime directory); False when it is followed already."""
+        with self._servers_lock:
+            known = self._servers.get(id(serverapp))
+            if known is not None and known() is serverapp:
+                return False
+            try:
+                ref = weakref.ref(serverapp) if serverapp is not None else (lambda: None)
+            except TypeError:  # an object without weak references is kept as it is
+                ref = (lambda app: (lambda: app))(serverapp)
+            self._servers[id(serverapp)] = ref
+            return True
+
+    def remove(self, serverapp: Any) -> bool:
+        with self._servers_lock:
+            known = self._servers.get(id(serverapp))
+            if known is None or known() is not serverapp:
+                return False
+            del self._servers[id(serverapp)]
+            return True
+
+    @property
+    def servers(self) -> int:
+        """Servers followed (a server whose object is gone no longer counts)."""
+        with self._servers_lock:
+            return sum(1 for key, ref in self._servers.items() if key == id(None) or ref() is not None)
+
+    def directories(self) -> List[Optional[Path]]:
+        with self._servers_lock:
+            refs = list(self._servers.items())
+        found: List[Optional[Path]] = []
+        seen = set()
+        for key, ref in refs:
+            app = ref()
+            if app is None and key != id(None):
+                with self._servers_lock:
+                    if self._servers.get(key) is ref:
+                        del self._servers[key]
+                continue
+            if getattr(app, "_stopping", False) is True:  # ServerApp.stop() began: its kernels are going
+                continue
+            runtime = getattr(app, "runtime_dir", None) if app is not None else None
+            directory = Path(runtime) if runtime else None
+            where = os.path.realpath(directory if directory is not None else discovery.runtime_dir())
+            if where not in seen:
+                seen.add(where)
+                found.append(directory)
+        return found
+
+
 _server_lock = threading.Lock()
-_server_collectors: Dict[int, Tuple[Any, KernelCollector]] = {}  # id(registry) -> (registry, collector)
+_server_collectors: Dict[int, Tuple[Any, ServerCollector]] = {}  # id(registry) -> (registry, collector)
 
 
-def register_server_collector(serverapp: Any = None, timeout: float = 0.5, registry: Any = None) -> KernelCollector:
+def register_server_collector(serverapp: Any = None, timeout: float = 0.5, registry: Any = None) -> ServerCollector:
     """Show gpucleanup's metrics on jupyter_server's own ``/metrics``; returns the collector registered.
 
     jupyter_server (2.x) serves ``<base_url>/metrics`` with ``PrometheusMetricsHandler``, which writes
@@ -430,41 +627,56 @@ def register_server_collector(serverapp: Any = None, timeout: float = 0.5, regis
     (``Authorization: token <token>`` header, or ``?token=<token>``); ``c.ServerApp.authenticate_prometheus
     = False`` serves it to anyone who can reach the server.
 
-    The kernels are those of ``serverapp.runtime_dir`` (Jupyter's runtime directory without a server
-    app). The handler is synchronous, on the server's event loop, so the collector never asks a kernel
-    there: a scrape gets the figures of the last collection at once and starts the next one on a thread
-    of its own (scrapes that come meanwhile share it); the figures a scrape shows are therefore those
-    of the previous scrape's time (``gpucleanup_collected_timestamp_seconds``). A first collection
-    starts when the collector is registered, so the first scrape already has figures.
+    The kernels are those of ``serverapp.runtime_dir`` (Jupyter's runtime directory without a server app),
+    read at each collection. One collector per registry: a second server registering (another
+    ``ServerApp`` in the same process) adds its own runtime directory to it; the same server registering
+    again adds nothing.
 
-    Registering is done once per registry: a second call returns the collector already there.
-    jupyter_server calls no unload hook for a module's ``_load_jupyter_server_extension`` (only an
-    ``ExtensionApp``'s ``stop_extension``): call :func:`unregister_server_collector` from there, if any.
+    The handler is synchronous, on the server's event loop, so the collector asks the kernels on a thread
+    of its own: a scrape gets the figures of the last collection at once and starts the next one (scrapes
+    that come meanwhile share it), so its figures are those of the previous scrape's time
+    (``gpucleanup_collected_timestamp_seconds``). The first scrape, and one that comes more than
+    ``STALE_AFTER_S`` after the last collection started, waits for the collection it started instead,
+    for at most ``timeout`` + 0.5 s (every kernel is asked at once).
+
+    jupyter_server calls no unload hook for a module's ``_load_jupyter_server_extension``: call
+    :func:`unregister_server_collector` with the server when it stops, if any.
     """
     prom = _prometheus()
     registry = prom.REGISTRY if registry is None else registry
     with _server_lock:
         known = _server_collectors.get(id(registry))
         if known is not None and known[0] is registry:
+            known[1].add(serverapp)
             return known[1]
-        runtime_dir = getattr(serverapp, "runtime_dir", None) if serverapp is not None else None
-        collector = KernelCollector(Path(runtime_dir) if runtime_dir else None, timeout=timeout)
+        collector = ServerCollector(timeout=timeout)
+        collector.add(serverapp)
         registry.register(collector)
         _server_collectors[id(registry)] = (registry, collector)
-        collector._start()  # the first scrape finds figures
         return collector
 
 
-def unregister_server_collector(registry: Any = None) -> bool:
-    """Take the collector of :func:`register_server_collector` out of ``registry`` (default: the default
-    registry); False when none was registered there."""
+_EVERY_SERVER = object()
+
+
+def unregister_server_collector(registry: Any = None, serverapp: Any = _EVERY_SERVER) -> bool:
+    """Stop following ``serverapp`` (default: every server) on ``registry`` (default: the default
+    registry); the collector leaves the registry once it follows no server. False when nothing was
+    registered there (or ``serverapp`` was not followed)."""
     prom = _prometheus()
     registry = prom.REGISTRY if registry is None else registry
     with _server_lock:
-        known = _server_collectors.pop(id(registry), None)
+        known = _server_collectors.get(id(registry))
         if known is None or known[0] is not registry:
             return False
-        registry.unregister(known[1])
+        collector = known[1]
+        if serverapp is not _EVERY_SERVER:
+            if not collector.remove(serverapp):
+                return False
+            if collector.servers:
+                return True
+        del _server_collectors[id(registry)]
+        registry.unregister(collector)
         return True
 
 
@@ -472,306 +684,24 @@ def unregister_server_collector(registry: Any = None) -> bool:
 
 
 def make_registry(runtime_dir: Optional[Path] = None, timeout: float = status_client.DEFAULT_TIMEOUT,
-                  public: bool = False):
+                  public: bool = False, with_collector: bool = False):
     """A registry of its own holding only gpucleanup's collector: no process or Python metrics of the
-    exporter itself, which say nothing about the GPUs."""
+    exporter itself, which say nothing about the GPUs. ``with_collector``: (registry, collector)."""
     prom = _prometheus()
     registry = prom.CollectorRegistry()
-    registry.register(KernelCollector(runtime_dir, timeout=timeout, public=public))
-    return registry
+    collector = KernelCollector(runtime_dir, timeout=timeout, public=public)
+    registry.register(collector)
+    return (registry, collector) if with_collector else registry
 
 
-#: the token file's name in ``<runtime dir>/gpucleanup/`` (the directory of the kernels' keys, 0700)
-TOKEN_FILE = "exporter.token"
-_TOKEN = re.compile(r"[A-Za-z0-9._~+/=-]{16,512}", re.ASCII)
+#: what moved to gpucleanup.exporter, still reachable from here
+_EXPORTER_NAMES = ("ExporterError", "Exporter", "start_exporter", "run_exporter", "token_path", "read_token",
+                   "ensure_token")
 
 
-def token_path(runtime_dir: Optional[Path] = None) -> Path:
-    """Where the exporter keeps its token by default: ``<runtime dir>/gpucleanup/exporter.token``."""
-    return (Path(runtime_dir) if runtime_dir is not None else discovery.runtime_dir()) / discovery.KEY_DIR / TOKEN_FILE
+def __getattr__(name: str):
+    if name in _EXPORTER_NAMES:
+        from . import exporter
 
-
-def read_token(path: Path) -> str:
-    """The bearer token in ``path``: a regular file of yours that no one else may read; ExporterError if not."""
-    try:
-        data, info = discovery.read_bounded(path, owners={os.geteuid()})
-    except discovery.UnsafeFile as exc:
-        raise ExporterError(f"token file {path} is {exc.strerror}: give a regular file of yours") from None
-    except OSError as exc:
-        raise ExporterError(f"cannot read the token file {path} ({exc.strerror or exc})") from None
-    if stat.S_IMODE(info.st_mode) & 0o077:
-        raise ExporterError(f"token file {path} may be read by others (mode {stat.S_IMODE(info.st_mode):o}): "
-                            "chmod 600 it")
-    token = data.decode("ascii", "replace").strip()
-    if not _TOKEN.fullmatch(token):
-        raise ExporterError(f"token file {path} does not hold a token (16 to 512 characters of A-Z a-z 0-9 ._~+/=-)")
-    return token
-
-
-def ensure_token(path: Path) -> str:
-    """The token in ``path``, written there first (0600, a new random token) when the file does not exist."""
-    path = Path(path)
-    if not path.exists() and not path.is_symlink():
-        try:
-            discovery.ensure_private_dir(path.parent)
-            discovery.write_private(path, (secrets.token_urlsafe(32) + "\n").encode("ascii"))
-        except OSError as exc:
-            raise ExporterError(f"cannot write the token file {path} ({exc.strerror or exc})") from None
-    return read_token(path)
-
-
-class Exporter:
-    """A running exporter: ``url`` is where its metrics are; ``wait()`` blocks while it serves;
-    ``shutdown()`` stops it (idempotent; from any thread)."""
-
-    def __init__(self, server: Any, thread: threading.Thread, token_file: Optional[Path] = None):
-        self.server = server
-        self.thread = thread
-        #: the file holding the bearer token scrapes must send; None for a public exporter
-        self.token_file = token_file
-        self._closed = False
-        self._close_lock = threading.Lock()
-
-    @property
-    def host(self) -> str:
-        return self.server.server_address[0]
-
-    @property
-    def port(self) -> int:
-        return self.server.server_address[1]
-
-    @property
-    def url(self) -> str:
-        host = self.host
-        return f"http://{'[' + host + ']' if ':' in host else host}:{self.port}/metrics"
-
-    def wait(self) -> None:
-        """Block until the exporter is shut down (by another thread); Ctrl-C interrupts it
-        (KeyboardInterrupt), the exporter still serving: call :meth:`shutdown` then."""
-        self.thread.join()
-
-    def shutdown(self) -> None:
-        with self._close_lock:
-            if self._closed:
-                return
-            self._closed = True
-        self.server.shutdown()  # returns once serve_forever has stopped
-        self.thread.join()
-        self.server.server_close()
-
-    def __enter__(self) -> "Exporter":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
-
-
-def _wsgi_app(registry, token: Optional[str]):
-    metrics = _prometheus().make_wsgi_app(registry)
-    expected = f"Bearer {token}".encode("ascii") if token is not None else None
-
-    def app(environ, start_response):
-        path = environ.get("PATH_INFO") or "/"
-        if path == "/metrics":
-            given = (environ.get("HTTP_AUTHORIZATION") or "").encode("latin-1", "replace")
-            if expected is not None and not hmac.compare_digest(given, expected):
-                start_response("401 Unauthorized", [("Content-Type", "text/plain; charset=utf-8"),
-                                                    ("WWW-Authenticate", 'Bearer realm="gpucleanup"')])
-                return [b"the metrics need the exporter's token: Authorization: Bearer <token>\n"]
-            return metrics(environ, start_response)
-        if path == "/":
-            start_response("200 OK", [("Content-Type", "text/plain; charset=utf-8")])
-            return [b"gpucleanup exporter: the metrics are at /metrics\n"]
-        start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
-        return [b"not found: the metrics are at /metrics\n"]
-
-    return app
-
-
-#: seconds a connection may take to send its request before it is closed
-READ_TIMEOUT_S = 10.0
-#: connections served at once (each a thread and a descriptor); more are closed at once, except the owner's
-MAX_CONNECTIONS = 32
-
-
-def tcp_peer_uid(sock: socket.socket) -> Optional[int]:
-    """The user owning the other end of a loopback tcp connection (``/proc/net/tcp`` or ``tcp6`` of this
-    network namespace, the socket whose local address is our peer's and remote address ours); None when
-    it cannot be told, which is never the owner."""
-    try:
-        local, peer = sock.getsockname(), sock.getpeername()
-    except OSError:
-        return None
-
-    def text(address, family) -> str:
-        packed = socket.inet_pton(family, address[0])
-        # the kernel prints each 32-bit word in host byte order, then the port
-        words = [int.from_bytes(packed[i:i + 4], sys.byteorder) for i in range(0, len(packed), 4)]
-        return "".join(f"{w:08X}" for w in words) + f":{address[1]:04X}"
-
-    family = sock.family
-    try:
-        theirs, ours = text(peer, family), text(local, family)
-        table = "/proc/net/tcp" if family == socket.AF_INET else "/proc/net/tcp6"
-        with open(table, "r", encoding="ascii", errors="replace") as lines:
-            for line in lines:
-                fields = line.split()
-                if len(fields) > 7 and fields[1] == theirs and fields[2] == ours and fields[7].isdigit():
-                    return int(fields[7])
-    except (OSError, ValueError):
-        return None
-    return None
-
-
-class _Bounded:
-    """A threading HTTP server with at most MAX_CONNECTIONS connections at once. At the cap a newcomer is
-    closed at once, unless it comes from the exporter's own user: then the oldest connection of another
-    user is closed to make room, so that other local users cannot lock the owner out of its metrics."""
-
-    refused = 0
-
-    def _tracked(self) -> dict:
-        if not hasattr(self, "_open"):
-            self._open: Dict[Any, list] = {}
-            self._open_lock = threading.Lock()
-        return self._open
-
-    def process_request(self, request, client_address):
-        open_ = self._tracked()
-        with self._open_lock:
-            full = len(open_) >= MAX_CONNECTIONS
-        if full:
-            if tcp_peer_uid(request) != os.geteuid() or not self._make_room():
-                self.refused += 1
-                self.shutdown_request(request)
-                return
-        with self._open_lock:
-            open_[request] = [time.monotonic(), os.geteuid() if full else None, full]
-        super().process_request(request, client_address)
-
-    def _make_room(self) -> bool:
-        with self._open_lock:
-            candidates = sorted(self._open.items(), key=lambda item: item[1][0])
-        for sock, entry in candidates:
-            if not entry[2]:  # the peer's user, asked once and only when full
-                entry[1], entry[2] = tcp_peer_uid(sock), True
-            if entry[1] != os.geteuid():
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)  # its thread reads end-of-file and ends
-                except OSError:
-                    pass
-                with self._open_lock:
-                    self._open.pop(sock, None)
-                return True
-        return False
-
-    def process_request_thread(self, request, client_address):
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            with self._open_lock:
-                self._open.pop(request, None)
-
-
-def _bind(port: int, host: str, registry, token: Optional[str] = None) -> Any:
-    """The HTTP server bound to (host, port), not yet serving; :class:`ExporterError` when it cannot be."""
-    import socketserver
-    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
-
-    if type(port) is not int or not 0 <= port <= 65535:
-        raise ExporterError(f"port must be a number from 1 to 65535 (0: any free port), got {port!r}")
-    if not isinstance(host, str) or not host:
-        raise ExporterError(f"host must be an address or a name to listen on, got {host!r}")
-    try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
-    except socket.gaierror as exc:
-        raise ExporterError(f"cannot listen on {host!r} ({exc.strerror}): give an address of this machine "
-                            "(127.0.0.1, the default, or ::1)") from None
-
-    class Silent(WSGIRequestHandler):
-        timeout = READ_TIMEOUT_S  # a connection that sends nothing is closed, not kept for ever
-
-        def log_message(self, format, *args):  # a scrape every few seconds is not news
-            pass
-
-    class Server(_Bounded, socketserver.ThreadingMixIn, WSGIServer):
-        daemon_threads = True
-        address_family = family
-
-    try:
-        server = Server((host, port), Silent)
-    except OSError as exc:
-        where = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
-        if exc.errno == errno.EADDRINUSE:
-            raise ExporterError(f"cannot listen on {where}: the port is in use by another program; "
-                                "choose another port with --port") from None
-        if exc.errno == errno.EACCES:
-            raise ExporterError(f"cannot listen on {where}: permission denied (ports below 1024 need "
-                                "privileges); choose a port from 1024 up with --port") from None
-        if exc.errno == errno.EADDRNOTAVAIL:
-            raise ExporterError(f"cannot listen on {where}: {host} is not an address of this machine; "
-                                "give one of its addresses with --host") from None
-        raise ExporterError(f"cannot listen on {where}: {exc.strerror or exc}") from None
-    server.set_app(_wsgi_app(registry, token))
-    return server
-
-
-def start_exporter(port: int, host: str = "127.0.0.1", runtime_dir: Optional[Path] = None,
-                   timeout: float = status_client.DEFAULT_TIMEOUT, token_file: Optional[Path] = None,
-                   public: bool = False) -> Exporter:
-    """Serve gpucleanup's metrics at ``http://host:port/metrics`` on a thread of its own; returns the
-    :class:`Exporter` (``.url``, ``.shutdown()``). ``port`` 0 takes any free port (``.port`` says which).
-
-    Private to its owner by default: a scrape must send ``Authorization: Bearer <token>``, the token in
-    ``token_file`` (default :func:`token_path`, created 0600 with a random token when missing; a file
-    others may read is refused); other requests get 401 and no figure. ``public``: no token, and the
-    metrics carry only what every local user may see (the labels of :data:`PUBLIC_KERNEL_LABELS`; the
-    notebook and kernel id labels are empty).
-
-    Raises :class:`ExporterError` (a sentence to print; exit status 2) when the port is in use, not
-    allowed, or the host is not an address of this machine, and without prometheus_client.
-    """
-    try:
-        registry = make_registry(runtime_dir, timeout, public=public)
-    except MetricsUnavailable as exc:
-        raise ExporterError(str(exc)) from exc
-    except ValueError as exc:  # the timeout
-        raise ExporterError(str(exc)) from None
-    token = None
-    if not public:
-        token_file = Path(token_file) if token_file is not None else token_path(runtime_dir)
-        token = ensure_token(token_file)
-    server = _bind(port, host, registry, token)
-    thread = threading.Thread(target=server.serve_forever, name="gpucleanup-exporter", daemon=True)
-    thread.start()
-    return Exporter(server, thread, None if public else token_file)
-
-
-def run_exporter(port: int, host: str = "127.0.0.1", runtime_dir: Optional[Path] = None,
-                 timeout: float = status_client.DEFAULT_TIMEOUT) -> int:
-    """``gpucleanup exporter``: serve gpucleanup's metrics at ``http://host:port/metrics`` until Ctrl-C;
-    returns 0.
-
-    For hosts without a Jupyter server (with one, its own ``/metrics`` can show them:
-    :func:`register_server_collector`). The registry is the exporter's own: only gpucleanup's metrics,
-    no process metrics of the exporter. Each scrape asks every kernel of ``runtime_dir`` (default:
-    Jupyter's runtime directory, as ``gpucleanup ps``), each at most ``timeout`` seconds.
-
-    It listens on loopback (127.0.0.1) unless ``host`` says otherwise, and answers only scrapes that send
-    its token (:func:`start_exporter`): every local user can reach a loopback port, and the metrics name
-    notebooks and kernels.
-
-    Raises :class:`ExporterError` (print it, exit status 2) when it cannot listen: port in use, not
-    allowed, host not an address of this machine, no prometheus_client.
-    """
-    exporter = start_exporter(port, host, runtime_dir, timeout)
-    try:
-        print(f"gpucleanup exporter: serving {exporter.url} (Ctrl-C stops)", flush=True)
-        print(f"gpucleanup exporter: scrapes send Authorization: Bearer <the token in {exporter.token_file}>",
-              flush=True)
-        exporter.wait()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        exporter.shutdown()
-    return 0
+        return getattr(exporter, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,6 +8,7 @@ back with prometheus_client's own parser.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import stat
@@ -244,7 +245,7 @@ def test_device_gauges_carry_the_live_snapshot_and_the_devices_uuid(kernel):
     assert value(samples, "gpucleanup_driver_pool_used_bytes", device=0) == 64 * MiB
     # every device series of the kernel has the same label names
     names = {tuple(sorted(l)) for n, l, _ in samples if n.startswith("gpucleanup_device_") and "framework" not in l}
-    assert names == {("device", "kernel_id", "notebook", "pid", "uuid")}
+    assert names == {("device", "kernel_id", "notebook", "pid", "user", "uuid")}
 
 
 def test_counters_are_the_published_totals(kernel):
@@ -434,11 +435,229 @@ def test_register_server_collector_registers_once_and_unregisters(runtime):
     app = types.SimpleNamespace(runtime_dir=str(runtime))
     first = metrics.register_server_collector(app, registry=registry)
     assert metrics.register_server_collector(app, registry=registry) is first
-    assert first.runtime_dir == runtime
+    assert first.directories() == [runtime]
     assert value(scrape(registry), "gpucleanup_kernels") == 0
     assert metrics.unregister_server_collector(registry) is True
     assert metrics.unregister_server_collector(registry) is False
     assert values(scrape(registry), "gpucleanup_kernels") == []
+
+
+class _App:
+    """A server app as the collector sees one: its runtime directory (and weak references, as ServerApp)."""
+
+    def __init__(self, runtime_dir):
+        self.runtime_dir = str(runtime_dir)
+
+
+def test_the_server_collector_follows_each_servers_own_runtime_directory(kernel, runtime, tmp_path):
+    other = tmp_path / "other-runtime"
+    other.mkdir(mode=0o700)
+    write_discovery(other, os.getppid(), kernel_id="k-other", notebook="other.ipynb")  # asked, no answer
+    registry = prometheus_client.CollectorRegistry()
+    first, second = _App(runtime), _App(other)
+    collector = metrics.register_server_collector(first, registry=registry)
+    # a second server in the process: the same collector (one /metrics), now asking its directory too
+    assert metrics.register_server_collector(second, registry=registry) is collector
+    assert metrics.register_server_collector(second, registry=registry) is collector
+    third = _App(runtime)  # a third server on the first one's directory
+    assert metrics.register_server_collector(third, registry=registry) is collector
+    assert collector.directories() == [runtime, other]  # the shared directory once
+    samples = scrape(registry)
+    assert value(samples, "gpucleanup_kernels") == 2
+    assert value(samples, "gpucleanup_kernel_up", pid=kernel.pid) == 1
+    assert value(samples, "gpucleanup_kernel_up", kernel_id="k-other") == 0
+    # the first server goes: the second's kernels stay
+    first._stopping = True  # ServerApp.stop() sets it
+    assert collector.directories() == [other, runtime]  # the third server still follows runtime
+    assert metrics.unregister_server_collector(registry, serverapp=second) is True
+    assert metrics.unregister_server_collector(registry, serverapp=second) is False
+    assert collector.directories() == [runtime]
+    del first
+    import gc
+
+    gc.collect()
+    assert collector.servers == 1  # the third
+    assert metrics.unregister_server_collector(registry) is True
+    assert values(scrape(registry), "gpucleanup_kernels") == []
+
+
+def test_a_stopped_or_collected_server_is_no_longer_asked(runtime, tmp_path):
+    registry = prometheus_client.CollectorRegistry()
+    gone, stopping = _App(tmp_path / "gone"), _App(runtime)
+    collector = metrics.register_server_collector(gone, registry=registry)
+    metrics.register_server_collector(stopping, registry=registry)
+    del gone
+    import gc
+
+    gc.collect()
+    assert collector.directories() == [runtime]
+    stopping._stopping = True
+    assert collector.directories() == []
+    samples = scrape(registry)
+    assert (value(samples, "gpucleanup_kernels"), value(samples, "gpucleanup_scrape_ok")) == (0, 1)
+    assert metrics.unregister_server_collector(registry) is True
+
+
+def _on_a_loop(call):
+    """``call()`` on a thread that runs an asyncio event loop, as jupyter_server's /metrics handler runs."""
+    import asyncio
+
+    async def run():
+        return call()
+
+    return asyncio.run(run())
+
+
+def test_the_first_scrape_on_the_servers_loop_shows_a_collection_it_waited_for(kernel, runtime):
+    registry = prometheus_client.CollectorRegistry()
+    app = _App(runtime)
+    collector = metrics.register_server_collector(app, timeout=5.0, registry=registry)
+    assert collector.collections == 0  # registering asks no kernel: the first scrape's collection is its own
+    samples = _on_a_loop(lambda: scrape(registry))
+    assert value(samples, "gpucleanup_kernels") == 1
+    assert value(samples, "gpucleanup_kernel_up", pid=kernel.pid, notebook="/home/me/fit.ipynb") == 1
+    assert collector.collections == 1
+
+
+def test_later_scrapes_on_the_loop_never_wait_and_the_first_waits_boundedly(runtime, monkeypatch):
+    registry = prometheus_client.CollectorRegistry()
+    app = _App(runtime)
+    collector = metrics.register_server_collector(app, timeout=0.5, registry=registry)
+    release = threading.Event()
+    real = kernels.gather
+
+    def held(*args, **kwargs):
+        assert release.wait(60)
+        return real(*args, **kwargs)
+
+    try:
+        monkeypatch.setattr(kernels, "gather", held)
+        started = time.monotonic()
+        first = _on_a_loop(lambda: scrape(registry))
+        waited = time.monotonic() - started
+        # a collection that does not end: the first scrape gives up at timeout + 0.5 s, showing nothing
+        assert 0.9 <= waited < 30, waited
+        assert values(first, "gpucleanup_kernels") == []
+        release.set()
+        deadline = time.monotonic() + 60
+        while collector.collections < 1 or collector._running is not None:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        release.clear()
+        # figures exist now: a scrape on the loop shows them at once, the next collection held meanwhile
+        second = _on_a_loop(lambda: scrape(registry))
+        assert value(second, "gpucleanup_kernels") == 0
+        assert collector._running is not None  # it started the next one and did not wait for it
+    finally:
+        release.set()
+    assert metrics.unregister_server_collector(registry) is True
+
+
+def test_kernels_of_several_users_carry_each_owners_name_or_uid(kernel, runtime):
+    import pwd
+
+    me = pwd.getpwuid(os.getuid()).pw_name
+    named = next(u for u in (2, 1, 3) if _has_name(u))
+    nameless = next(u for u in range(54321, 54400) if not _has_name(u))
+    if os.geteuid() != 0:
+        pytest.skip("processes of other users need root to start (setpriv)")
+    others = [subprocess.Popen(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "sleep", "300"])
+              for uid in (named, nameless)]
+    try:
+        for proc in others:
+            write_discovery(runtime, proc.pid, kernel_id=f"k{proc.pid}")
+        deadline = time.monotonic() + 60
+        while any(_process_uid(p.pid) != uid for p, uid in zip(others, (named, nameless))):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        samples = scrape(registry_for(runtime))
+    finally:
+        for proc in others:
+            proc.kill()
+            proc.wait()
+    assert value(samples, "gpucleanup_kernel_up", pid=kernel.pid, user=me) == 1
+    assert value(samples, "gpucleanup_kernel_up", pid=others[0].pid, user=pwd.getpwuid(named).pw_name) == 0
+    assert value(samples, "gpucleanup_kernel_up", pid=others[1].pid, user=nameless) == 0
+    # every per-kernel series carries the label (so sum by (user) works on any of them)
+    assert all("user" in l for n, l, _ in samples if "pid" in l)
+
+
+def _has_name(uid: int) -> bool:
+    import pwd
+
+    try:
+        pwd.getpwuid(uid)
+        return True
+    except KeyError:
+        return False
+
+
+def _process_uid(pid: int):
+    try:
+        with open(f"/proc/{pid}/status") as lines:
+            return next(int(l.split()[1]) for l in lines if l.startswith("Uid:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def test_idle_seconds_count_from_the_end_of_the_last_cell_and_are_0_while_one_runs(kernel):
+    registry = registry_for(kernel.endpoint.discovery_path.parent)
+    kernel.endpoint.set_state({"state": "idle", "since_ns": time.time_ns() - 600 * 10**9})
+    idle = value(scrape(registry), "gpucleanup_kernel_idle_seconds", pid=kernel.pid)
+    assert 600 <= idle < 660, idle
+    kernel.endpoint.set_state({"state": "running", "cell": 14, "since_ns": time.time_ns() - 60 * 10**9})
+    samples = scrape(registry)
+    assert value(samples, "gpucleanup_kernel_idle_seconds", pid=kernel.pid) == 0
+    assert value(samples, "gpucleanup_kernel_state_age_seconds", pid=kernel.pid) >= 60  # the state's age is not idleness
+
+
+def test_idle_seconds_of_a_reply_state():
+    assert metrics.idle_seconds({"state": "idle", "age_s": 12.5}) == 12.5
+    assert metrics.idle_seconds({"state": "waiting", "device": 0, "age_s": 40.0}) == 0
+    assert metrics.idle_seconds({"state": "draining", "cell": 3, "age_s": 4.0}) == 0
+    assert metrics.idle_seconds({"state": "draining", "cell": None, "age_s": 4.0}) == 4.0  # a drain from outside
+    assert metrics.idle_seconds({"state": "parked", "bytes": 5, "age_s": 90.0}) == 90.0
+    assert metrics.idle_seconds({"state": "idle"}) is None
+    assert metrics.idle_seconds(None) is None
+
+
+def _park(endpoint, size: int) -> None:
+    endpoint.set_state({"state": "idle", "since_ns": time.time_ns()})
+    endpoint.park_step("begin")
+    endpoint.park_step("parked", size)
+
+
+def test_parked_bytes_per_gpu_sum_the_kernels_parked_from_it(runtime, fake_cuda):
+    from gpucleanup import _native
+
+    fake_cuda.reset({"devices": [{"name": "Fake H100", "primary_active": True, "total_bytes": 80 * GiB,
+                                  "free_bytes": 70 * GiB},
+                                 {"name": "Fake H100", "primary_active": False, "total_bytes": 80 * GiB}]})
+    uuid0 = _native.snapshot()["devices"][0]["uuid"]
+    ep = StatusEndpoint()
+    ep.start(types.SimpleNamespace(user_ns={"__session__": "/home/me/parked.ipynb"}))
+    assert ep.error is None, ep.error
+    try:
+        ep.publish({"cell": 1, "devices": [{"index": 0, "live_bytes": {"cupy": 3 * GiB}, "cached_bytes": {}}]})
+        registry = registry_for(runtime)
+        samples = scrape(registry)
+        assert values(samples, "gpucleanup_device_parked_bytes") == []  # nothing parked: no series
+        _park(ep, 3 * GiB)
+        try:
+            samples = scrape(registry)
+            # one GPU in use before the park: its bytes are that GPU's
+            assert value(samples, "gpucleanup_device_parked_bytes", device=0, uuid=uuid0) == 3 * GiB
+            assert len(values(samples, "gpucleanup_device_parked_bytes")) == 1
+            # what the park itself wrote per GPU (its note beside the key) names the GPU when it is there
+            uuid1 = _native.snapshot()["devices"][1]["uuid"]
+            ep.park_lock.write_text(json.dumps({"usage": {uuid1: 3 * GiB}}))
+            samples = scrape(registry)
+            assert value(samples, "gpucleanup_device_parked_bytes", uuid=uuid1) == 3 * GiB
+        finally:
+            ep.park_step("resumed")
+        assert values(scrape(registry), "gpucleanup_device_parked_bytes") == []
+    finally:
+        ep.close()
 
 
 def test_the_default_registry_is_the_one_jupyter_server_serves(runtime):
@@ -502,6 +721,36 @@ def test_jupyter_servers_metrics_show_the_kernels_behind_its_token(kernel, runti
         proc.wait(60)
     assert value(samples, "gpucleanup_kernel_up", pid=kernel.pid, notebook="/home/me/fit.ipynb") == 1
     assert value(samples, "gpucleanup_cells_cleaned_total", pid=kernel.pid) == 2
+
+
+def test_the_first_scrape_after_the_server_starts_shows_a_kernel_started_after_it(runtime, tmp_path, fake_cuda):
+    env = _server_env(tmp_path)
+    root = tmp_path / "root"
+    root.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SERVER, "--ServerApp.port=0", "--ServerApp.ip=127.0.0.1", "--ServerApp.open_browser=False",
+         "--IdentityProvider.token=s3cret", f"--ServerApp.root_dir={root}", "--allow-root"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+    )
+    ep = StatusEndpoint()
+    try:
+        line = _read_line(proc)
+        assert line.startswith("ready "), line
+        fake_cuda.reset({"devices": [{"primary_active": True}]})
+        ep.start(types.SimpleNamespace(user_ns={"__session__": "/home/me/late.ipynb"}))
+        assert ep.error is None, ep.error
+        started = time.time()
+        request = urllib.request.Request(f"http://127.0.0.1:{int(line.split()[1])}/metrics",
+                                         headers={"Authorization": "token s3cret"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            samples = scrape_text(response.read().decode())  # the first scrape: no retry
+    finally:
+        ep.close()
+        proc.terminate()
+        proc.wait(60)
+    assert value(samples, "gpucleanup_kernels") == 1
+    assert value(samples, "gpucleanup_kernel_up", pid=os.getpid(), notebook="/home/me/late.ipynb") == 1
+    assert value(samples, "gpucleanup_collected_timestamp_seconds") >= started
 
 
 #: a kernel in a process of its own (its status endpoint on the fake driver), stopped by the test with SIGSTOP
