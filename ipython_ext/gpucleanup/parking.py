@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from . import park as park_steps
+from . import park as park_steps, resume_news
 from .say import say
 from .units import format_bytes, format_duration
 
@@ -198,13 +198,18 @@ def park_kernel(pid: int, record: RecordStep, lock_file: os.PathLike,
 
 def resume_kernel(pid: int, record: Optional[RecordStep], lock_file: os.PathLike,
                   limits: park_steps.Limits = park_steps.Limits(), env: Optional[dict] = None,
-                  lock_timeout: Optional[float] = None) -> park_steps.Outcome:
+                  lock_timeout: Optional[float] = None,
+                  by: Optional[str] = None) -> park_steps.Outcome:
     """Brings kernel ``pid`` back from whatever a park left (the driver's own state decides) and, when it
-    runs again, records ``resumed``. Waits for a park under way (at most :func:`wait_limit`)."""
+    runs again, records ``resumed``. Waits for a park under way (at most :func:`wait_limit`). ``by``: how the
+    kernel's next cell says a resume made here, for a resume no cell says at once (:mod:`.resume_news`: from
+    outside, for a request that is no cell); None: said at once by the caller (before a cell), or never (at exit)."""
     with ParkLock(lock_file, wait_limit(limits) if lock_timeout is None else lock_timeout) as lock:
-        outcome = park_steps.resume(pid, limits, env=env, need=parked_need(lock.read_note()))
+        note = lock.read_note()
+        outcome = park_steps.resume(pid, limits, env=env, need=parked_need(note))
         if outcome.ok:
-            lock.write_note(None)
+            lock.write_note(resume_news.after_resume(note, outcome.seconds, by)
+                            if by is not None and outcome.changed else None)
             if record is not None:
                 try:
                     record("resumed", None)
@@ -283,6 +288,8 @@ class InKernel:
         self.refusal: Optional[str] = None
         self._thread_count = threading.active_count()
         self._blocker_said: Optional[str] = None
+        self._lock_of: object = None  # the endpoint whose park lock _lock is
+        self._lock = None
         #: what the resume before this cell found: False, not parked (the cell's state is "running" since,
         #: so no park can begin before the cell's cleanup); None: not known, asked again
         self.parked_at_start: Optional[bool] = None
@@ -419,24 +426,36 @@ class InKernel:
             self._say([say(note)])
         if not (self.parked() if parked is None else parked):
             self.parked_at_start = False
+            told = resume_news.take(self._lock_file())  # resumed meanwhile for a request, or from outside
+            if told:
+                self._say([say(told)])
             return
-        text = self._resume(then)
+        text = self._resume(then, None)
         if self.parked():
             self.refusal = (f"this cell was not run: the kernel is still parked ({text}); nothing is lost: run the "
                             f"cell again, or resume it with gpucleanup resume {os.getpid()}")
             return
         self._say([say(text)])
 
-    def resume_for_request(self) -> bool:
+    def resume_for_request(self, msg_type: str = "request") -> bool:
         """A request that runs code and is no cell (a silent execute, a comm message, an inspection) brings a
-        parked kernel back first; nothing is said (such a request has no cell to show a line under). Returns
-        whether the kernel is still parked."""
+        parked kernel back first; it has no cell to show a line under, so the next cell says it
+        (:mod:`.resume_news`). Returns whether the kernel is still parked."""
         if not self.parked():
             return False
-        self._resume(None)
+        self._resume(None, resume_news.for_request(msg_type))
         return self.parked()
 
-    def _resume(self, then: Optional[dict]) -> str:
+    def _lock_file(self):
+        """The kernel's park lock (its endpoint's, fixed while the endpoint serves); None while it is off."""
+        endpoint = self._endpoint()
+        if endpoint is None:
+            return None
+        if self._lock_of is not endpoint or self._lock is None:
+            self._lock_of, self._lock = endpoint, getattr(endpoint, "park_lock", None)
+        return self._lock
+
+    def _resume(self, then: Optional[dict], by: Optional[str]) -> str:
         endpoint = self._endpoint()
         pid = os.getpid()
         before: dict = {}
@@ -447,7 +466,7 @@ class InKernel:
             return after
 
         def run() -> str:
-            outcome = resume_kernel(pid, record, endpoint.park_lock, self.limits, self.env)
+            outcome = resume_kernel(pid, record, endpoint.park_lock, self.limits, self.env, by=by)
             if outcome.ok:
                 return (resumed_text(outcome, before) if outcome.changed else
                         "resumed already (by gpucleanup resume or the page) before this cell")
@@ -551,7 +570,7 @@ class RequestGuard:
         if msg_type == "execute_request" and not (isinstance(content, dict) and content.get("silent")):
             return False  # a cell: its own pre_run_cell resumes the kernel
         try:
-            still = self._parking.resume_for_request()
+            still = self._parking.resume_for_request(msg_type)
         except Exception:
             return False
         if not still:

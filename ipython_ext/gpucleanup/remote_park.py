@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from . import park as park_steps, parking, status_client
+from . import park as park_steps, parking, resume_news, status_client
 
 __all__ = ["remote_record", "owner_refusal", "process_uid", "park_from_outside", "check_kernel",
            "resume_from_outside", "not_parked_refusal", "outcome_text"]
@@ -135,7 +135,8 @@ def resume_from_outside(pid: int, target, timeout: float, lock_file: os.PathLike
     before = status_client.request(target, "status", timeout).get("state") or {}
     known_parked = before.get("state") in ("parking", "parked")
     record = remote_record(target, timeout) if known_parked else None
-    outcome = parking.resume_kernel(pid, record, lock_file, lock_timeout=wait)
+    outcome = parking.resume_kernel(pid, record, lock_file, lock_timeout=wait,
+                                    by=resume_news.FROM_OUTSIDE if known_parked else None)
     if outcome.changed or outcome.interrupted:
         return outcome, before
     if not known_parked and outcome.state in (None, park_steps.RUNNING):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import pathlib
 import select
 import subprocess
 import sys
@@ -364,3 +365,98 @@ def test_the_helper_answers_json_at_the_bounds_of_its_arguments(target, env, che
     assert helper("unlock", pid)["state"] == "running"
     # The largest pid passes the check and reaches the driver, which knows no such process.
     assert helper("state", 2147483647)["result"] == "CUDA_ERROR_INVALID_VALUE"
+
+
+# ---------------------------------------------------------------- a resume no cell said: the next cell says it
+
+S = 1_000_000_000
+
+
+def test_a_resume_no_cell_said_is_one_sentence_with_its_size_times_and_cause():
+    from gpucleanup import resume_news
+
+    note = resume_news.after_resume({"usage": {"GPU-a": 1 << 30}, "parked_bytes": 3 << 29, "since_ns": 100 * S},
+                                    0.94, resume_news.for_request("complete_request"), now_ns=(100 + 42 * 60) * S)
+    assert note == {"resumed": {"by": "for a completion", "bytes": 3 << 29, "parked_ns": 100 * S,
+                                "resumed_ns": (100 + 42 * 60) * S, "seconds": 0.94}}
+    assert resume_news.sentence(note["resumed"], now_ns=(100 + 47 * 60) * S) == (
+        "resumed 1.5 GiB from host memory in 0.9 s (parked 42 min), 5 min before this cell, for a completion")
+    # the fake driver's park knows no size (no nvidia-smi): the sentence says so without a number
+    unsized = resume_news.after_resume({"since_ns": 10 * S}, 0.31, resume_news.FROM_OUTSIDE, now_ns=22 * S)
+    assert resume_news.sentence(unsized["resumed"], now_ns=24 * S) == (
+        "resumed its GPU memory from host memory in 0.3 s (parked 12 s), 2.0 s before this cell, from outside the "
+        "kernel (gpucleanup resume or the page)")
+    assert resume_news.sentence({"usage": {}}) is None  # a park's own note is no resume
+
+
+def test_a_resume_no_cell_said_is_taken_once_from_the_lock_file(tmp_path):
+    from gpucleanup import parking, resume_news
+
+    lock = tmp_path / "4242-0123456789abcdef.park"
+    assert resume_news.take(lock) is None  # no park ever: no file
+    with parking.ParkLock(lock, 1.0) as held:
+        held.write_note({"pid": 4242, "usage": {}, "parked_bytes": None, "since_ns": 5 * S})
+    assert resume_news.take(lock) is None  # parked, not resumed: the cell's own resume says it
+    assert lock.stat().st_size > 0  # and the park's note stays for that resume's room check
+    with parking.ParkLock(lock, 1.0) as held:
+        held.write_note(resume_news.after_resume(held.read_note(), 0.25, resume_news.for_request("comm_msg")))
+    said = resume_news.take(lock)
+    assert said is not None and said.startswith("resumed its GPU memory from host memory in 0.2 s (parked ")
+    assert said.endswith(" before this cell, for a comm message (a widget)")
+    assert lock.stat().st_size == 0 and resume_news.take(lock) is None  # said once
+
+
+SHELL = r"""
+import json, os, subprocess, sys
+from IPython.core.interactiveshell import InteractiveShell
+from IPython.utils.capture import capture_output
+from gpucleanup import extension
+
+ip = InteractiveShell.instance()
+
+def cell(code):
+    with capture_output() as out:
+        ip.run_cell(code)
+    lines = [o.data.get("text/plain", "") for o in out.outputs]
+    return "\n".join(lines + [out.stdout]).strip()
+
+said = {"load": cell("%load_ext gpucleanup")}
+ext = extension.get_extension(ip)
+said["park"] = cell("x = 41\n%gpumem --park")
+said["parked"] = ext.parking.parked()
+ext._request_guard.holds_back("complete_request", {"content": {"code": "x.", "cursor_pos": 2}})  # Tab in a cell
+said["after completion"] = ext.parking.parked()
+said["next cell"] = cell("print(x + 1)")
+said["cell after"] = cell("print(x + 2)")
+cell("%gpumem --park")
+done = subprocess.run([sys.executable, "-m", "gpucleanup.cli", "resume", str(os.getpid())], capture_output=True,
+                      text=True, timeout=120)
+said["resume"] = [done.returncode, done.stdout + done.stderr]
+said["after outside resume"] = cell("print(x + 3)")
+print("SAID " + json.dumps(said))
+"""
+
+
+def test_the_next_cell_says_a_resume_made_for_a_request_or_from_outside_once(tmp_path, env):
+    package = str(pathlib.Path(__file__).resolve().parents[2] / "ipython_ext")  # this tree's, whatever the cwd
+    run_env = dict(env, PYTHONPATH=os.pathsep.join(filter(None, [package, env.get("PYTHONPATH")])),
+                   JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"), IPYTHONDIR=str(tmp_path / "ipython"),
+                   GPUCLEANUP_FAKE_CUDA_SCENARIO=json.dumps({"devices": [{"primary_active": True}]}))
+    (tmp_path / "runtime").mkdir(mode=0o700)
+    done = subprocess.run([sys.executable, "-c", SHELL], capture_output=True, text=True, env=run_env, timeout=300,
+                          cwd=str(tmp_path))
+    found = [line for line in done.stdout.splitlines() if line.startswith("SAID ")]
+    assert done.returncode == 0 and found, done.stdout + done.stderr
+    said = json.loads(found[0][len("SAID "):])
+    assert "parked its GPU memory (context included) in host memory" in said["park"], said
+    assert (said["parked"], said["after completion"]) == (True, False), said
+    first, printed = said["next cell"].splitlines()
+    assert first.startswith("gpucleanup · resumed its GPU memory from host memory in "), said
+    assert " (parked " in first and first.endswith(" before this cell, for a completion"), said
+    assert printed == "42"
+    assert said["cell after"] == "43"  # said once
+    assert said["resume"][0] == 0, said
+    first, printed = said["after outside resume"].splitlines()
+    assert first.startswith("gpucleanup · resumed its GPU memory from host memory in "), said
+    assert first.endswith(" before this cell, from outside the kernel (gpucleanup resume or the page)"), said
+    assert printed == "44"

@@ -374,7 +374,7 @@ class _Parking:
     def __init__(self, parked: bool, resume_works: bool):
         self.is_parked, self.resume_works, self.resumes = parked, resume_works, 0
 
-    def resume_for_request(self) -> bool:
+    def resume_for_request(self, msg_type: str = "request") -> bool:
         if self.is_parked:
             self.resumes += 1
             self.is_parked = not self.resume_works
