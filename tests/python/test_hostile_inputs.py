@@ -1147,26 +1147,26 @@ sys.stdin.read()
 @needs_root
 @pytest.mark.parametrize("victim_kernel", ["ipc"], indirect=True)
 def test_idle_connections_of_another_user_cannot_lock_the_owner_out_of_the_exporter(victim_kernel, monkeypatch):
-    from gpucleanup import metrics
+    from gpucleanup import exporter as exporters
 
     k = victim_kernel
-    monkeypatch.setattr(metrics, "READ_TIMEOUT_S", 600.0)  # the other user's connections stay as long as it likes
-    exporter = metrics.start_exporter(0, runtime_dir=k.runtime, timeout=5.0)
+    monkeypatch.setattr(exporters, "REQUEST_DEADLINE_S", 600.0)  # the other user's connections stay as long as it likes
+    exporter = exporters.start_exporter(0, runtime_dir=k.runtime, timeout=5.0)
     foreign = subprocess.Popen([sys.executable, "-c", _AS_NOBODY + _IDLE_CONNECTIONS, "100", str(exporter.port)],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                env=_child_env(HOME=str(k.base / "home-of-other")))
     try:
         assert foreign.stdout.readline().strip() == "ready"
         deadline = time.monotonic() + HANG_S
-        while exporter.server.refused < 100 - metrics.MAX_CONNECTIONS:
-            assert time.monotonic() < deadline, exporter.server.refused
+        while exporter.server.waiting < 100:  # all held by the gate, none with a thread
+            assert time.monotonic() < deadline, exporter.server.waiting
             time.sleep(0.05)
         token = exporter.token_file.read_text().strip()
         for _ in range(3):
             request = urllib.request.Request(exporter.url, headers={"Authorization": f"Bearer {token}"})
             with urllib.request.urlopen(request, timeout=HANG_S) as response:
                 assert 'notebook="/home/me/secret-plans.ipynb"' in response.read().decode()
-        assert len(exporter.server._open) <= metrics.MAX_CONNECTIONS
+        assert exporter.server.serving <= exporters.MAX_CONNECTIONS
     finally:
         foreign.stdin.close()
         foreign.wait(HANG_S)
@@ -1176,12 +1176,12 @@ def test_idle_connections_of_another_user_cannot_lock_the_owner_out_of_the_expor
 def test_the_exporter_closes_a_connection_that_sends_nothing(tmp_path, monkeypatch):
     import socket
 
-    from gpucleanup import metrics
+    from gpucleanup import exporter as exporters
 
     runtime = tmp_path / "runtime"
     runtime.mkdir(mode=0o700)
-    monkeypatch.setattr(metrics, "READ_TIMEOUT_S", 0.5)
-    exporter = metrics.start_exporter(0, runtime_dir=runtime, timeout=1.0)
+    monkeypatch.setattr(exporters, "REQUEST_DEADLINE_S", 0.5)
+    exporter = exporters.start_exporter(0, runtime_dir=runtime, timeout=1.0)
     try:
         with socket.create_connection(("127.0.0.1", exporter.port), timeout=HANG_S) as idle:
             assert idle.recv(1) == b""  # closed by the exporter, well within the guard
