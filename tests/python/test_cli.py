@@ -729,6 +729,7 @@ def test_exporter_port_out_of_range_is_a_usage_error(runtime):
 
 
 def test_exporter_serves_metrics_until_interrupted(kernel):
+    import pwd
     import urllib.request
 
     env = dict(os.environ)
@@ -742,7 +743,9 @@ def test_exporter_serves_metrics_until_interrupted(kernel):
         token = open(where["token_file"]).read().strip()
         request = urllib.request.Request(where["url"], headers={"Authorization": f"Bearer {token}"})
         body = urllib.request.urlopen(request, timeout=30).read().decode()
-        assert f'gpucleanup_kernel_up{{kernel_id="",notebook="/home/me/fit.ipynb",pid="{os.getpid()}"}} 1.0' in body
+        user = pwd.getpwuid(os.getuid()).pw_name
+        assert (f'gpucleanup_kernel_up{{kernel_id="",notebook="/home/me/fit.ipynb",pid="{os.getpid()}",'
+                f'user="{user}"}} 1.0') in body
         assert "gpucleanup_kernels 1.0" in body
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
