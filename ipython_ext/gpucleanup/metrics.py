@@ -22,7 +22,8 @@ Gauges, as of the kernel's last cleanup (its ``last_record``) or its live snapsh
   waiting, parking, parked, unknown); ``gpucleanup_kernel_state_age_seconds``: how long it has been in it;
   ``gpucleanup_kernel_idle_seconds``: how long it has been idle (0 while a cell runs; see :func:`idle_seconds`);
   ``gpucleanup_kernel_parked`` (1 while parked) and ``gpucleanup_kernel_parked_bytes`` (what it holds in host memory);
-- ``gpucleanup_device_parked_bytes{device, uuid}``: per GPU, what the kernels parked from it hold in host memory;
+- ``gpucleanup_device_parked_bytes{device, uuid}``: per GPU, what the kernels parked from it hold in host memory
+  (a parked kernel has no per-device series: it holds nothing on the GPU);
 - ``gpucleanup_kernel_up``: 1 when the kernel answered, 0 when not; a kernel that did not answer has
   ``gpucleanup_kernel_error{kind}`` 1 (kind: no_answer, refused, bad_key) and no other series;
 - ``gpucleanup_kernels``: kernels found in this PID namespace; ``gpucleanup_kernels_elsewhere``: kernels
@@ -359,7 +360,10 @@ class KernelCollector:
             families["idle"].add_metric(labels, idle)
 
         uuids = _uuids(reply)
-        for row in kernels.device_rows(reply):
+        # A parked kernel holds nothing on the GPU: its last record's live and cached figures, and the
+        # snapshot from before the park, would count as held what is in host memory (parked_bytes).
+        rows = [] if name == "parked" else kernels.device_rows(reply)
+        for row in rows:
             index = row.get("index")
             if type(index) is not int:
                 continue

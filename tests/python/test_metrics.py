@@ -648,6 +648,9 @@ def test_parked_bytes_per_gpu_sum_the_kernels_parked_from_it(runtime, fake_cuda)
             # one GPU in use before the park: its bytes are that GPU's
             assert value(samples, "gpucleanup_device_parked_bytes", device=0, uuid=uuid0) == 3 * GiB
             assert len(values(samples, "gpucleanup_device_parked_bytes")) == 1
+            # nothing of it is counted as held on the GPU any more (the last record's 3 GiB live)
+            assert values(samples, "gpucleanup_device_live_bytes", pid=os.getpid()) == []
+            assert values(samples, "gpucleanup_device_used_bytes", pid=os.getpid()) == []
             # what the park itself wrote per GPU (its note beside the key) names the GPU when it is there
             uuid1 = _native.snapshot()["devices"][1]["uuid"]
             ep.park_lock.write_text(json.dumps({"usage": {uuid1: 3 * GiB}}))
@@ -655,7 +658,9 @@ def test_parked_bytes_per_gpu_sum_the_kernels_parked_from_it(runtime, fake_cuda)
             assert value(samples, "gpucleanup_device_parked_bytes", uuid=uuid1) == 3 * GiB
         finally:
             ep.park_step("resumed")
-        assert values(scrape(registry), "gpucleanup_device_parked_bytes") == []
+        samples = scrape(registry)
+        assert values(samples, "gpucleanup_device_parked_bytes") == []
+        assert value(samples, "gpucleanup_device_live_bytes", pid=os.getpid(), framework="cupy") == 3 * GiB
     finally:
         ep.close()
 
