@@ -144,7 +144,10 @@ def test_the_command_parks_an_idle_kernel_and_resumes_it(kernel, checkpoints):
     assert resumed.stdout.startswith(f"kernel {kernel.pid}: resumed its GPU memory from host memory in ")
     assert record(checkpoints, kernel.pid)["state"] == "running"
     assert kernel.state()["state"] == "idle"
-    assert kernel.execute("print(6 * 7)") == "42\n"  # nothing to resume: no line
+    told, printed = kernel.execute("print(6 * 7)").splitlines()  # nothing to resume; it says the resume it missed
+    assert told.startswith("gpucleanup · resumed its GPU memory from host memory in "), told
+    assert told.endswith(" before this cell, from outside the kernel (gpucleanup resume or the page)"), told
+    assert printed == "42"
 
 
 def test_resume_of_a_kernel_never_parked_is_refused_and_park_json_prints_its_object_when_refused(kernel,
