@@ -496,16 +496,18 @@ def _parked_per_device(view: kernels.KernelView, reply: dict, parked_bytes: int)
     record shows in use; when neither tells, to device "" (not known)."""
     uuids = _uuids(reply)
     index_of = {uuid: index for index, uuid in uuids.items()}
+    used = [row for row in kernels.device_rows(reply) if type(row.get("index")) is int]
     usage = _park_note(view).get("usage")
     if isinstance(usage, dict):
         moved = {u: n for u, n in usage.items() if isinstance(u, str) and _count(n) and n > 0}
         if len(moved) == 1:
             (uuid,) = moved
             index = index_of.get(uuid)
+            if index is None and len(used) == 1:  # no snapshot while parked: the one device its record names
+                index = used[0]["index"]
             return {("" if index is None else str(index), uuid): parked_bytes}
         if len(moved) > 1:
             return {("" if index_of.get(u) is None else str(index_of[u]), u): n for u, n in moved.items()}
-    used = [row for row in kernels.device_rows(reply) if type(row.get("index")) is int]
     if len(used) == 1:
         index = used[0]["index"]
         return {(str(index), used[0].get("uuid") or uuids.get(index, "")): parked_bytes}
