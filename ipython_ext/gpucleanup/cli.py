@@ -113,7 +113,7 @@ def _resolve(args, query: str) -> discovery.Kernel:
                        "lists them", EXIT_USAGE)
     found = _scan(args)
     kernels, dead = found.live, found.stale
-    exact = [k for k in kernels if query in (str(k.pid), k.kernel_id, k.notebook)]
+    exact = [k for k in kernels if query in (str(k.pid), k.kernel_id, k.notebook, k.notebook_path())]
     if not exact:
         exact = [k for k in kernels if k.notebook and os.path.basename(k.notebook) == query]
     if not exact:
@@ -123,14 +123,14 @@ def _resolve(args, query: str) -> discovery.Kernel:
     if len(exact) > 1:
         names = ", ".join(f"{k.pid} ({k.kernel_id})" for k in exact)
         raise CliError(f"{query!r} matches {len(exact)} kernels: {names}; give more of the kernel id or the pid", EXIT_NOT_FOUND)
-    if any(p.name == f"{discovery.PREFIX}{query}{discovery.SUFFIX}" for p in dead):
+    if any((discovery.instance_of(p) or "").split("-")[0] == query for p in dead):
         raise CliError(f"kernel {query} is dead: its process is gone (its discovery file was removed)", EXIT_NOT_FOUND)
-    elsewhere = [k for k in found.elsewhere if query in (str(k.pid), k.kernel_id, k.notebook)]
+    elsewhere = [k for k in found.elsewhere if query in (str(k.pid), k.kernel_id, k.notebook, k.notebook_path())]
     if elsewhere:
         k = elsewhere[0]
         raise CliError(
             f"kernel {k.pid} is elsewhere ({k.elsewhere}): its pid means nothing here; "
-            "run gpucleanup where the kernel runs (the same container)",
+            f"{kernels_view.where_to_ask(k)}",
             EXIT_NOT_FOUND,
         )
     if not kernels:
@@ -326,8 +326,10 @@ def cmd_ps(args) -> int:
             entry = {"pid": kernel.pid, "kernel_id": kernel.kernel_id, "notebook": kernel.notebook,
                      "discovery_file": str(kernel.path), "elsewhere": view.elsewhere is not None}
             if view.elsewhere is not None:
-                # Not asked: its pid, endpoint and key are another namespace's. Its file is left alone.
+                # Not asked: its pid, endpoint and key are another machine's or namespace's. Its file is left alone.
                 entry["elsewhere_reason"] = view.elsewhere
+                entry["place"] = kernel.place
+                entry["host"] = kernel.host
             elif view.status is None:
                 entry["error"] = str(_view_error(view, args.timeout))
             else:
@@ -389,6 +391,11 @@ def cmd_status(args) -> int:
     lines = [
         f"kernel     {kernel.pid}  {_safe(kernel.kernel_id or '-')}",
         f"notebook   {_safe(kinfo.get('notebook') or kernel.notebook or '-')}",
+    ]
+    root = kinfo.get("notebook_root") if kinfo.get("notebook") else kernel.notebook_root
+    if isinstance(root, str) and root:
+        lines.append(f"root       {_safe(root)}  (the Jupyter Server's; the notebook is relative to it)")
+    lines += [
         f"state      {state_text(reply.get('state'))}",
         f"endpoint   {_safe(kernel.endpoint)}",
     ]

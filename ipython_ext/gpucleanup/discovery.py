@@ -1,15 +1,21 @@
 """Discovery files: how the ``gpucleanup`` command finds every kernel on the machine.
 
 Each kernel with the extension loaded writes one JSON file,
-``<jupyter runtime dir>/gpucleanup-<pid>.json`` (mode 0600), and removes it
-when the extension is unloaded or the process exits. Its key and ipc sockets
-are named from the same pid: ``<runtime dir>/gpucleanup/<pid>.key``,
-``<pid>.sock`` and ``<pid>.sock.pub``.
+``<jupyter runtime dir>/gpucleanup-<pid>-<id>.json`` (mode 0600), and removes it
+when the extension is unloaded or the process exits. ``<pid>-<id>`` is the
+file's *instance*: the pid and 8 random hex digits, so that two kernels with
+the same pid (two containers, two PID namespaces or two machines sharing one
+home directory) never share a name. Its key and ipc sockets are named from the
+same instance: ``<runtime dir>/gpucleanup/<pid>-<id>.key``, ``<pid>-<id>.sock``
+and ``<pid>-<id>.sock.pub``. Files of gpucleanup 0.1 are named from the pid
+alone (``gpucleanup-<pid>.json``, ``<pid>.key``): they are still read, judged
+and removed by the same rules.
 
-A reader uses the key at ``<runtime dir>/gpucleanup/<pid>.key`` only, the pid
-being the one in the discovery file's name; a file whose ``key_file`` names any
-other path is refused, and the key must belong to the discovery file's owner
-(root reading a user's runtime directory never reads a file of its own there).
+A reader uses the key at ``<runtime dir>/gpucleanup/<instance>.key`` only, the
+instance being the one in the discovery file's name; a file whose ``key_file``
+names any other path is refused, and the key must belong to the discovery
+file's owner (root reading a user's runtime directory never reads a file of
+its own there).
 
 The files are read as untrusted input (another container sharing the home
 directory, an older or newer gpucleanup, a hostile neighbour): only regular
@@ -17,34 +23,46 @@ files of at most 64 KiB are opened (``O_NOFOLLOW | O_NONBLOCK``, then
 ``fstat``), every field is checked for type and range, and a bad file is
 reported and skipped without affecting the others.
 
-Which kernel a file belongs to is decided by :func:`classify`:
+Which kernel a file belongs to is decided by :func:`classify`, on what the
+file records of its writer (``boot_id``, ``machine_id``, ``host``, ``pid_ns``,
+``pid``, ``proc_start_ticks``) against the reader's own:
 
 ``stale``
-    provably the file of a process that has exited: written during another
-    boot (``boot_id`` differs from ``/proc/sys/kernel/random/boot_id``), or in
-    this PID namespace by a pid that is gone, a zombie, or now a process with
-    another start time (``/proc/<pid>/stat`` field 22 ≠ ``proc_start_ticks``).
-    The command line removes such a file, and the key and socket files that
-    the naming scheme derives from the pid in its *name*; never a path read
-    from a file's contents.
+    provably the file of a process that has exited, on this machine: written
+    during another boot *of this machine* (the same ``machine_id`` and
+    ``host``, another ``boot_id``), or during this boot, in this PID
+    namespace, by a pid that is gone, a zombie, or now a process with another
+    start time (``/proc/<pid>/stat`` field 22 ≠ ``proc_start_ticks``). The
+    boot id is the running Linux kernel's (random at each boot, the same in
+    every container on it): the same boot id is the same machine. The command
+    line removes such a file, and the key and socket files that the naming
+    scheme derives from the instance in its *name*; never a path read from a
+    file's contents.
 ``elsewhere``
-    written in another PID namespace of this boot (``pid_ns`` differs from
-    ``readlink /proc/self/ns/pid``): its pid means nothing here, so the file
-    is listed as such and never touched. So is a file whose PID namespace is
-    unknown on either side (written, or read, where ``/proc`` cannot be read:
-    ``pid_ns`` null, or no ``/proc/self/ns/pid`` here), and a file whose
-    process exists but cannot be inspected (``/proc/<pid>/stat`` unreadable).
-    Unknown liveness is never "stale".
+    not judged here, listed as such and never touched nor asked:
+    another machine (another boot id, and another or an unknown machine id or
+    host name: a home directory shared over NFS by the nodes of a cluster),
+    another PID namespace of this boot (``pid_ns`` differs from
+    ``readlink /proc/self/ns/pid``: its pid means nothing here), a PID
+    namespace or boot unknown on either side (written, or read, where
+    ``/proc`` cannot be read), or a process that exists but cannot be
+    inspected (``/proc/<pid>/stat`` unreadable). Unknown is never "stale".
+    :attr:`Kernel.place` says which: ``machine``, ``namespace`` or ``unknown``.
 ``live``
     the same process still runs here.
 
 The file's fields (all written by :func:`describe`):
 
-``discovery`` (1), ``pid``, ``proc_start_ticks``, ``pid_ns``, ``boot_id``,
-``kernel_id``, ``connection_file``, ``notebook``, ``endpoint``,
-``pub_endpoint``, ``transport`` ("ipc" or "tcp"), ``key_file``,
-``signature_scheme`` ("hmac-sha256"), ``protocol`` (1), ``started_ns``,
-``version``.
+``discovery`` (1), ``instance``, ``pid``, ``proc_start_ticks``, ``pid_ns``,
+``boot_id``, ``machine_id``, ``host``, ``kernel_id``, ``connection_file``,
+``notebook``, ``notebook_root``, ``endpoint``, ``pub_endpoint``, ``transport``
+("ipc" or "tcp"), ``key_file``, ``signature_scheme`` ("hmac-sha256"),
+``protocol`` (1), ``started_ns``, ``version``.
+
+``notebook`` is written as the page of the Jupyter Server that started the
+kernel names it: relative to that server's root directory (``notebook_root``,
+absolute) when the kernel finds its server, absolute otherwise
+(:mod:`gpucleanup.notebook_path`).
 """
 
 from __future__ import annotations
@@ -64,8 +82,10 @@ DISCOVERY_VERSION = 1
 PREFIX = "gpucleanup-"
 SUFFIX = ".json"
 KEY_DIR = "gpucleanup"
-# ASCII digits only (\d takes any Unicode digit), no leading zero, whole name.
-_NAME = re.compile(r"gpucleanup-([1-9][0-9]{0,19})\.json", re.ASCII)
+# ASCII digits only (\d takes any Unicode digit), no leading zero, whole name; the instance's random part is
+# absent from the names gpucleanup 0.1 wrote (pid only).
+_NAME = re.compile(r"gpucleanup-(([1-9][0-9]{0,19})(?:-[0-9a-f]{8})?)\.json", re.ASCII)
+_INSTANCE = re.compile(r"[1-9][0-9]{0,19}(?:-[0-9a-f]{8})?", re.ASCII)
 _KERNEL_FILE = re.compile(r"^kernel-(.+)\.json$")
 
 # PID_MAX_LIMIT on 64-bit Linux: pid_max can never be raised above it.
@@ -79,8 +99,17 @@ ELSEWHERE = "elsewhere"
 
 UNKNOWN_THEIR_NS = "PID namespace unknown (its file records none): its pid cannot be judged here"
 UNKNOWN_OWN_NS = "this process's PID namespace is unknown (/proc unreadable here): no pid can be judged"
+UNKNOWN_OWN_BOOT = "this machine's boot id is unknown (/proc unreadable here): no file can be judged"
+
+#: Kernel.place: where a kernel that is not judged here runs
+ON_ANOTHER_MACHINE = "machine"
+IN_ANOTHER_NAMESPACE = "namespace"
+PLACE_UNKNOWN = "unknown"
 
 _PID_NS = re.compile(r"pid:\[[0-9]{1,20}\]", re.ASCII)
+_MACHINE_ID = re.compile(r"[0-9a-f]{32}", re.ASCII)
+# systemd's machine-id(5), then D-Bus's older copy (the same value where both exist)
+MACHINE_ID_FILES = ("/etc/machine-id", "/var/lib/dbus/machine-id")
 _BOOT_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", re.ASCII)
 _TCP = re.compile(r"tcp://(127\.0\.0\.1|\[::1\]):([0-9]{1,5})", re.ASCII)
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -187,13 +216,28 @@ def ensure_private_dir(path: Path) -> Path:
     return path
 
 
-def discovery_path(pid: Optional[int] = None, directory: Optional[Path] = None) -> Path:
+def new_instance(pid: Optional[int] = None) -> str:
+    """A name no other kernel has, whatever its machine or PID namespace: ``<pid>-<8 random hex digits>``."""
+    return f"{pid if pid is not None else os.getpid()}-{secrets.token_hex(4)}"
+
+
+def discovery_path(pid=None, directory: Optional[Path] = None) -> Path:
+    """``<directory>/gpucleanup-<instance>.json``; ``pid`` is an instance (:func:`new_instance`) or, for the
+    names of gpucleanup 0.1, a pid (None: this process's pid)."""
     return (directory or runtime_dir()) / f"{PREFIX}{pid if pid is not None else os.getpid()}{SUFFIX}"
 
 
-def scheme_files(pid: int) -> Tuple[Tuple[str, int], ...]:
-    """The names in ``<runtime>/gpucleanup/`` that the kernel with ``pid`` makes, with their file type."""
-    return ((f"{pid}.key", stat.S_IFREG), (f"{pid}.sock", stat.S_IFSOCK), (f"{pid}.sock.pub", stat.S_IFSOCK))
+def instance_of(path) -> Optional[str]:
+    """The instance a discovery file's name carries (``<pid>-<id>``, or ``<pid>`` for an old name), or None."""
+    match = _NAME.fullmatch(os.path.basename(os.fspath(path)))
+    return match.group(1) if match else None
+
+
+def scheme_files(instance) -> Tuple[Tuple[str, int], ...]:
+    """The names in ``<runtime>/gpucleanup/`` that the kernel of ``instance`` (or, named the old way, of a
+    pid) makes, with their file type."""
+    return ((f"{instance}.key", stat.S_IFREG), (f"{instance}.sock", stat.S_IFSOCK),
+            (f"{instance}.sock.pub", stat.S_IFSOCK))
 
 
 # ------------------------------------------------------------------ this process
@@ -238,6 +282,33 @@ def boot_id() -> Optional[str]:
     return value if _BOOT_ID.fullmatch(value) else None
 
 
+def machine_id() -> Optional[str]:
+    """This machine's id (machine-id(5): 32 hex digits, set once at installation), or None where none is set.
+
+    It tells machines apart across boots, where the boot id cannot: a file written during another boot was
+    written on another machine, or during an earlier boot of this one, and only this id tells which. A
+    container may carry its image's id or none: it is never the only fact a file is judged on (see
+    :func:`classify`)."""
+    for name in MACHINE_ID_FILES:
+        try:
+            with open(name, "rb") as f:
+                value = f.read(64).decode("ascii", "replace").strip()
+        except OSError:
+            continue
+        if _MACHINE_ID.fullmatch(value):
+            return value
+    return None
+
+
+def host_name() -> Optional[str]:
+    """This machine's host name (``uname -n``), or None."""
+    try:
+        value = os.uname().nodename
+    except (AttributeError, OSError):
+        return None
+    return value if value and len(value) <= 255 and not _CONTROL.search(value) else None
+
+
 def kernel_id_from_connection_file(path: Optional[str]) -> Optional[str]:
     """``kernel-<id>.json`` -> ``<id>`` (Jupyter Server names them so); else the file's stem."""
     if not path:
@@ -267,18 +338,24 @@ def describe(
     notebook: Optional[str] = None,
     started_ns: Optional[int] = None,
     version: Optional[str] = None,
+    instance: Optional[str] = None,
+    notebook_root: Optional[str] = None,
 ) -> dict:
-    """The discovery record of this process."""
+    """The discovery record of this process (``instance``: the one in its file's name)."""
     pid = os.getpid()
     return {
         "discovery": DISCOVERY_VERSION,
+        "instance": instance,
         "pid": pid,
         "proc_start_ticks": process_start_ticks(pid),
         "pid_ns": pid_namespace(),
         "boot_id": boot_id(),
+        "machine_id": machine_id(),
+        "host": host_name(),
         "kernel_id": kernel_id_from_connection_file(connection_file),
         "connection_file": connection_file,
         "notebook": notebook,
+        "notebook_root": notebook_root,
         "endpoint": endpoint,
         "pub_endpoint": pub_endpoint,
         "transport": transport,
@@ -298,7 +375,7 @@ def _temp_name(name: str) -> str:
     return f"{name}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
 
 
-def write_private(path: Path, data: bytes, mode: int = 0o600) -> None:
+def write_private(path: Path, data: bytes, mode: int = 0o600) -> os.stat_result:
     """Writes ``data`` to ``path`` atomically with ``mode``, never through a link, never leaving a temp file.
 
     The bytes go to a new temporary name in the same directory, created with
@@ -306,7 +383,8 @@ def write_private(path: Path, data: bytes, mode: int = 0o600) -> None:
     which then replaces ``path`` (``rename`` replaces a link, it never
     follows it). On any failure (a full disk included) the temporary file is
     removed and the error raised; ``path`` keeps its old content. A directory
-    every user may write to is refused (:func:`check_runtime_dir`).
+    every user may write to is refused (:func:`check_runtime_dir`). Returns the written file's ``fstat``:
+    its device and inode are what tells this file from one someone else put at ``path`` later.
     """
     path = Path(path)
     directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -320,9 +398,11 @@ def write_private(path: Path, data: bytes, mode: int = 0o600) -> None:
                 view = memoryview(data)
                 while view:
                     view = view[os.write(fd, view) :]
+                written = os.fstat(fd)
             finally:
                 os.close(fd)
             os.replace(tmp, path.name, src_dir_fd=directory, dst_dir_fd=directory)
+            return written
         except BaseException:
             try:
                 os.unlink(tmp, dir_fd=directory)
@@ -333,18 +413,39 @@ def write_private(path: Path, data: bytes, mode: int = 0o600) -> None:
         os.close(directory)
 
 
-def write(path: Path, info: dict) -> None:
+def write(path: Path, info: dict) -> os.stat_result:
     """Writes the discovery record ``info`` to ``path`` (mode 0600, atomically: readers never see half a file).
 
-    The writer's PID namespace and boot id are recorded when ``info`` does
-    not carry them, so that a reader elsewhere can tell the file is not its own.
+    The writer's PID namespace, boot id, machine id and host name are recorded
+    when ``info`` does not carry them, so that a reader elsewhere can tell the
+    file is not its own. Returns the written file's ``fstat`` (:func:`remove_own`).
     """
     record = dict(info)
-    if "pid_ns" not in record:
-        record["pid_ns"] = pid_namespace()
-    if "boot_id" not in record:
-        record["boot_id"] = boot_id()
-    write_private(Path(path), (json.dumps(record, indent=1, sort_keys=True) + "\n").encode("utf-8"))
+    for key, read_own in (("pid_ns", pid_namespace), ("boot_id", boot_id), ("machine_id", machine_id),
+                          ("host", host_name)):
+        if key not in record:
+            record[key] = read_own()
+    return write_private(Path(path), (json.dumps(record, indent=1, sort_keys=True) + "\n").encode("utf-8"))
+
+
+def file_identity(info: os.stat_result) -> Tuple[int, int]:
+    """``(st_dev, st_ino)``: what tells a file from another put at the same name later."""
+    return (info.st_dev, info.st_ino)
+
+
+def remove_own(path: Path, identity: Optional[Tuple[int, int]]) -> bool:
+    """Removes ``path`` only if it is still the file whose :func:`file_identity` is ``identity`` (the file
+    this process wrote), never one someone else put at that name since; True when removed. Raises nothing
+    for a path that is gone or replaced; other OSErrors are raised."""
+    if identity is None:
+        return False
+    try:
+        if file_identity(os.lstat(path)) != tuple(identity):
+            return False
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
 
 
 def remove(path: Path) -> bool:
@@ -464,11 +565,12 @@ def _endpoint(info: dict, key: str) -> str:
     )
 
 
-def validate(info, name_pid: Optional[int] = None) -> dict:
+def validate(info, name_pid: Optional[int] = None, name_instance: Optional[str] = None) -> dict:
     """``info`` if it is a discovery record gpucleanup could have written; :class:`BadDiscoveryFile` otherwise.
 
     Types and ranges of every field this package reads are checked; fields
-    it does not know are ignored (a newer writer may add some).
+    it does not know are ignored (a newer writer may add some). ``name_pid`` and ``name_instance``: what the
+    file's name says (an old name carries no instance; a new one must match the recorded ``instance``).
     """
     if not isinstance(info, dict):
         raise BadDiscoveryFile(f"not a JSON object but {_type_name(info)}")
@@ -477,6 +579,11 @@ def validate(info, name_pid: Optional[int] = None) -> dict:
     pid = _integer(info, "pid", 1, PID_LIMIT - 1, nullable=False)
     if name_pid is not None and pid != name_pid:
         raise BadDiscoveryFile(f"pid {pid} does not match the file name's pid {name_pid}")
+    instance = _string(info, "instance")
+    if instance is not None and not (_INSTANCE.fullmatch(instance) and instance.split("-")[0] == str(pid)):
+        raise BadDiscoveryFile(f"instance {_show(instance)} is not <pid>-<8 hex digits> of pid {pid}")
+    if name_instance is not None and "-" in name_instance and instance != name_instance:
+        raise BadDiscoveryFile(f"instance {_show(instance)} does not match the file name's {name_instance}")
     _integer(info, "proc_start_ticks", 0, (1 << 63) - 1, nullable=True)
     _integer(info, "started_ns", 0, (1 << 63) - 1, nullable=True)
     _integer(info, "protocol", 1, 1, nullable=True)
@@ -486,8 +593,17 @@ def validate(info, name_pid: Optional[int] = None) -> dict:
     boot = _string(info, "boot_id")
     if boot is not None and not _BOOT_ID.fullmatch(boot):
         raise BadDiscoveryFile(f"boot_id {_show(boot)} is not a boot id")
+    machine = _string(info, "machine_id")
+    if machine is not None and not _MACHINE_ID.fullmatch(machine):
+        raise BadDiscoveryFile(f"machine_id {_show(machine)} is not 32 hex digits")
+    host = _string(info, "host")
+    if host is not None and (not host or len(host) > 255 or _CONTROL.search(host)):
+        raise BadDiscoveryFile(f"host {_show(host)} is not a host name")
     for key in ("kernel_id", "connection_file", "notebook", "version"):
         _string(info, key)
+    root = _string(info, "notebook_root")
+    if root is not None and not root.startswith("/"):
+        raise BadDiscoveryFile(f"notebook_root {_show(root)} is not an absolute path")
     transport = _string(info, "transport", required=True)
     if transport not in ("ipc", "tcp"):
         raise BadDiscoveryFile(f"transport {_show(transport)} is not 'ipc' or 'tcp'")
@@ -508,7 +624,8 @@ def read(path: Path) -> Optional[dict]:
     match = _NAME.fullmatch(path.name)
     try:
         data, _info = read_bounded(path)
-        return validate(json.loads(data.decode("utf-8")), int(match.group(1)) if match else None)
+        return validate(json.loads(data.decode("utf-8")), int(match.group(2)) if match else None,
+                        match.group(1) if match else None)
     except (OSError, ValueError):
         return None
 
@@ -548,37 +665,84 @@ def _pid_state(pid: int, recorded_ticks: Optional[int]) -> Tuple[str, str]:
     return LIVE, "running"
 
 
-def classify(info: dict, own_pid_ns: Optional[str] = None, own_boot_id: Optional[str] = None) -> Tuple[str, str]:
-    """``(LIVE | STALE | ELSEWHERE, why)`` for a validated record.
+def _machine_of(info: dict) -> Tuple[Optional[str], Optional[str]]:
+    machine, host = info.get("machine_id"), info.get("host")
+    return (machine if isinstance(machine, str) else None, host if isinstance(host, str) else None)
 
-    The boot id recorded at write time is compared with this process's where
-    both are known: another boot id proves the writer gone (the boot id is
-    the running Linux kernel's, shared by every container and namespace on
-    the host). The pid is judged only when both PID namespaces are known and
-    the same: another PID namespace makes the pid meaningless here, and so
-    does an unknown one (a file written where ``/proc`` could not be read, or
-    a reader in such a place: the pid may belong to any namespace). Unknown
-    liveness is "elsewhere", never "stale": nothing is removed on a guess.
-    Then the pid must be alive, not a zombie, and started at the recorded
-    clock tick. ``own_pid_ns``: None reads this process's; "" means unknown.
-    """
+
+def _another_boot(info: dict, theirs: str, own_machine: Tuple[Optional[str], Optional[str]]) -> Tuple[str, str, Optional[str]]:
+    """A file written during another boot: stale only if written on this machine (an earlier boot of it)."""
+    machine, host = _machine_of(info)
+    if machine and host and all(own_machine):
+        if (machine, host) == tuple(own_machine):
+            return STALE, f"written during an earlier boot of this machine (boot id {theirs})", None
+        return ELSEWHERE, _on_another_machine(machine, host), ON_ANOTHER_MACHINE
+    if not all(own_machine):
+        return ELSEWHERE, (f"written during another boot (boot id {theirs}), and this machine's id is unknown "
+                           f"(no {' or '.join(MACHINE_ID_FILES)}): it may be another machine's"), PLACE_UNKNOWN
+    return ELSEWHERE, (f"written during another boot (boot id {theirs}) on a machine it does not name (an older "
+                       "gpucleanup): it may be another machine's"), PLACE_UNKNOWN
+
+
+def _on_another_machine(machine: Optional[str], host: Optional[str]) -> str:
+    if host:
+        return f"on another machine, host {host}"
+    return f"on another machine, machine id {machine}"
+
+
+def judge(info: dict, own_pid_ns: Optional[str] = None, own_boot_id: Optional[str] = None,
+          own_machine: Optional[Tuple[Optional[str], Optional[str]]] = None) -> Tuple[str, str, Optional[str]]:
+    """:func:`classify`'s ``(state, why)`` and, for ``elsewhere``, where (:attr:`Kernel.place`)."""
     own_boot_id = own_boot_id if own_boot_id is not None else boot_id()
+    own_machine = own_machine if own_machine is not None else (machine_id(), host_name())
     theirs = info.get("boot_id")
-    if isinstance(theirs, str) and own_boot_id and theirs != own_boot_id:
-        return STALE, f"written during another boot (boot id {theirs})"
+    theirs = theirs if isinstance(theirs, str) and theirs else None
+    if theirs and own_boot_id and theirs != own_boot_id:
+        return _another_boot(info, theirs, own_machine)
+    if not (theirs and own_boot_id):
+        machine, host = _machine_of(info)
+        if machine and host and all(own_machine) and (machine, host) != tuple(own_machine):
+            return ELSEWHERE, _on_another_machine(machine, host), ON_ANOTHER_MACHINE
     own_pid_ns = own_pid_ns if own_pid_ns is not None else pid_namespace()
-    theirs = info.get("pid_ns")
-    if not isinstance(theirs, str):
-        return ELSEWHERE, UNKNOWN_THEIR_NS
+    ns = info.get("pid_ns")
+    if not isinstance(ns, str):
+        return ELSEWHERE, UNKNOWN_THEIR_NS, PLACE_UNKNOWN
     if not own_pid_ns:
-        return ELSEWHERE, UNKNOWN_OWN_NS
-    if theirs != own_pid_ns:
-        return ELSEWHERE, f"another PID namespace, {theirs}"
+        return ELSEWHERE, UNKNOWN_OWN_NS, PLACE_UNKNOWN
+    if not own_boot_id:
+        return ELSEWHERE, UNKNOWN_OWN_BOOT, PLACE_UNKNOWN
+    if not theirs:
+        # a PID namespace's inode is unique only within one boot
+        return ELSEWHERE, "its boot is not recorded: its pid cannot be judged here", PLACE_UNKNOWN
+    if ns != own_pid_ns:
+        return ELSEWHERE, f"another PID namespace, {ns}", IN_ANOTHER_NAMESPACE
     pid = info.get("pid")
     if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < PID_LIMIT:
-        return STALE, "no valid pid"
+        return STALE, "no valid pid", None
     ticks = info.get("proc_start_ticks")
-    return _pid_state(pid, ticks if isinstance(ticks, int) and not isinstance(ticks, bool) else None)
+    state, why = _pid_state(pid, ticks if isinstance(ticks, int) and not isinstance(ticks, bool) else None)
+    return state, why, PLACE_UNKNOWN if state == ELSEWHERE else None
+
+
+def classify(info: dict, own_pid_ns: Optional[str] = None, own_boot_id: Optional[str] = None,
+             own_machine: Optional[Tuple[Optional[str], Optional[str]]] = None) -> Tuple[str, str]:
+    """``(LIVE | STALE | ELSEWHERE, why)`` for a validated record.
+
+    The same boot id (the running Linux kernel's, random at each boot and
+    shared by every container on it) is the same machine: the pid is then
+    judged, but only when both PID namespaces are known and the same (another
+    PID namespace makes the pid meaningless here, and so does an unknown one);
+    it must be alive, not a zombie, and started at the recorded clock tick.
+    Another boot id proves nothing alone (a home directory shared by the
+    nodes of a cluster holds every node's files): the file is stale only when
+    it records this machine's id and host name, i.e. was written during an
+    earlier boot of this machine; another machine, or one not known on either
+    side, is "elsewhere". Unknown is never "stale": nothing is removed on a
+    guess. ``own_pid_ns``, ``own_boot_id``: None reads this process's; ""
+    means unknown. ``own_machine``: ``(machine id, host name)``, None reads them.
+    """
+    state, why, _place = judge(info, own_pid_ns, own_boot_id, own_machine)
+    return state, why
 
 
 def is_alive(info: dict) -> bool:
@@ -601,6 +765,30 @@ class Kernel:
     elsewhere: Optional[str] = None
     #: the uid that owns the discovery file (None: not known, as for a record not read by :func:`scan`)
     owner: Optional[int] = None
+    #: for a kernel elsewhere: ON_ANOTHER_MACHINE, IN_ANOTHER_NAMESPACE or PLACE_UNKNOWN
+    place: Optional[str] = None
+
+    @property
+    def instance(self) -> str:
+        """What its files are named from: the instance in its discovery file's name (an old name: the pid)."""
+        return instance_of(self.path) or str(self.pid)
+
+    @property
+    def host(self) -> Optional[str]:
+        value = self.info.get("host")
+        return value if isinstance(value, str) else None
+
+    @property
+    def notebook_root(self) -> Optional[str]:
+        """The root directory of the Jupyter Server that started it (``notebook`` is relative to it), or None."""
+        value = self.info.get("notebook_root")
+        return value if isinstance(value, str) else None
+
+    def notebook_path(self) -> Optional[str]:
+        """The notebook as an absolute path (``notebook_root`` joined with ``notebook``), or None."""
+        if not self.notebook:
+            return None
+        return os.path.join(self.notebook_root, self.notebook) if self.notebook_root else self.notebook
 
     @property
     def pid(self) -> int:
@@ -636,8 +824,8 @@ class Kernel:
         return self.elsewhere is None and is_alive(self.info)
 
     def scheme_key_path(self) -> Path:
-        """The only key file this kernel can have: ``<its discovery file's directory>/gpucleanup/<pid>.key``."""
-        return self.path.parent / KEY_DIR / f"{self.pid}.key"
+        """The only key file this kernel can have: ``<its discovery file's directory>/gpucleanup/<instance>.key``."""
+        return self.path.parent / KEY_DIR / f"{self.instance}.key"
 
     def read_key(self) -> Optional[bytes]:
         """The HMAC key as bytes, None without a key file; OSError if unreadable, :class:`UnsafeFile` if the
@@ -689,23 +877,26 @@ class _Candidate:
     extra: list = field(default_factory=list)
 
 
-def _listing(fd: int) -> List[Tuple[int, str]]:
+def _listing(fd: int) -> List[Tuple[int, str, str]]:
+    """``(pid, instance, name)`` of every discovery file name, by pid."""
     names = []
     with os.scandir(fd) as entries:
         for entry in entries:
             match = _NAME.fullmatch(entry.name)
             if match:
-                names.append((int(match.group(1)), entry.name))
+                names.append((int(match.group(2)), match.group(1), entry.name))
     return sorted(names)
 
 
 def scan(directory: Optional[Path] = None, clean: bool = True) -> ScanResult:
     """Every discovery file in ``directory``: live kernels, stale files, kernels elsewhere, skipped files.
 
-    With ``clean``, the stale files (provably those of exited processes) are
-    removed, with the key and socket files the naming scheme derives from
-    the pid in the file's name (:func:`scheme_files`); they are still
-    returned, so a caller can say so. Nothing else is ever removed.
+    With ``clean``, the stale files (provably those of exited processes on
+    this machine) are removed, with the key and socket files the naming
+    scheme derives from the instance in the file's name (:func:`scheme_files`);
+    they are still returned, so a caller can say so. Nothing else is ever
+    removed, and a kernel elsewhere (another machine, another PID namespace)
+    is listed, never asked.
     """
     directory = Path(directory) if directory is not None else runtime_dir()
     result = ScanResult([], [], [], [])
@@ -719,9 +910,9 @@ def scan(directory: Optional[Path] = None, clean: bool = True) -> ScanResult:
             names = _listing(fd)
         except OSError:
             return result
-        own_ns, own_boot = pid_namespace(), boot_id()
-        stale: List[Tuple[int, str, os.stat_result]] = []
-        for name_pid, name in names:
+        own_ns, own_boot, own_machine = pid_namespace(), boot_id(), (machine_id(), host_name())
+        stale: List[Tuple[str, str, os.stat_result]] = []
+        for name_pid, instance, name in names:
             path = directory / name
             if not 0 < name_pid < PID_LIMIT:
                 result.skipped.append(Skipped(path, f"pid {name_pid} in the file name is out of range (1 to {PID_LIMIT - 1})"))
@@ -745,21 +936,21 @@ def scan(directory: Optional[Path] = None, clean: bool = True) -> ScanResult:
                     record = json.loads(text)
                 except ValueError as exc:
                     raise BadDiscoveryFile(f"not JSON ({exc})") from None
-                info = validate(record, name_pid)
+                info = validate(record, name_pid, instance)
             except (BadDiscoveryFile, RecursionError) as exc:
                 result.skipped.append(Skipped(path, str(exc) or type(exc).__name__))
                 continue
-            state, why = classify(info, own_ns or "", own_boot or "")
+            state, why, place = judge(info, own_ns or "", own_boot or "", own_machine)
             if state == LIVE:
                 result.live.append(Kernel(path, info, owner=info_stat.st_uid))
             elif state == ELSEWHERE:
-                result.elsewhere.append(Kernel(path, info, elsewhere=why, owner=info_stat.st_uid))
+                result.elsewhere.append(Kernel(path, info, elsewhere=why, owner=info_stat.st_uid, place=place))
             else:
                 result.stale.append(path)
-                stale.append((name_pid, name, info_stat))
+                stale.append((instance, name, info_stat))
         if clean:
-            for name_pid, name, info_stat in stale:
-                _remove_stale(fd, directory, name_pid, name, info_stat, owners)
+            for instance, name, info_stat in stale:
+                _remove_stale(fd, directory, instance, name, info_stat, owners)
     finally:
         os.close(fd)
     return result
@@ -769,8 +960,8 @@ def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
-def _remove_stale(fd: int, directory: Path, pid: int, name: str, read_stat: os.stat_result, owners) -> None:
-    """Removes the stale discovery file ``name`` and the key and sockets named from ``pid``.
+def _remove_stale(fd: int, directory: Path, instance: str, name: str, read_stat: os.stat_result, owners) -> None:
+    """Removes the stale discovery file ``name`` and the key and sockets named from its ``instance``.
 
     The discovery file goes only if it is still the file that was judged
     (a kernel that took the pid meanwhile writes a new file). A key or socket
@@ -791,7 +982,7 @@ def _remove_stale(fd: int, directory: Path, pid: int, name: str, read_stat: os.s
     try:
         if os.fstat(key_dir).st_uid not in owners:
             return
-        for leftover, kind in scheme_files(pid):
+        for leftover, kind in scheme_files(instance):
             try:
                 info = os.lstat(leftover, dir_fd=key_dir)
                 if stat.S_IFMT(info.st_mode) != kind or info.st_mtime_ns > read_stat.st_mtime_ns:
@@ -802,9 +993,9 @@ def _remove_stale(fd: int, directory: Path, pid: int, name: str, read_stat: os.s
         # The dead kernel's park lock (gpucleanup.parking): written when it was parked, so after its discovery
         # file; a kernel that took the pid since has rewritten that file, and nothing got this far.
         try:
-            info = os.lstat(f"{pid}.park", dir_fd=key_dir)
+            info = os.lstat(f"{instance}.park", dir_fd=key_dir)
             if stat.S_ISREG(info.st_mode):
-                os.unlink(f"{pid}.park", dir_fd=key_dir)
+                os.unlink(f"{instance}.park", dir_fd=key_dir)
         except OSError:
             pass
     finally:

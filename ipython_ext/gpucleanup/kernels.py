@@ -2,7 +2,8 @@
 Server page (``gpucleanup.server``) and the Prometheus metrics (``gpucleanup.metrics``) all read.
 
 :func:`gather` scans the discovery files (``discovery.scan``: stale files of exited kernels are
-removed on the way, kernels of another PID namespace are listed and never asked), reads each
+removed on the way, kernels on another machine or in another PID namespace are listed and never
+asked: their pid, socket and loopback port mean something else here), reads each
 kernel's key, and sends every kernel the same request at once (``status_client.request_many``), each
 with at most ``timeout`` seconds. Nothing here raises for one kernel's sake: a kernel that cannot be
 asked or does not answer carries its reason in :attr:`KernelView.error`.
@@ -21,7 +22,8 @@ from typing import List, Optional, Sequence
 from . import discovery, status_client
 from .units import format_bytes, format_duration
 
-__all__ = ["KernelView", "Gathered", "gather", "device_rows", "total", "target_of", "short_error", "state_text"]
+__all__ = ["KernelView", "Gathered", "gather", "device_rows", "total", "target_of", "short_error", "state_text",
+           "where_to_ask"]
 
 
 def state_text(state: Optional[dict]) -> Optional[str]:
@@ -86,6 +88,15 @@ class Gathered:
     directory: Path
 
 
+def where_to_ask(kernel: discovery.Kernel) -> str:
+    """What to do about a kernel that is not asked from here (``discovery.Kernel.place``)."""
+    if kernel.place == discovery.ON_ANOTHER_MACHINE:
+        return f"run gpucleanup on {'host ' + kernel.host if kernel.host else 'that machine'}"
+    if kernel.place == discovery.IN_ANOTHER_NAMESPACE:
+        return "run gpucleanup where the kernel runs (the same container)"
+    return "run gpucleanup where the kernel runs (the same machine and container)"
+
+
 def target_of(kernel: discovery.Kernel) -> status_client.Target:
     """The kernel's endpoint and key; raises :class:`discovery.UnsafeFile` for a key file that is not a
     regular file of at most 64 KiB, ``OSError`` for one that cannot be read."""
@@ -142,7 +153,7 @@ def gather(
                         view.history = result["records"]
     for kernel in found.elsewhere:
         views.append(KernelView(kernel, elsewhere=kernel.elsewhere, error_kind="elsewhere",
-                                error=f"elsewhere ({kernel.elsewhere}): ask from the kernel's own PID namespace"))
+                                error=f"elsewhere ({kernel.elsewhere}): {where_to_ask(kernel)}"))
     return Gathered(views, list(found.skipped), Path(directory) if directory else discovery.runtime_dir())
 
 

@@ -9,7 +9,7 @@ Two things keep them apart:
   meanwhile keeps the park (the server never lets a cell's state replace it) and finds it at once.
   While parking or parked, neither the server nor the extension makes a driver call: one would wait
   until the process is restored (share/FACTS.md §10).
-- **A lock file** next to the kernel's key (``<runtime>/gpucleanup/<pid>.park``, 0600, ``flock``):
+- **A lock file** next to the kernel's key (``<runtime>/gpucleanup/<instance>.park``, 0600, ``flock``):
   whoever runs the driver's steps holds it, so a resume waits for a park under way to end rather than
   racing it, and a park of a killed ``gpucleanup park`` is left to the next holder, which reads the
   driver's own state. The kernel's resume waits for it at most as long as the park's own limits.
@@ -52,8 +52,9 @@ class LockUnusable(park_steps.ParkRefused):
 
 
 def lock_path(key_file: os.PathLike, pid: int) -> Path:
-    """The park lock of kernel ``pid``: beside its key, in the user's private ``gpucleanup`` directory."""
-    return Path(key_file).parent / f"{int(pid)}.park"
+    """The park lock of kernel ``pid``: beside its key, in the user's private ``gpucleanup`` directory, named as
+    its key is (``<instance>.park``: two kernels with one pid in two containers never share a lock)."""
+    return Path(key_file).with_suffix(".park")
 
 
 def wait_limit(limits: park_steps.Limits = park_steps.Limits()) -> float:

@@ -11,12 +11,17 @@ Used by the extension exactly so::
 None of these ever raises: a failure is kept in :attr:`error` (and logged)
 and the endpoint stays off, because cleanup never depends on it.
 
-Layout (all private to the user)::
+Layout (all private to the user; ``<instance>`` is ``<pid>-<8 random hex digits>``, so that kernels with the
+same pid in other containers or on other machines sharing the directory never share a name)::
 
-    <runtime dir>/gpucleanup-<pid>.json   discovery file, 0600 (discovery.write: O_EXCL temp, rename)
-    <runtime dir>/gpucleanup/             0700
-        <pid>.key                         HMAC-SHA256 key, 0600
-        <pid>.sock, <pid>.sock.pub        ipc sockets (default transport)
+    <runtime dir>/gpucleanup-<instance>.json   discovery file, 0600 (discovery.write: O_EXCL temp, rename)
+    <runtime dir>/gpucleanup/                  0700
+        <instance>.key                         HMAC-SHA256 key, 0600
+        <instance>.sock, <instance>.sock.pub   ipc sockets (default transport)
+
+The endpoint removes only what it wrote: each file's device and inode are kept when it is written, and
+:meth:`close` (and the native SIGTERM handler, given the same paths) removes a path only while it is still
+that file.
 
 ``GPUCLEANUP_STATUS_TRANSPORT=tcp`` (or ``StatusEndpoint(transport="tcp")``)
 binds loopback TCP instead; every request must then be signed with the key.
@@ -30,6 +35,7 @@ import logging
 import os
 import secrets
 import shutil
+import stat
 import sys
 import tempfile
 import time
@@ -112,6 +118,12 @@ class StatusEndpoint:
         self._running = False
         self._discovery_path: Optional[Path] = None
         self._key_file: Optional[Path] = None
+        self._instance: Optional[str] = None
+        # path -> (st_dev, st_ino) of each file this endpoint wrote: the only files it removes
+        self._written: dict = {}
+        self._sigterm_paths: Optional[dict] = None
+        self._runtime: Optional[Path] = None
+        self._server_root: Optional[str] = None  # "" once looked for and not found
         self._temp_dir: Optional[Path] = None
         self._atexit = False
         self._sigterm = False  # the native SIGTERM handler holds our paths
@@ -207,6 +219,11 @@ class StatusEndpoint:
         from .parking import lock_path
 
         return lock_path(self._key_file, self._pid)
+
+    @property
+    def instance(self) -> Optional[str]:
+        """What this endpoint's files are named from (``<pid>-<random>``); None while off."""
+        return self._instance
 
     def parked(self) -> int:
         """0: not parked, 1: parking, 2: parked, as the server's state says; no driver call, never raises."""
@@ -327,27 +344,32 @@ class StatusEndpoint:
         private = discovery.ensure_private_dir(runtime / "gpucleanup")
 
         key = secrets.token_hex(32)
-        self._key_file = private / f"{pid}.key"
-        discovery.write_private(self._key_file, key.encode("ascii"))
+        self._instance = instance = discovery.new_instance(pid)
+        self._key_file = private / f"{instance}.key"
+        self._wrote(self._key_file, discovery.write_private(self._key_file, key.encode("ascii")))
 
         if self.transport == "tcp":
             endpoint = "tcp://127.0.0.1:0"
         else:
-            socket = private / f"{pid}.sock"
+            socket = private / f"{instance}.sock"
             if len(os.fsencode(str(socket))) > _MAX_SOCKET_PATH:
                 # A deep runtime dir cannot hold a socket: use a private temp dir.
                 self._temp_dir = Path(tempfile.mkdtemp(prefix="gpucleanup-"))
+                self._wrote(self._temp_dir, os.lstat(self._temp_dir))
                 socket = self._temp_dir / f"{pid}.sock"
             endpoint = f"ipc://{socket}"
 
         connection_file = discovery.own_connection_file()
-        notebook = self._notebook()
+        self._server_root = None
+        self._runtime = Path(runtime)
+        notebook, notebook_root = self._notebook()
         started_ns = time.time_ns()
         kernel = {
             "pid": pid,
             "kernel_id": discovery.kernel_id_from_connection_file(connection_file),
             "connection_file": connection_file,
             "notebook": notebook,
+            "notebook_root": notebook_root,
             "started_ns": started_ns,
             "python": sys.version.split()[0],
             "executable": sys.executable,
@@ -374,47 +396,87 @@ class StatusEndpoint:
             transport=self.transport,
             connection_file=connection_file,
             notebook=notebook,
+            notebook_root=notebook_root,
             started_ns=started_ns,
             version=version,
+            instance=instance,
         )
-        self._discovery_path = discovery.discovery_path(pid, runtime)
-        discovery.write(self._discovery_path, self.info)
+        for endpoint_ in (bound.get("endpoint"), bound.get("pub_endpoint")):
+            if isinstance(endpoint_, str) and endpoint_.startswith("ipc://"):
+                # made by the server's bind just now, in the user's private directory
+                self._wrote(Path(endpoint_[len("ipc://"):]), os.lstat(endpoint_[len("ipc://"):]))
+        self._discovery_path = discovery.discovery_path(instance, runtime)
+        self._wrote(self._discovery_path, discovery.write(self._discovery_path, self.info))
         atexit.register(self.close)
         self._atexit = True
         self._clean_on_sigterm(bound)
         self.error = None
+
+    def _wrote(self, path: Path, info: os.stat_result) -> None:
+        self._written[Path(path)] = discovery.file_identity(info)
 
     def _clean_on_sigterm(self, bound: dict) -> None:
         """A SIGTERM (a terminated or culled kernel) removes what this endpoint made, as close() does.
 
         Done by the native library's handler: a Python handler would wait for the main thread, which may be
         waiting in native code for the GPU (sigterm_cleanup.cpp). The discovery file goes first, so that
-        nobody finds a kernel whose key is already gone.
+        nobody finds a kernel whose key is already gone. The handler takes each path's device and inode as it
+        is given the list, and removes a path only while it is still that file: the list is given again
+        whenever this endpoint rewrites its discovery file (:meth:`_refresh_notebook`).
         """
         files = [str(self._discovery_path), str(self._key_file)]
         for endpoint in (bound.get("endpoint"), bound.get("pub_endpoint")):
             if isinstance(endpoint, str) and endpoint.startswith("ipc://"):
                 files.append(endpoint[len("ipc://"):])
         dirs = [str(self._temp_dir)] if self._temp_dir is not None else []
+        self._sigterm_paths = {"files": files, "dirs": dirs}
+        self._give_sigterm_paths()
+
+    def _give_sigterm_paths(self) -> None:
+        if self._sigterm_paths is None:
+            return
+        # only what is still the file this endpoint wrote: never adopt one someone put at a name since
+        paths = {kind: [p for p in names if self._still_written(Path(p))] for kind, names in self._sigterm_paths.items()}
         try:
-            self._sigterm = bool(self._lib().sigterm_cleanup({"files": files, "dirs": dirs}))
+            self._sigterm = bool(self._lib().sigterm_cleanup(paths))
         except Exception as exc:  # an older library, a path too long: files stay for the next load or ps
             self._note(exc)
 
-    def _notebook(self) -> Optional[str]:
+    def _still_written(self, path: Path) -> bool:
+        try:
+            return discovery.file_identity(os.lstat(path)) == self._written.get(path)
+        except OSError:
+            return False
+
+    def _notebook(self) -> tuple:
+        """``(notebook, root)``: relative to the root of the Jupyter Server that started this kernel, with
+        that root, or absolute and None (:mod:`gpucleanup.notebook_path`)."""
         name = os.environ.get("JPY_SESSION_NAME")
         if name:
             # bytes that are not UTF-8 (surrogate escapes) cannot go into the JSON the server takes
-            return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+            return self._display_form(name.encode("utf-8", "surrogateescape").decode("utf-8", "replace"))
         return self._session_notebook()
 
-    def _session_notebook(self) -> Optional[str]:
-        """The notebook a frontend named in the kernel's ``__session__``, or None."""
+    def _display_form(self, notebook: Optional[str]) -> tuple:
+        if not notebook or not os.path.isabs(notebook):
+            return notebook, None
+        try:
+            from . import notebook_path
+
+            if self._server_root is None:
+                self._server_root = notebook_path.server_root(self._runtime, notebook) or ""
+            return notebook_path.display_form(notebook, self._server_root or None)
+        except Exception as exc:  # a server file that cannot be read: the absolute path, as without a server
+            self._note(exc)
+            return notebook, None
+
+    def _session_notebook(self) -> tuple:
+        """The notebook a frontend named in the kernel's ``__session__`` (with its root), or (None, None)."""
         try:
             value = self._shell.user_ns.get("__session__") if self._shell is not None else None
         except Exception:
-            return None
-        return value if isinstance(value, str) and value else None
+            return None, None
+        return self._display_form(value) if isinstance(value, str) and value else (None, None)
 
     def _refresh_notebook(self) -> None:
         # The frontend may name the notebook after the kernel started, in __session__. JPY_SESSION_NAME
@@ -422,10 +484,13 @@ class StatusEndpoint:
         # missing one would cost a KeyError raised and caught inside os.environ.get on every cell).
         if self.info is None or self.info.get("notebook") or self._discovery_path is None:
             return
-        notebook = self._session_notebook()
+        notebook, root = self._session_notebook()
         if notebook:
-            self.info["notebook"] = notebook
-            discovery.write(self._discovery_path, self.info)
+            if not self._still_written(self._discovery_path):
+                return  # not the file this endpoint wrote any more: leave it to whoever put it there
+            self.info["notebook"], self.info["notebook_root"] = notebook, root
+            self._wrote(self._discovery_path, discovery.write(self._discovery_path, self.info))
+            self._give_sigterm_paths()  # the rewritten file is a new inode
 
     def _teardown(self) -> None:
         if getattr(self, "_sigterm", False):
@@ -442,17 +507,33 @@ class StatusEndpoint:
                 self._note(exc)
         park_lock = None
         if self._key_file is not None and self._pid is not None:
-            park_lock = self._key_file.parent / f"{self._pid}.park"
-        for path in (self._discovery_path, self._key_file, park_lock):
+            from .parking import lock_path
+
+            park_lock = lock_path(self._key_file, self._pid)
+        for path in (self._discovery_path, self._key_file):
             if path is not None:
                 try:
-                    path.unlink()
-                except FileNotFoundError:
-                    pass
+                    discovery.remove_own(path, self._written.get(path))
                 except Exception as exc:
                     self._note(exc)
+        if park_lock is not None:
+            # written by whoever parked this kernel, under this endpoint's own instance: no other kernel's name
+            try:
+                if stat.S_ISREG(os.lstat(park_lock).st_mode):
+                    park_lock.unlink()
+            except FileNotFoundError:
+                pass
+            except Exception as exc:
+                self._note(exc)
         self._discovery_path = None
         self._key_file = None
+        self._sigterm_paths = None
         if self._temp_dir is not None:
-            shutil.rmtree(self._temp_dir, ignore_errors=True)
+            # mkdtemp's private directory, only if it is still the one made here
+            try:
+                if discovery.file_identity(os.lstat(self._temp_dir)) == self._written.get(self._temp_dir):
+                    shutil.rmtree(self._temp_dir, ignore_errors=True)
+            except OSError:
+                pass
             self._temp_dir = None
+        self._written = {}

@@ -4,9 +4,15 @@
 //
 // Python's own handlers run only when the main thread next runs Python code, which a kernel waiting in native code
 // for its GPU does not do for up to settle_timeout; a handler of the C library runs at once, on whichever thread
-// the signal lands. It calls only async-signal-safe functions (getpid, unlink, rmdir, sigaction, raise), on paths
-// copied into static storage beforehand; a forked child (another pid) removes nothing of its parent's.
+// the signal lands. It calls only async-signal-safe functions (getpid, lstat, unlink, rmdir, sigaction, raise), on
+// paths copied into static storage beforehand; a forked child (another pid) removes nothing of its parent's.
+//
+// A path is removed only if it is still the file or directory that was there when the list was set (the same
+// device and inode, taken with lstat then): a runtime directory shared by several machines or containers may hold,
+// at one of these names, a file another process put there since, and that file is not ours to remove. A path that
+// did not exist when the list was set is never removed.
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -25,9 +31,16 @@ namespace {
 constexpr int kMaxPaths = 8;
 constexpr std::size_t kMaxPath = 4096;
 
+struct Entry {
+  char path[kMaxPath];
+  dev_t dev;
+  ino_t ino;
+  bool known;  // lstat found it when the list was set
+};
+
 struct Paths {
-  char files[kMaxPaths][kMaxPath];
-  char dirs[kMaxPaths][kMaxPath];
+  Entry files[kMaxPaths];
+  Entry dirs[kMaxPaths];
 };
 
 Paths g_paths;
@@ -36,13 +49,24 @@ std::atomic<int> g_dirs{0};
 std::atomic<pid_t> g_owner{0};
 std::atomic<bool> g_installed{false};
 
+// Still the entry that was recorded? (There is a window between this lstat and the unlink in which the same user
+// could swap the name again; nobody else can write in the user's private directories.)
+bool still_ours(const Entry& entry) {
+  struct stat now {};
+  return entry.known && lstat(entry.path, &now) == 0 && now.st_dev == entry.dev && now.st_ino == entry.ino;
+}
+
 void on_sigterm(int signo) {
   const int saved = errno;
   if (getpid() == g_owner.load()) {
     const int files = g_files.load();
-    for (int i = 0; i < files; ++i) unlink(g_paths.files[i]);
+    for (int i = 0; i < files; ++i) {
+      if (still_ours(g_paths.files[i])) unlink(g_paths.files[i].path);
+    }
     const int dirs = g_dirs.load();
-    for (int i = 0; i < dirs; ++i) rmdir(g_paths.dirs[i]);
+    for (int i = 0; i < dirs; ++i) {
+      if (still_ours(g_paths.dirs[i])) rmdir(g_paths.dirs[i].path);
+    }
   }
   struct sigaction dfl {};
   dfl.sa_handler = SIG_DFL;
@@ -52,7 +76,7 @@ void on_sigterm(int signo) {
   raise(signo);  // delivered once this handler returns: the process ends by SIGTERM, as without it
 }
 
-bool copy_list(const nlohmann::json& list, char (*out)[kMaxPath], std::atomic<int>& count) {
+bool copy_list(const nlohmann::json& list, Entry* out, std::atomic<int>& count) {
   if (!list.is_array() || list.size() > kMaxPaths) return false;
   int n = 0;
   for (const auto& item : list) {
@@ -62,7 +86,12 @@ bool copy_list(const nlohmann::json& list, char (*out)[kMaxPath], std::atomic<in
   }
   for (const auto& item : list) {
     const auto& text = item.get_ref<const std::string&>();
-    std::memcpy(out[n], text.c_str(), text.size() + 1);
+    Entry& entry = out[n];
+    std::memcpy(entry.path, text.c_str(), text.size() + 1);
+    struct stat now {};
+    entry.known = lstat(entry.path, &now) == 0;
+    entry.dev = entry.known ? now.st_dev : 0;
+    entry.ino = entry.known ? now.st_ino : 0;
     ++n;
   }
   count.store(n);

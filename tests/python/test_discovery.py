@@ -96,7 +96,8 @@ def record(runtime: Path, name_pid: int, **fields) -> dict:
     pid = name_pid
     info = {
         "discovery": 1, "pid": pid, "proc_start_ticks": discovery.process_start_ticks(pid),
-        "pid_ns": discovery.pid_namespace(), "boot_id": discovery.boot_id(), "kernel_id": f"k{pid}",
+        "pid_ns": discovery.pid_namespace(), "boot_id": discovery.boot_id(), "machine_id": discovery.machine_id(),
+        "host": discovery.host_name(), "kernel_id": f"k{pid}",
         "connection_file": None, "notebook": None, "endpoint": f"ipc://{private}/{pid}.sock",
         "pub_endpoint": f"ipc://{private}/{pid}.sock.pub", "transport": "ipc", "key_file": str(private / f"{pid}.key"),
         "signature_scheme": "hmac-sha256", "protocol": 1, "started_ns": 1, "version": "0.1.0",
@@ -173,7 +174,7 @@ def test_unknown_namespace_on_either_side_is_elsewhere_never_stale(runtime):
     for pid in (gone, os.getpid()):
         assert discovery.classify(record(runtime, pid, pid_ns=None)) == (discovery.ELSEWHERE, discovery.UNKNOWN_THEIR_NS)
         assert discovery.classify(record(runtime, pid), own_pid_ns="") == (discovery.ELSEWHERE, discovery.UNKNOWN_OWN_NS)
-    # another boot is still proof, whatever the namespaces
+    # an earlier boot of this machine (its machine id and host recorded) is still proof, whatever the namespaces
     other = str(uuid.uuid4())
     assert discovery.classify(record(runtime, gone, pid_ns=None, boot_id=other))[0] == discovery.STALE
 
@@ -196,11 +197,37 @@ def test_classify_another_namespace_is_elsewhere_even_for_a_pid_alive_here(runti
         assert not discovery.is_alive(info)
 
 
-def test_classify_another_boot_is_stale_even_for_a_pid_alive_here(runtime):
+def test_classify_an_earlier_boot_of_this_machine_is_stale_even_for_a_pid_alive_here(runtime):
     other = str(uuid.uuid4())
     for ns in (discovery.pid_namespace(), "pid:[1]"):
         info = record(runtime, os.getpid(), boot_id=other, pid_ns=ns)
-        assert discovery.classify(info) == (discovery.STALE, f"written during another boot (boot id {other})")
+        assert discovery.classify(info) == (
+            discovery.STALE, f"written during an earlier boot of this machine (boot id {other})")
+
+
+def test_classify_another_boot_alone_proves_nothing(runtime):
+    other, here = str(uuid.uuid4()), (discovery.machine_id(), discovery.host_name())
+    gone = dead_pid()
+    # another machine: another machine id, or the same (an image cloned with its id) on another host
+    for machine, host in (("0" * 32, here[1]), (here[0], "gpu07"), ("f" * 32, "gpu07")):
+        info = record(runtime, gone, boot_id=other, machine_id=machine, host=host)
+        assert discovery.judge(info, own_machine=("a" * 32, here[1]) if machine == here[0] and host == here[1]
+                               else here) == (discovery.ELSEWHERE, f"on another machine, host {host}",
+                                              discovery.ON_ANOTHER_MACHINE)
+    # an older gpucleanup recorded no machine, or this machine's id is unknown: never stale
+    legacy = record(runtime, gone, boot_id=other)
+    del legacy["machine_id"], legacy["host"]
+    state, why, place = discovery.judge(legacy)
+    assert (state, place) == (discovery.ELSEWHERE, discovery.PLACE_UNKNOWN)
+    assert why == (f"written during another boot (boot id {other}) on a machine it does not name (an older "
+                   "gpucleanup): it may be another machine's")
+    state, why, place = discovery.judge(record(runtime, gone, boot_id=other), own_machine=(None, here[1]))
+    assert (state, place) == (discovery.ELSEWHERE, discovery.PLACE_UNKNOWN)
+    assert "this machine's id is unknown" in why
+    # the same boot id is the same machine whatever the files say: a container without /etc/machine-id
+    # still has its dead kernels' files judged by pid
+    assert discovery.judge(record(runtime, gone, machine_id=None, host="elsewhere"), own_machine=(None, None)) == (
+        discovery.STALE, "its process is gone", None)
 
 
 def test_is_alive_never_raises_on_a_huge_pid():
@@ -307,7 +334,8 @@ def test_recorded_other_namespace_is_shown_elsewhere_and_kept(kernel, runtime):
     assert entries[os.getpid()]["elsewhere"] is False
     assert entries[gone] == {
         "pid": gone, "kernel_id": "abcdef123456", "notebook": "/srv/other.ipynb", "discovery_file": str(path),
-        "elsewhere": True, "elsewhere_reason": "another PID namespace, pid:[1]",
+        "elsewhere": True, "elsewhere_reason": "another PID namespace, pid:[1]", "place": "namespace",
+        "host": discovery.host_name(),
     }
 
     result = cli("status", str(gone))
@@ -452,7 +480,8 @@ def test_ps_in_another_pid_namespace_leaves_this_kernel_alone(kernel, runtime):
     assert entry == {
         "pid": os.getpid(), "kernel_id": None, "notebook": "/home/me/fit.ipynb",
         "discovery_file": str(kernel.discovery_path), "elsewhere": True,
-        "elsewhere_reason": f"another PID namespace, {discovery.pid_namespace()}",
+        "elsewhere_reason": f"another PID namespace, {discovery.pid_namespace()}", "place": "namespace",
+        "host": discovery.host_name(),
     }
     assert kernel.discovery_path.exists()
     assert Path(kernel.info["key_file"]).exists()

@@ -1,0 +1,84 @@
+"""The notebook a kernel runs, in the one form every gpucleanup surface shows.
+
+Jupyter Server starts a kernel with ``JPY_SESSION_NAME`` set to the notebook's absolute path (its root directory
+joined with the session's path: ``SessionManager.get_kernel_env``), while its own pages and REST API name the
+notebook by that session path, relative to the root. gpucleanup shows the server's form wherever there is a
+server: the kernel finds the server that started it (its parent, or a near ancestor) by the file that server
+writes in the runtime directory, ``jpserver-<pid>.json``, whose ``root_dir`` is ``os.path.abspath`` of the root
+(``ServerApp.server_info``), and records the notebook relative to that root, with the root beside it. Without a
+server (``jupyter console``, an editor that starts kernels itself), or when the path is not under the root found,
+the notebook stays absolute.
+
+A ``jpserver-<pid>.json`` is read as untrusted input (``discovery.read_bounded``: a regular file of this user, at
+most 64 KiB) and used only if it names the pid it is named after and a root the notebook lies under: a runtime
+directory shared with another container may hold another server's file under the same pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional, Tuple
+
+from . import discovery
+
+__all__ = ["server_root", "display_form"]
+
+#: how many ancestors are asked: a kernel spec may start the kernel through a wrapper (a shell, ``conda run``)
+ANCESTORS = 4
+
+
+def _parent(pid: int) -> Optional[int]:
+    fields = discovery._stat_fields(pid)
+    try:
+        return int(fields[1]) if fields else None
+    except (IndexError, ValueError):
+        return None
+
+
+def _root_of(runtime: Path, pid: int) -> Optional[str]:
+    try:
+        data, _info = discovery.read_bounded(Path(runtime) / f"jpserver-{pid}.json", owners={os.geteuid()})
+        info = json.loads(data.decode("utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(info, dict) or info.get("pid") != pid:
+        return None
+    root = info.get("root_dir")
+    if not isinstance(root, str) or not root.startswith("/") or "\x00" in root or len(root) > 4096:
+        return None
+    return os.path.normpath(root)
+
+
+def server_root(runtime: Path, notebook: Optional[str] = None, pid: Optional[int] = None) -> Optional[str]:
+    """The root directory of the Jupyter Server that started process ``pid`` (default: this one), or None.
+
+    ``notebook``: an absolute path the root must contain (a file of another server that happens to carry an
+    ancestor's pid is passed over)."""
+    current = pid if pid is not None else os.getpid()
+    for _ in range(ANCESTORS):
+        parent = os.getppid() if current == os.getpid() else _parent(current)
+        if not parent or parent <= 1:
+            return None
+        root = _root_of(runtime, parent)
+        if root is not None and (notebook is None or _under(notebook, root) is not None):
+            return root
+        current = parent
+    return None
+
+
+def _under(path: str, root: str) -> Optional[str]:
+    relative = os.path.relpath(os.path.normpath(path), root)
+    if relative == os.curdir or relative == os.pardir or relative.startswith(os.pardir + os.sep):
+        return None
+    return relative
+
+
+def display_form(notebook: Optional[str], root: Optional[str]) -> Tuple[Optional[str], Optional[str]]:
+    """``(notebook, root)`` as gpucleanup records them: relative to ``root`` when ``notebook`` is an absolute
+    path under it (``root`` kept beside it), else the notebook as given and no root."""
+    if not notebook or not root or not os.path.isabs(notebook):
+        return notebook, None
+    relative = _under(notebook, root)
+    return (relative, root) if relative is not None else (notebook, None)
