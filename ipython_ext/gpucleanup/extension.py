@@ -214,8 +214,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         self._refuse_the_cell = _RefuseTheCell(shell)
         self._request_guard = RequestGuard(self.parking, self._refuse_the_cell.arm)
         self.engine.background = self._background
-        # A drain from outside (gpucleanup drain, the page's Drain button) runs the kernel's cleanup on the
-        # status server's thread only while no cell is under way; a cell that starts meanwhile waits for it.
+        # A drain from outside (gpucleanup drain, the page's Drain button) runs the kernel's cleanup on a thread
+        # of its own only while no cell is under way; a cell that starts meanwhile waits for it (bounded).
         self.outside = OutsideDrain(native, self.cells, self._clean_for_outside, self._why_no_outside_drain,
                                     self._say, self._warn_once_now)
 
@@ -425,7 +425,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
 
     def _status(self, method: str, payload: dict) -> None:
         endpoint = self._endpoint
-        if endpoint is None:
+        if endpoint is None or (method == "set_state" and self.outside.quiet()):  # a cell runs beside a drain
             return
         try:
             getattr(endpoint, method)(payload)
@@ -639,7 +639,9 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         try:
             return self.cleanup(forced=True, overrides=overrides, source="outside")
         finally:
-            self._say_idle()  # before a waiting cell says "running"
+            # before a waiting cell says "running"; never over a cell that outwaited it and runs beside it
+            if not self.cells.busy():
+                self._say_idle()
 
     def _why_no_outside_drain(self) -> Optional[str]:
         """Why a drain from outside may not run the kernel's cleanup now, besides a cell under way."""

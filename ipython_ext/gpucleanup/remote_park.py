@@ -107,7 +107,12 @@ def check_kernel(pid: int, target, timeout: float, lock_file: os.PathLike) -> di
         state = {}
         out["reasons"].append(f"the kernel did not answer its status request ({exc}): a park would be refused")
     out["state"] = kernel_state = state.get("state")
-    if kernel_state in ("running", "draining"):
+    if kernel_state == "draining" and state.get("cell") is None:
+        out["reasons"].append("a drain from outside (gpucleanup drain, the page's Drain) is running the kernel's own "
+                              "cleanup (the frameworks' caches, then garbage collection, where objects' finalizers "
+                              "run); it ends by itself: ask again when the kernel is idle (a park waits for it up "
+                              f"to {parking.BEGIN_WAIT_S:g} s)")
+    elif kernel_state in ("running", "draining"):
         cell = state.get("cell")
         out["reasons"].append(f"the kernel is {kernel_state}" + (f" (cell {cell})" if cell else "")
                               + ": a park starts only between cells; ask again when it is idle")

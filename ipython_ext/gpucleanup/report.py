@@ -725,7 +725,11 @@ def drain_kernel_notes(result: dict) -> List[str]:
     pinned host memory it gave back."""
     part = _kernel_part(result)
     notes = []
-    if part.get("skipped"):
+    if part.get("running"):
+        notes.append(f"the kernel's own cleanup is still running ({part.get('doing') or 'no detail'}): it goes on by "
+                     "itself, nothing to do; the kernel says draining until it ends, a cell or a park waits for it "
+                     "(at most 10 s), and its last cell then shows what the drain freed")
+    elif part.get("skipped"):
         notes.append(f"the kernel's own cleanup did not run ({part['skipped']}): the frameworks' caches were left "
                      "as they are")
     elif part.get("error"):

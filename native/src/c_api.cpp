@@ -204,6 +204,7 @@ nlohmann::json server_drain(double timeout_s) {
   GPUCLEANUP_EXPECTS(std::isfinite(timeout_s) && timeout_s >= 0, "gpucleanup.api.103",
                      "timeout_s must be a finite number of seconds >= 0");
   ApiState& state = api_state().get();
+  const auto started = std::chrono::steady_clock::now();
   nlohmann::json result;
   {
     // The wait for queued work and the trim: a cell that starts ends the wait at once.
@@ -229,9 +230,14 @@ nlohmann::json server_drain(double timeout_s) {
   // Then the kernel's own cleanup (the frameworks' caches, and the driver's
   // pools again after them), with no lock of the library held: it calls the
   // library itself, and it needs the interpreter lock. Its queued work was
-  // waited for just above: it waits for none (0 s), so that a cell starting
-  // meanwhile, which waits for it, waits only for the frameworks' own calls.
-  if (std::optional<nlohmann::json> kernel_part = run_drain_hook(0.0)) result["kernel"] = std::move(*kernel_part);
+  // waited for just above: it waits for none. It can run the user's
+  // finalizers, for any time: the hook runs it on a thread of the kernel's
+  // and waits for it only as long as this request's time limit has left (the
+  // hook's own least), then answers that it still runs.
+  const double spent = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  if (std::optional<nlohmann::json> kernel_part = run_drain_hook(std::max(0.0, timeout_s - spent))) {
+    result["kernel"] = std::move(*kernel_part);
+  }
   return result;
 }
 

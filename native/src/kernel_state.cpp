@@ -65,6 +65,14 @@ json KernelState::view(std::int64_t now_ns) {
   return view;
 }
 
+bool KernelState::outside_drain_locked() {
+  const json& state = state_locked();
+  const auto name = state.find("state");
+  if (name == state.end() || !name->is_string() || name->get_ref<const std::string&>() != "draining") return false;
+  const auto cell = state.find("cell");
+  return cell == state.end() || cell->is_null();
+}
+
 int KernelState::park_state_locked() const {
   if (cell_state_) return 0;  // a cell's state: idle or running
   const auto it = state_.find("state");
@@ -81,12 +89,23 @@ std::optional<ParkRefusal> KernelState::park(const std::string& step, std::optio
   const std::string name = name_locked();
   const std::int64_t now = realtime_ns();
   if (step == "begin") {
+    // A drain from outside: its wait for queued work (the jobs' drain), then the kernel's own cleanup, said as
+    // "draining", which can run the user's finalizers (__del__) for as long as they take. Both end by themselves.
+    if (outside_drain_locked()) {
+      return ParkRefusal{true, "park refused: a drain from outside (gpucleanup drain, the page's Drain) is running "
+                               "the kernel's own cleanup (the frameworks' caches, then garbage collection, where "
+                               "objects' finalizers run); it ends by itself: ask again when the kernel is idle"};
+    }
     if (name != "idle") {
       return ParkRefusal{false, "park refused: the kernel is " + name +
                                     (parked ? "" : "; a park starts only between cells (state idle): ask again when "
                                                    "the cell has ended")};
     }
-    if (drain_running()) return ParkRefusal{true, "park refused: a drain is running; ask again when it has answered"};
+    if (drain_running()) {
+      return ParkRefusal{true, "park refused: a drain from outside (gpucleanup drain, the page's Drain) is waiting "
+                               "for the kernel's queued GPU work, at most its time limit; it ends by itself: ask "
+                               "again when it has answered"};
+    }
     if (background_ > 0) {
       return ParkRefusal{true, "park refused: gpucleanup is giving the frameworks' caches back on a thread of its "
                                "own; ask again in a few seconds"};

@@ -51,12 +51,14 @@ class KernelState {
   // As StatusServer::background.
   int background(bool begin) noexcept;
 
-  // Runs `body(name)` under the lock, name being the state's ("idle", "running", ...; "unknown" when it has
-  // none): what starts there (a drain) cannot cross a park that begins.
+  // Runs `body(name, outside)` under the lock, name being the state's ("idle", "running", ...; "unknown" when
+  // it has none), `outside` whether it is the kernel's own cleanup for a drain from outside ("draining" of no
+  // cell): what starts there (a drain) cannot cross a park that begins.
   template <class Body>
   auto with_state_name(Body&& body) {
     std::lock_guard<std::mutex> lock(mutex_);
-    return body(name_locked());
+    const std::string name = name_locked();
+    return body(name, outside_drain_locked());
   }
 
  private:
@@ -78,6 +80,8 @@ class KernelState {
 
   nlohmann::json& state_locked();
   std::string name_locked();
+  // "draining" with no cell: the kernel's own cleanup for a drain from outside (a cell's says its number).
+  bool outside_drain_locked();
   int park_state_locked() const;
 
   mutable std::mutex mutex_;

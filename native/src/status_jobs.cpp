@@ -22,6 +22,12 @@ void StatusJobs::start(std::function<bool()> parked, std::function<void()> drain
     stop_ = false;
   }
   worker_ = std::thread([this] { work(); });
+  try {
+    drain_worker_ = std::thread([this] { drain_work(); });
+  } catch (...) {
+    stop();
+    throw;
+  }
 }
 
 void StatusJobs::stop() noexcept {
@@ -33,7 +39,9 @@ void StatusJobs::stop() noexcept {
     drain_running_ = false;
   }
   job_cv_.notify_all();
+  drain_cv_.notify_all();
   if (worker_.joinable()) worker_.join();
+  if (drain_worker_.joinable()) drain_worker_.join();
 }
 
 void StatusJobs::add_snapshot(json& reply) {
@@ -76,7 +84,7 @@ bool StatusJobs::start_drain(double timeout_s) {
   if (drain_running_) return false;
   drain_running_ = true;
   drain_job_ = timeout_s;
-  job_cv_.notify_all();
+  drain_cv_.notify_all();
   return true;
 }
 
@@ -92,35 +100,40 @@ std::optional<json> StatusJobs::take_drain_result() {
 void StatusJobs::work() {
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
-    job_cv_.wait(lock, [&] { return stop_ || snapshot_done_ < snapshot_requested_ || drain_job_.has_value(); });
+    job_cv_.wait(lock, [&] { return stop_ || snapshot_done_ < snapshot_requested_; });
     if (stop_) return;
-    if (snapshot_done_ < snapshot_requested_) {
-      const std::uint64_t target = snapshot_requested_;
-      lock.unlock();
-      json snapshot;
-      std::string error;
-      try {
-        // A parked process's driver calls wait until it is restored: none is made.
-        if (parked_()) throw std::runtime_error("the kernel is parked: its GPU memory is in host memory, "
-                                                "and no driver call is made until its next cell resumes it");
-        snapshot = hooks_.snapshot();
-      } catch (const std::exception& e) {
-        error = e.what();
-      } catch (...) {
-        error = "unknown exception";
-      }
-      lock.lock();
-      if (error.empty()) {
-        last_snapshot_ = std::move(snapshot);
-        last_snapshot_ns_ = realtime_ns();
-        last_snapshot_error_.clear();
-      } else {
-        last_snapshot_error_ = "snapshot failed: " + error;
-      }
-      snapshot_done_ = target;
-      snapshot_cv_.notify_all();
-      continue;
+    const std::uint64_t target = snapshot_requested_;
+    lock.unlock();
+    json snapshot;
+    std::string error;
+    try {
+      // A parked process's driver calls wait until it is restored: none is made.
+      if (parked_()) throw std::runtime_error("the kernel is parked: its GPU memory is in host memory, "
+                                              "and no driver call is made until its next cell resumes it");
+      snapshot = hooks_.snapshot();
+    } catch (const std::exception& e) {
+      error = e.what();
+    } catch (...) {
+      error = "unknown exception";
     }
+    lock.lock();
+    if (error.empty()) {
+      last_snapshot_ = std::move(snapshot);
+      last_snapshot_ns_ = realtime_ns();
+      last_snapshot_error_.clear();
+    } else {
+      last_snapshot_error_ = "snapshot failed: " + error;
+    }
+    snapshot_done_ = target;
+    snapshot_cv_.notify_all();
+  }
+}
+
+void StatusJobs::drain_work() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (true) {
+    drain_cv_.wait(lock, [&] { return stop_ || drain_job_.has_value(); });
+    if (stop_) return;
     const double timeout_s = *drain_job_;
     drain_job_.reset();
     lock.unlock();

@@ -1,9 +1,10 @@
-// The status server's jobs: the snapshot and drain hooks, run on a worker
-// thread of their own, because they may block (the library serialises
-// snapshot and drain) and must never hold up the thread that answers. A status
-// reply waits a bounded time for a fresh snapshot, else takes the last one,
-// marked stale; a drain's result is picked up by the server thread when the
-// worker wakes it.
+// The status server's jobs: the snapshot and drain hooks, each run on a worker
+// thread of its own, because they may block (the library serialises snapshot
+// and drain, and a drain runs the kernel's cleanup, which can run the user's
+// finalizers) and must never hold up the thread that answers. A status reply
+// waits a bounded time for a fresh snapshot, else takes the last one, marked
+// stale; a drain's result is picked up by the server thread when the drain's
+// worker wakes it. Snapshots never queue behind a drain.
 #pragma once
 
 #include <chrono>
@@ -27,10 +28,10 @@ class StatusJobs {
   StatusJobs(const StatusJobs&) = delete;
   StatusJobs& operator=(const StatusJobs&) = delete;
 
-  // Starts the worker. parked(): whether the kernel is parking or parked (then no snapshot is taken: a driver
+  // Starts the workers. parked(): whether the kernel is parking or parked (then no snapshot is taken: a driver
   // call would wait for the restore); drain_done(): called on the worker when a drain's result is ready.
   void start(std::function<bool()> parked, std::function<void()> drain_done);
-  // Forgets a drain not yet picked up and joins the worker (one under way finishes first).
+  // Forgets a drain not yet picked up and joins the workers (one under way finishes first).
   void stop() noexcept;
 
   // The freshest snapshot available within snapshot_timeout_s of the request that started it, into `reply`
@@ -44,15 +45,18 @@ class StatusJobs {
   std::optional<nlohmann::json> take_drain_result();
 
  private:
-  void work();
+  void work();        // snapshots
+  void drain_work();  // drains
 
   const ServerHooks hooks_;
   const double snapshot_timeout_s_;
   std::function<bool()> parked_;
   std::function<void()> drain_done_;
   std::thread worker_;
+  std::thread drain_worker_;
   mutable std::mutex mutex_;
   std::condition_variable job_cv_;
+  std::condition_variable drain_cv_;
   std::condition_variable snapshot_cv_;
   bool stop_ = false;
   std::uint64_t snapshot_requested_ = 0;

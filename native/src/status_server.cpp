@@ -167,7 +167,13 @@ struct StatusServer::Impl {
   // A drain request that passed the check (signed, under a key, timeout_s in bounds).
   void accept_drain(const std::vector<std::string>& envelope, const json& id, double timeout_s, int fd) {
     // Under the state's lock, then the jobs': the order a park takes them, so a park and a drain never both start.
-    kernel.with_state_name([&](const std::string& state_name) {
+    kernel.with_state_name([&](const std::string& state_name, bool outside_drain) {
+      if (outside_drain) {
+        // An earlier drain answered while the kernel's own cleanup goes on (its finalizers may take any time).
+        reject("412", "drain refused: an earlier drain from outside is still running the kernel's own cleanup "
+                      "(garbage collection, where objects' finalizers run, or the frameworks' caches); it ends by "
+                      "itself: ask again when the kernel is idle");
+      }
       if (state_name != "idle") {
         reject("411", "drain refused: the kernel is " + state_name + "; a drain runs only between cells (state idle)");
       }

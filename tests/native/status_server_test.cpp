@@ -683,6 +683,34 @@ TEST_F(SignedServer, AParkAskedForDuringTheKernelsOwnReleaseIsToldToAskAgainAtOn
   EXPECT_EQ(client_->ask(park_request("begin"))["state"]["state"], "parking");
 }
 
+// The kernel's own cleanup for a drain from outside ("draining" of no cell) can run the user's finalizers for
+// any time: a park is told to ask again (it waits), a drain that no earlier drain answered for is refused, and
+// each says the drain is the cause. A cell's own "draining" (its number) stays a cell's refusal.
+TEST_F(SignedServer, TheKernelsCleanupForADrainFromOutsideNamesTheDrainAndAParkAsksAgain) {
+  server_->set_state({{"state", "draining"}, {"cell", nullptr}});
+  const std::string park_says =
+      "park refused: a drain from outside (gpucleanup drain, the page's Drain) is running the kernel's own cleanup "
+      "(the frameworks' caches, then garbage collection, where objects' finalizers run); it ends by itself: ask "
+      "again when the kernel is idle";
+  expect_error(client_->ask(park_request("begin")), "gpucleanup.server.421", park_says);
+  EXPECT_EQ(begin_refused_in_process(*server_), "gpucleanup.server.510");
+  expect_error(client_->ask(request("drain")), "gpucleanup.server.412",
+               "drain refused: an earlier drain from outside is still running the kernel's own cleanup (garbage "
+               "collection, where objects' finalizers run, or the frameworks' caches); it ends by itself: ask again "
+               "when the kernel is idle");
+  EXPECT_EQ(server_->park_state(), 0) << "nothing changed";
+  EXPECT_EQ(hooks_.drains.load(), 0);
+
+  server_->set_state({{"state", "draining"}, {"cell", 7}});  // a cell's own cleanup
+  expect_error(client_->ask(park_request("begin")), "gpucleanup.server.420",
+               "park refused: the kernel is draining; a park starts only between cells (state idle): ask again when "
+               "the cell has ended");
+  EXPECT_EQ(begin_refused_in_process(*server_), "gpucleanup.server.509");
+
+  server_->set_state({{"state", "idle"}});
+  EXPECT_EQ(client_->ask(park_request("begin"))["state"]["state"], "parking");
+}
+
 TEST_F(SignedServer, NoSnapshotIsTakenWhileParked) {
   server_->set_state({{"state", "idle"}});
   expect_good_status();
@@ -952,6 +980,54 @@ TEST(StatusServer, StopWhileADrainIsInFlight) {
   EXPECT_TRUE(done.load()) << "stop waits for the hook it started";
   expect_error(client.receive(), "gpucleanup.server.416", "the server stopped before the drain finished");
   EXPECT_FALSE(server.running());
+}
+
+// A drain's hook runs the kernel's cleanup, which can take any time (a finalizer): while it runs, status replies
+// carry fresh snapshots (the snapshot worker is not the drain's), ping answers, and a park is told to ask again
+// with the drain named as the cause.
+TEST(StatusServer, ADrainThatTakesLongHoldsUpNoSnapshotAndAParkIsToldWhy) {
+  zmq::context_t context;
+  std::atomic<int> snapshots{0};
+  std::atomic<bool> entered{false};
+  std::atomic<bool> release{false};
+  ServerConfig config;
+  config.endpoint = "inproc://long-drain";
+  config.context = &context;
+  config.key = kKey;
+  config.snapshot_timeout_s = 5;  // a snapshot queued behind the drain would come late, not stale
+  StatusServer server(config, ServerHooks{[&] { return json{{"n", ++snapshots}}; },
+                                          [&](double) {
+                                            entered = true;
+                                            for (int i = 0; i < 30000 && !release.load(); ++i) {
+                                              std::this_thread::sleep_for(1ms);
+                                            }
+                                            return json{{"kind", "drain"}};
+                                          }});
+  server.start();
+  server.set_state({{"state", "idle"}});
+  Client drainer(context, config.endpoint, kKey);
+  drainer.send_signed(request("drain").dump());
+  ASSERT_TRUE(eventually([&] { return entered.load(); }));
+
+  Client client(context, config.endpoint, kKey);
+  for (int i = 1; i <= 3; ++i) {
+    const json reply = client.ask(request("status"));
+    ASSERT_TRUE(reply.is_object()) << "no status reply during the drain";
+    EXPECT_EQ(reply["snapshot_status"], "fresh") << reply.dump();
+    EXPECT_EQ(reply["snapshot"]["n"], i);
+    EXPECT_EQ(reply["server"]["drain_running"], true);
+  }
+  EXPECT_EQ(client.ask(request("ping"))["ok"], true);
+  expect_error(client.ask(park_request("begin")), "gpucleanup.server.421",
+               "park refused: a drain from outside (gpucleanup drain, the page's Drain) is waiting for the kernel's "
+               "queued GPU work, at most its time limit; it ends by itself: ask again when it has answered");
+  EXPECT_FALSE(release.load()) << "all of it answered while the drain's hook still ran";
+  release = true;
+  const json drained = drainer.receive();
+  ASSERT_TRUE(drained.is_object());
+  EXPECT_EQ(drained["ok"], true) << drained.dump();
+  EXPECT_EQ(client.ask(park_request("begin"))["state"]["state"], "parking");
+  server.stop();
 }
 
 TEST(StatusServer, StopWhileRequestsArrive) {

@@ -2,9 +2,11 @@
 
 A real kernel (ipykernel, gpucleanup loaded, the fake driver) with CuPy's and PyTorch's stand-ins
 (tests/python/stand_ins) holding cached memory on GPU0, its automatic cleanup paused so that the caches
-stay between cells: the drain runs the kernel's own cleanup on the status server's thread before the
-library trims the driver's pools, the reply says per framework what came back, a cell that starts
-meanwhile waits for it, and a drain during a cell is still refused.
+stay between cells: after the library's wait and trim the drain runs the kernel's own cleanup on a thread of
+the kernel's own, the reply says per framework what came back, a cell that starts meanwhile waits for it, and a
+drain during a cell is still refused. A finalizer (``__del__``) that the cleanup's garbage collection runs, held
+as long as the test likes: the reply comes within the drain's time limit and says the cleanup goes on and what it
+is doing, the status server answers meanwhile, a park waits for it or names it, a cell waits for it (bounded).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from gpucleanup import status_client
 from test_park_kernel import Kernel, cli, environment, wait_until
 
 STAND_INS = Path(__file__).resolve().parent
@@ -45,9 +48,13 @@ CACHES = "print('cupy', _cupy.pool.free, 'torch', _torch.reserved, 'violations',
 
 
 @pytest.fixture
-def kernel(runtime, monkeypatch):
+def kernel(runtime, monkeypatch, request):
     monkeypatch.setenv("GPUCLEANUP_FAKE_CUDA_SCENARIO", json.dumps(SCENARIO))
     monkeypatch.delenv("GPUCLEANUP_FAKE_CUDA_CHECKPOINT_DIR", raising=False)
+    if "parkable" in request.fixturenames:  # the fake driver's checkpoint calls, for a park
+        checkpoints = runtime.parent / "checkpoints"
+        checkpoints.mkdir()
+        monkeypatch.setenv("GPUCLEANUP_FAKE_CUDA_CHECKPOINT_DIR", str(checkpoints))
     k = Kernel(runtime)
     try:
         out = k.execute("%load_ext gpucleanup")
@@ -189,3 +196,175 @@ def test_a_cell_under_way_keeps_the_kernels_part_out_even_when_the_server_takes_
     assert (part["ran"], part["skipped"], part["released_bytes"]) == (False, "a cell is under way", {})
     plain = cli("drain", str(kernel.pid), "--drain-timeout", "1")  # idle now: the caches come back
     assert plain.stdout == f"kernel {kernel.pid} GPU0: drained, released 1.5 GiB (cupy 1.0 GiB, torch 512 MiB)\n"
+
+
+# An object whose finalizer takes as long as the test holds it (at most 120 s), in a reference cycle that only a
+# collection frees: the drain's garbage collection (gc "always") runs it. The kernel's own automatic collection is
+# off, so that no other collection runs it first. The finalizer says when it starts and when it ends.
+SLOW_FINALIZER = textwrap.dedent("""
+    import gc
+    %config GPUCleanup.gc = "always"
+    gc.disable()
+    class _SlowFinalizer:
+        def __del__(self):
+            open({started!r}, "w").close()
+            deadline = time.monotonic() + 120
+            while not os.path.exists({go!r}) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            open({ended!r}, "w").close()
+    _slow = _SlowFinalizer()
+    _slow.cycle = _slow
+    del _slow
+""")
+
+
+@pytest.fixture
+def slow_finalizer(kernel, tmp_path):
+    paths = {name: str(tmp_path / name) for name in ("started", "go", "ended")}
+    out = kernel.execute(SLOW_FINALIZER.format(**paths))
+    assert "Error" not in out, out
+    yield {name: Path(path) for name, path in paths.items()}
+    Path(paths["go"]).touch()
+
+
+def test_a_slow_finalizer_in_the_drain_runs_off_the_servers_thread_and_the_reply_says_so(kernel, slow_finalizer):
+    # The drain's reply comes within its time limit, while the finalizer still runs, and says what is happening.
+    result = cli("drain", str(kernel.pid), "--json", "--drain-timeout", "1")
+    assert result.returncode == 0, result.stderr
+    assert slow_finalizer["started"].exists() and not slow_finalizer["ended"].exists()
+    reply = json.loads(result.stdout)
+    part = reply["result"]["kernel"]
+    assert (part["ran"], part["running"], part["skipped"], part["error"]) == (False, True, None, None), part
+    assert part["doing"].startswith("in garbage collection, where objects' finalizers (__del__) run, for "), part
+    assert [d["state"] for d in reply["result"]["devices"]] == ["drained"]
+
+    # The status server answers meanwhile: status (with a fresh snapshot: no snapshot waits behind the drain),
+    # and the state says the drain goes on.
+    status = cli("status", str(kernel.pid), "--json")
+    assert status.returncode == 0, status.stderr
+    shown = json.loads(status.stdout)
+    assert (shown["state"]["state"], shown["state"].get("cell"), shown["snapshot_status"]) == ("draining", None,
+                                                                                              "fresh"), shown
+    # Another drain is refused, naming the one that goes on, and says to ask again.
+    again = cli("drain", str(kernel.pid), "--drain-timeout", "1")
+    assert again.returncode == 4
+    assert again.stderr == (f"gpucleanup: kernel {kernel.pid}: [gpucleanup.server.412] drain refused: an earlier "
+                            "drain from outside is still running the kernel's own cleanup (garbage collection, where "
+                            "objects' finalizers run, or the frameworks' caches); it ends by itself: ask again when "
+                            "the kernel is idle\n")
+    assert not slow_finalizer["ended"].exists()
+
+    # A cell that starts now waits for it, says why once, then runs after it.
+    msg_id = kernel.start(f"print(os.path.exists({str(slow_finalizer['ended'])!r}))")
+    waited = []
+    while not waited:
+        msg = kernel.kc.get_iopub_msg(timeout=60)
+        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "display_data":
+            waited.append(msg["content"]["data"]["text/plain"])
+    assert waited[0].startswith("gpucleanup · waiting for a drain asked for from outside (gpucleanup drain or the "
+                                "page's Drain) to finish this kernel's garbage collection, where objects' finalizers "
+                                "(__del__) run, at most "), waited
+    slow_finalizer["go"].touch()
+    out = kernel.collect(msg_id)
+    assert out == "True\n", out  # one line of its own: the wait's line is said once, before the cell runs
+    assert kernel.state()["state"] == "idle"
+    # The drain's record says what it did once it ended.
+    last = kernel.execute("from gpucleanup.extension import get_extension\n"
+                          "_r = get_extension(get_ipython()).history.last(1)[0]\n"
+                          "print(_r.get('source'), _r['devices'][0]['freed_bytes'])")
+    assert last == f"outside {{'cupy': {GiB}, 'torch': {512 * MiB}}}\n", last
+
+
+def test_the_drains_plain_reply_says_the_kernels_cleanup_goes_on(kernel, slow_finalizer):
+    result = cli("drain", str(kernel.pid), "--drain-timeout", "1")
+    slow_finalizer["go"].touch()
+    assert result.returncode == 0, result.stderr
+    assert "may be stopped or overloaded" not in result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"kernel {kernel.pid} GPU0: drained, released 0 B", lines
+    assert lines[1].startswith(f"kernel {kernel.pid}: the kernel's own cleanup is still running (in garbage "
+                               "collection, where objects' finalizers (__del__) run, for "), lines
+    assert lines[1].endswith(" s so far): it goes on by itself, nothing to do; the kernel says draining until it "
+                             "ends, a cell or a park waits for it (at most 10 s), and its last cell then shows what "
+                             "the drain freed"), lines
+    assert len(lines) == 2 and result.stderr == ""
+    wait_until(lambda: kernel.state()["state"] == "idle", "the drain's cleanup never ended")
+    shown = cli("status", str(kernel.pid))
+    assert "last cell  drain from outside freed 1.5 GiB" in shown.stdout, shown.stdout
+
+
+def test_a_park_asked_for_during_the_drains_finalizer_is_told_the_drain_is_the_cause(kernel, slow_finalizer):
+    result = cli("drain", str(kernel.pid), "--json", "--drain-timeout", "1")
+    assert json.loads(result.stdout)["result"]["kernel"]["running"] is True
+    # What the park's begin hears (gpucleanup park asks again while it passes), and what park --check says.
+    with pytest.raises(status_client.StatusError) as refused:
+        status_client.request(kernel.target(), "park", 5, step="begin")
+    assert refused.value.error_id == "gpucleanup.server.421"
+    assert str(refused.value).endswith(
+        "park refused: a drain from outside (gpucleanup drain, the page's Drain) is running the kernel's own cleanup "
+        "(the frameworks' caches, then garbage collection, where objects' finalizers run); it ends by itself: ask "
+        "again when the kernel is idle"), str(refused.value)
+    check = cli("park", "--check", str(kernel.pid), "--json")
+    found = json.loads(check.stdout)
+    assert found["parkable"] is False
+    assert ("a drain from outside (gpucleanup drain, the page's Drain) is running the kernel's own cleanup (the "
+            "frameworks' caches, then garbage collection, where objects' finalizers run); it ends by itself: ask "
+            "again when the kernel is idle (a park waits for it up to 10 s)") in found["reasons"], found
+    assert kernel.state()["state"] == "draining"  # nothing changed
+    slow_finalizer["go"].touch()
+    wait_until(lambda: kernel.state()["state"] == "idle", "the drain's cleanup never ended")
+
+
+@pytest.fixture
+def parkable():
+    """The kernel fixture gives the fake driver checkpoint calls (a directory of their own)."""
+
+
+def test_a_park_asked_for_during_the_drains_finalizer_waits_for_it_then_parks(parkable, kernel, slow_finalizer):
+    result = cli("drain", str(kernel.pid), "--json", "--drain-timeout", "1")
+    assert json.loads(result.stdout)["result"]["kernel"]["running"] is True
+    refused_before = kernel.status()["server"]["errors"]
+    park = subprocess.Popen([sys.executable, "-m", "gpucleanup.cli", "park", str(kernel.pid)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=environment())
+    try:
+        # the park's begin is refused for the moment, and it asks again (each refusal counts as the server's error)
+        wait_until(lambda: kernel.status()["server"]["errors"] >= refused_before + 2, "the park never asked")
+        assert park.poll() is None and kernel.state()["state"] == "draining"
+        slow_finalizer["go"].touch()
+        stdout, stderr = park.communicate(timeout=120)
+    finally:
+        slow_finalizer["go"].touch()
+        park.kill()
+    assert park.returncode == 0, stderr
+    assert stdout.startswith(f"kernel {kernel.pid}: parked "), stdout
+    assert " for a release or a drain under way to end" in stdout, stdout
+    assert kernel.state()["state"] == "parked"
+    assert kernel.execute("print('resumed')").endswith("resumed\n")
+
+
+def test_a_cell_that_outwaits_the_drains_finalizer_runs_beside_it_and_stays_running(kernel, slow_finalizer, tmp_path):
+    # A cell waits for the kernel's cleanup at most OUTSIDE_DRAIN_MARGIN_S from its start: none here, for speed.
+    kernel.execute("import gpucleanup.outside_drain as _od\n_od.OUTSIDE_DRAIN_MARGIN_S = 0.0")
+    result = cli("drain", str(kernel.pid), "--json", "--drain-timeout", "0")
+    assert json.loads(result.stdout)["result"]["kernel"]["running"] is True
+    held = tmp_path / "held"
+    msg_id = kernel.start(f"print('ran')\nwhile not os.path.exists({str(held)!r}):\n    time.sleep(0.01)")
+    try:
+        wait_until(lambda: kernel.state()["state"] == "running", "the cell never ran beside the drain")
+        slow_finalizer["go"].touch()  # the drain's cleanup ends while the cell runs
+        wait_until(lambda: (kernel.status()["last_record"] or {}).get("source") == "outside", "the drain never ended")
+        wait_until(slow_finalizer["ended"].exists, "the finalizer never ended")
+        for _ in range(25):  # the drain's end never says idle over the running cell
+            state = kernel.state()
+            assert state["state"] == "running", state
+            subprocess.run([sys.executable, "-c", "pass"], check=True)  # a moment, without a timed assertion
+    finally:
+        held.touch()
+    out = kernel.collect(msg_id)
+    lines = out.splitlines()
+    # said once, before the cell's own output; no line of waiting (nothing was left of the bound)
+    assert len(lines) == 2 and lines[1] == "ran", out
+    assert lines[0].startswith("gpucleanup · the kernel's cleanup for a drain from outside still runs (in garbage "
+                               "collection, where objects' finalizers (__del__) run, for "), out
+    assert lines[0].endswith(" s so far); a cell waits for it at most 0 s from its start: this cell runs beside it"), out
+    wait_until(lambda: kernel.state()["state"] == "idle", "the cell never said idle")
