@@ -238,3 +238,76 @@ class Notebook:
 
     def close(self) -> None:
         self.kc.stop_channels()
+
+
+# ---------------------------------------------------------------- kernels without a kernel's weight
+
+#: A process that is, to everything outside it, a kernel with gpucleanup: the kernel side's own StatusEndpoint
+#: (libgpucleanup's status server, its discovery file and key) with a notebook name, a last cell's record and
+#: a state, and nothing else (no IPython, no Jupyter kernel): what the page, the API and the parking see of a
+#: kernel, at a fraction of a kernel's start-up. It runs until its stdin closes.
+FAKE_KERNEL = r"""
+import json, os, sys, time, types
+from gpucleanup.status_endpoint import StatusEndpoint
+spec = json.loads(sys.argv[1])
+endpoint = StatusEndpoint()
+endpoint.start(types.SimpleNamespace(user_ns={}))
+if endpoint.error:
+    print(json.dumps({"error": endpoint.error}), flush=True)
+    sys.exit(1)
+now = time.time_ns()
+since = now - int(spec.get("idle_s", 0) * 1e9)
+if spec.get("record"):
+    record = dict(spec["record"], time_ns=since)
+    endpoint.publish(record)
+if spec.get("running_cell"):
+    endpoint.set_state({"state": "running", "cell": spec["running_cell"], "since_ns": since})
+else:
+    endpoint.set_state({"state": "idle", "since_ns": since})
+print(json.dumps({"pid": os.getpid(), "discovery": str(endpoint.discovery_path)}), flush=True)
+sys.stdin.read()
+endpoint.close()
+"""
+
+
+class FakeKernels:
+    """Many kernels with gpucleanup as :data:`FAKE_KERNEL` processes in ``runtime`` (a server's runtime
+    directory), started at once. ``specs``: per kernel ``{"notebook", "idle_s", "running_cell", "record"}``;
+    ``env``: the library, the driver and its scenario (what a server's kernels would inherit)."""
+
+    def __init__(self, runtime: Path, specs: list, env: dict):
+        self.procs = []
+        self.pids = []
+        try:
+            for spec in specs:
+                kernel_env = {k: v for k, v in os.environ.items() if not k.startswith(("JPY_", "JUPYTER_"))}
+                kernel_env.update(env)
+                kernel_env["JUPYTER_RUNTIME_DIR"] = str(runtime)
+                kernel_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "ipython_ext"),
+                                                                         os.environ.get("PYTHONPATH")]))
+                if spec.get("notebook"):
+                    kernel_env["JPY_SESSION_NAME"] = spec["notebook"]
+                self.procs.append(subprocess.Popen([sys.executable, "-c", FAKE_KERNEL, json.dumps(spec)],
+                                                   env=kernel_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                                   text=True))
+            for proc in self.procs:
+                line = proc.stdout.readline()
+                said = json.loads(line) if line.strip() else {"error": f"exited with {proc.wait()}"}
+                assert "pid" in said, f"a fake kernel did not start: {said}"
+                self.pids.append(said["pid"])
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=TIMEOUT)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            with contextlib.suppress(OSError):
+                proc.stdout.close()

@@ -47,37 +47,81 @@ def _jupyter_server_extension_points():
     return [{"module": "gpucleanup.server"}]
 
 
+#: where the loaded extension keeps its KernelWatch, in the server's tornado settings: one per server
+_SETTING = "gpucleanup_watch"
+
+
 def _load_jupyter_server_extension(serverapp) -> None:
+    settings_ = serverapp.web_app.settings
+    if settings_.get(_SETTING) is not None:
+        # loaded twice on one server (listed twice, or loaded again by hand): the first load's handlers,
+        # pools and parking loop serve; a second set would double every one of them
+        serverapp.log.info("gpucleanup: the extension is loaded on this server already; nothing added")
+        return
     settings = GPUCleanupServer(parent=serverapp, log=serverapp.log)
     watch = KernelWatch(serverapp, settings)
+    settings_[_SETTING] = watch
     serverapp.web_app.add_handlers(".*$", handlers(serverapp.base_url, watch))
+    _stop_with_the_server(serverapp, watch)
     _register_metrics(serverapp)
     if settings.park_idle_after_s > 0:
         _park_idle_kernels(serverapp, watch, settings.park_idle_after_s)
     serverapp.log.info("gpucleanup: the page of the kernels' GPU memory is at %sgpucleanup", serverapp.base_url)
 
 
+def _stop_with_the_server(serverapp, watch: KernelWatch) -> None:
+    """Stop the parking loop and shut the thread pools down when the server stops.
+
+    A module extension (not an ExtensionApp) gets no ``stop_extension`` call from Jupyter Server: the
+    server's stop (``ServerApp._cleanup``, from ``stop()``, Ctrl-C or ``POST /api/shutdown``, and the test
+    fixtures' own cleanup) calls ``cleanup_extensions()`` first, so the watch is closed there, before the
+    server's own extensions' hooks."""
+    original = getattr(serverapp, "cleanup_extensions", None)
+    if original is None:
+        serverapp.log.warning("gpucleanup: this Jupyter Server has no cleanup_extensions(): the page's threads "
+                              "end only with the process")
+        return
+
+    async def cleanup_extensions(*args, **kwargs):
+        try:
+            watch.close()
+        except Exception as exc:  # the server's own cleanup goes on whatever happens here
+            serverapp.log.warning("gpucleanup: stopping the page's threads failed: %s", exc)
+        finally:
+            settings_ = getattr(getattr(serverapp, "web_app", None), "settings", {})
+            if settings_.get(_SETTING) is watch:
+                del settings_[_SETTING]
+        from jupyter_server.utils import ensure_async
+
+        return await ensure_async(original(*args, **kwargs))
+
+    serverapp.cleanup_extensions = cleanup_extensions
+
+
 def _park_idle_kernels(serverapp, watch: KernelWatch, after_s: float) -> None:
     """Every ``min(60 s, after_s / 4)`` (at least 1 s), one round of :meth:`KernelWatch.park_idle`; a round
-    still running when the next is due is not doubled."""
+    still running when the next is due is not doubled. The timer stops with the server (KernelWatch.close)."""
     from tornado.ioloop import PeriodicCallback
 
     running = {"now": False}
 
     async def round_() -> None:
-        if running["now"]:
+        if running["now"] or watch.stopped:
             return
         running["now"] = True
         try:
             for line in await watch.park_idle():
                 serverapp.log.info("gpucleanup: %s", line)
         except Exception as exc:
-            serverapp.log.warning("gpucleanup: the automatic parking round failed: %s", exc)
+            if not watch.stopped:
+                serverapp.log.warning("gpucleanup: the automatic parking round failed: %s", exc)
         finally:
             running["now"] = False
 
     period_ms = 1000 * max(1.0, min(60.0, after_s / 4))
-    PeriodicCallback(round_, period_ms).start()
+    timer = PeriodicCallback(round_, period_ms)
+    watch._timers.append(timer)
+    timer.start()
     serverapp.log.info("gpucleanup: kernels idle for %g s are parked (GPUCleanupServer.park_idle_after_s)", after_s)
 
 

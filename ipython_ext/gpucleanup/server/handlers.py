@@ -26,7 +26,7 @@ from traitlets.config import LoggingConfigurable
 
 from .. import discovery, kernels, park as park_steps, parking, remote_park, status_client
 from ..version import __version__
-from . import model
+from . import admin, model
 
 STATIC = Path(__file__).resolve().parent / "static"
 
@@ -87,7 +87,28 @@ class KernelWatch:
         # Drains wait for a kernel's GPU (up to a minute each): a pool of their own, so that drains to kernels
         # that do not answer never hold the threads the list and the page need.
         self._drains = ThreadPoolExecutor(max_workers=4, thread_name_prefix="gpucleanup-drain")
-        self._pending: Optional[asyncio.Future] = None
+        # one collection per set of cards whose history is wanted (None: every kernel's), shared by the
+        # requests that arrive while it runs
+        self._pending: Dict[object, asyncio.Future] = {}
+        self._stopped = False
+        self._timers: List[object] = []
+
+    def close(self) -> None:
+        """The server stops: no new work, the automatic parking's timer stopped, both pools shut down (work
+        queued and not started is cancelled; a status request under way ends within its timeout, a park under
+        way runs to its end, as a park must). Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        for timer in self._timers:
+            timer.stop()
+        self._timers.clear()
+        for pool in (self._executor, self._drains):
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
 
     @property
     def runtime_dir(self) -> Path:
@@ -179,26 +200,78 @@ class KernelWatch:
             })
         return found
 
-    async def _collect(self) -> dict:
+    async def _collect(self, cards: Optional[frozenset]) -> dict:
         ours = await self.server_kernels()
         # A read removes nothing: whoever may read the list (a read-only user included) must not delete
         # files; stale files are swept by the next kernel that loads gpucleanup, and by gpucleanup ps.
-        gathered = await self.run(kernels.gather, self.runtime_dir, self.settings.timeout, self.settings.history,
-                                  clean=False)
-        return model.assemble(ours, gathered)
+        # Every kernel is asked once (its status, and its last cells too when every card is wanted); nvidia-smi
+        # looks at the GPUs meanwhile, on another thread of the pool.
+        history = self.settings.history if cards is None else 0
+        smi_timeout = max(1.0, self.settings.timeout)
+        gathered, view = await asyncio.gather(
+            self.run(kernels.gather, self.runtime_dir, self.settings.timeout, history, clean=False),
+            self.run(admin.look_at_gpus, smi_timeout))
+        if cards and self.settings.history > 0:
+            # the last cells of the open cards only: a second request to those kernels alone
+            await self.run(_histories, gathered, cards, self.settings.timeout, self.settings.history)
+        facts = await self.run(admin.local_facts, gathered, view)
+        root = getattr(self.serverapp, "root_dir", None)
+        return admin.annotate(model.assemble(ours, gathered), view, facts, root)
 
-    async def collect(self) -> dict:
-        pending = self._pending
+    async def collect(self, cards: Optional[frozenset] = None) -> dict:
+        """The API's answer; ``cards``: the ids whose last cells and timeline are wanted (None: every
+        kernel's, as ``GET api/gpucleanup/kernels`` without ``cards`` answers)."""
+        if self._stopped:
+            raise web.HTTPError(503, "%s", "the server is stopping")
+        pending = self._pending.get(cards)
         if pending is None:
-            pending = self._pending = asyncio.ensure_future(self._collect())
+            pending = self._pending[cards] = asyncio.ensure_future(self._collect(cards))
 
             def done(_future):
-                if self._pending is pending:
-                    self._pending = None
+                if self._pending.get(cards) is pending:
+                    del self._pending[cards]
 
             pending.add_done_callback(done)
         # shielded: a client that goes away does not cancel the round the others wait for
         return await asyncio.shield(pending)
+
+    async def park_one(self, key: str, action: str) -> tuple:
+        """Park or resume the kernel ``key``: ``(HTTP status, body)``, the body as ``POST .../park`` answers
+        it (a refusal's too: ``{"id", "ok": false, "refused": true, "message"}``)."""
+        try:
+            kernel = await self.find(key)
+            if not kernel.key_file:
+                raise web.HTTPError(409, "%s", f"kernel {key} has no key file: it cannot be parked from outside")
+            target = _target_of(kernel, key)
+            try:
+                done = await self.park(kernel, target, action)
+            except status_client.StatusRejected as exc:
+                status = 409 if exc.error_id in _CONFLICTS else 502
+                raise web.HTTPError(status, "%s", f"kernel {key}: {exc}") from None
+            except (status_client.StatusTimeout, status_client.StatusUnreachable) as exc:
+                _, sentence = kernels.short_error(exc, self.settings.timeout)
+                raise web.HTTPError(504, "%s", f"kernel {key} {sentence}") from None
+            except status_client.StatusError as exc:
+                raise web.HTTPError(502, "%s", f"kernel {key}: {exc}") from None
+            except (park_steps.ParkRefused, parking.LockBusy) as exc:
+                raise web.HTTPError(409, "%s", f"kernel {key} not {'parked' if action == 'park' else 'resumed'}: "
+                                    f"{exc}") from None
+        except web.HTTPError as exc:
+            message = exc.log_message % exc.args if exc.args else (exc.log_message or exc.reason or "")
+            return exc.status_code, {"id": key, "action": action, "ok": False, "refused": exc.status_code == 409,
+                                     "message": message}
+        outcome, before = done if action == "resume" else (done, None)
+        return (200 if outcome.ok else 500), {
+            "id": key,
+            "kernel_id": kernel.kernel_id,
+            "pid": kernel.pid,
+            "action": action,
+            "ok": outcome.ok,
+            "refused": False,
+            "state": outcome.state,
+            "message": remote_park.outcome_text(outcome, before),
+            "outcome": outcome.as_dict(),
+        }
 
     async def find(self, key: str) -> discovery.Kernel:
         """The discovery record of the kernel ``key`` names (kernel id or ``pid-<pid>``); HTTPError 404 when
@@ -240,7 +313,16 @@ class KernelsHandler(_API):
     @web.authenticated
     @authorized
     async def get(self):
-        self.finish(await self.watch.collect())
+        # ?sort=held|idle|name: the table's orders (none: this server's kernels by notebook, then the others by
+        # pid); ?cards=ID,ID: only these kernels' last cells and timeline (each other kernel asked once)
+        order = self.get_query_argument("sort", None)
+        if order is not None and order not in admin.SORTS:
+            raise web.HTTPError(400, "%s", f"sort must be one of {', '.join(admin.SORTS)}, got {order!r}")
+        cards = self.get_query_argument("cards", None)
+        data = await self.watch.collect(None if cards is None else frozenset(filter(None, cards.split(","))))
+        if order is not None:
+            data = dict(data, kernels=admin.sort_entries(data["kernels"], order), sort=order)
+        self.finish(data)
 
 
 class KernelHandler(_API):
@@ -250,7 +332,7 @@ class KernelHandler(_API):
     @web.authenticated
     @authorized
     async def get(self, key: str):
-        data = await self.watch.collect()
+        data = await self.watch.collect(frozenset({key}))  # this kernel's last cells only
         for entry in data["kernels"]:
             if entry["id"] == key or entry["kernel_id"] == key:
                 self.finish(dict(entry, time_ns=data["time_ns"]))
@@ -304,6 +386,23 @@ class DrainHandler(_API):
         })
 
 
+def _histories(gathered: kernels.Gathered, cards: frozenset, timeout: float, history: int) -> None:
+    """The last ``history`` cells of the kernels whose entry id is in ``cards``, into their views."""
+    wanted = [v for v in gathered.kernels
+              if v.status is not None and (model.entry_id(v.kernel_id, v.pid) in cards or f"pid-{v.pid}" in cards)]
+    targets = []
+    for view in list(wanted):
+        try:
+            targets.append(kernels.target_of(view.kernel))
+        except OSError:
+            wanted.remove(view)
+    if not targets:
+        return
+    for view, result in zip(wanted, status_client.request_many(targets, "history", timeout, limit=int(history))):
+        if isinstance(result, dict) and isinstance(result.get("records"), list):
+            view.history = result["records"]
+
+
 def _target_of(kernel: discovery.Kernel, key: str) -> status_client.Target:
     """The kernel's endpoint and key; HTTPError 502 for a key file that cannot be used."""
     try:
@@ -323,43 +422,77 @@ class ParkHandler(_API):
     ``ok`` false, when a driver step failed (the sentence says where the process is: ``gpucleanup park|resume``
     exit 6); 409 when refused and nothing was done (a cell or a drain is running, already parked, not parked,
     a restore known to fail, not enough host memory or no room to resume, another park of it under way:
-    exit 4); 504 when the kernel did not answer."""
+    exit 4); 504 when the kernel did not answer; 404 for an unknown kernel."""
 
     @web.authenticated
     @authorized
     async def post(self, key: str, action: str):
-        kernel = await self.watch.find(key)
-        if not kernel.key_file:
-            raise web.HTTPError(409, "%s", f"kernel {key} has no key file: it cannot be parked from outside")
-        target = _target_of(kernel, key)
-        before = None
-        try:
-            done = await self.watch.park(kernel, target, action)
-        except status_client.StatusRejected as exc:
-            status = 409 if exc.error_id in _CONFLICTS else 502
-            raise web.HTTPError(status, "%s", f"kernel {key}: {exc}") from None
-        except (status_client.StatusTimeout, status_client.StatusUnreachable) as exc:
-            _, sentence = kernels.short_error(exc, self.watch.settings.timeout)
-            raise web.HTTPError(504, "%s", f"kernel {key} {sentence}") from None
-        except status_client.StatusError as exc:
-            raise web.HTTPError(502, "%s", f"kernel {key}: {exc}") from None
-        except (park_steps.ParkRefused, parking.LockBusy) as exc:
-            raise web.HTTPError(409, "%s", f"kernel {key} not {'parked' if action == 'park' else 'resumed'}: "
-                                f"{exc}") from None
-        outcome, before = done if action == "resume" else (done, None)
-        if not outcome.ok:
-            # the steps ran and a driver step failed (gpucleanup park|resume exit 6): not a success
-            self.set_status(500)
-        self.finish({
-            "id": key,
-            "kernel_id": kernel.kernel_id,
-            "pid": kernel.pid,
-            "action": action,
-            "ok": outcome.ok,
-            "state": outcome.state,
-            "message": remote_park.outcome_text(outcome, before),
-            "outcome": outcome.as_dict(),
-        })
+        status, body = await self.watch.park_one(key, action)
+        if status not in (200, 500):
+            raise web.HTTPError(status, "%s", body["message"])
+        self.set_status(status)
+        self.finish(body)
+
+
+def _min_idle_s(value) -> float:
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if not math.isfinite(seconds) or not 0 <= seconds <= 30 * 24 * 3600:
+        raise web.HTTPError(400, "%s", f"min_idle_s must be a number of seconds from 0 to 2592000 (30 days), got "
+                            f"{value!r}")
+    return seconds
+
+
+class ParkIdleHandler(_API):
+    """``GET api/gpucleanup/park-idle?min_idle_s=N``: which kernels "park the kernels idle for more than N s"
+    would park (every kernel with gpucleanup idle that long that the cheap check finds parkable, most memory
+    first), what each holds and the total it would give back, and those it would leave with their reasons;
+    touches nothing. ``POST`` with ``{"min_idle_s": N, "ids": [...]}`` (``ids`` optional: the preview's, so that
+    what is parked is what was shown) parks them one after the other and answers every result:
+    ``{"results": [{"id", "ok", "refused", "message", "bytes"}], "parked_bytes", "parked_unknown"}`` (``bytes``:
+    what the park moved, as nvidia-smi saw it before; None where it cannot say). A kernel that stopped
+    being idle meanwhile is left alone and said so."""
+
+    @web.authenticated
+    @authorized
+    async def get(self):
+        seconds = _min_idle_s(self.get_query_argument("min_idle_s", None))
+        data = await self.watch.collect(frozenset())
+        self.finish(dict(admin.park_preview(data["kernels"], seconds), time_ns=data["time_ns"]))
+
+    @web.authenticated
+    @authorized
+    async def post(self):
+        body = self.get_json_body() or {}
+        if not isinstance(body, dict):
+            raise web.HTTPError(400, "%s", "the body must be a JSON object, e.g. {\"min_idle_s\": 1800}")
+        seconds = _min_idle_s(body.get("min_idle_s"))
+        ids = body.get("ids")
+        if ids is not None and (not isinstance(ids, list) or not all(isinstance(i, str) for i in ids)):
+            raise web.HTTPError(400, "%s", "ids must be a list of kernel ids, as the preview lists them")
+        preview = admin.park_preview((await self.watch.collect(frozenset()))["kernels"], seconds)
+        chosen = {item["id"]: item for item in preview["kernels"]}
+        results = []
+        for key in (ids if ids is not None else list(chosen)):
+            item = chosen.get(key)
+            if item is None:
+                refused = next((r for r in preview["refused"] if r["id"] == key), None)
+                why = ("; ".join(refused["reasons"]) if refused else
+                       f"it is no longer idle for {seconds:g} s (or no longer listed): nothing was done")
+                results.append({"id": key, "ok": False, "refused": True, "message": f"kernel {key} not parked: {why}",
+                                "bytes": 0})
+                continue
+            status, result = await self.watch.park_one(key, "park")
+            parked = (result.get("outcome") or {}).get("parked_bytes") if result.get("ok") else None
+            results.append({"id": key, "ok": result["ok"], "refused": result.get("refused", False),
+                            "status": status, "message": result["message"],
+                            # what the park moved (nvidia-smi's figure before it); None where nvidia-smi cannot say
+                            "bytes": parked if isinstance(parked, int) else (None if result["ok"] else 0)})
+        self.finish({"min_idle_s": seconds, "results": results,
+                     "parked_bytes": sum(r["bytes"] or 0 for r in results if r["ok"]),
+                     "parked_unknown": sum(1 for r in results if r["ok"] and r["bytes"] is None)})
 
 
 class ParkCheckHandler(_API):
@@ -433,6 +566,7 @@ def handlers(base_url: str, watch: KernelWatch) -> list:
         (url_path_join(base_url, "api/gpucleanup/kernels", kernel, "drain"), DrainHandler, args),
         (url_path_join(base_url, "api/gpucleanup/kernels", kernel, r"(?P<action>park|resume)"), ParkHandler, args),
         (url_path_join(base_url, "api/gpucleanup/kernels", kernel, "park-check"), ParkCheckHandler, args),
+        (url_path_join(base_url, "api/gpucleanup/park-idle"), ParkIdleHandler, args),
         (url_path_join(base_url, "gpucleanup/?"), PageHandler, args),
         (url_path_join(base_url, "gpucleanup/static/(.*)"), StaticHandler, {"path": str(STATIC)}),
     ]
