@@ -393,10 +393,10 @@ class GPUCleanup(Magics, GPUCleanupOptions):
 
     def _close_status_endpoint(self) -> None:
         endpoint, self._endpoint = self._endpoint, None
+        self.outside.unhook()  # first: a drain's reply under way stops waiting for a finalizer
         if endpoint is not None:
             with contextlib.suppress(Exception):
-                endpoint.close()  # the server's thread is joined: no drain of ours runs after this
-        self.outside.unhook()
+                endpoint.close()  # the server's threads are joined: no drain of the library's runs after this
 
     def _cell_state(self, state: str, cell: Optional[int] = None) -> Optional[int]:
         """A cell's "running" (with its number) or "idle" for the status endpoint, twice per cell: through

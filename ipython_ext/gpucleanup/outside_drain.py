@@ -43,7 +43,7 @@ class _Job:
     """One run of the kernel's cleanup on its thread: its part once done."""
 
     def __init__(self) -> None:
-        self.done = threading.Event()
+        self.done = False  # under OutsideDrain's condition
         self.part: Optional[dict] = None
 
 
@@ -78,6 +78,7 @@ class OutsideDrain:
         self.beside = False  # a cell outwaited it and runs beside it: the cell's state stands (:meth:`quiet`)
         self.target: Any = None  # what the native drain hook calls while this kernel serves
         self._worker: Optional[int] = None  # the thread ident of the cleanup under way
+        self._unhooked = False  # the endpoint closes: a reply waits no longer for the cleanup
 
     # ------------------------------------------------------------ the library's hook
 
@@ -88,6 +89,8 @@ class OutsideDrain:
         if setter is None or not getattr(endpoint, "running", False):
             return
         ref = weakref.ref(self)  # the library's hook must not keep an unloaded extension alive
+        with self._cv:
+            self._unhooked = False
 
         def target(wait_s: float) -> dict:
             drain = ref()
@@ -102,6 +105,11 @@ class OutsideDrain:
             self._warn_once("status:drain-hook", f"a drain from outside cannot empty the frameworks' caches ({exc})")
 
     def unhook(self) -> None:
+        """Before the endpoint closes (its drain thread is joined): a reply under way stops waiting for the kernel's
+        cleanup at once (the cleanup itself goes on), so that closing never waits for a finalizer."""
+        with self._cv:
+            self._unhooked = True
+            self._cv.notify_all()
         target, self.target = self.target, None
         if target is not None:
             with contextlib.suppress(Exception):
@@ -148,9 +156,10 @@ class OutsideDrain:
             self._ended()
             return drain_part(start, error=f"its thread did not start ({type(exc).__name__}: {exc})")
         try:
-            if job.done.wait(wait):
-                return job.part or drain_part(start, error="the kernel's cleanup ended without a result")
             with self._cv:
+                self._cv.wait_for(lambda: job.done or self._unhooked, timeout=wait)
+                if job.done:
+                    return job.part or drain_part(start, error="the kernel's cleanup ended without a result")
                 part = drain_part(start)
                 part.update(ran=False, running=True, doing=self.doing() if self.running else CACHES)
             return part
@@ -173,11 +182,12 @@ class OutsideDrain:
             if watched:
                 with contextlib.suppress(ValueError):
                     gc.callbacks.remove(self._gc_phase)
-            self._ended()
-            job.done.set()
+            self._ended(job)
 
-    def _ended(self) -> None:
+    def _ended(self, job: Optional[_Job] = None) -> None:
         with self._cv:
+            if job is not None:
+                job.done = True
             self.running = False
             self.collecting = False
             self._worker = None

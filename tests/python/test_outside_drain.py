@@ -368,3 +368,84 @@ def test_a_cell_that_outwaits_the_drains_finalizer_runs_beside_it_and_stays_runn
                                "collection, where objects' finalizers (__del__) run, for "), out
     assert lines[0].endswith(" s so far); a cell waits for it at most 0 s from its start: this cell runs beside it"), out
     wait_until(lambda: kernel.state()["state"] == "idle", "the cell never said idle")
+
+
+class _Native:
+    """What OutsideDrain needs of the library: a drain hook it can set and clear."""
+
+    def __init__(self):
+        self.hooked = None
+
+    def set_drain_hook(self, target):
+        self.hooked = target
+        return True
+
+    def clear_drain_hook(self, target):
+        if self.hooked is target:
+            self.hooked = None
+
+
+class _Endpoint:
+    running = True
+
+
+def _outside_drain(clean):
+    from gpucleanup.cell_state import CellState
+    from gpucleanup.outside_drain import OutsideDrain
+
+    said = []
+    drain = OutsideDrain(_Native(), CellState(), clean, lambda: None, said.extend,
+                         lambda kind, text: said.append(text))
+    drain.hook(_Endpoint())
+    return drain, said
+
+
+def test_the_kernels_cleanup_runs_on_a_thread_of_its_own_and_an_unhook_ends_the_replys_wait_at_once():
+    import gc
+    import threading
+
+    let_go, inside = threading.Event(), threading.Event()
+    ran_on = []
+
+    class Held:
+        def __del__(self):
+            inside.set()
+            let_go.wait(60)
+
+    def clean(overrides):
+        ran_on.append((threading.get_ident(), overrides))
+        held = Held()
+        held.cycle = held
+        del held
+        gc.collect()
+
+    drain, _ = _outside_drain(clean)
+    answer = []
+    caller = threading.Thread(target=lambda: answer.append(drain.native.hooked(30.0)))
+    caller.start()
+    try:
+        assert inside.wait(60), "the finalizer never ran"
+        drain.unhook()  # the endpoint closes: the reply stops waiting though the finalizer still runs
+        caller.join(60)
+        assert not caller.is_alive()
+        part = answer[0]
+        assert (part["ran"], part["running"], part["skipped"], part["error"]) == (False, True, None, None)
+        assert part["doing"].startswith("in garbage collection, where objects' finalizers (__del__) run, for ")
+        assert drain.running and drain.native.hooked is None
+    finally:
+        let_go.set()
+    assert ran_on[0][0] not in (caller.ident, threading.get_ident())  # neither the library's thread nor the test's
+    assert ran_on[0][1] == {"settle_timeout": 0.0, "show": "never"}
+    for _ in range(6000):
+        if not drain.running:
+            break
+        threading.Event().wait(0.01)
+    assert not drain.running and not drain.collecting
+
+
+def test_a_cleanup_that_ends_within_the_wait_gives_its_figures_and_bad_waits_get_the_least():
+    drain, _ = _outside_drain(lambda overrides: None)
+    for wait in (5.0, float("nan"), -3, None, "x", float("inf")):
+        part = drain.run(wait)
+        assert (part["ran"], part["skipped"], part["error"], part["devices"]) == (True, None, None, []), (wait, part)
+        assert "running" not in part
