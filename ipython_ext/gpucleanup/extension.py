@@ -217,7 +217,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         # A drain from outside (gpucleanup drain, the page's Drain button) runs the kernel's cleanup on a thread
         # of its own only while no cell is under way; a cell that starts meanwhile waits for it (bounded).
         self.outside = OutsideDrain(native, self.cells, self._clean_for_outside, self._why_no_outside_drain,
-                                    self._say, self._warn_once_now)
+                                    self._say, self._warn_once_now, idle=lambda: self._cell_state("idle"))
 
     @property
     def tracer(self) -> Tracer:
@@ -586,7 +586,9 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         left at "draining" would refuse gpucleanup drain until the next cell)."""
         for _ in range(3):
             try:
-                self._cell_state("idle")
+                # "draining" instead while a drain's cleanup that this cell outwaited still runs: no park may begin
+                self.outside.say_after_cell(lambda: self._cell_state("idle"), lambda: self._status(
+                    "set_state", {"state": "draining", "cell": None, "since_ns": time.time_ns()}))
                 return
             except KeyboardInterrupt:
                 continue
@@ -636,12 +638,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
     def _clean_for_outside(self, overrides: dict) -> Optional[Outcome]:
         """The cleanup for a drain from outside (OutsideDrain.run), said to the status endpoint as "draining"."""
         self._status("set_state", {"state": "draining", "cell": None, "since_ns": time.time_ns()})
-        try:
-            return self.cleanup(forced=True, overrides=overrides, source="outside")
-        finally:
-            # before a waiting cell says "running"; never over a cell that outwaited it and runs beside it
-            if not self.cells.busy():
-                self._say_idle()
+        return self.cleanup(forced=True, overrides=overrides, source="outside")  # "idle" after: OutsideDrain's
 
     def _why_no_outside_drain(self) -> Optional[str]:
         """Why a drain from outside may not run the kernel's cleanup now, besides a cell under way."""

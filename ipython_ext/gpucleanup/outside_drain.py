@@ -56,20 +56,22 @@ class OutsideDrain:
     """The kernel's cleanup for a drain from outside, never beside a cell.
 
     ``clean(overrides)`` runs the cleanup ``%gpumem --drain`` runs with ``overrides`` to the settings (its
-    time limit, nothing printed) and says the kernel's state around it; ``refusal()`` says why the cleanup is
-    not active in the kernel (None: it is); ``show(lines)`` and ``warn_once(kind, text)`` are the kernel's
+    time limit, nothing printed) and says "draining" before it; ``idle()`` says the kernel is idle again once
+    it has ended (unless a cell is under way: the cell says its own state); ``refusal()`` says why the cleanup
+    is not active in the kernel (None: it is); ``show(lines)`` and ``warn_once(kind, text)`` are the kernel's
     output for the cell that waits.
     """
 
     def __init__(self, native: Any, cells: CellState, clean: Callable[[dict], Optional[Outcome]],
                  refusal: Callable[[], Optional[str]], show: Callable[[List[str]], None],
-                 warn_once: Callable[[str, str], None]):
+                 warn_once: Callable[[str, str], None], idle: Callable[[], Any] = lambda: None):
         self.native = native
         self.cells = cells
         self._clean = clean
         self._refusal = refusal
         self._show = show
         self._warn_once = warn_once
+        self._idle = idle
         self._cv = threading.Condition(cells.lock)
         self.running = False
         self.deadline = 0.0  # time.monotonic() by which it has ended
@@ -185,13 +187,27 @@ class OutsideDrain:
             self._ended(job)
 
     def _ended(self, job: Optional[_Job] = None) -> None:
+        """The cleanup has ended: "idle" in the same step, unless a cell is under way (between its
+        ``pre_run_cell`` and its ``post_run_cell``, waiting or not: it says "running" next, then "idle")."""
         with self._cv:
             if job is not None:
                 job.done = True
             self.running = False
             self.collecting = False
             self._worker = None
-            self._cv.notify_all()
+            try:
+                if self.cells.depth == 0:
+                    self._idle()
+            except Exception:
+                pass  # the state is the endpoint's; the cleanup's end is not held up by it
+            finally:
+                self._cv.notify_all()
+
+    def say_after_cell(self, idle: Callable[[], Any], draining: Callable[[], Any]) -> None:
+        """A cell's end says the kernel's state: "idle", or "draining" while a cleanup it outwaited still runs
+        (so that no park begins beside it), decided in one step with that cleanup's end (:meth:`_ended`)."""
+        with self._cv:
+            (draining if self.running else idle)()
 
     def _gc_phase(self, phase: str, info: dict) -> None:
         """gc.callbacks: a collection starts or stops; noted only for the cleanup's own thread (the finalizers of

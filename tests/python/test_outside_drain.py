@@ -370,6 +370,24 @@ def test_a_cell_that_outwaits_the_drains_finalizer_runs_beside_it_and_stays_runn
     wait_until(lambda: kernel.state()["state"] == "idle", "the cell never said idle")
 
 
+def test_a_cell_that_outwaited_the_drains_finalizer_and_ended_leaves_the_kernel_draining_until_it_ends(
+        kernel, slow_finalizer):
+    kernel.execute("import gpucleanup.outside_drain as _od\n_od.OUTSIDE_DRAIN_MARGIN_S = 0.0")
+    result = cli("drain", str(kernel.pid), "--json", "--drain-timeout", "0")
+    assert json.loads(result.stdout)["result"]["kernel"]["running"] is True
+    out = kernel.execute("print('ran')")
+    assert out.endswith("this cell runs beside it\nran\n"), out
+    # The cell has ended; the finalizer still runs: the kernel is not idle, and no park may begin beside it.
+    state = kernel.state()
+    assert (state["state"], state.get("cell")) == ("draining", None), state
+    with pytest.raises(status_client.StatusError) as refused:
+        status_client.request(kernel.target(), "park", 5, step="begin")
+    assert refused.value.error_id == "gpucleanup.server.421"
+    slow_finalizer["go"].touch()
+    wait_until(lambda: kernel.state()["state"] == "idle", "the drain's end never said idle")
+    assert kernel.execute("print('next')") == "next\n"  # nothing left to wait for, nothing said
+
+
 class _Native:
     """What OutsideDrain needs of the library: a drain hook it can set and clear."""
 
