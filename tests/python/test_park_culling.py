@@ -89,12 +89,14 @@ def wait_until(predicate, what: str, limit: float = TIMEOUT) -> None:
 def settled(srv: Server, nb: server_harness.Notebook) -> dict:
     """Jupyter's model of the kernel once its last cell's messages have all been seen (the same
     ``last_activity`` twice, half a second apart, the kernel idle)."""
+    deadline = time.monotonic() + TIMEOUT
     while True:
         first = srv.kernel_model(nb.kernel_id)
         time.sleep(0.5)
         again = srv.kernel_model(nb.kernel_id)
         if first == again and again["execution_state"] == "idle":
             return again
+        assert time.monotonic() < deadline, f"the kernel's activity never settled: {again}"
 
 
 def kernel_files(nb: server_harness.Notebook) -> dict:
@@ -119,13 +121,14 @@ def cli(srv: Server, *args: str) -> subprocess.CompletedProcess:
 def test_a_park_and_a_resume_from_outside_leave_the_culling_clocks_alone(tmp_path, policy):
     """``server``: GPUCleanupServer.park_idle_after_s parks the kernel; ``kernel``: its own
     GPUCleanup.park_after_idle_s does. Then ``gpucleanup resume``, and the next cell says what happened."""
-    srv = Server(tmp_path / "srv", 1 if policy == "server" else 0, 3600)
+    # parked after 3 s idle: the steps between a resume and the next cell (a few requests) never take that long
+    srv = Server(tmp_path / "srv", 3 if policy == "server" else 0, 3600)
     nb = None
     try:
         nb = server_harness.Notebook(srv, "parked.ipynb")
         nb.load_gpucleanup()
         if policy == "kernel":
-            assert nb.run("%config GPUCleanup.park_after_idle_s = 1") == ""
+            assert nb.run("%config GPUCleanup.park_after_idle_s = 3") == ""
         pid = nb.discovery().pid
         before = settled(srv, nb)
         server_before = srv.last_activity()
@@ -160,7 +163,7 @@ def test_a_park_and_a_resume_from_outside_leave_the_culling_clocks_alone(tmp_pat
 def test_a_completion_asked_of_a_parked_kernel_resumes_it_and_the_next_cell_says_so(tmp_path):
     """Opening the notebook again and pressing Tab: the completion resumes the kernel first (it has no cell to
     say it under), is activity as any request is, and the next cell says the park."""
-    srv = Server(tmp_path / "srv", 1, 3600)
+    srv = Server(tmp_path / "srv", 3, 3600)
     nb = None
     try:
         nb = server_harness.Notebook(srv, "tab.ipynb")
