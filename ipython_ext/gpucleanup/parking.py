@@ -110,7 +110,9 @@ class ParkLock:
             os.close(fd)  # closing the descriptor lets the lock go
 
     # What a park leaves for its resume, kept in the lock file itself (private to the user, held under the
-    # lock): the device memory it held per GPU, so the resume can see first whether there is room for it.
+    # lock): the device memory it held per GPU, so the resume can see first whether there is room for it. After
+    # a resume no cell said (from outside, for a request that is no cell), the note is that resume's, for the
+    # kernel's next cell to say once (gpucleanup.resume_news).
 
     def read_note(self) -> dict:
         """What the last park wrote (``{"usage": {uuid: bytes}, ...}``), ``{}`` when nothing or unreadable."""
