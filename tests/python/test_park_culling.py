@@ -170,10 +170,15 @@ def test_a_completion_asked_of_a_parked_kernel_resumes_it_and_the_next_cell_says
         nb.load_gpucleanup()
         assert nb.run("value = 6 * 7") == ""
         pid = nb.discovery().pid
+        before = settled(srv, nb)
         wait_until(lambda: nb.status()["state"]["state"] == "parked", "the server's automatic park")
+        assert srv.kernel_model(nb.kernel_id)["last_activity"] == before["last_activity"]
         reply = nb.kc.complete("val", 3, reply=True, timeout=TIMEOUT)
         assert reply["content"]["status"] == "ok" and "value" in reply["content"]["matches"], reply["content"]
         assert srv.driver_record(pid)["state"] == "running"
+        # a completion is a request like any other for Jupyter's culling clock: activity
+        wait_until(lambda: srv.kernel_model(nb.kernel_id)["last_activity"] > before["last_activity"],
+                   "the completion counted as activity")
         out = nb.run("print(value)")
         first, printed = out.splitlines()
         assert first.startswith("gpucleanup · resumed its GPU memory from host memory in ") and " (parked " in first
