@@ -10,8 +10,8 @@ own culling (``MappingKernelManager.cull_idle_timeout``), against a real ``jupyt
 
 The kernels run on the fake CUDA driver, whose checkpoint state is a record per process in
 GPUCLEANUP_FAKE_CUDA_CHECKPOINT_DIR (tests/fake_cuda/checkpoint_state.cpp): the fake keeps no copy of device memory
-anywhere, so what stands for "the host memory is back" here is the process being gone; the GPU test of the same
-path checks the memory itself.
+anywhere, so what stands for "the host memory is back" here is the process being gone (on a real driver the parked
+copy is in the kernel process's own memory). No GPU test of culling exists yet.
 """
 
 from __future__ import annotations
