@@ -109,13 +109,16 @@ class OutsideDrain:
     def unhook(self) -> None:
         """Before the endpoint closes (its drain thread is joined): a reply under way stops waiting for the kernel's
         cleanup at once (the cleanup itself goes on), so that closing never waits for a finalizer."""
-        with self._cv:
-            self._unhooked = True
-            self._cv.notify_all()
+        self._stop_waiting()
         target, self.target = self.target, None
         if target is not None:
             with contextlib.suppress(Exception):
                 self.native.clear_drain_hook(target)
+
+    def _stop_waiting(self) -> None:
+        with self._cv:
+            self._unhooked = True
+            self._cv.notify_all()
 
     # ------------------------------------------------------------ the drain and the cells
 

@@ -388,6 +388,25 @@ def test_a_cell_that_outwaited_the_drains_finalizer_and_ended_leaves_the_kernel_
     assert kernel.execute("print('next')") == "next\n"  # nothing left to wait for, nothing said
 
 
+def test_jupyter_shuts_the_kernel_down_while_a_drains_reply_waits_for_a_finalizer(kernel, slow_finalizer):
+    drain = subprocess.Popen([sys.executable, "-m", "gpucleanup.cli", "drain", str(kernel.pid), "--drain-timeout",
+                              "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment())
+    try:
+        wait_until(slow_finalizer["started"].exists, "the finalizer never ran")
+        # What Jupyter does: a shutdown request, SIGTERM only past half of shutdown_wait_time (5 s). The reply's wait
+        # for the finalizer (up to 60 s here) ends at exit: the kernel exits by itself.
+        kernel.km.shutdown_kernel(now=False)
+        assert kernel.process.wait(timeout=60) == 0  # no SIGTERM, SIGKILL, SIGSEGV or SIGABRT
+        stdout, stderr = drain.communicate(timeout=120)
+    finally:
+        slow_finalizer["go"].touch()
+        drain.kill()
+    assert not slow_finalizer["ended"].exists()  # the finalizer never finished: the exit did not wait for it
+    assert drain.returncode == 4, (stdout, stderr)
+    assert stderr == (f"gpucleanup: kernel {kernel.pid}: [gpucleanup.server.416] the server stopped before the drain "
+                      "finished\n"), stderr
+
+
 class _Native:
     """What OutsideDrain needs of the library: a drain hook it can set and clear."""
 
