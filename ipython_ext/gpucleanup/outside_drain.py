@@ -34,7 +34,7 @@ OUTSIDE_DRAIN_MARGIN_S = 10.0
 REPLY_WAIT_MIN_S = 0.5
 REPLY_WAIT_MAX_S = 60.0  # the longest time limit a drain request may name (max_drain_timeout_s)
 
-# What the kernel's cleanup is doing, as the reply, a park's refusal and a waiting cell say it.
+# What the kernel's cleanup is doing, as the reply and a cell that waits say it.
 CACHES = "emptying the frameworks' caches"
 COLLECTING = "in garbage collection, where objects' finalizers (__del__) run"
 
@@ -53,7 +53,8 @@ def gave_no_way(exc: BaseException) -> bool:
 
 
 class OutsideDrain:
-    """The kernel's cleanup for a drain from outside, never beside a cell.
+    """The kernel's cleanup for a drain from outside: it begins only while no cell is under way; a cell that
+    starts meanwhile waits for it, bounded, and past the bound runs beside it.
 
     ``clean(overrides)`` runs the cleanup ``%gpumem --drain`` runs with ``overrides`` to the settings (its
     time limit, nothing printed) and says "draining" before it; ``idle()`` says the kernel is idle again once
@@ -74,7 +75,7 @@ class OutsideDrain:
         self._idle = idle
         self._cv = threading.Condition(cells.lock)
         self.running = False
-        self.deadline = 0.0  # time.monotonic() by which it has ended
+        self.deadline = 0.0  # time.monotonic() past which a cell that starts no longer waits for it
         self.began = 0.0  # time.monotonic() when it began
         self.collecting = False  # its thread is in a garbage collection (objects' finalizers run there)
         self.beside = False  # a cell outwaited it and runs beside it: the cell's state stands (:meth:`quiet`)
@@ -128,9 +129,9 @@ class OutsideDrain:
         device and pinned, garbage that holds GPU memory, the driver's pools again), with no wait for queued
         work of its own, said nowhere but in the reply and the history. Called on the library's drain thread.
 
-        Never beside a cell: it begins only while no cell is under way (from ``pre_run_cell`` to the end of
-        ``post_run_cell``), and a cell that starts meanwhile waits in ``pre_run_cell`` until it has ended (at
-        most ``OUTSIDE_DRAIN_MARGIN_S`` from its start). It runs on a thread of its own, because it can run the
+        It begins only while no cell is under way (from ``pre_run_cell`` to the end of ``post_run_cell``), and
+        a cell that starts meanwhile waits in ``pre_run_cell`` until it has ended (at most
+        ``OUTSIDE_DRAIN_MARGIN_S`` from its start; past that the cell runs beside it, and says so). It runs on a thread of its own, because it can run the
         user's code (finalizers); this waits for it at most ``wait_s`` seconds (the request's time limit left,
         at least ``REPLY_WAIT_MIN_S``), then returns a part that says it still runs (``running``, ``doing``).
         Returns the drain result's ``kernel`` (share/schema/drain.schema.json); never raises.
