@@ -583,8 +583,9 @@ _DRAIN_THUNK = DRAIN_HOOK_FN(_on_drain)
 def set_drain_hook(target: Optional[Callable[[float], dict]]) -> bool:
     """The kernel's part of a drain asked for through the status server (gpucleanup_set_drain_hook).
 
-    ``target(timeout_s)`` runs on the server's helper thread before the library's drain and returns
-    a JSON-able dict, the drain result's ``kernel`` (share/schema/drain.schema.json); None removes it.
+    ``target(wait_s)`` runs on the server's drain thread after the library's drain, ``wait_s`` being how long
+    the reply may still wait for it, and returns a JSON-able dict, the drain result's ``kernel``
+    (share/schema/drain.schema.json); None removes it.
     False where this build of the library has no such hook.
     """
     global _drain_target
