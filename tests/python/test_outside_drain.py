@@ -407,6 +407,19 @@ def test_jupyter_shuts_the_kernel_down_while_a_drains_reply_waits_for_a_finalize
                       "finished\n"), stderr
 
 
+def test_the_library_gives_the_kernels_part_what_is_left_of_the_drains_time_limit(kernel):
+    kernel.execute("from gpucleanup.extension import get_extension\n"
+                   "_outside = get_extension(get_ipython()).outside\n_run, _waits = _outside.run, []\n"
+                   "_outside.run = lambda wait_s: (_waits.append(wait_s), _run(wait_s))[1]")
+    for limit in ("5", "0"):
+        result = cli("drain", str(kernel.pid), "--json", "--drain-timeout", limit)
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout)["result"]["kernel"]["ran"] is True
+    waits = [float(w) for w in kernel.execute("print(*_waits)").split()]
+    # no queued work here: the library's own part takes milliseconds of the limit (generous bound: 2 s)
+    assert len(waits) == 2 and 3.0 <= waits[0] <= 5.0 and waits[1] == 0.0, waits
+
+
 class _Native:
     """What OutsideDrain needs of the library: a drain hook it can set and clear."""
 
