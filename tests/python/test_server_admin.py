@@ -9,6 +9,7 @@ gpucleanup. Parking runs through the fake driver's checkpoint calls.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pwd
@@ -101,11 +102,12 @@ class World:
         return used0
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+@contextlib.contextmanager
+def admin_world(base: Path, n: int = N, *server_args: str):
+    """A server with ``n`` light kernels (spec), the stand-in nvidia-smi seeing them (World), and the fake
+    driver's record of kernel FAILED saying its process failed."""
     if not LIBRARY.exists() or not FAKE_CUDA.exists():
         pytest.fail(f"build libgpucleanup and the fake driver first ({LIBRARY}, {FAKE_CUDA})")
-    base = tmp_path_factory.mktemp("admin")
     checkpoints = base / "checkpoints"
     checkpoints.mkdir()
     world = World(base / "nvidia-smi.json")
@@ -115,10 +117,10 @@ def setup(tmp_path_factory):
            "GPUCLEANUP_FAKE_CUDA_CHECKPOINT_DIR": str(checkpoints),
            "GPUCLEANUP_FAKE_NVIDIA_SMI": str(world.path),
            "PATH": f"{STAND_IN_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
-    server = server_harness.Server(base / "srv", extra_env=env, status_timeout=0.5)
+    server = server_harness.Server(base / "srv", *server_args, extra_env=env, status_timeout=0.5)
     fakes = None
     try:
-        fakes = server_harness.FakeKernels(server.runtime, [spec(server.root, i) for i in range(N)], env)
+        fakes = server_harness.FakeKernels(server.runtime, [spec(server.root, i) for i in range(n)], env)
         world.set(fakes.pids)
         # the fake driver registers each process as its library loads it, for the first status reply's snapshot;
         # then that process's record says the driver found it failed
@@ -131,6 +133,12 @@ def setup(tmp_path_factory):
         if fakes is not None:
             fakes.stop()
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    with admin_world(tmp_path_factory.mktemp("admin")) as world:
+        yield world
 
 
 def listing(server, **query) -> dict:
@@ -195,7 +203,7 @@ def test_per_gpu_totals_are_the_sum_of_the_rows_and_the_rest_is_the_other_proces
         assert gpu["cached_bytes"] == sum(h["cached_bytes"] for h in held)
         assert gpu["outside_bytes"] == sum(h["outside_bytes"] or 0 for h in held)
         assert gpu["live_bytes"] + gpu["cached_bytes"] + gpu["outside_bytes"] + gpu["unsplit_bytes"] == gpu["held_bytes"]
-        assert gpu["kernels"] == len(held)
+        assert gpu["kernels"] == sum(1 for h in held if h["bytes"] > 0)  # the kernels holding some of it
         assert gpu["used_source"] == "nvidia-smi" and gpu["total_bytes"] == TOTAL_MIB * MiB
     g0 = gpus[UUID0]
     listed = [i for i in range(N) if i != UNLISTED]

@@ -208,6 +208,7 @@ def annotate(data: dict, view: GpuView, facts: Dict[int, dict], root_dir: Option
     for smi in view.gpus or ():
         row = gpu(smi.uuid, smi.index, smi.uuid)
         row["total_bytes"], row["used_bytes"], row["used_source"] = smi.total, smi.total - smi.free, "nvidia-smi"
+    index_of = {smi.uuid: smi.index for smi in view.gpus or ()}
     parked_elsewhere = 0
     for entry in data["kernels"]:
         entry["notebook"] = relative_notebook(entry.get("notebook"), root_dir)
@@ -221,6 +222,9 @@ def annotate(data: dict, view: GpuView, facts: Dict[int, dict], root_dir: Option
         parked = _parked(entry)
         entry["parked"] = parked
         entry["held"] = _held(entry, apps_by_pid, parked is not None) if entry.get("gpucleanup") else []
+        for held in entry["held"]:
+            if held["index"] is None:  # a GPU its own snapshot did not list: nvidia-smi's index
+                held["index"] = index_of.get(held["uuid"])
         entry["held_bytes"] = sum(h["bytes"] for h in entry["held"])
         for held in entry["held"]:
             row = gpu(held["gpu"], held["index"], held["uuid"], held["name"])
@@ -231,7 +235,7 @@ def annotate(data: dict, view: GpuView, facts: Dict[int, dict], root_dir: Option
                 row["unsplit_bytes"] += held["bytes"] - held["live_bytes"] - held["cached_bytes"]
             else:
                 row["outside_bytes"] += held["outside_bytes"]
-            row["kernels"] += 1
+            row["kernels"] += 1 if held["bytes"] > 0 else 0
         for dev in entry.get("devices") or ():
             row = gpu(_gpu_key(dev.get("uuid"), dev.get("index")), dev.get("index"), dev.get("uuid"), dev.get("name"))
             if row["used_source"] != "nvidia-smi" and isinstance(dev.get("used_bytes"), int) and parked is None:

@@ -1,6 +1,11 @@
-// The page /gpucleanup: every kernel's GPU memory, from GET api/gpucleanup/kernels, refreshed every
-// refresh_s seconds while the page is visible. Plain DOM, no framework, no network beyond this server.
-// Every text from the server goes through textContent or createTextNode: notebook names are user data.
+// The page /gpucleanup, the admin's view of the GPUs: a header per GPU (used of total; held by kernels with
+// gpucleanup, split into live, cached and outside every pool; parked in host memory; the rest), the kernels as
+// rows of a table (sorted by memory held, idle time or name; a row opens the kernel's card: its devices, last
+// cells and timeline), Drain, Park/Resume and "Can park?" per row, and "park the kernels idle for more than
+// N min" (a preview first, then one park after the other, each result said). From GET api/gpucleanup/kernels
+// (?sort=, ?cards= the open cards, whose last cells alone are asked for), refreshed every refresh_s seconds
+// while the page is visible. Plain DOM, no framework, no network beyond this server. Every text from the
+// server goes through textContent or createTextNode: notebook names are user data.
 "use strict";
 
 (function () {
@@ -16,14 +21,17 @@
     ["outside", "outside_bytes"],
   ];
 
-  const list = document.getElementById("kernels");
+  const tbody = document.getElementById("rows");
+  const gpusBox = document.getElementById("gpus");
   const updated = document.getElementById("updated");
   const problem = document.getElementById("problem");
   const empty = document.getElementById("empty");
-  // kernel id -> {root, content, button, result}: the Drain button and its result survive refreshes
+  // kernel id -> the row's view: its buttons, their last result and whether its card is open survive refreshes
   const shown = new Map();
   let timer = null;
   let inFlight = false;
+  let sortOrder = "held";
+  let lastData = null;
 
   // ------------------------------------------------------------------ building blocks
 
@@ -271,52 +279,165 @@
     return part;
   }
 
-  // One POST of an action button (drain, park, resume); its result stays next to the buttons.
-  async function act(entry, view, action, pending, wordsOf) {
-    view.button.disabled = true;
-    view.park.disabled = true;
-    view.result.className = "drain-result pending";
-    view.result.textContent = pending;
-    let words, kind;
+
+  // ------------------------------------------------------------------ the header: one block per GPU
+
+  function gpuTitle(gpu) {
+    const index = gpu.index === null || gpu.index === undefined ? gpu.gpu.slice(0, 12) : `GPU${gpu.index}`;
+    return gpu.name ? `${index} ${gpu.name}` : index;
+  }
+
+  function stack(gpu) {
+    // used of total: held by kernels with gpucleanup (live, cached, outside every pool, their pools only), the rest
+    const total = gpu.total_bytes;
+    const box = svg("svg", { class: "bar gpu-bar", viewBox: "0 0 100 8", preserveAspectRatio: "none", "aria-hidden": "true" });
+    box.appendChild(svg("rect", { class: "bar-total", x: 0, y: 0, width: 100, height: 8 }));
+    if (!total) return box;
+    let x = 0;
+    for (const [name, bytes] of [["live", gpu.live_bytes], ["cached", gpu.cached_bytes], ["outside", gpu.outside_bytes],
+      ["unsplit", gpu.unsplit_bytes], ["rest", gpu.rest_bytes || 0]]) {
+      const width = (100 * Math.max(0, bytes)) / total;
+      if (width > 0) box.appendChild(svg("rect", { class: `bar-${name}`, x, y: 0, width, height: 8 }));
+      x += width;
+    }
+    return box;
+  }
+
+  function figureLine(className, label, bytes, title) {
+    const line = el("div", `gpu-figure ${className}`, el("span", "label", label), el("span", "value", formatBytes(bytes)));
+    if (title) line.title = title;
+    return line;
+  }
+
+  function gpuBlock(gpu) {
+    const used = gpu.used_bytes === null || gpu.used_bytes === undefined ? "used ?" :
+      `${formatPair(gpu.used_bytes, gpu.total_bytes)} used`;
+    const block = el("section", "gpu",
+      el("h2", "gpu-name", gpuTitle(gpu)),
+      el("div", "gpu-used", used, gpu.used_source ? el("span", "muted", ` (${gpu.used_source})`) : null),
+      stack(gpu));
+    block.dataset.gpu = gpu.gpu;
+    const kernelsWord = gpu.kernels === 1 ? "1 kernel" : `${gpu.kernels} kernels`;
+    block.appendChild(figureLine("held", `held by ${kernelsWord} with gpucleanup`, gpu.held_bytes));
+    block.appendChild(figureLine("live sub", "live", gpu.live_bytes, "arrays and tensors the frameworks hold for the kernels"));
+    block.appendChild(figureLine("cached sub", "cached", gpu.cached_bytes, "the frameworks' and the driver's pools, free for reuse"));
+    block.appendChild(figureLine("outside sub", "outside every pool", gpu.outside_bytes, "CUDA contexts, raw allocations (nvidia-smi's figure less the pools)"));
+    if (gpu.unsplit_bytes > 0) {
+      block.appendChild(figureLine("unsplit sub", "not split", gpu.unsplit_bytes));
+    }
+    block.appendChild(figureLine("parked", "parked in host memory", gpu.parked_bytes));
+    block.appendChild(figureLine("rest", "the rest (other processes, kernels without gpucleanup)",
+      gpu.rest_bytes, "used less what the kernels with gpucleanup hold"));
+    return block;
+  }
+
+  function renderGpus(data) {
+    const gpus = data.gpus || []; // an answer recorded before the header existed has none
+    gpusBox.replaceChildren(...gpus.map(gpuBlock));
+    if (!gpus.length) gpusBox.appendChild(el("p", "muted", "No GPU in use by a kernel with gpucleanup."));
+  }
+
+  // ------------------------------------------------------------------ one row, and its card on demand
+
+  function held(entry) {
+    if (!entry.held || !entry.held.length) return el("td", "held muted", entry.gpucleanup ? "-" : "?");
+    const cell = el("td", "held");
+    for (const h of entry.held) {
+      const name = h.index === null || h.index === undefined ? h.gpu.slice(0, 12) : `GPU${h.index}`;
+      const line = el("div", "held-gpu", el("span", "muted", `${name} `), formatBytes(h.bytes));
+      line.title = h.source === "kernel"
+        ? "its own pools only (nvidia-smi does not list this process): live " + formatBytes(h.live_bytes) + ", cached " + formatBytes(h.cached_bytes)
+        : `live ${formatBytes(h.live_bytes)}, cached ${formatBytes(h.cached_bytes)}, outside every pool ${formatBytes(h.outside_bytes)} (${h.source})`;
+      cell.appendChild(line);
+    }
+    return cell;
+  }
+
+  function parkedCell(entry) {
+    const p = entry.parked;
+    if (!p) return el("td", "parked muted", "-");
+    const since = p.since_ns ? `since ${clock(p.since_ns)}` : "";
+    return el("td", "parked", p.bytes === null ? p.state : formatBytes(p.bytes), el("div", "muted small", since));
+  }
+
+  function idleCell(entry, now) {
+    if (entry.idle_since_ns === null || entry.idle_since_ns === undefined) return el("td", "idle muted", "-");
+    return el("td", "idle", formatDuration(entry.idle_s), el("div", "muted small", `since ${clock(entry.idle_since_ns)}`));
+  }
+
+  function checkCell(entry) {
+    const c = entry.park_check;
+    if (!entry.gpucleanup) return el("td", "check muted", "-");
+    if (!c) return el("td", "check muted", "?");
+    const cell = el("td", `check ${c.parkable ? "can" : "cannot"}`, c.parkable ? "can park" : "cannot park");
+    if (!c.parkable) cell.appendChild(el("div", "reasons small", c.reasons.join("; ")));
+    cell.title = (c.parkable ? "" : c.reasons.join("\n") + "\n\n") +
+      "What gpucleanup park --check says, but for the driver's own state of the process: Can park? reads it too";
+    return cell;
+  }
+
+  function nameCell(entry, view) {
+    const name = entry.notebook || (entry.kernel_id ? `kernel ${entry.kernel_id}` : `process ${entry.pid}`);
+    const toggle = el("button", "open", view.open ? "▾" : "▸");
+    toggle.type = "button";
+    toggle.title = "The kernel's card: its devices, last cells and timeline";
+    toggle.addEventListener("click", () => {
+      view.open = !view.open;
+      renderRows(lastData);
+      if (view.open) refreshSoon(0);
+    });
+    const meta = [];
+    if (entry.pid !== null && entry.pid !== undefined) meta.push(`pid ${entry.pid}`);
+    if (!entry.server_kernel) meta.push("not this server's");
+    return el("td", "name", toggle, el("span", entry.notebook ? "notebook" : "notebook unnamed", name),
+      el("div", "muted small", meta.join(" · ")));
+  }
+
+  // One POST of an action button (drain, park, resume); its result stays in the row.
+  async function post(entry, action) {
+    let data = null;
+    let response;
     try {
-      const response = await fetch(`${API}/${encodeURIComponent(entry.id)}/${action}`, {
+      response = await fetch(`${API}/${encodeURIComponent(entry.id)}/${action}`, {
         method: "POST",
         credentials: "same-origin",
         headers: { "Content-Type": "application/json", Accept: "application/json", "X-XSRFToken": xsrfToken() },
         body: "{}",
       });
-      let data = null;
-      try {
-        data = await response.json();
-      } catch (_) {
-        data = null;
-      }
-      const message = (data && data.message) || `HTTP ${response.status}`;
-      if (response.ok && data) {
-        [kind, words] = wordsOf(data);
-      } else if (response.status === 409) {
-        kind = "refused";
-        words = `Refused: ${message}`;
-      } else if (response.status === 504) {
-        kind = "refused";
-        words = `No answer: ${message}`;
-      } else {
-        kind = "refused";
-        words = `Failed (HTTP ${response.status}): ${message}`;
-      }
     } catch (error) {
-      kind = "refused";
-      words = `The server did not answer: ${error.message}`;
+      return { kind: "refused", words: `The server did not answer: ${error.message}`, data: null };
     }
+    try {
+      data = await response.json();
+    } catch (_) {
+      data = null;
+    }
+    const message = (data && data.message) || `HTTP ${response.status}`;
+    if (response.ok && data) return { kind: "ok", words: message, data };
+    if (response.status === 409) return { kind: "refused", words: `Refused: ${message}`, data };
+    if (response.status === 504) return { kind: "refused", words: `No answer: ${message}`, data };
+    return { kind: "refused", words: `Failed (HTTP ${response.status}): ${message}`, data };
+  }
+
+  function setButtons(view, disabled) {
+    for (const b of [view.drain, view.park, view.check]) b.disabled = disabled || !view.entry.gpucleanup || !!view.entry.error;
+  }
+
+  async function act(view, action, pending, wordsOf) {
+    setButtons(view, true);
+    view.result.className = "drain-result pending";
+    view.result.textContent = pending;
+    const got = await post(view.entry, action);
+    let [kind, words] = [got.kind, got.words];
+    if (got.kind === "ok") [kind, words] = wordsOf(got.data);
     view.result.className = `drain-result ${kind}`;
     view.result.textContent = words;
-    view.button.disabled = !entry.gpucleanup;
-    view.park.disabled = !entry.gpucleanup;
+    setButtons(view, false);
     refreshSoon(0);
   }
 
-  function drain(entry, view) {
-    return act(entry, view, "drain", "draining…", (data) => [
+  function drain(view) {
+    return act(view, "drain", "draining…", (data) => [
       data.drained ? "ok" : "warn",
       `${data.drained ? "Drained" : "Not all drained"} at ${clock(Date.now() * 1e6)}: ${data.lines.join("; ")}`,
     ]);
@@ -327,22 +448,22 @@
     return name === "parked" || name === "parking";
   }
 
-  function parkOrResume(entry, view) {
-    const action = isParked(entry) ? "resume" : "park";
-    return act(entry, view, action, action === "park" ? "parking…" : "resuming…", (data) => [
+  function parkOrResume(view) {
+    const action = isParked(view.entry) ? "resume" : "park";
+    return act(view, action, action === "park" ? "parking…" : "resuming…", (data) => [
       data.ok ? "ok" : "warn",
       `${data.ok ? "Done" : "Not done"} at ${clock(Date.now() * 1e6)}: ${data.message}`,
     ]);
   }
 
-  // "Can park?": what gpucleanup park --check says, on one line next to the buttons; it touches nothing.
-  async function checkPark(entry, view) {
+  // "Can park?": what gpucleanup park --check says (the driver's state of the process included); touches nothing.
+  async function checkPark(view) {
     view.result.className = "drain-result pending";
     view.result.textContent = "checking…";
     let kind = "refused";
     let words;
     try {
-      const response = await fetch(`${API}/${encodeURIComponent(entry.id)}/park-check`, {
+      const response = await fetch(`${API}/${encodeURIComponent(view.entry.id)}/park-check`, {
         credentials: "same-origin",
         headers: { Accept: "application/json" },
       });
@@ -369,54 +490,194 @@
   function viewOf(entry) {
     let view = shown.get(entry.id);
     if (view) return view;
-    const root = el("section", "kernel");
-    root.dataset.id = entry.id;
-    const button = el("button", "drain", "Drain");
-    button.type = "button";
-    button.title = "Wait for the kernel's queued GPU work and trim its memory pools (only between cells)";
+    const drainButton = el("button", "drain", "Drain");
+    drainButton.type = "button";
+    drainButton.title = "Wait for the kernel's queued GPU work and trim its memory pools (only between cells)";
     const park = el("button", "park", "Park");
     park.type = "button";
     const check = el("button", "park-check", "Can park?");
     check.type = "button";
     check.title = "Whether the kernel can be parked now, and every reason why not (touches nothing)";
     const result = el("output", "drain-result");
-    view = { root, content: el("div", "content"), button, park, check, result, entry };
-    button.addEventListener("click", () => drain(view.entry, view));
-    park.addEventListener("click", () => parkOrResume(view.entry, view));
-    check.addEventListener("click", () => checkPark(view.entry, view));
-    root.appendChild(view.content);
-    root.appendChild(el("div", "actions", button, park, check, result));
+    view = { row: el("tr", "kernel-row"), cardRow: el("tr", "card-row"), drain: drainButton, park, check, result,
+      actions: el("td", "actions", el("div", "buttons", drainButton, park, check), result), entry, open: false };
+    view.row.dataset.id = entry.id;
+    view.cardRow.dataset.id = entry.id;
+    drainButton.addEventListener("click", () => drain(view));
+    park.addEventListener("click", () => parkOrResume(view));
+    check.addEventListener("click", () => checkPark(view));
     shown.set(entry.id, view);
     return view;
   }
 
-  // ------------------------------------------------------------------ the whole page
+  function fillRow(view, now) {
+    const entry = view.entry;
+    // the row's state in a word where the Idle and Parked columns say the rest; the card says it all
+    const name = entry.state && entry.state.state;
+    const words = entry.gpucleanup && !entry.error && (name === "idle" || name === "parked" || name === "parking") ? name : stateWords(entry);
+    const pill = el("span", `state state-${stateClass(entry)}`, words);
+    if (entry.state_text) pill.title = entry.state_text;
+    const state = el("td", "state-cell", pill);
+    if (entry.error) state.appendChild(el("div", "error small", entry.error));
+    if (entry.hint) state.appendChild(el("div", "hint small", entry.hint));
+    view.row.replaceChildren(nameCell(entry, view), el("td", "owner", entry.owner || "?"), state,
+      idleCell(entry, now), held(entry), parkedCell(entry), checkCell(entry), view.actions);
+    view.row.dataset.state = stateClass(entry);
+    setButtons(view, view.result.classList.contains("pending"));
+    view.park.textContent = isParked(entry) ? "Resume" : "Park";
+    view.park.title = isParked(entry)
+      ? "Bring the kernel's GPU memory back from host memory now (its next cell also does)"
+      : "Move all of the kernel's GPU memory, its CUDA context included, to host memory (only between cells)";
+    if (view.open) {
+      const card = el("section", "kernel", content(entry));
+      card.dataset.id = entry.id;
+      card.dataset.state = stateClass(entry);
+      const cell = el("td", null, card);
+      cell.colSpan = 8;
+      view.cardRow.replaceChildren(cell);
+    }
+  }
 
-  function render(data) {
+  function renderRows(data) {
+    if (!data) return;
     const seen = new Set();
+    const now = data.time_ns;
     for (const entry of data.kernels) {
       const view = viewOf(entry);
       seen.add(entry.id);
       view.entry = entry;
-      const fresh = content(entry);
-      view.root.replaceChild(fresh, view.content);
-      view.content = fresh;
-      view.root.dataset.state = stateClass(entry);
-      view.button.disabled = !entry.gpucleanup || !!entry.error;
-      view.park.disabled = !entry.gpucleanup || !!entry.error;
-      view.check.disabled = !entry.gpucleanup || !!entry.error;
-      view.park.textContent = isParked(entry) ? "Resume" : "Park";
-      view.park.title = isParked(entry)
-        ? "Bring the kernel's GPU memory back from host memory now (its next cell also does)"
-        : "Move all of the kernel's GPU memory, its CUDA context included, to host memory (only between cells)";
-      list.appendChild(view.root); // keeps the server's order
+      fillRow(view, now);
+      tbody.appendChild(view.row); // the server's order
+      if (view.open) tbody.appendChild(view.cardRow);
+      else view.cardRow.remove();
     }
     for (const [id, view] of shown) {
       if (!seen.has(id)) {
-        view.root.remove();
+        view.row.remove();
+        view.cardRow.remove();
         shown.delete(id);
       }
     }
+    for (const th of document.querySelectorAll("th[data-sort]")) {
+      th.classList.toggle("sorted", th.dataset.sort === sortOrder);
+      th.setAttribute("aria-sort", th.dataset.sort === sortOrder ? (sortOrder === "name" ? "ascending" : "descending") : "none");
+    }
+  }
+
+  // ------------------------------------------------------------------ park the kernels idle for more than N min
+
+  const bulk = {
+    minutes: document.getElementById("idle-minutes"),
+    preview: document.getElementById("preview"),
+    go: document.getElementById("park-them"),
+    cancel: document.getElementById("cancel"),
+    box: document.getElementById("bulk-result"),
+    list: null,
+    running: false,
+  };
+
+  function bulkSay(className, ...children) {
+    bulk.box.hidden = false;
+    bulk.box.className = className;
+    bulk.box.replaceChildren(...children);
+  }
+
+  async function preview() {
+    const minutes = parseFloat(bulk.minutes.value);
+    if (!(minutes >= 0)) {
+      bulkSay("bulk-result refused", "Give a number of minutes, 0 or more.");
+      return;
+    }
+    bulk.go.hidden = true;
+    bulkSay("bulk-result pending", "looking…");
+    let data = null;
+    let response;
+    try {
+      response = await fetch(`${BASE}api/gpucleanup/park-idle?min_idle_s=${minutes * 60}`,
+        { credentials: "same-origin", headers: { Accept: "application/json" } });
+      data = await response.json();
+    } catch (error) {
+      bulkSay("bulk-result refused", `The server did not answer: ${error.message}`);
+      return;
+    }
+    if (!response.ok) {
+      bulkSay("bulk-result refused", `Failed (HTTP ${response.status}): ${(data && data.message) || ""}`);
+      return;
+    }
+    bulk.list = data.kernels;
+    const names = (k) => k.notebook || `process ${k.pid}`;
+    const items = el("ol", "bulk-list");
+    for (const k of data.kernels) {
+      const item = el("li", "bulk-item", `${names(k)} `, el("span", "muted", `(${k.owner || "?"}, idle ${formatDuration(k.idle_s)}) `),
+        formatBytes(k.bytes), el("output", "bulk-outcome"));
+      item.dataset.id = k.id;
+      items.appendChild(item);
+    }
+    const left = el("ul", "bulk-left");
+    for (const k of data.refused) {
+      left.appendChild(el("li", null, `${names(k)} (idle ${formatDuration(k.idle_s)}, ${formatBytes(k.bytes)}): not parked: `,
+        el("span", "reasons", k.reasons.join("; "))));
+    }
+    const count = data.kernels.length === 1 ? "1 kernel" : `${data.kernels.length} kernels`;
+    const summary = el("p", "bulk-summary", data.kernels.length
+      ? `Parking ${count} idle for more than ${formatDuration(minutes * 60)} would give back ${formatBytes(data.bytes)} of GPU memory:`
+      : `No kernel that can be parked has been idle for more than ${formatDuration(minutes * 60)}.`);
+    bulkSay("bulk-result", summary, data.kernels.length ? items : null,
+      data.refused.length ? el("p", "muted", "Idle that long, and left as they are:") : null, data.refused.length ? left : null);
+    bulk.go.hidden = !data.kernels.length;
+    bulk.cancel.hidden = false;
+  }
+
+  async function parkThem() {
+    if (!bulk.list || bulk.running) return;
+    bulk.running = true;
+    bulk.go.hidden = true;
+    bulk.preview.disabled = true;
+    const progress = el("p", "bulk-progress pending");
+    bulk.box.appendChild(progress);
+    let given = 0, done = 0, refused = 0;
+    for (const [n, k] of bulk.list.entries()) {
+      progress.textContent = `parking ${n + 1} of ${bulk.list.length}…`;
+      const got = await post(k, "park");
+      const item = bulk.box.querySelector(`li.bulk-item[data-id="${CSS.escape(k.id)}"] output`);
+      const ok = got.kind === "ok" && got.data && got.data.ok;
+      if (ok) {
+        done += 1;
+        const moved = got.data.outcome && got.data.outcome.parked_bytes;
+        given += typeof moved === "number" ? moved : 0;
+      } else {
+        refused += 1;
+      }
+      if (item) {
+        item.className = `bulk-outcome ${ok ? "ok" : "refused"}`;
+        item.textContent = ` · ${ok ? got.data.message : got.words}`;
+      }
+    }
+    progress.className = `bulk-progress ${refused ? "warn" : "ok"}`;
+    progress.textContent = `Done at ${clock(Date.now() * 1e6)}: ${done} parked, ${formatBytes(given)} given back` +
+      (refused ? `; ${refused} not parked (said above)` : "");
+    bulk.running = false;
+    bulk.preview.disabled = false;
+    bulk.list = null;
+    refreshSoon(0);
+  }
+
+  bulk.preview.addEventListener("click", preview);
+  bulk.go.addEventListener("click", parkThem);
+  bulk.cancel.addEventListener("click", () => {
+    if (bulk.running) return;
+    bulk.list = null;
+    bulk.box.hidden = true;
+    bulk.go.hidden = true;
+    bulk.cancel.hidden = true;
+  });
+
+  // ------------------------------------------------------------------ the whole page
+
+  function render(data) {
+    lastData = data;
+    renderGpus(data);
+    renderRows(data);
     empty.hidden = data.kernels.length !== 0;
     const count = data.kernels.length === 1 ? "1 kernel" : `${data.kernels.length} kernels`;
     let words = `${count} · updated ${clock(data.time_ns)} · every ${formatDuration(REFRESH_MS / 1000)}`;
@@ -424,6 +685,13 @@
       words += ` · ${data.skipped.length} discovery file(s) skipped: ` + data.skipped.map((s) => `${s.path} (${s.why})`).join("; ");
     }
     updated.textContent = words;
+  }
+
+  for (const th of document.querySelectorAll("th[data-sort]")) {
+    th.addEventListener("click", () => {
+      sortOrder = th.dataset.sort;
+      refreshSoon(0);
+    });
   }
 
   function say(words) {
@@ -434,8 +702,10 @@
   async function refresh() {
     if (inFlight) return;
     inFlight = true;
+    const open = [...shown.values()].filter((v) => v.open).map((v) => v.entry.id);
+    const url = `${API}?sort=${sortOrder}&cards=${open.map(encodeURIComponent).join(",")}`;
     try {
-      const response = await fetch(API, { credentials: "same-origin", headers: { Accept: "application/json" } });
+      const response = await fetch(url, { credentials: "same-origin", headers: { Accept: "application/json" } });
       if (response.status === 403) {
         say("Not logged in to this Jupyter server any more: open it again with its token, then reload this page.");
       } else if (!response.ok) {
