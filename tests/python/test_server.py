@@ -805,3 +805,69 @@ def test_the_server_tries_a_kernel_it_cannot_park_once_per_idle_period_and_keeps
         if nb is not None:
             nb.close()
         srv.stop()
+
+
+#: In a process of its own: a ServerApp with the extension (and the automatic parking) set up in-process, the
+#: extension loaded a second time by hand, one collection run, then the server's own cleanup; prints what it saw.
+LIFETIME = r"""
+import asyncio, json, sys, threading
+from jupyter_server.serverapp import ServerApp
+import gpucleanup.server as extension
+
+def routes(app):
+    out = []
+    for host in app.web_app.default_router.rules:
+        for rule in getattr(host.target, "rules", ()):
+            pattern = getattr(rule.matcher, "regex", None)
+            if pattern is not None and "gpucleanup" in pattern.pattern:
+                out.append(pattern.pattern)
+    return out
+
+app = ServerApp()
+app.initialize(argv=sys.argv[1:])
+watch = app.web_app.settings["gpucleanup_watch"]
+first = routes(app)
+extension._load_jupyter_server_extension(app)
+loop = asyncio.new_event_loop()
+asyncio.set_event_loop(loop)
+data = loop.run_until_complete(watch.collect(frozenset()))
+pools = sorted({t.name.rsplit("_", 1)[0] for t in threading.enumerate() if t.name.startswith("gpucleanup-")})
+after_second = {"same_watch": app.web_app.settings["gpucleanup_watch"] is watch, "routes": len(routes(app)),
+                "first_routes": len(first), "timers": len(watch._timers),
+                "timer_running": [t.is_running() for t in watch._timers]}
+timers = list(watch._timers)
+loop.run_until_complete(app._cleanup())
+for thread in [t for t in threading.enumerate() if t.name.startswith("gpucleanup-")]:
+    thread.join(30)
+print(json.dumps({**after_second, "kernels": len(data["kernels"]), "pools_used": pools,
+                  "stopped": watch.stopped, "timers_running_after": [t.is_running() for t in timers],
+                  "threads_after": [t.name for t in threading.enumerate() if t.name.startswith("gpucleanup-")],
+                  "setting_after": "gpucleanup_watch" in app.web_app.settings,
+                  "executor_shut": [watch._executor._shutdown, watch._drains._shutdown]}))
+"""
+
+
+def test_the_extension_stops_with_the_server_and_a_second_load_adds_nothing(tmp_path):
+    """Its two pools shut down and its parking timer stops when the server cleans up (ServerApp._cleanup, which
+    stop(), Ctrl-C and POST /api/shutdown all end in); loaded twice on one server, the second load adds no
+    handler, no pool and no second parking loop."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JPY_", "JUPYTER_"))}
+    for name in ("runtime", "config", "data"):
+        (tmp_path / name).mkdir()
+    env.update(JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"), JUPYTER_CONFIG_DIR=str(tmp_path / "config"),
+               JUPYTER_DATA_DIR=str(tmp_path / "data"),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "ipython_ext"), os.environ.get("PYTHONPATH")])))
+    argv = ["--ServerApp.jpserver_extensions=gpucleanup.server=True", "--GPUCleanupServer.park_idle_after_s=3600",
+            f"--ServerApp.root_dir={tmp_path}", "--ServerApp.port=0", "--IdentityProvider.token=x"]
+    if os.geteuid() == 0:
+        argv.append("--allow-root")
+    done = subprocess.run([sys.executable, "-c", LIFETIME, *argv], env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["first_routes"] == 8  # the page, its files, the API's 6 routes
+    assert (seen["same_watch"], seen["routes"], seen["timers"], seen["timer_running"]) == (True, 8, 1, [True])
+    assert "the extension is loaded on this server already; nothing added" in done.stderr
+    assert seen["kernels"] == 0 and seen["pools_used"] == ["gpucleanup-server"]
+    assert (seen["stopped"], seen["timers_running_after"], seen["threads_after"], seen["executor_shut"],
+            seen["setting_after"]) == (True, [False], [], [True, True], False)

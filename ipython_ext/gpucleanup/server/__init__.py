@@ -6,11 +6,18 @@ source tree, start the server with ``--ServerApp.jpserver_extensions='{"gpuclean
 Under the server's base URL, for a logged-in user (token, password or login cookie):
 
 ``GET gpucleanup``
-    The page: every kernel (its notebook, its state, each device's used/total, live, cached and
-    outside figures, the last cells, a timeline, a Drain button), refreshed every ``refresh_s``.
-``GET api/gpucleanup/kernels``
-    ``{"time_ns", "runtime_dir", "kernels": [...], "skipped": [...]}``: one entry per kernel the
-    server runs, joined with every kernel that has a gpucleanup discovery file (see ``model.py``).
+    The page, the admin's view (``admin.py``): a block per GPU (used of total; held by kernels with
+    gpucleanup, split into live, cached and outside every pool; parked in host memory; the rest), the
+    kernels as rows of a table (by memory held, idle time or name), each row's card (devices, last cells,
+    timeline), Drain, Park/Resume and Can park? per row, and "park the kernels idle for more than N min";
+    refreshed every ``refresh_s``.
+``GET api/gpucleanup/kernels`` (``?sort=held|idle|name``, ``?cards=ID,ID``)
+    ``{"time_ns", "runtime_dir", "kernels": [...], "gpus": [...], "skipped": [...]}``: one entry per kernel
+    the server runs, joined with every kernel that has a gpucleanup discovery file (see ``model.py``,
+    ``admin.py``). With ``cards``, only those kernels' last cells are asked for: one request per kernel.
+``GET api/gpucleanup/park-idle?min_idle_s=N`` and ``POST`` (``{"min_idle_s", "ids"}``)
+    Which kernels idle that long a park would take and what it would give back; then those parks, one
+    after the other, each result.
 ``GET api/gpucleanup/kernels/<id>``
     One entry (``id``: the kernel id, or ``pid-<pid>`` for a kernel without one); 404 if unknown.
 ``POST api/gpucleanup/kernels/<id>/park`` and ``.../resume``
