@@ -4,8 +4,8 @@ What the page's header and table and the bulk "park the idle kernels" action rea
 answer (``model.assemble``) by :func:`annotate`. Everything here is read once per refresh and never per
 kernel per request:
 
-- :func:`look_at_gpus`: ``nvidia-smi``, twice (the GPUs, the processes on them), bounded; None where there
-  is none (the fake driver without its stand-in, a container that hides it).
+- :class:`GpuView`: what ``nvidia-smi`` says, asked twice per refresh (the GPUs, the processes on them, at
+  once, each bounded); None where it cannot say (no nvidia-smi, a container that hides it).
 - :func:`local_facts`: per kernel, its owner's user name (``/proc/<pid>/status``) and the cheap part of
   ``gpucleanup park --check``: who owns the process, its state, the GPUs it uses, host memory and its
   cgroup's limit (``park.refusals``). The driver's own state of the process needs a helper process per
@@ -29,7 +29,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 from .. import kernels, park as park_steps, parking, remote_park
 
-__all__ = ["GpuView", "look_at_gpus", "local_facts", "annotate", "park_preview", "owner_name", "SORTS"]
+__all__ = ["GpuView", "local_facts", "annotate", "park_preview", "owner_name", "SORTS"]
 
 #: the table's sort orders (``?sort=`` of the list): the default first
 SORTS = ("held", "idle", "name")
@@ -42,13 +42,6 @@ class GpuView:
     def __init__(self, gpus=None, apps=None):
         self.gpus: Optional[List[park_steps.Gpu]] = gpus
         self.apps: Optional[List[Tuple[int, str, int]]] = apps
-
-
-def look_at_gpus(timeout: float) -> GpuView:
-    """nvidia-smi's GPUs and compute processes, each call bounded by ``timeout`` seconds."""
-    gpus = park_steps.gpus(timeout)
-    apps = park_steps.compute_apps(timeout) if gpus is not None else None
-    return GpuView(gpus, apps)
 
 
 def owner_name(pid: Optional[int]) -> Optional[str]:

@@ -205,12 +205,13 @@ class KernelWatch:
         # A read removes nothing: whoever may read the list (a read-only user included) must not delete
         # files; stale files are swept by the next kernel that loads gpucleanup, and by gpucleanup ps.
         # Every kernel is asked once (its status, and its last cells too when every card is wanted); nvidia-smi
-        # looks at the GPUs meanwhile, on another thread of the pool.
+        # looks at the GPUs and at their processes meanwhile, on two other threads of the pool.
         history = self.settings.history if cards is None else 0
         smi_timeout = max(1.0, self.settings.timeout)
-        gathered, view = await asyncio.gather(
+        gathered, gpus, apps = await asyncio.gather(
             self.run(kernels.gather, self.runtime_dir, self.settings.timeout, history, clean=False),
-            self.run(admin.look_at_gpus, smi_timeout))
+            self.run(park_steps.gpus, smi_timeout), self.run(park_steps.compute_apps, smi_timeout))
+        view = admin.GpuView(gpus, apps if gpus is not None else None)
         if cards and self.settings.history > 0:
             # the last cells of the open cards only: a second request to those kernels alone
             await self.run(_histories, gathered, cards, self.settings.timeout, self.settings.history)
