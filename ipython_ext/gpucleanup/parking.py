@@ -449,7 +449,7 @@ class InKernel:
         self._resume(None, resume_news.for_request(msg_type))
         return self.parked()
 
-    def _lock_file(self):
+    def _lock_file(self) -> Optional[Path]:
         """The kernel's park lock (its endpoint's, fixed while the endpoint serves); None while it is off."""
         endpoint = self._endpoint()
         if endpoint is None:
