@@ -266,9 +266,9 @@ class Kernel:
         """The kernel's gpucleanup status endpoint, from its discovery file in the runtime directory."""
         import json
 
-        from gpucleanup import status_client
+        from gpucleanup import discovery, status_client
 
-        info = json.loads((self.runtime / f"gpucleanup-{self.pid}.json").read_text())
+        info = json.loads(discovery.path_for_pid(self.pid, self.runtime).read_text())
         return status_client.Target(info["endpoint"], Path(info["key_file"]).read_bytes())
 
     def status(self, timeout: float = 5) -> dict:

@@ -1,8 +1,9 @@
 """The notebook a kernel runs, in the one form every gpucleanup surface shows.
 
-Jupyter Server starts a kernel with ``JPY_SESSION_NAME`` set to the notebook's absolute path (its root directory
-joined with the session's path: ``SessionManager.get_kernel_env``), while its own pages and REST API name the
-notebook by that session path, relative to the root. gpucleanup shows the server's form wherever there is a
+Jupyter Server starts a kernel with ``JPY_SESSION_NAME`` set to the notebook's absolute path when the session has
+a name, as JupyterLab's have (the directory of the session's path under the root, joined with the name:
+``SessionManager.get_kernel_env``), and to the session's path itself, relative to the root, when it has none; its
+own pages and REST API name the notebook by that session path, relative to the root. gpucleanup shows the server's form wherever there is a
 server: the kernel finds the server that started it (its parent, or a near ancestor) by the file that server
 writes in the runtime directory, ``jpserver-<pid>.json``, whose ``root_dir`` is ``os.path.abspath`` of the root
 (``ServerApp.server_info``), and records the notebook relative to that root, with the root beside it. Without a
@@ -54,18 +55,25 @@ def _root_of(runtime: Path, pid: int) -> Optional[str]:
 def server_root(runtime: Path, notebook: Optional[str] = None, pid: Optional[int] = None) -> Optional[str]:
     """The root directory of the Jupyter Server that started process ``pid`` (default: this one), or None.
 
-    ``notebook``: an absolute path the root must contain (a file of another server that happens to carry an
-    ancestor's pid is passed over)."""
+    ``notebook``: an absolute path the root must contain, or a path relative to the root whose directory must
+    exist there (a file of another server that happens to carry an ancestor's pid is passed over)."""
     current = pid if pid is not None else os.getpid()
     for _ in range(ANCESTORS):
         parent = os.getppid() if current == os.getpid() else _parent(current)
         if not parent or parent <= 1:
             return None
         root = _root_of(runtime, parent)
-        if root is not None and (notebook is None or _under(notebook, root) is not None):
+        if root is not None and (notebook is None or _holds(root, notebook)):
             return root
         current = parent
     return None
+
+
+def _holds(root: str, notebook: str) -> bool:
+    if os.path.isabs(notebook):
+        return _under(notebook, root) is not None
+    return _under(os.path.join(root, notebook), root) is not None and os.path.isdir(
+        os.path.join(root, os.path.dirname(notebook)))
 
 
 def _under(path: str, root: str) -> Optional[str]:
@@ -76,9 +84,10 @@ def _under(path: str, root: str) -> Optional[str]:
 
 
 def display_form(notebook: Optional[str], root: Optional[str]) -> Tuple[Optional[str], Optional[str]]:
-    """``(notebook, root)`` as gpucleanup records them: relative to ``root`` when ``notebook`` is an absolute
-    path under it (``root`` kept beside it), else the notebook as given and no root."""
-    if not notebook or not root or not os.path.isabs(notebook):
+    """``(notebook, root)`` as gpucleanup records them: relative to ``root`` when ``notebook`` is under it
+    (``root`` kept beside it; a relative ``notebook`` is the server's session path already), else the notebook
+    as given and no root."""
+    if not notebook or not root:
         return notebook, None
-    relative = _under(notebook, root)
+    relative = _under(notebook if os.path.isabs(notebook) else os.path.join(root, notebook), root)
     return (relative, root) if relative is not None else (notebook, None)

@@ -458,7 +458,7 @@ class StatusEndpoint:
         return self._session_notebook()
 
     def _display_form(self, notebook: Optional[str]) -> tuple:
-        if not notebook or not os.path.isabs(notebook):
+        if not notebook or self._runtime is None:
             return notebook, None
         try:
             from . import notebook_path

@@ -522,7 +522,7 @@ def kernels(runtime):
         started.append(k)
         out = k.execute("%load_ext gpucleanup")
         assert "Error" not in out, out
-        assert (runtime / f"gpucleanup-{k.pid}.json").exists(), out
+        assert discovery.path_for_pid(k.pid, runtime).exists(), out
         return k
 
     yield start
@@ -561,14 +561,15 @@ def test_ps_lists_live_kernels_and_not_a_killed_one(kernels, runtime):
     while discovery.is_alive({"pid": third.pid}) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not discovery.is_alive({"pid": third.pid}), "a killed, unreaped kernel (zombie) counts as dead"
-    assert (runtime / f"gpucleanup-{third.pid}.json").exists()
+    third_file = discovery.path_for_pid(third.pid, runtime)
+    assert third_file.exists()
 
     result = cli("ps")
     assert result.returncode == 0, result.stderr
     pids = [line.split()[0] for line in result.stdout.splitlines()[1:]]
     assert sorted(pids) == sorted([str(first.pid), str(second.pid)])
     assert first.id in result.stdout and second.id in result.stdout
-    assert not (runtime / f"gpucleanup-{third.pid}.json").exists()
+    assert not third_file.exists()
 
     result = cli("status", first.id[:13], "--json")
     assert result.returncode == 0, result.stderr
@@ -615,7 +616,7 @@ def test_status_answers_while_a_cell_is_busy(kernels, hold_gil_library):
 
 def test_unload_removes_the_discovery_file(kernels, runtime):
     k = kernels()
-    path = runtime / f"gpucleanup-{k.pid}.json"
+    path = discovery.path_for_pid(k.pid, runtime)
     info = json.loads(path.read_text())
     k.execute("%unload_ext gpucleanup")
     assert not path.exists()
@@ -627,7 +628,8 @@ def test_unload_removes_the_discovery_file(kernels, runtime):
 
 def test_kernel_exit_removes_the_discovery_file(kernels, runtime):
     k = kernels()
-    path = runtime / f"gpucleanup-{k.pid}.json"
+    path = discovery.path_for_pid(k.pid, runtime)
+    assert path.exists()
     k.km.shutdown_kernel(now=False)
     assert not path.exists()
 

@@ -908,3 +908,117 @@ def test_the_status_server_takes_the_per_cell_states_without_json(kernel):
     assert (told["state"], told["cell"], told["note"]) == ("running", 3, "from a test")
     with pytest.raises(ValueError, match="state must be one of idle, running, draining, waiting"):
         _native.server_state("sleeping")
+
+
+# ---------------------------------------------------------------- D. one form of notebook path
+
+
+class _NamedNotebook:
+    """A session with a name, as JupyterLab starts one: Jupyter Server then gives its kernel the notebook's
+    absolute path in JPY_SESSION_NAME (without a name, the session path itself)."""
+
+    def __new__(cls, server, path: str):
+        from server_harness import Notebook
+
+        nb = object.__new__(Notebook)
+        from jupyter_client import BlockingKernelClient
+
+        nb.server, nb.path, nb.count = server, path, 0
+        (server.root / path).parent.mkdir(parents=True, exist_ok=True)
+        session = server.api("POST", "/api/sessions", {"path": path, "name": os.path.basename(path), "type": "notebook",
+                                                       "kernel": {"name": "python3"}}, expect=201)
+        nb.kernel_id = session["kernel"]["id"]
+        nb.kc = BlockingKernelClient(connection_file=str(server.runtime / f"kernel-{nb.kernel_id}.json"))
+        nb.kc.load_connection_file()
+        nb.kc.start_channels(hb=False)
+        nb.kc.wait_for_ready(timeout=GUARD)
+        return nb
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["named session (JupyterLab)", "session without a name"])
+def test_a_notebook_is_named_relative_to_its_servers_root_everywhere(tmp_path, named):
+    """The page names a notebook by its session path, relative to the server's root; the kernel records it in
+    that form (with the root beside it), so ps, status, the drain reply and /metrics name it the same way."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from server_harness import Notebook, Server  # noqa: E402  (tests/server_harness.py)
+
+    srv = Server(tmp_path / "srv")
+    nb = None
+    try:
+        nb = (_NamedNotebook if named else Notebook)(srv, "work/sub/fit.ipynb")
+        session_name = nb.run("import os; print(os.environ['JPY_SESSION_NAME'])").strip()
+        assert session_name == (str(srv.root / "work/sub/fit.ipynb") if named else "work/sub/fit.ipynb")
+        nb.load_gpucleanup()
+        found = nb.discovery()
+        assert (found.notebook, found.notebook_root) == ("work/sub/fit.ipynb", str(srv.root))
+        assert found.notebook_path() == str(srv.root / "work" / "sub" / "fit.ipynb")
+        env = dict(_env(), JUPYTER_RUNTIME_DIR=str(srv.runtime))
+
+        def run(*args):
+            done = subprocess.run([sys.executable, "-m", "gpucleanup.cli", *args], capture_output=True, text=True,
+                                  env=env, timeout=GUARD)
+            assert done.returncode == 0, done.stderr
+            return done.stdout
+
+        (entry,) = json.loads(run("ps", "--json"))
+        assert entry["notebook"] == "work/sub/fit.ipynb"
+        assert entry["status"]["kernel"]["notebook"] == "work/sub/fit.ipynb"
+        assert entry["status"]["kernel"]["notebook_root"] == str(srv.root)
+        assert "work/sub/fit.ipynb" in run("ps")
+        status = run("status", found.kernel_id)
+        assert "\nnotebook   work/sub/fit.ipynb\n" in status
+        assert f"\nroot       {srv.root}  (the Jupyter Server's; the notebook is relative to it)\n" in status
+        # the absolute path finds it too, as the page's relative one does
+        assert json.loads(run("status", str(srv.root / "work/sub/fit.ipynb"), "--json"))["kernel"]["pid"] == found.pid
+        drained = json.loads(run("drain", "work/sub/fit.ipynb", "--json"))
+        assert drained["kernel"]["notebook"] == "work/sub/fit.ipynb"
+        # the page: the server's own session path, the same string
+        listed = srv.api("GET", "/api/gpucleanup/kernels")
+        assert [e["notebook"] for e in listed["kernels"] if e["kernel_id"] == nb.kernel_id] == ["work/sub/fit.ipynb"]
+        # the server's /metrics: a label per kernel, once a collection has seen it
+        pytest.importorskip("prometheus_client")
+        deadline = time.monotonic() + GUARD
+        while True:
+            page = srv.request("GET", "/metrics", token=True).body.decode()
+            if f'kernel_id="{nb.kernel_id}"' in page or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        labelled = [line for line in page.splitlines() if f'kernel_id="{nb.kernel_id}"' in line]
+        assert labelled, page[-2000:]
+        assert all('notebook="work/sub/fit.ipynb"' in line for line in labelled), labelled[:3]
+    finally:
+        if nb is not None:
+            nb.close()
+        srv.stop()
+
+
+def test_display_form_is_relative_only_under_the_root():
+    from gpucleanup.notebook_path import display_form
+
+    assert display_form("/srv/root/a/b.ipynb", "/srv/root") == ("a/b.ipynb", "/srv/root")
+    assert display_form("/srv/root/../other/b.ipynb", "/srv/root") == ("/srv/root/../other/b.ipynb", None)
+    assert display_form("/srv/rooted/b.ipynb", "/srv/root") == ("/srv/rooted/b.ipynb", None)
+    assert display_form("/srv/root", "/srv/root") == ("/srv/root", None)
+    assert display_form("/srv/root/b.ipynb", None) == ("/srv/root/b.ipynb", None)
+    assert display_form("relative/a.ipynb", "/srv/root") == ("relative/a.ipynb", "/srv/root")  # a session path
+    assert display_form("../a.ipynb", "/srv/root") == ("../a.ipynb", None)
+
+
+def test_a_server_file_of_another_pid_or_root_is_not_taken(tmp_path):
+    from gpucleanup import notebook_path
+
+    runtime = tmp_path / "runtime"
+    runtime.mkdir(mode=0o700)
+    parent = os.getppid()
+    server_file = runtime / f"jpserver-{parent}.json"
+    server_file.write_text(json.dumps({"pid": parent, "root_dir": "/srv/root"}))
+    assert notebook_path.server_root(runtime, "/srv/root/a.ipynb") == "/srv/root"
+    # a server whose root does not hold the notebook (another container's, with the same pid) is passed over
+    assert notebook_path.server_root(runtime, "/home/me/a.ipynb") is None
+    server_file.write_text(json.dumps({"pid": parent + 1, "root_dir": "/srv/root"}))
+    assert notebook_path.server_root(runtime, "/srv/root/a.ipynb") is None
+    server_file.write_text(json.dumps({"pid": parent, "root_dir": "relative"}))
+    assert notebook_path.server_root(runtime, "/srv/root/a.ipynb") is None
+    server_file.unlink()
+    os.mkfifo(server_file)  # never opened: nothing blocks
+    assert notebook_path.server_root(runtime, "/srv/root/a.ipynb") is None

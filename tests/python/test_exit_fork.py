@@ -38,7 +38,7 @@ from conftest import BUILD, FAKE_CUDA
 import gpucleanup
 import gpucleanup.frameworks
 import gpucleanup.status_endpoint
-from gpucleanup import extension, status_client
+from gpucleanup import discovery, extension, status_client
 from gpucleanup.cell_pass import CellPass
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -91,11 +91,13 @@ def _files(runtime: Path) -> list:
 
 
 def _kernel_files(runtime: Path, pid: int) -> list:
-    return [f"gpucleanup-{pid}.json", f"gpucleanup/{pid}.key", f"gpucleanup/{pid}.sock", f"gpucleanup/{pid}.sock.pub"]
+    name = discovery.instance_of(discovery.path_for_pid(pid, runtime))  # <pid>-<random>: the kernel's instance
+    return [f"gpucleanup-{name}.json", f"gpucleanup/{name}.key", f"gpucleanup/{name}.sock",
+            f"gpucleanup/{name}.sock.pub"]
 
 
 def _target(runtime: Path, pid: int) -> status_client.Target:
-    info = json.loads((runtime / f"gpucleanup-{pid}.json").read_text())
+    info = json.loads(discovery.path_for_pid(pid, runtime).read_text())
     return status_client.Target(info["endpoint"], Path(info["key_file"]).read_bytes())
 
 
@@ -279,10 +281,11 @@ def test_jupyter_shuts_the_kernel_down_while_a_drain_waits(kernel, runtime, wait
 def test_kernel_killed_while_its_cleanup_waits_is_cleaned_by_ps(kernel, runtime, sig):
     k = kernel()
     _waiting_in_the_cells_cleanup(k)
+    left = _kernel_files(runtime, k.pid)
+    assert set(left) <= set(_files(runtime))
     os.kill(k.pid, sig)  # Jupyter's last resort; no atexit runs, the files stay
     # the kernel dies of the signal at once, whatever the native wait does (no crash of its own)
     assert k.process.wait(timeout=MARGIN_S) == -sig
-    left = _kernel_files(runtime, k.pid)
     if sig == signal.SIGTERM:
         # the native handler removed them before the default action ended the process
         assert not set(left) & set(_files(runtime)), _files(runtime)
@@ -371,7 +374,7 @@ def test_fork_in_a_cell_child_cells_work_without_the_driver_and_leave_the_parent
         parent = loaded["loaded"]
         ours = sorted(_kernel_files(runtime, parent))
         assert _files(runtime) == ours
-        discovery_file = runtime / f"gpucleanup-{parent}.json"
+        discovery_file = discovery.path_for_pid(parent, runtime)
         written = discovery_file.read_bytes()
         stat = discovery_file.stat()
         assert json.loads(written)["notebook"] is None

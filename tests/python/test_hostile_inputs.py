@@ -571,7 +571,8 @@ def test_garbage_in_an_environment_variable_never_breaks_a_cell(env_sweep, name,
 # ====================================================================== 4. a hostile runtime directory
 
 # Something planted before the kernel starts, at a name it uses (relative to the runtime directory;
-# {pid} is this process's), and what the kernel then does: starts its endpoint (the name is
+# {pid} is this process's instance, <pid>-<random>, its random part fixed here so that it can be known
+# beforehand), and what the kernel then does: starts its endpoint (the name is
 # replaced, never written through), or says in one line why not. "victim" is a file and "elsewhere"
 # a directory outside the runtime directory: nothing may be written there.
 PLANTS = {
@@ -611,8 +612,12 @@ PLANTS = {
 }
 
 
+#: the random part of this process's instance in these tests (gpucleanup.discovery.new_instance)
+PLANTED_ID = "5eed5eed"
+
+
 def _plant(runtime: Path, outside: Path, where: str, what: str) -> None:
-    path = runtime / where.format(pid=os.getpid())
+    path = runtime / where.format(pid=f"{os.getpid()}-{PLANTED_ID}")
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     if what == "link-to-victim":
         os.symlink(outside / "victim.txt", path)
@@ -647,6 +652,7 @@ def test_a_planted_name_is_never_written_through_and_the_cells_work(shell, fake_
     (outside / "victim.txt").write_text("precious\n")
     (outside / "planted.txt").write_text("planted\n")
     _plant(runtime, outside, where, what)
+    monkeypatch.setattr(gpucleanup.discovery, "new_instance", lambda pid=None: f"{os.getpid()}-{PLANTED_ID}")
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(runtime))
     monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
     monkeypatch.setattr(gpucleanup.frameworks, "active", lambda: [])
@@ -664,11 +670,11 @@ def test_a_planted_name_is_never_written_through_and_the_cells_work(shell, fake_
     if line is None:
         # started: the planted name was replaced by the kernel's own file or socket
         assert warnings == [] and endpoint.running, warnings
-        info = json.loads((runtime / f"gpucleanup-{os.getpid()}.json").read_text())
+        info = json.loads((runtime / f"gpucleanup-{os.getpid()}-{PLANTED_ID}.json").read_text())
         reply = status_client.request(status_client.Target(info["endpoint"], Path(info["key_file"]).read_bytes()),
                                       "status", timeout=10)
         assert reply["state"]["state"] == "idle"
-        planted = runtime / where.format(pid=os.getpid())
+        planted = runtime / where.format(pid=f"{os.getpid()}-{PLANTED_ID}")
         assert not planted.is_symlink()
         kind = stat.S_IFMT(planted.lstat().st_mode)
         assert kind == (stat.S_IFSOCK if ".sock" in where else stat.S_IFREG)
@@ -927,7 +933,7 @@ def test_another_user_cannot_reach_an_ipc_kernel_nor_read_its_files(victim_kerne
     pid = os.getpid()
     # the path is open to the other user (the control), the names are listable: only the modes stop it
     assert found["public"] == "anyone may read this\n"
-    assert found["listing"] == ["gpucleanup", f"gpucleanup-{pid}.json"]
+    assert found["listing"] == ["gpucleanup", k.ep.discovery_path.name]
     assert found["discovery"] == "EACCES"  # 0600
     assert found["key"] == "EACCES"  # in the 0700 directory
     assert found["private_dir"] == "EACCES"
@@ -937,7 +943,7 @@ def test_another_user_cannot_reach_an_ipc_kernel_nor_read_its_files(victim_kerne
     assert ps["code"] == 1, ps
     assert ps["stdout"] == ""
     assert ps["stderr"].splitlines() == [
-        f"gpucleanup: skipped {k.runtime}/gpucleanup-{pid}.json: cannot be read (Permission denied)",
+        f"gpucleanup: skipped {k.ep.discovery_path}: cannot be read (Permission denied)",
         f"gpucleanup: no kernel with gpucleanup is running (no usable discovery file in {k.runtime}): "
         "run %load_ext gpucleanup in a kernel first",
     ], ps["stderr"]

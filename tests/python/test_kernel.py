@@ -216,9 +216,12 @@ def test_torch_imported_in_the_kernel_stays_uninitialised(tmp_path, scenario):
 
 
 def _kernel_files(runtime: Path, pid: int) -> list:
+    from gpucleanup import discovery
+
     private = runtime / "gpucleanup"
-    return [runtime / f"gpucleanup-{pid}.json", private / f"{pid}.key", private / f"{pid}.sock",
-            private / f"{pid}.sock.pub"]
+    path = discovery.path_for_pid(pid, runtime)  # named from its instance, or (left by hand here) from the pid
+    name = discovery.instance_of(path)
+    return [path, private / f"{name}.key", private / f"{name}.sock", private / f"{name}.sock.pub"]
 
 
 def test_the_next_kernel_that_loads_sweeps_what_a_killed_kernel_left(tmp_path):

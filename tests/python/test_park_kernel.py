@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from gpucleanup import status_client
+from gpucleanup import discovery, status_client
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernel_harness  # noqa: E402  (tests/kernel_harness.py)
@@ -273,14 +273,14 @@ def test_a_parked_kernel_that_exits_is_resumed_first(kernel, checkpoints):
     kernel.km.shutdown_kernel(now=False)
     assert not kernel.km.is_alive()
     assert record(checkpoints, kernel.pid)["state"] == "running"
-    assert not (kernel.runtime / f"gpucleanup-{kernel.pid}.json").exists()
+    assert not discovery.path_for_pid(kernel.pid, kernel.runtime).exists()
 
 
 def test_park_and_resume_of_a_dead_kernel_say_so(kernel, checkpoints):
     assert cli("park", str(kernel.pid)).returncode == 0
     kernel.km.shutdown_kernel(now=True)  # SIGKILL: its discovery file stays behind
     assert not kernel.km.is_alive()
-    assert (kernel.runtime / f"gpucleanup-{kernel.pid}.json").exists()
+    assert discovery.path_for_pid(kernel.pid, kernel.runtime).exists()
     resumed = cli("resume", str(kernel.pid))
     assert resumed.returncode == 1
     assert resumed.stderr == (f"gpucleanup: kernel {kernel.pid} is dead: its process is gone (its discovery file was "

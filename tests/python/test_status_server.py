@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import statistics
 import time
@@ -146,18 +147,21 @@ def test_error_replies_match_the_schema_and_serving_goes_on(endpoint, protocol):
 
 
 def test_discovery_file_and_socket_dir_are_private(endpoint, runtime, protocol):
-    path = runtime / f"gpucleanup-{os.getpid()}.json"
+    name = endpoint.instance  # <pid>-<8 random hex digits>: what every file of this endpoint is named from
+    assert re.fullmatch(rf"{os.getpid()}-[0-9a-f]{{8}}", name)
+    path = runtime / f"gpucleanup-{name}.json"
     assert endpoint.discovery_path == path
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     private = runtime / "gpucleanup"
     assert stat.S_IMODE(private.stat().st_mode) == 0o700
     info = json.loads(path.read_text())
     protocol("discovery", info)
-    assert info["pid"] == os.getpid()
+    assert info["pid"] == os.getpid() and info["instance"] == name
     assert info["proc_start_ticks"] == discovery.process_start_ticks(os.getpid())
-    assert info["endpoint"] == f"ipc://{private}/{os.getpid()}.sock"
-    assert info["pub_endpoint"] == f"ipc://{private}/{os.getpid()}.sock.pub"
-    assert info["key_file"] == str(private / f"{os.getpid()}.key")
+    assert (info["machine_id"], info["host"]) == (discovery.machine_id(), discovery.host_name())
+    assert info["endpoint"] == f"ipc://{private}/{name}.sock"
+    assert info["pub_endpoint"] == f"ipc://{private}/{name}.sock.pub"
+    assert info["key_file"] == str(private / f"{name}.key")
     assert info["kernel_id"] is None and info["connection_file"] is None  # not in a kernel
     assert stat.S_IMODE(Path(info["key_file"]).stat().st_mode) == 0o600
     assert len(Path(info["key_file"]).read_text()) == 64
@@ -198,11 +202,12 @@ def test_notebook_path_comes_from_the_frontend(runtime, shell, fake_cuda, monkey
 
 
 def test_close_removes_files_and_is_idempotent(endpoint, runtime):
-    info = dict(endpoint.info)
+    info, path = dict(endpoint.info), endpoint.discovery_path
+    assert path.exists()
     endpoint.close()
     endpoint.close()
     assert not endpoint.running
-    assert not (runtime / f"gpucleanup-{os.getpid()}.json").exists()
+    assert not path.exists()
     assert not Path(info["key_file"]).exists()
     assert not Path(info["endpoint"][6:]).exists()
     endpoint.set_state({"state": "idle"})  # after close: ignored, never raises
