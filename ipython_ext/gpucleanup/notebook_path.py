@@ -11,8 +11,10 @@ server (``jupyter console``, an editor that starts kernels itself), or when the 
 the notebook stays absolute.
 
 A ``jpserver-<pid>.json`` is read as untrusted input (``discovery.read_bounded``: a regular file of this user, at
-most 64 KiB) and used only if it names the pid it is named after and a root the notebook lies under: a runtime
-directory shared with another container may hold another server's file under the same pid.
+most 64 KiB) and used only if it names the pid it is named after and a root the notebook lies under, and if that
+process is the server the file describes: it holds a socket listening on the file's port (or its Unix socket).
+A runtime directory shared by several machines or containers (an NFS home) holds the other servers' files too,
+and one of them may carry the pid of this kernel's parent.
 """
 
 from __future__ import annotations
@@ -38,13 +40,50 @@ def _parent(pid: int) -> Optional[int]:
         return None
 
 
+def _listening(pid: int, port, sock) -> bool:
+    """Whether process ``pid`` holds a socket listening on TCP ``port`` (or bound to the Unix socket ``sock``)
+    in this network namespace: ``/proc/<pid>/fd`` against ``/proc/net/{tcp,tcp6,unix}``."""
+    wanted = set()
+    try:
+        if isinstance(sock, str) and sock:
+            with open("/proc/net/unix", "rb") as f:
+                for line in f.read(1 << 22).decode("utf-8", "replace").splitlines()[1:]:
+                    fields = line.split(None, 7)
+                    if len(fields) == 8 and fields[7] == sock:
+                        wanted.add(fields[6])
+        elif isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536:
+            for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+                try:
+                    with open(table, "rb") as f:
+                        lines = f.read(1 << 22).decode("ascii", "replace").splitlines()[1:]
+                except FileNotFoundError:
+                    continue  # no IPv6
+                for line in lines:
+                    fields = line.split()
+                    # local address ADDR:PORT (hex), state 0A = LISTEN, inode the tenth field
+                    if len(fields) > 9 and fields[3] == "0A" and fields[1].rsplit(":", 1)[-1] == f"{port:04X}":
+                        wanted.add(fields[9])
+        if not wanted:
+            return False
+        for fd in os.listdir(f"/proc/{int(pid)}/fd"):
+            try:
+                link = os.readlink(f"/proc/{int(pid)}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:[") and link[len("socket:["):-1] in wanted:
+                return True
+    except (OSError, ValueError):
+        return False
+    return False
+
+
 def _root_of(runtime: Path, pid: int) -> Optional[str]:
     try:
         data, _info = discovery.read_bounded(Path(runtime) / f"jpserver-{pid}.json", owners={os.geteuid()})
         info = json.loads(data.decode("utf-8"))
     except (OSError, ValueError):
         return None
-    if not isinstance(info, dict) or info.get("pid") != pid:
+    if not isinstance(info, dict) or info.get("pid") != pid or not _listening(pid, info.get("port"), info.get("sock")):
         return None
     root = info.get("root_dir")
     if not isinstance(root, str) or not root.startswith("/") or "\x00" in root or len(root) > 4096:

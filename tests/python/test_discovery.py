@@ -1004,21 +1004,46 @@ def test_display_form_is_relative_only_under_the_root():
     assert display_form("../a.ipynb", "/srv/root") == ("../a.ipynb", None)
 
 
-def test_a_server_file_of_another_pid_or_root_is_not_taken(tmp_path):
+def test_a_server_file_of_another_pid_root_or_machine_is_not_taken(tmp_path, sleepers):
+    # this process stands for the Jupyter Server, a child of it for the kernel
     from gpucleanup import notebook_path
 
     runtime = tmp_path / "runtime"
     runtime.mkdir(mode=0o700)
-    parent = os.getppid()
-    server_file = runtime / f"jpserver-{parent}.json"
-    server_file.write_text(json.dumps({"pid": parent, "root_dir": "/srv/root"}))
-    assert notebook_path.server_root(runtime, "/srv/root/a.ipynb") == "/srv/root"
-    # a server whose root does not hold the notebook (another container's, with the same pid) is passed over
-    assert notebook_path.server_root(runtime, "/home/me/a.ipynb") is None
-    server_file.write_text(json.dumps({"pid": parent + 1, "root_dir": "/srv/root"}))
-    assert notebook_path.server_root(runtime, "/srv/root/a.ipynb") is None
-    server_file.write_text(json.dumps({"pid": parent, "root_dir": "relative"}))
-    assert notebook_path.server_root(runtime, "/srv/root/a.ipynb") is None
-    server_file.unlink()
-    os.mkfifo(server_file)  # never opened: nothing blocks
-    assert notebook_path.server_root(runtime, "/srv/root/a.ipynb") is None
+    kernel_pid = sleepers()
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen()
+    port = listening.getsockname()[1]
+    server_file = runtime / f"jpserver-{os.getpid()}.json"
+
+    def root(**fields) -> object:
+        server_file.write_text(json.dumps({"pid": os.getpid(), "root_dir": "/srv/root", "port": port, "sock": "",
+                                           **fields}))
+        return notebook_path.server_root(runtime, "/srv/root/a.ipynb", pid=kernel_pid)
+
+    try:
+        assert root() == "/srv/root"
+        # another machine's server with the same pid, in a shared runtime directory: its port is not this one's
+        other = socket.socket()
+        other.bind(("127.0.0.1", 0))
+        free = other.getsockname()[1]
+        other.close()
+        assert root(port=free) is None
+        assert root(pid=os.getpid() + 1) is None
+        assert root(root_dir="relative") is None
+        assert root(root_dir="/home/me") is None  # a root that does not hold the notebook
+        unix = tmp_path / "jupyter.sock"
+        served = socket.socket(socket.AF_UNIX)
+        served.bind(str(unix))
+        served.listen()
+        try:
+            assert root(sock=str(unix)) == "/srv/root"
+            assert root(sock=str(tmp_path / "theirs.sock")) is None
+        finally:
+            served.close()
+        server_file.unlink()
+        os.mkfifo(server_file)  # never opened: nothing blocks
+        assert notebook_path.server_root(runtime, "/srv/root/a.ipynb", pid=kernel_pid) is None
+    finally:
+        listening.close()
