@@ -106,6 +106,17 @@ def _no_kernels_message(args) -> str:
     )
 
 
+def _matching(kernels, query: str) -> list:
+    """The kernels ``query`` names: by pid, kernel id or notebook (as shown, or absolute); else by the notebook's
+    file name; else by a prefix of the kernel id."""
+    exact = [k for k in kernels if query in (str(k.pid), k.kernel_id, k.notebook, k.notebook_path())]
+    if not exact:
+        exact = [k for k in kernels if k.notebook and os.path.basename(k.notebook) == query]
+    if not exact:
+        exact = [k for k in kernels if k.kernel_id and k.kernel_id.startswith(query)]
+    return exact
+
+
 def _resolve(args, query: str) -> discovery.Kernel:
     if not query or not query.strip():
         # an unset variable in a script ("gpucleanup park $KERNEL") must not pick the only kernel
@@ -113,11 +124,7 @@ def _resolve(args, query: str) -> discovery.Kernel:
                        "lists them", EXIT_USAGE)
     found = _scan(args)
     kernels, dead = found.live, found.stale
-    exact = [k for k in kernels if query in (str(k.pid), k.kernel_id, k.notebook, k.notebook_path())]
-    if not exact:
-        exact = [k for k in kernels if k.notebook and os.path.basename(k.notebook) == query]
-    if not exact:
-        exact = [k for k in kernels if k.kernel_id and k.kernel_id.startswith(query)]
+    exact = _matching(kernels, query)
     if len(exact) == 1:
         return exact[0]
     if len(exact) > 1:
@@ -125,7 +132,7 @@ def _resolve(args, query: str) -> discovery.Kernel:
         raise CliError(f"{query!r} matches {len(exact)} kernels: {names}; give more of the kernel id or the pid", EXIT_NOT_FOUND)
     if any((discovery.instance_of(p) or "").split("-")[0] == query for p in dead):
         raise CliError(f"kernel {query} is dead: its process is gone (its discovery file was removed)", EXIT_NOT_FOUND)
-    elsewhere = [k for k in found.elsewhere if query in (str(k.pid), k.kernel_id, k.notebook, k.notebook_path())]
+    elsewhere = _matching(found.elsewhere, query)
     if elsewhere:
         k = elsewhere[0]
         raise CliError(
@@ -133,7 +140,7 @@ def _resolve(args, query: str) -> discovery.Kernel:
             f"{kernels_view.where_to_ask(k)}",
             EXIT_NOT_FOUND,
         )
-    if not kernels:
+    if not kernels and not found.elsewhere:
         raise CliError(_no_kernels_message(args), EXIT_NOT_FOUND)
     raise CliError(f"no kernel {query!r}: gpucleanup ps lists the kernels (pid, kernel id or notebook)", EXIT_NOT_FOUND)
 

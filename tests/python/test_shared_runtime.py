@@ -156,6 +156,13 @@ def test_host_b_keeps_and_lists_host_a_live_kernel(tmp_path):
         table = _on_host_b(prefix, runtime, sys.executable, "-m", "gpucleanup.cli", "ps")
         assert table.returncode == 0, table.stderr
         assert f"elsewhere (on another machine, host {discovery.host_name()})" in table.stdout
+        # drain, park or status from host B: refused, saying where to ask
+        for command in ("status", "drain", "park"):
+            refused = _on_host_b(prefix, runtime, sys.executable, "-m", "gpucleanup.cli", command, str(mine["pid"]))
+            assert (refused.returncode, refused.stdout) == (1, ""), refused
+            assert refused.stderr == (
+                f"gpucleanup: kernel {mine['pid']} is elsewhere (on another machine, host {discovery.host_name()}): "
+                f"its pid means nothing here; run gpucleanup on host {discovery.host_name()}\n")
         assert _identity(files) == before
 
         # a kernel loading gpucleanup on host B (the load-time sweep), and its own ps
