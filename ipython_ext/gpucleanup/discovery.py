@@ -43,8 +43,9 @@ file records of its writer (``boot_id``, ``machine_id``, ``host``, ``pid_ns``,
     another machine (another boot id, and another or an unknown machine id or
     host name: a home directory shared over NFS by the nodes of a cluster),
     another PID namespace of this boot (``pid_ns`` differs from
-    ``readlink /proc/self/ns/pid``: its pid means nothing here), a PID
-    namespace or boot unknown on either side (written, or read, where
+    ``readlink /proc/self/ns/pid``: its pid means nothing here), a live
+    kernel on loopback TCP in another network namespace (``net_ns``: its
+    127.0.0.1 is not this one's), a PID namespace or boot unknown on either side (written, or read, where
     ``/proc`` cannot be read), or a process that exists but cannot be
     inspected (``/proc/<pid>/stat`` unreadable). Unknown is never "stale".
     :attr:`Kernel.place` says which: ``machine``, ``namespace`` or ``unknown``.
@@ -53,7 +54,7 @@ file records of its writer (``boot_id``, ``machine_id``, ``host``, ``pid_ns``,
 
 The file's fields (all written by :func:`describe`):
 
-``discovery`` (1), ``instance``, ``pid``, ``proc_start_ticks``, ``pid_ns``,
+``discovery`` (1), ``instance``, ``pid``, ``proc_start_ticks``, ``pid_ns``, ``net_ns``,
 ``boot_id``, ``machine_id``, ``host``, ``kernel_id``, ``connection_file``,
 ``notebook``, ``notebook_root``, ``endpoint``, ``pub_endpoint``, ``transport``
 ("ipc" or "tcp"), ``key_file``, ``signature_scheme`` ("hmac-sha256"),
@@ -107,6 +108,7 @@ IN_ANOTHER_NAMESPACE = "namespace"
 PLACE_UNKNOWN = "unknown"
 
 _PID_NS = re.compile(r"pid:\[[0-9]{1,20}\]", re.ASCII)
+_NET_NS = re.compile(r"net:\[[0-9]{1,20}\]", re.ASCII)
 _MACHINE_ID = re.compile(r"[0-9a-f]{32}", re.ASCII)
 # systemd's machine-id(5), then D-Bus's older copy (the same value where both exist)
 MACHINE_ID_FILES = ("/etc/machine-id", "/var/lib/dbus/machine-id")
@@ -293,6 +295,16 @@ def pid_namespace() -> Optional[str]:
     return value if _PID_NS.fullmatch(value) else None
 
 
+def net_namespace() -> Optional[str]:
+    """This process's network namespace, ``net:[<inode>]`` (``readlink /proc/self/ns/net``), or None. A kernel on
+    loopback TCP is reachable only from its own network namespace: 127.0.0.1 elsewhere is another host's."""
+    try:
+        value = os.readlink("/proc/self/ns/net")
+    except OSError:
+        return None
+    return value if _NET_NS.fullmatch(value) else None
+
+
 def boot_id() -> Optional[str]:
     """The running Linux kernel's boot id (``/proc/sys/kernel/random/boot_id``), the same in every container."""
     try:
@@ -370,6 +382,7 @@ def describe(
         "pid": pid,
         "proc_start_ticks": process_start_ticks(pid),
         "pid_ns": pid_namespace(),
+        "net_ns": net_namespace(),
         "boot_id": boot_id(),
         "machine_id": machine_id(),
         "host": host_name(),
@@ -442,8 +455,8 @@ def write(path: Path, info: dict) -> os.stat_result:
     file is not its own. Returns the written file's ``fstat`` (:func:`remove_own`).
     """
     record = dict(info)
-    for key, read_own in (("pid_ns", pid_namespace), ("boot_id", boot_id), ("machine_id", machine_id),
-                          ("host", host_name)):
+    for key, read_own in (("pid_ns", pid_namespace), ("net_ns", net_namespace), ("boot_id", boot_id),
+                          ("machine_id", machine_id), ("host", host_name)):
         if key not in record:
             record[key] = read_own()
     return write_private(Path(path), (json.dumps(record, indent=1, sort_keys=True) + "\n").encode("utf-8"))
@@ -611,6 +624,9 @@ def validate(info, name_pid: Optional[int] = None, name_instance: Optional[str] 
     pid_ns = _string(info, "pid_ns")
     if pid_ns is not None and not _PID_NS.fullmatch(pid_ns):
         raise BadDiscoveryFile(f"pid_ns {_show(pid_ns)} is not pid:[<inode>]")
+    net_ns = _string(info, "net_ns")
+    if net_ns is not None and not _NET_NS.fullmatch(net_ns):
+        raise BadDiscoveryFile(f"net_ns {_show(net_ns)} is not net:[<inode>]")
     boot = _string(info, "boot_id")
     if boot is not None and not _BOOT_ID.fullmatch(boot):
         raise BadDiscoveryFile(f"boot_id {_show(boot)} is not a boot id")
@@ -711,9 +727,22 @@ def _on_another_machine(machine: Optional[str], host: Optional[str]) -> str:
     return f"on another machine, machine id {machine}"
 
 
+def _pid_and_ticks(info: dict) -> Optional[Tuple[int, Optional[int]]]:
+    pid = info.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < PID_LIMIT:
+        return None
+    ticks = info.get("proc_start_ticks")
+    return pid, ticks if isinstance(ticks, int) and not isinstance(ticks, bool) else None
+
+
 def judge(info: dict, own_pid_ns: Optional[str] = None, own_boot_id: Optional[str] = None,
-          own_machine: Optional[Tuple[Optional[str], Optional[str]]] = None) -> Tuple[str, str, Optional[str]]:
-    """:func:`classify`'s ``(state, why)`` and, for ``elsewhere``, where (:attr:`Kernel.place`)."""
+          own_machine: Optional[Tuple[Optional[str], Optional[str]]] = None,
+          own_net_ns: Optional[str] = None) -> Tuple[str, str, Optional[str]]:
+    """:func:`classify`'s ``(state, why)`` and, for ``elsewhere``, where (:attr:`Kernel.place`). A kernel of
+    this PID namespace on loopback TCP in another network namespace (a container with the host's PID namespace
+    and a network of its own) is judged by its pid, but, alive, is elsewhere: 127.0.0.1 here is not its host.
+    ``own_net_ns``: None reads this process's; "" means unknown."""
+    own_net_ns = own_net_ns if own_net_ns is not None else net_namespace()
     own_boot_id = own_boot_id if own_boot_id is not None else boot_id()
     own_machine = own_machine if own_machine is not None else (machine_id(), host_name())
     theirs = info.get("boot_id")
@@ -737,6 +766,15 @@ def judge(info: dict, own_pid_ns: Optional[str] = None, own_boot_id: Optional[st
         return ELSEWHERE, "its boot is not recorded: its pid cannot be judged here", PLACE_UNKNOWN
     if ns != own_pid_ns:
         return ELSEWHERE, f"another PID namespace, {ns}", IN_ANOTHER_NAMESPACE
+    net = info.get("net_ns")
+    if info.get("transport") == "tcp" and isinstance(net, str) and own_net_ns and net != own_net_ns:
+        # its pid is judged below, but its port is not reachable from here
+        target = _pid_and_ticks(info)
+        state, why = _pid_state(*target) if target else (STALE, "no valid pid")
+        if state != LIVE:
+            return state, why, PLACE_UNKNOWN if state == ELSEWHERE else None
+        return ELSEWHERE, f"another network namespace, {net}: its loopback port is not reachable from here", \
+            IN_ANOTHER_NAMESPACE
     pid = info.get("pid")
     if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < PID_LIMIT:
         return STALE, "no valid pid", None
@@ -932,6 +970,7 @@ def scan(directory: Optional[Path] = None, clean: bool = True) -> ScanResult:
         except OSError:
             return result
         own_ns, own_boot, own_machine = pid_namespace(), boot_id(), (machine_id(), host_name())
+        own_net = net_namespace()
         stale: List[Tuple[str, str, os.stat_result]] = []
         for name_pid, instance, name in names:
             path = directory / name
@@ -961,7 +1000,7 @@ def scan(directory: Optional[Path] = None, clean: bool = True) -> ScanResult:
             except (BadDiscoveryFile, RecursionError) as exc:
                 result.skipped.append(Skipped(path, str(exc) or type(exc).__name__))
                 continue
-            state, why, place = judge(info, own_ns or "", own_boot or "", own_machine)
+            state, why, place = judge(info, own_ns or "", own_boot or "", own_machine, own_net or "")
             if state == LIVE:
                 result.live.append(Kernel(path, info, owner=info_stat.st_uid))
             elif state == ELSEWHERE:

@@ -337,3 +337,31 @@ def test_a_kernel_leaves_alone_a_file_someone_put_in_place_of_its_own(tmp_path):
         for path, content in theirs.items():
             assert path.read_bytes() == content
         assert not os.path.lexists(sock) and not os.path.lexists(pub)  # its own sockets still went
+
+
+# ---------------------------------------------------------------- loopback TCP from another network namespace
+
+
+def test_a_tcp_kernel_is_not_asked_from_another_network_namespace(tmp_path):
+    # A container with the host's PID namespace and a network of its own (a monitoring container run with
+    # --pid=host) judges the kernel's pid as its own, but 127.0.0.1 there is another host: whatever listens on
+    # the kernel's port in that namespace would be sent the request. It is listed, never asked.
+    _probe(["unshare", "--net", "true"], "another network namespace (unshare --net)")
+    runtime = tmp_path / "runtime"
+    with kernel(tmp_path, GPUCLEANUP_FAKE_CUDA_SCENARIO=SCENARIO, GPUCLEANUP_STATUS_TRANSPORT="tcp") as kc:
+        mine = _loaded(kc)
+        assert mine["info"]["transport"] == "tcp" and mine["info"]["endpoint"].startswith("tcp://127.0.0.1:")
+        seen = _run(["unshare", "--net", sys.executable, "-m", "gpucleanup.cli", "ps", "--json"], env=_env(runtime))
+        assert seen.returncode == 0, seen.stderr
+        (entry,) = json.loads(seen.stdout)
+        assert (entry["pid"], entry["elsewhere"], entry["place"]) == (mine["pid"], True, "namespace")
+        assert entry["elsewhere_reason"].startswith("another network namespace, net:[")
+        assert "status" not in entry and "error" not in entry
+        assert os.path.exists(runtime / f"gpucleanup-{mine['instance']}.json")
+        # from its own network namespace it is asked as always
+        (here,) = json.loads(_ps(runtime).stdout)
+        assert here["elsewhere"] is False and here["status"]["kernel"]["pid"] == mine["pid"]
+    # once it is gone, a reader in another network namespace proves it stale like any other
+    gone = _run(["unshare", "--net", sys.executable, "-m", "gpucleanup.cli", "ps", "--json"], env=_env(runtime))
+    assert (gone.returncode, gone.stdout) == (0, "[]\n"), gone.stderr
+    assert not os.path.exists(runtime / f"gpucleanup-{mine['instance']}.json")
