@@ -156,6 +156,14 @@ def test_host_b_keeps_and_lists_host_a_live_kernel(tmp_path):
         table = _on_host_b(prefix, runtime, sys.executable, "-m", "gpucleanup.cli", "ps")
         assert table.returncode == 0, table.stderr
         assert f"elsewhere (on another machine, host {discovery.host_name()})" in table.stdout
+        # a Prometheus scrape on host B: counted as elsewhere, not asked, nothing removed
+        if __import__("importlib").util.find_spec("prometheus_client") is not None:
+            scrape = _on_host_b(prefix, runtime, sys.executable, "-c",
+                                "from prometheus_client import generate_latest; from gpucleanup import metrics; "
+                                "print(generate_latest(metrics.make_registry()).decode())")
+            assert scrape.returncode == 0, scrape.stderr
+            assert "\ngpucleanup_kernels 0.0\n" in scrape.stdout and "\ngpucleanup_kernels_elsewhere 1.0\n" in scrape.stdout
+            assert _identity(files) == before
         # drain, park or status from host B: refused, saying where to ask
         for command in ("status", "drain", "park"):
             refused = _on_host_b(prefix, runtime, sys.executable, "-m", "gpucleanup.cli", command, str(mine["pid"]))
