@@ -125,9 +125,10 @@ def admin_world(base: Path, n: int = N, *server_args: str):
         # the fake driver registers each process as its library loads it, for the first status reply's snapshot;
         # then that process's record says the driver found it failed
         listing(server)
-        record = checkpoints / f"{fakes.pids[FAILED]}.json"
-        assert json.loads(record.read_text())["state"] == "running"
-        record.write_text(json.dumps(dict(json.loads(record.read_text()), state="failed")))
+        if n > FAILED:
+            record = checkpoints / f"{fakes.pids[FAILED]}.json"
+            assert json.loads(record.read_text())["state"] == "running"
+            record.write_text(json.dumps(dict(json.loads(record.read_text()), state="failed")))
         yield {"server": server, "pids": fakes.pids, "world": world, "checkpoints": checkpoints}
     finally:
         if fakes is not None:

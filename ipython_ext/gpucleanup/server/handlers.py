@@ -150,7 +150,7 @@ class KernelWatch:
         refused: Dict[str, object] = getattr(self, "_park_refused", {})
         self._park_refused = refused
         found = await self.run(discovery.scan, self.runtime_dir, clean=False)
-        listed = (await self.collect())["kernels"]
+        listed = (await self.collect(frozenset()))["kernels"]  # the states only: no kernel asked for its cells
         for gone in set(refused) - {entry["id"] for entry in listed}:
             del refused[gone]  # a kernel that exited: its id is never seen again
         for entry in listed:
@@ -215,9 +215,9 @@ class KernelWatch:
         if cards and self.settings.history > 0:
             # the last cells of the open cards only: a second request to those kernels alone
             await self.run(_histories, gathered, cards, self.settings.timeout, self.settings.history)
-        facts = await self.run(admin.local_facts, gathered, view)
         root = getattr(self.serverapp, "root_dir", None)
-        return admin.annotate(model.assemble(ours, gathered), view, facts, root)
+        # reading /proc and the kernels' files, and building the answer: on the pool too, off the event loop
+        return await self.run(_answer, ours, gathered, view, root)
 
     async def collect(self, cards: Optional[frozenset] = None) -> dict:
         """The API's answer; ``cards``: the ids whose last cells and timeline are wanted (None: every
@@ -385,6 +385,10 @@ class DrainHandler(_API):
             "lines": model.drain_lines(result, float(drain_timeout)),
             "result": result,
         })
+
+
+def _answer(ours: List[dict], gathered: kernels.Gathered, view: "admin.GpuView", root: Optional[str]) -> dict:
+    return admin.annotate(model.assemble(ours, gathered), view, admin.local_facts(gathered, view), root)
 
 
 def _histories(gathered: kernels.Gathered, cards: frozenset, timeout: float, history: int) -> None:
