@@ -766,21 +766,18 @@ def judge(info: dict, own_pid_ns: Optional[str] = None, own_boot_id: Optional[st
         return ELSEWHERE, "its boot is not recorded: its pid cannot be judged here", PLACE_UNKNOWN
     if ns != own_pid_ns:
         return ELSEWHERE, f"another PID namespace, {ns}", IN_ANOTHER_NAMESPACE
+    target = _pid_and_ticks(info)
+    if target is None:
+        return STALE, "no valid pid", None
+    state, why = _pid_state(*target)
+    if state == ELSEWHERE:
+        return state, why, PLACE_UNKNOWN
     net = info.get("net_ns")
-    if info.get("transport") == "tcp" and isinstance(net, str) and own_net_ns and net != own_net_ns:
-        # its pid is judged below, but its port is not reachable from here
-        target = _pid_and_ticks(info)
-        state, why = _pid_state(*target) if target else (STALE, "no valid pid")
-        if state != LIVE:
-            return state, why, PLACE_UNKNOWN if state == ELSEWHERE else None
+    if state == LIVE and info.get("transport") == "tcp" and isinstance(net, str) and own_net_ns and net != own_net_ns:
+        # alive in this PID namespace, but its loopback port belongs to another network
         return ELSEWHERE, f"another network namespace, {net}: its loopback port is not reachable from here", \
             IN_ANOTHER_NAMESPACE
-    pid = info.get("pid")
-    if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < PID_LIMIT:
-        return STALE, "no valid pid", None
-    ticks = info.get("proc_start_ticks")
-    state, why = _pid_state(pid, ticks if isinstance(ticks, int) and not isinstance(ticks, bool) else None)
-    return state, why, PLACE_UNKNOWN if state == ELSEWHERE else None
+    return state, why, None
 
 
 def classify(info: dict, own_pid_ns: Optional[str] = None, own_boot_id: Optional[str] = None,
