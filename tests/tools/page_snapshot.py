@@ -102,7 +102,11 @@ def main(argv=None) -> int:
         driver.get(f"http://127.0.0.1:{port}/gpucleanup")
         expected = len(answer.get("kernels") or [])
         WebDriverWait(driver, 30).until(
-            lambda d: d.execute_script("return document.querySelectorAll('#kernels > *').length") == expected)
+            lambda d: d.execute_script("return document.querySelectorAll('#rows > tr.kernel-row').length") == expected)
+        # every row's card open: the figures, last cells and timeline of each kernel
+        driver.execute_script("document.querySelectorAll('#rows button.open').forEach((b) => b.click())")
+        WebDriverWait(driver, 30).until(
+            lambda d: d.execute_script("return document.querySelectorAll('#rows section.kernel').length") == expected)
         height = driver.execute_script("return document.documentElement.scrollHeight")
         # the whole page, not the window's part of it
         driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",

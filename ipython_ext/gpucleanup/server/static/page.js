@@ -332,9 +332,10 @@
   }
 
   function renderGpus(data) {
-    const gpus = data.gpus || []; // an answer recorded before the header existed has none
+    const gpus = data.gpus || [];
     gpusBox.replaceChildren(...gpus.map(gpuBlock));
-    if (!gpus.length) gpusBox.appendChild(el("p", "muted", "No GPU in use by a kernel with gpucleanup."));
+    gpusBox.hidden = !data.gpus; // an answer recorded before the header existed has none to say
+    if (data.gpus && !gpus.length) gpusBox.appendChild(el("p", "muted", "No GPU in use by a kernel with gpucleanup."));
   }
 
   // ------------------------------------------------------------------ one row, and its card on demand
