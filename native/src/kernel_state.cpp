@@ -2,6 +2,7 @@
 
 #include <time.h>
 
+#include <algorithm>
 #include <utility>
 
 namespace gpucleanup {
@@ -22,20 +23,49 @@ void KernelState::set(json state) {
   if (const auto it = state.find("since_ns"); it != state.end() && it->is_number_integer()) since = it->get<std::int64_t>();
   std::lock_guard<std::mutex> lock(mutex_);
   if (park_state_locked() != 0) return;  // only park() ends a park
+  const bool was_cell = cell_runs_locked();
   cell_state_.reset();
   state_ = std::move(state);
   since_ns_ = since;
   updated_ns_ = now;
+  note_cell_end_locked(was_cell, std::min(since, now));  // an "idle" said with the time the cell ended
 }
 
 int KernelState::set_cell(bool running, std::int64_t cell) noexcept {
   const std::int64_t now = realtime_ns();
   std::lock_guard<std::mutex> lock(mutex_);
   if (const int parked = park_state_locked(); parked != 0) return parked;  // only park() ends a park
+  // A cell's state as it was, read without building the JSON object when it is the fast path's own.
+  const bool was_cell = cell_state_ ? cell_state_->running : cell_runs_locked();
   cell_state_ = CellState{running, cell < 0 ? -1 : cell};
   since_ns_ = now;
   updated_ns_ = now;
+  note_cell_end_locked(was_cell, now);
   return 0;
+}
+
+bool KernelState::cell_runs_locked() {
+  if (cell_state_) return cell_state_->running;
+  const auto name = state_.find("state");
+  if (name == state_.end() || !name->is_string()) return false;
+  const auto& word = name->get_ref<const std::string&>();
+  if (word == "running") return true;
+  if (word != "waiting" && word != "draining") return false;
+  const auto cell = state_.find("cell");
+  return cell != state_.end() && cell->is_number_integer();
+}
+
+void KernelState::note_cell_end_locked(bool was_cell, std::int64_t when) {
+  if (was_cell && !cell_runs_locked()) last_cell_ended_ns_ = when;
+}
+
+std::optional<std::int64_t> KernelState::last_cell_ended_ns() const noexcept {
+  try {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return last_cell_ended_ns_;
+  } catch (...) {
+    return std::nullopt;
+  }
 }
 
 json& KernelState::state_locked() {
@@ -62,6 +92,7 @@ json KernelState::view(std::int64_t now_ns) {
   view["since_ns"] = since_ns_;
   view["updated_ns"] = updated_ns_;
   view["age_s"] = static_cast<double>(now_ns - since_ns_) / 1e9;
+  view["last_cell_ended_ns"] = last_cell_ended_ns_ ? json(*last_cell_ended_ns_) : json(nullptr);
   return view;
 }
 

@@ -36,8 +36,14 @@ class KernelState {
   void set(nlohmann::json state);
   // As StatusServer::set_cell_state: returns the park state after it.
   int set_cell(bool running, std::int64_t cell) noexcept;
-  // The state with "since_ns", "updated_ns" and "age_s" at `now_ns`.
+  // The state with "since_ns", "updated_ns", "age_s" at `now_ns`, and "last_cell_ended_ns".
   nlohmann::json view(std::int64_t now_ns);
+  // When the kernel's last cell ended (CLOCK_REALTIME ns); nullopt while no cell has ended since this state
+  // was made (the status server's start). Moved only by a cell's end: set() or set_cell() taking the state
+  // from a cell's (running; waiting or draining of a cell) to one that is not. A park's steps, a drain from
+  // outside's own states (draining of no cell, the idle after it) and the kernel's background releases leave
+  // it as it is, so that the time since it is the kernel's idle time whatever was done to the kernel since.
+  std::optional<std::int64_t> last_cell_ended_ns() const noexcept;
 
   // One park step (StatusServer::park_step); the refusal, or nullopt with the
   // state after it in `after`. `automatic`: a begin asked by a policy, which
@@ -79,6 +85,12 @@ class KernelState {
   };
 
   nlohmann::json& state_locked();
+  // Whether the state now is a cell's: "running" (of a cell, numbered or not), or "waiting" or "draining" of
+  // a numbered cell (a drain from outside says them with no cell).
+  bool cell_runs_locked();
+  // A cell's state said by set() or set_cell() has replaced the state, which was a cell's (`was_cell`) or not:
+  // the cell's end at `when` where it leaves a cell's state for one that is not.
+  void note_cell_end_locked(bool was_cell, std::int64_t when);
   std::string name_locked();
   // "draining" with no cell: the kernel's own cleanup for a drain from outside (a cell's says its number).
   bool outside_drain_locked();
@@ -90,6 +102,7 @@ class KernelState {
   std::int64_t since_ns_ = 0;
   std::int64_t updated_ns_ = 0;
   std::optional<BeforePark> before_park_;
+  std::optional<std::int64_t> last_cell_ended_ns_;  // see last_cell_ended_ns()
   // Why no automatic park may begin now (empty: it may), as the kernel last said it (set_park_blocker): a
   // thread a cell started still runs, and its GPU calls would stop for as long as the kernel stayed parked.
   std::string park_blocker_;
