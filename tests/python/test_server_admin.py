@@ -237,6 +237,9 @@ def test_the_table_sorts_by_memory_held_by_idle_time_and_by_name(setup):
     assert shown[-1] is None
     bad = server.request("GET", "/api/gpucleanup/kernels?sort=size", token=True)
     assert bad.status == 400 and bad.json()["message"] == "sort must be one of held, idle, name, got 'size'"
+    many = ",".join(f"pid-{n}" for n in range(300))
+    bad = server.request("GET", f"/api/gpucleanup/kernels?cards={many}", token=True)
+    assert bad.status == 400 and bad.json()["message"] == "cards must list at most 256 kernel ids, as the list names them"
 
 
 def test_each_kernel_is_asked_once_per_refresh(setup):

@@ -320,7 +320,10 @@ class KernelsHandler(_API):
         if order is not None and order not in admin.SORTS:
             raise web.HTTPError(400, "%s", f"sort must be one of {', '.join(admin.SORTS)}, got {order!r}")
         cards = self.get_query_argument("cards", None)
-        data = await self.watch.collect(None if cards is None else frozenset(filter(None, cards.split(","))))
+        wanted = None if cards is None else frozenset(filter(None, cards.split(",")))
+        if wanted is not None and (len(wanted) > 256 or any(len(key) > 128 for key in wanted)):
+            raise web.HTTPError(400, "%s", "cards must list at most 256 kernel ids, as the list names them")
+        data = await self.watch.collect(wanted)
         if order is not None:
             data = dict(data, kernels=admin.sort_entries(data["kernels"], order), sort=order)
         self.finish(data)
