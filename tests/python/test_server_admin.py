@@ -371,3 +371,22 @@ def test_a_kernel_that_does_not_answer_costs_the_list_its_timeout_only(setup):
         assert server.request("GET", "/api/status", token=True).status == 200
     finally:
         os.kill(pids[3], signal.SIGCONT)
+
+
+def test_idle_since_is_the_end_of_the_last_cell_whatever_happened_since():
+    """A drain from outside or a park restarts the state's own clock; the end of the last cell, when the kernel
+    says it, is when its idle time began."""
+    from gpucleanup.server import admin
+
+    ended, drained, parked = 1_000 * 10**9, 1_500 * 10**9, 1_800 * 10**9
+    idle_after_drain = {"state": {"state": "idle", "since_ns": drained, "last_cell_ended_ns": ended}}
+    parked_kernel = {"state": {"state": "parked", "since_ns": parked, "last_cell_ended_ns": ended},
+                     "last_cells": [{"time_ns": ended - 5}]}
+    assert admin._idle_since(idle_after_drain) == ended
+    assert admin._idle_since(parked_kernel) == ended
+    # a kernel that does not say it (an older library, no cell since its server started): the state's start, or
+    # for a parked one its last cell's record
+    assert admin._idle_since({"state": {"state": "idle", "since_ns": drained, "last_cell_ended_ns": None}}) == drained
+    assert admin._idle_since({"state": {"state": "parked", "since_ns": parked}, "last_cells": [{"time_ns": ended}]}) == ended
+    assert admin._idle_since({"state": {"state": "running", "cell": 3, "since_ns": drained,
+                                        "last_cell_ended_ns": ended}}) is None

@@ -119,8 +119,13 @@ def _gpu_key(uuid: Optional[str], index) -> str:
 
 
 def _idle_since(entry: dict) -> Optional[int]:
-    """When the kernel's last cell ended: its idle state's start, else (parked) its last cell's record."""
+    """When the kernel's last cell ended, for a kernel idle, parking or parked: the state's
+    ``last_cell_ended_ns`` (moved by a cell's end only, not by a drain from outside or a park), else the idle
+    state's start, else (parked) its last cell's record; None while a cell runs."""
     state = entry.get("state") or {}
+    ended = state.get("last_cell_ended_ns")
+    if state.get("state") in ("idle", "parking", "parked") and type(ended) is int and ended > 0:
+        return ended
     if state.get("state") == "idle" and isinstance(state.get("since_ns"), int):
         return state["since_ns"]
     if state.get("state") in ("parking", "parked"):
