@@ -194,9 +194,11 @@ _total = kernels_view.total
 device_rows = kernels_view.device_rows
 
 
-def state_text(state: Optional[dict]) -> str:
-    """``running cell 12 for 5.2 s``, ``idle for 3 min 2 s``, ``parked 8.2 GiB in host memory for 42 min``."""
-    return kernels_view.state_text(state) or "?"
+def state_text(state: Optional[dict], reply: Optional[dict] = None) -> str:
+    """``running cell 12 for 5.2 s``, ``idle for 3 min 2 s`` (since its last cell ended, whatever a park or a
+    drain did since), ``parked 8.2 GiB in host memory for 42 min``; ``reply``: the status reply it comes from."""
+    server = reply.get("server") if isinstance(reply, dict) else None
+    return kernels_view.state_text(state, server.get("started_ns") if isinstance(server, dict) else None) or "?"
 
 
 def memory_text(reply: dict) -> str:
@@ -353,7 +355,7 @@ def cmd_ps(args) -> int:
             rows.append([str(kernel.pid), _kernel_name(kernel), _short_error(_view_error(view, args.timeout)), "", ""])
         else:
             reply = view.status
-            rows.append([str(kernel.pid), _kernel_name(kernel), state_text(reply.get("state")), memory_text(reply),
+            rows.append([str(kernel.pid), _kernel_name(kernel), state_text(reply.get("state"), reply), memory_text(reply),
                          last_cell_text(reply)])
     print(_table(["PID", "KERNEL", "STATE", "GPU MEMORY", "LAST CELL"], rows, colour_column=2,
                  colour=colour_wanted()))
@@ -403,7 +405,7 @@ def cmd_status(args) -> int:
     if isinstance(root, str) and root:
         lines.append(f"root       {_safe(root)}  (the Jupyter Server's; the notebook is relative to it)")
     lines += [
-        f"state      {state_text(reply.get('state'))}",
+        f"state      {state_text(reply.get('state'), reply)}",
         f"endpoint   {_safe(kernel.endpoint)}",
     ]
     snapshot = reply.get("snapshot") or {}

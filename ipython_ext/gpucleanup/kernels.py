@@ -23,12 +23,51 @@ from . import discovery, status_client
 from .units import format_bytes, format_duration
 
 __all__ = ["KernelView", "Gathered", "gather", "device_rows", "total", "target_of", "short_error", "state_text",
-           "where_to_ask"]
+           "where_to_ask", "cell_runs", "idle_for_s"]
 
 
-def state_text(state: Optional[dict]) -> Optional[str]:
-    """A kernel's state as ``gpucleanup ps`` and the page say it: ``idle for 3.0 s``, ``running cell 12 for
-    1 min 3 s``, ``waiting for GPU0 for 8.0 s``, ``parked 8.2 GiB in host memory for 42 min`` (None: unknown)."""
+def _int(value) -> Optional[int]:
+    return value if type(value) is int else None
+
+
+def cell_runs(state: Optional[dict]) -> bool:
+    """Whether a reply's ``state`` says a cell runs: ``running``, or ``waiting``/``draining`` of a cell (a drain
+    from outside says them with no cell)."""
+    if not isinstance(state, dict):
+        return False
+    name = state.get("state")
+    return name == "running" or (name in ("waiting", "draining") and _int(state.get("cell")) is not None)
+
+
+def idle_for_s(state: Optional[dict], started_ns: Optional[int] = None) -> Optional[float]:
+    """How long the kernel had been idle when it answered, from a status reply's ``state`` (and its
+    ``server.started_ns``); 0 while a cell runs, None when not known.
+
+    Idle since its last cell's end (``last_cell_ended_ns``), whatever a park, a resume or a drain from outside
+    did since (each restarts the state's own age); since the status server started when no cell has ended since
+    (null); from a library older than the field, the state's age. The reply's time is ``since_ns + age_s``."""
+    if not isinstance(state, dict):
+        return None
+    if cell_runs(state):
+        return 0.0
+    age = state.get("age_s")
+    if not isinstance(age, (int, float)) or isinstance(age, bool):
+        return None
+    since = _int(state.get("since_ns"))
+    if "last_cell_ended_ns" not in state or since is None:
+        return max(0.0, float(age))
+    began = _int(state.get("last_cell_ended_ns"))
+    if began is None:
+        began = _int(started_ns)
+    if began is None:
+        return max(0.0, float(age))
+    return max(0.0, float(age) + (since - began) / 1e9)
+
+
+def state_text(state: Optional[dict], started_ns: Optional[int] = None) -> Optional[str]:
+    """A kernel's state as ``gpucleanup ps`` and the page say it: ``idle for 3.0 s`` (since its last cell ended:
+    :func:`idle_for_s`, with ``started_ns`` the reply's ``server.started_ns``), ``running cell 12 for 1 min 3 s``,
+    ``waiting for GPU0 for 8.0 s``, ``parked 8.2 GiB in host memory for 42 min`` (None: unknown)."""
     if not isinstance(state, dict):
         return None
     name = str(state.get("state") or "unknown")
@@ -40,7 +79,7 @@ def state_text(state: Optional[dict]) -> Optional[str]:
         words = f"waiting for GPU{state['device']}"
     elif name == "parked":
         words = f"parked {format_bytes(size)} in host memory" if type(size) is int and size > 0 else "parked in host memory"
-    age = state.get("age_s")
+    age = idle_for_s(state, started_ns) if name == "idle" else state.get("age_s")
     if isinstance(age, (int, float)) and not isinstance(age, bool):
         words += f" for {format_duration(age)}"
     return words

@@ -20,7 +20,7 @@ Gauges, as of the kernel's last cleanup (its ``last_record``) or its live snapsh
   memory pools (live snapshot);
 - ``gpucleanup_kernel_state{state}``: 1 for the kernel's state, 0 for the others (idle, running, draining,
   waiting, parking, parked, unknown); ``gpucleanup_kernel_state_age_seconds``: how long it has been in it;
-  ``gpucleanup_kernel_idle_seconds``: how long it has been idle (0 while a cell runs; see :func:`idle_seconds`);
+  ``gpucleanup_kernel_idle_seconds``: how long since its last cell ended (0 while a cell runs; see :func:`idle_seconds`);
   ``gpucleanup_kernel_parked`` (1 while parked) and ``gpucleanup_kernel_parked_bytes`` (what it holds in host memory);
 - ``gpucleanup_device_parked_bytes{device, uuid}``: per GPU, what the kernels parked from it hold in host memory
   (a parked kernel has no per-device series: it holds nothing on the GPU);
@@ -199,8 +199,9 @@ class KernelCollector:
             "state_age": gauge("gpucleanup_kernel_state_age_seconds", "How long the kernel has been in its state.",
                                labels=KERNEL_LABELS),
             "idle": gauge("gpucleanup_kernel_idle_seconds",
-                          "Seconds since the kernel last ran something (a cell, a drain from outside, a park or a "
-                          "resume), or since gpucleanup loaded if nothing ran; 0 while a cell runs.",
+                          "Seconds since the kernel's last cell ended (a park, a resume or a drain from outside "
+                          "since then does not count), or since gpucleanup loaded if no cell ran; 0 while a cell "
+                          "runs.",
                           labels=KERNEL_LABELS, unit="seconds"),
             "parked": gauge("gpucleanup_kernel_parked",
                             "1 while the kernel is parked (its GPU memory, context included, in host memory), else 0.",
@@ -355,7 +356,8 @@ class KernelCollector:
         age = _number(state.get("age_s"))
         if age is not None:
             families["state_age"].add_metric(labels, max(0.0, age))
-        idle = idle_seconds(state)
+        server = reply.get("server") if isinstance(reply.get("server"), dict) else {}
+        idle = idle_seconds(state, server.get("started_ns"))
         if idle is not None:
             families["idle"].add_metric(labels, idle)
 
@@ -422,25 +424,17 @@ _LOOP_MARGIN_S = 0.5
 #: or none before, means the last figures say little about now)
 STALE_AFTER_S = 300.0
 
-#: states in which the kernel is running something of its user's: idle for 0 s
-_BUSY_STATES = ("running", "waiting")
+def idle_seconds(state: dict, started_ns: Optional[int] = None) -> Optional[float]:
+    """How long the kernel has been idle, from its status reply's ``state`` (and ``server.started_ns``), as of
+    its answer; None when unknown (:func:`kernels.idle_for_s`).
 
-
-def idle_seconds(state: dict) -> Optional[float]:
-    """How long the kernel has been idle, from its status reply's ``state``; None when unknown.
-
-    0 while a cell runs (``running``, ``waiting``, ``draining`` a cell's cleanup); else the age of the
-    state, which the kernel resets when a cell ends, and also when a drain from outside, a park or a
-    resume ends (each sets a state of its own): for a kernel parked since its last cell, the time since
-    the park.
+    0 while a cell runs (``running``; ``waiting`` or ``draining`` of a cell); else the time since its last cell
+    ended (the state's ``last_cell_ended_ns``), which a drain from outside, a park or a resume since then leave
+    as it is: a kernel parked 30 min after its last cell and resumed from outside says 30 min and more, not the
+    time since the resume. Since the status server started when no cell has ended since; the state's age from
+    a library older than the field.
     """
-    if not isinstance(state, dict):
-        return None
-    name = state.get("state")
-    if name in _BUSY_STATES or (name == "draining" and state.get("cell") is not None):
-        return 0.0
-    age = _number(state.get("age_s"))
-    return max(0.0, age) if age is not None else None
+    return kernels.idle_for_s(state, started_ns)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -602,7 +602,8 @@ def _process_uid(pid: int):
 
 def test_idle_seconds_count_from_the_end_of_the_last_cell_and_are_0_while_one_runs(kernel):
     registry = registry_for(kernel.endpoint.discovery_path.parent)
-    kernel.endpoint.set_state({"state": "idle", "since_ns": time.time_ns() - 600 * 10**9})
+    kernel.endpoint.set_state({"state": "running", "cell": 13, "since_ns": time.time_ns() - 700 * 10**9})
+    kernel.endpoint.set_state({"state": "idle", "since_ns": time.time_ns() - 600 * 10**9})  # cell 13 ended then
     idle = value(scrape(registry), "gpucleanup_kernel_idle_seconds", pid=kernel.pid)
     assert 600 <= idle < 660, idle
     kernel.endpoint.set_state({"state": "running", "cell": 14, "since_ns": time.time_ns() - 60 * 10**9})
@@ -612,13 +613,27 @@ def test_idle_seconds_count_from_the_end_of_the_last_cell_and_are_0_while_one_ru
 
 
 def test_idle_seconds_of_a_reply_state():
+    # a library older than last_cell_ended_ns: the state's age
     assert metrics.idle_seconds({"state": "idle", "age_s": 12.5}) == 12.5
-    assert metrics.idle_seconds({"state": "waiting", "device": 0, "age_s": 40.0}) == 0
+    assert metrics.idle_seconds({"state": "waiting", "device": 0, "cell": 3, "age_s": 40.0}) == 0
     assert metrics.idle_seconds({"state": "draining", "cell": 3, "age_s": 4.0}) == 0
+    assert metrics.idle_seconds({"state": "running", "cell": None, "age_s": 4.0}) == 0
     assert metrics.idle_seconds({"state": "draining", "cell": None, "age_s": 4.0}) == 4.0  # a drain from outside
+    assert metrics.idle_seconds({"state": "waiting", "device": 0, "cell": None, "age_s": 2.0}) == 2.0  # its settle
     assert metrics.idle_seconds({"state": "parked", "bytes": 5, "age_s": 90.0}) == 90.0
     assert metrics.idle_seconds({"state": "idle"}) is None
     assert metrics.idle_seconds(None) is None
+    # the reply's time is since_ns + age_s: idle since the last cell's end, whatever state came after it
+    s = 10**9
+    parked = {"state": "parked", "bytes": 5, "since_ns": 1000 * s, "age_s": 90.0, "last_cell_ended_ns": 400 * s}
+    assert metrics.idle_seconds(parked) == 690.0
+    drained = {"state": "idle", "since_ns": 1000 * s, "age_s": 3.0, "last_cell_ended_ns": 940 * s}
+    assert metrics.idle_seconds(drained) == 63.0
+    assert metrics.idle_seconds(dict(drained, state="running", cell=7)) == 0  # the previous cell's end stands
+    # no cell has ended since the status server started: idle since that start, when given
+    fresh = {"state": "idle", "since_ns": 1000 * s, "age_s": 5.0, "last_cell_ended_ns": None}
+    assert metrics.idle_seconds(fresh, 900 * s) == 105.0
+    assert metrics.idle_seconds(fresh) == 5.0
 
 
 def _park(endpoint, size: int) -> None:
