@@ -65,8 +65,10 @@ if [[ $stages == *" server "* ]]; then
   # the Jupyter Server page's data, /metrics and %gpumem --plot against a CuPy and a PyTorch notebook; what
   # they showed (server-kernels.json, server-metrics.txt, gpumem-*.json, gpumem-plot-*.png) comes back in
   # $OUT/server/
-  GPUCLEANUP_ARTIFACTS="$out/server" python3 -m pytest tests/gpu/test_server_gpu.py -v -s -p no:cacheprovider 2>&1 \
-    | tee "$out/server-tests.log"
+  # and the page's admin view (tests/gpu/test_page_totals_gpu.py): its per-GPU totals against nvidia-smi with three
+  # CuPy kernels and a process without gpucleanup, then the bulk park's preview against what it gave back
+  GPUCLEANUP_ARTIFACTS="$out/server" python3 -m pytest tests/gpu/test_server_gpu.py tests/gpu/test_page_totals_gpu.py \
+    -v -s -p no:cacheprovider 2>&1 | tee "$out/server-tests.log"
 fi
 if [[ $stages == *" park "* ]]; then
   # parking: CuPy, PyTorch and JAX (one visible GPU) processes parked to 0 MiB and resumed with every byte equal,

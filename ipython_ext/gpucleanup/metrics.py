@@ -27,7 +27,8 @@ Gauges, as of the kernel's last cleanup (its ``last_record``) or its live snapsh
 - ``gpucleanup_kernel_up``: 1 when the kernel answered, 0 when not; a kernel that did not answer has
   ``gpucleanup_kernel_error{kind}`` 1 (kind: no_answer, refused, bad_key) and no other series;
 - ``gpucleanup_kernels``: kernels found in this PID namespace; ``gpucleanup_kernels_elsewhere``: kernels
-  of other PID namespaces (containers), listed by their discovery files and never asked;
+  of other machines, PID namespaces (containers) or network namespaces, listed by their discovery files and never
+  asked;
 - ``gpucleanup_scrape_duration_seconds``, ``gpucleanup_scrape_ok`` (0: the runtime directory could not be
   scanned; the error is logged on the ``gpucleanup`` logger), ``gpucleanup_collected_timestamp_seconds``
   (when the kernels were asked: jupyter_server's ``/metrics`` shows the collection the previous scrape
@@ -220,7 +221,7 @@ class KernelCollector:
                            labels=KERNEL_LABELS + ("kind",)),
             "kernels": gauge("gpucleanup_kernels", "Kernels with gpucleanup found in this PID namespace."),
             "elsewhere": gauge("gpucleanup_kernels_elsewhere",
-                               "Kernels with gpucleanup of other PID namespaces (containers): listed, never asked."),
+                               "Kernels with gpucleanup on other machines or in other PID or network namespaces: listed, never asked."),
             "scrape_ok": gauge("gpucleanup_scrape_ok",
                                "1 when the runtime directory was scanned, 0 when not (the gpucleanup logger says why)."),
             "duration": gauge("gpucleanup_scrape_duration_seconds", "How long asking the kernels took.", unit="seconds"),

@@ -347,6 +347,13 @@ class StatusEndpoint:
         self._instance = instance = discovery.new_instance(pid)
         self._key_file = private / f"{instance}.key"
         self._wrote(self._key_file, discovery.write_private(self._key_file, key.encode("ascii")))
+        # The park lock (gpucleanup.parking) is made here, empty, rather than by the first park: made by this
+        # endpoint, it is one of the files a SIGTERM removes (a kernel culled while its resume at exit ran
+        # left it behind for good), and like the others only while it is still the file made here.
+        from .parking import lock_path
+
+        park_lock = lock_path(self._key_file, pid)
+        self._wrote(park_lock, discovery.write_private(park_lock, b""))
 
         if self.transport == "tcp":
             endpoint = "tcp://127.0.0.1:0"
@@ -425,6 +432,10 @@ class StatusEndpoint:
         whenever this endpoint rewrites its discovery file (:meth:`_refresh_notebook`).
         """
         files = [str(self._discovery_path), str(self._key_file)]
+        if self._key_file is not None:
+            from .parking import lock_path
+
+            files.append(str(lock_path(self._key_file, self._pid)))
         for endpoint in (bound.get("endpoint"), bound.get("pub_endpoint")):
             if isinstance(endpoint, str) and endpoint.startswith("ipc://"):
                 files.append(endpoint[len("ipc://"):])

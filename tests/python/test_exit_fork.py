@@ -92,7 +92,7 @@ def _files(runtime: Path) -> list:
 
 def _kernel_files(runtime: Path, pid: int) -> list:
     name = discovery.instance_of(discovery.path_for_pid(pid, runtime))  # <pid>-<random>: the kernel's instance
-    return [f"gpucleanup-{name}.json", f"gpucleanup/{name}.key", f"gpucleanup/{name}.sock",
+    return [f"gpucleanup-{name}.json", f"gpucleanup/{name}.key", f"gpucleanup/{name}.park", f"gpucleanup/{name}.sock",
             f"gpucleanup/{name}.sock.pub"]
 
 

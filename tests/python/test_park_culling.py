@@ -220,7 +220,7 @@ def test_a_parked_kernel_is_culled_on_its_last_cells_clock_and_leaves_nothing_be
         wait_until(lambda: not Path(f"/proc/{pid}").exists(), "the culled kernel's process is gone", 30)
 
         # Resumed before it exited (its frameworks' frees at exit would wait for a restore), then ended by itself:
-        # the park lock goes only with the endpoint's close() at a clean exit (SIGTERM's handler leaves it).
+        # the park lock goes with the other files, at a clean exit or by the SIGTERM handler.
         record = srv.driver_record(pid)
         assert record["state"] == "running", record
         assert record["calls"].get("cuCheckpointProcessRestore") == 1, record
@@ -232,10 +232,6 @@ def test_a_parked_kernel_is_culled_on_its_last_cells_clock_and_leaves_nothing_be
         srv.stop()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="the native SIGTERM handler removes the discovery file, key and sockets but not the park "
-                          "lock, which the stale sweep removes only beside a stale discovery file: it stays (also "
-                          "seen on an H200: a 16 GiB kernel culled with the default shutdown_wait_time)")
 def test_a_parked_kernel_whose_resume_at_exit_outlasts_the_shutdown_wait_leaves_no_files(tmp_path):
     srv = Server(tmp_path / "srv", 1, 8, "--KernelManager.shutdown_wait_time=2")
     nb = None
@@ -291,4 +287,29 @@ def test_the_readmes_recipe_is_taken_by_a_real_server_as_meant(tmp_path):
         assert "gpucleanup: kernels idle for 1800 s are parked (GPUCleanupServer.park_idle_after_s)" in log, log
         assert "Culling kernels even with connected clients" in log, log
     finally:
+        srv.stop()
+
+
+def test_the_pages_reads_leave_the_servers_activity_clock_alone_and_a_drain_moves_it(tmp_path):
+    """An open /gpucleanup page refreshes every 2 s: its reads (the list, one kernel, the park check) must not keep
+    an idle server alive for jupyterhub-idle-culler, which culls on /api/status's last_activity. An action, a
+    drain asked from the page, is activity."""
+    srv = Server(tmp_path / "srv", 0, 3600)
+    nb = None
+    try:
+        nb = server_harness.Notebook(srv, "watched.ipynb")
+        nb.load_gpucleanup()
+        settled(srv, nb)
+        before = srv.last_activity()
+        time.sleep(0.05)  # a later request would stamp a later time
+        listed = srv.api("GET", "/api/gpucleanup/kernels?sort=held&cards=")
+        assert [k["kernel_id"] for k in listed["kernels"]] == [nb.kernel_id]
+        assert srv.api("GET", f"/api/gpucleanup/kernels/{nb.kernel_id}")["kernel_id"] == nb.kernel_id
+        assert "parkable" in srv.api("GET", f"/api/gpucleanup/kernels/{nb.kernel_id}/park-check")
+        assert srv.last_activity() == before
+        srv.api("POST", f"/api/gpucleanup/kernels/{nb.kernel_id}/drain", {"timeout_s": 5})
+        assert srv.last_activity() > before
+    finally:
+        if nb is not None:
+            nb.close()
         srv.stop()

@@ -280,12 +280,15 @@ class KernelWatch:
         found = await self.run(discovery.scan, self.runtime_dir, clean=False)
         ours = {k["kernel_id"]: k for k in await self.server_kernels()}
         pid = ours[key]["pid"] if key in ours else None
-        for kernel in [*found.live, *found.elsewhere]:
+        for kernel in found.live:
             if model.entry_id(kernel.kernel_id, kernel.pid) == key or (pid is not None and kernel.pid == pid):
-                if kernel.elsewhere is not None:
-                    raise web.HTTPError(409, "%s", f"kernel {key} runs elsewhere ({kernel.elsewhere}): "
-                                        "ask from the kernel's own PID namespace")
                 return kernel
+        # A kernel elsewhere (another machine, PID or network namespace) is named by its kernel id only: its pid
+        # means nothing here, and may be the pid of one of this server's kernels that has no gpucleanup.
+        for kernel in found.elsewhere:
+            if kernel.kernel_id and kernel.kernel_id == key:
+                raise web.HTTPError(409, "%s", f"kernel {key} runs elsewhere ({kernel.elsewhere}): "
+                                    f"{kernels.where_to_ask(kernel)}")
         if key in ours:
             raise web.HTTPError(409, "%s", f"kernel {key}: {model.NOT_LOADED}")
         raise web.HTTPError(404, "%s", f"no kernel {key}: GET api/gpucleanup/kernels lists the kernels")
@@ -311,6 +314,11 @@ class _API(APIHandler):
 class KernelsHandler(_API):
     """``GET api/gpucleanup/kernels``: every kernel, with its state, devices, last cells and timeline."""
 
+    # Reading the list is not activity: a page left open (it refreshes every 2 s) must not keep an idle server
+    # alive for jupyterhub-idle-culler, which culls on the server's last_activity (jupyter_server's own
+    # /api/status does the same). Drain, park and resume still count.
+    _track_activity = False
+
     @web.authenticated
     @authorized
     async def get(self):
@@ -332,6 +340,8 @@ class KernelsHandler(_API):
 class KernelHandler(_API):
     """``GET api/gpucleanup/kernels/<id>``: one kernel; 404 for a kernel neither this server nor a discovery
     file knows."""
+
+    _track_activity = False  # a read, as KernelsHandler
 
     @web.authenticated
     @authorized
@@ -508,6 +518,8 @@ class ParkCheckHandler(_API):
     reason (gpucleanup.remote_park.check_kernel, the same as ``gpucleanup park --check``); touches nothing. 200 with
     ``parkable``, ``reasons``, ``usage`` (bytes per GPU UUID), the kernel's and the driver's state, and one
     sentence in ``message``."""
+
+    _track_activity = False  # touches nothing: a read, as KernelsHandler
 
     @web.authenticated
     @authorized
