@@ -402,9 +402,14 @@ def test_jupyter_shuts_the_kernel_down_while_a_drains_reply_waits_for_a_finalize
         slow_finalizer["go"].touch()
         drain.kill()
     assert not slow_finalizer["ended"].exists()  # the finalizer never finished: the exit did not wait for it
-    assert drain.returncode == 4, (stdout, stderr)
-    assert stderr == (f"gpucleanup: kernel {kernel.pid}: [gpucleanup.server.416] the server stopped before the drain "
-                      "finished\n"), stderr
+    # The close stops the reply's wait at once; which comes first, the reply that says so or the server's stop,
+    # is a race the drain may see either way, and each answer is true: never a hang, never a wrong figure.
+    if drain.returncode == 0:
+        assert "the kernel's own cleanup is still running" in stdout, (stdout, stderr)
+    else:
+        assert drain.returncode == 4, (stdout, stderr)
+        assert stderr == (f"gpucleanup: kernel {kernel.pid}: [gpucleanup.server.416] the server stopped before the "
+                          "drain finished\n"), stderr
 
 
 def test_the_library_gives_the_kernels_part_what_is_left_of_the_drains_time_limit(kernel):
