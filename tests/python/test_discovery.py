@@ -897,11 +897,13 @@ def test_the_status_server_takes_the_per_cell_states_without_json(kernel):
         reply = status_client.request(target, "status", timeout=10)["state"]
         return {k: v for k, v in reply.items() if k not in ("age_s", "updated_ns")}
 
-    assert state() == {"state": "waiting", "device": 0, "cell": 7, "since_ns": since}
+    # no cell has ended since the server started: last_cell_ended_ns is null until one does
+    assert state() == {"state": "waiting", "device": 0, "cell": 7, "since_ns": since, "last_cell_ended_ns": None}
     _native.server_state("running")  # no cell number: null, as the JSON call says it
     assert state()["state"] == "running" and state()["cell"] is None
     _native.server_state("idle", cell=9, since_ns=since)
-    assert state() == {"state": "idle", "since_ns": since}
+    # a running cell that ends: the end is the idle state's own time
+    assert state() == {"state": "idle", "since_ns": since, "last_cell_ended_ns": since}
     # what the fields cannot say still goes as JSON, unchanged
     kernel.set_state({"state": "running", "cell": 3, "note": "from a test"})
     told = state()

@@ -528,8 +528,12 @@ def part_reload(n: int, env: dict, runtime: Path, rss_limit: Optional[int], log)
             "problems": problems}
     kernel = Kernel(env).ready()
     pid = kernel.pid
-    discovery_file = runtime / f"gpucleanup-{pid}.json"
-    key_file = runtime / "gpucleanup" / f"{pid}.key"
+    from gpucleanup import discovery
+
+    def present_now() -> bool:
+        # each load writes files named from a new instance (<pid>-<random>): found by the pid, then by that name
+        found = discovery.path_for_pid(pid, runtime)
+        return found.exists() and (runtime / "gpucleanup" / f"{discovery.instance_of(found)}.key").exists()
 
     def run(code: str) -> None:
         part["sent"]["cells"] += 1
@@ -540,7 +544,7 @@ def part_reload(n: int, env: dict, runtime: Path, rss_limit: Optional[int], log)
             problems.append(f"reload: {code!r} failed: {failed}")
 
     def loaded(what: str, cycle: int) -> None:
-        present = discovery_file.exists() and key_file.exists()
+        present = present_now()
         part["discovery"]["present_when_loaded"] += present
         if not present:
             problems.append(f"reload: cycle {cycle}: no discovery file or key after {what}")
