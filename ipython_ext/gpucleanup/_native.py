@@ -52,6 +52,7 @@ __all__ = [
     "set_drain_hook",
     "clear_drain_hook",
     "checkpoint_step",
+    "allow_tracer",
     "sigterm_cleanup",
 ]
 
@@ -432,6 +433,21 @@ def checkpoint_step(pid: int, step: str, lock_timeout_ms: int = 0) -> dict:
     _entry("gpucleanup_checkpoint_step")
     fn = library().gpucleanup_checkpoint_step  # may wait for the driver: let other threads run
     return _call_json(fn, int(pid), step.encode(), int(lock_timeout_ms))
+
+
+def allow_tracer(pid: int) -> Optional[int]:
+    """Names process ``pid`` as the one allowed to hold this process's threads during a restore (prctl
+    PR_SET_PTRACER, for Yama's ptrace_scope 1; 0 takes it back). No driver call. Returns 0 when done, else
+    the errno (EINVAL where Yama is absent and none is needed); None where this build of the library lacks it."""
+    lib = library()
+    fn = getattr(lib, "gpucleanup_allow_tracer", None)
+    if fn is None:
+        return None
+    out = ctypes.c_int(0)
+    status = fn(int(pid), ctypes.byref(out))
+    if status != OK:
+        _raise(lib, status)
+    return out.value
 
 
 def shutdown() -> None:

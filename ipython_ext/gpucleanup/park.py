@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from .units import format_bytes
 
@@ -74,6 +74,7 @@ class Step:
     refused: Optional[str] = None         # no step could be run: the library's sentence
     restore_map: Optional[int] = None     # restore: how many GPUs its identity map named (0: none passed)
     interrupted: bool = False             # Ctrl-C or SIGTERM came while it ran: it was let finish
+    hold: Optional[dict] = None           # restore: whether the process's other threads were held meanwhile
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -136,6 +137,26 @@ def helper_env(env: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     return out
 
 
+#: Lets a helper hold the kernel's threads (called with the helper's pid as it starts): the kernel names it as
+#: its tracer (prctl PR_SET_PTRACER), which Yama's ptrace_scope 1 asks for. None: nobody is asked.
+Allow = Optional[Callable[[int], None]]
+
+
+def _reply(name: str, returncode: int, stdout: bytes, stderr: bytes, seconds: float,
+           interrupted: bool) -> Tuple[Optional[dict], Optional[Step]]:
+    """The helper's JSON object, or the Step that says it gave none."""
+    try:
+        reply = json.loads(stdout.decode("utf-8", "replace").strip().splitlines()[-1])
+        if not isinstance(reply, dict):
+            raise ValueError("not an object")
+        return reply, None
+    except (ValueError, IndexError):
+        why = stderr.decode("utf-8", "replace").strip().splitlines()
+        detail = why[-1] if why else f"exit status {returncode}"
+        return None, Step(name, False, refused=f"[gpucleanup.park.610] the park helper gave no answer ({detail[:300]})",
+                          seconds=seconds, interrupted=interrupted)
+
+
 def step(pid: int, name: str, limits: Limits = Limits(), python: Optional[str] = None,
          env: Optional[Dict[str, str]] = None) -> Step:
     """Runs one step in a fresh helper process, killed past ``limits``; never raises for the driver's answer."""
@@ -145,22 +166,49 @@ def step(pid: int, name: str, limits: Limits = Limits(), python: Optional[str] =
     returncode, stdout, stderr, hung, interrupted = _run_helper(args, helper_env(env), limits.of(name))
     if hung:
         return Step(name, False, hung=True, seconds=time.monotonic() - started, interrupted=interrupted)
-    seconds = time.monotonic() - started
-    try:
-        reply = json.loads(stdout.decode("utf-8", "replace").strip().splitlines()[-1])
-        if not isinstance(reply, dict):
-            raise ValueError("not an object")
-    except (ValueError, IndexError):
-        why = stderr.decode("utf-8", "replace").strip().splitlines()
-        detail = why[-1] if why else f"exit status {returncode}"
-        return Step(name, False, refused=f"[gpucleanup.park.610] the park helper gave no answer ({detail[:300]})",
-                    seconds=seconds, interrupted=interrupted)
+    reply, failed = _reply(name, returncode, stdout, stderr, time.monotonic() - started, interrupted)
+    if reply is None:
+        return failed  # type: ignore[return-value]
     return Step(name, bool(reply.get("ok")), result=reply.get("result"), state_before=reply.get("state_before"),
-                state=reply.get("state"), seconds=seconds, refused=reply.get("refused"),
+                state=reply.get("state"), seconds=time.monotonic() - started, refused=reply.get("refused"),
                 restore_map=reply.get("restore_map"), interrupted=interrupted)
 
 
-def _run_helper(args: List[str], env: Dict[str, str], limit: float) -> Tuple[int, bytes, bytes, bool, bool]:
+def restore_held(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = None,
+                 allow: Allow = None) -> Tuple[Step, Optional[Step]]:
+    """The restore and, when it worked, the unlock, in one helper that holds every other thread of process
+    ``pid`` meanwhile (ptrace), all but the driver's own restore thread: a restore runs alone (DESIGN rule 12;
+    a JAX thread that called the driver mid-restore made the driver raise SIGSEGV in it, share/FACTS.md §12).
+    ``allow`` is called with the helper's pid as it starts, so that the kernel can name it as its tracer.
+    Returns the restore's step (``hold``: what was held) and the unlock's (None when it was not tried)."""
+    args = helper_command("resume", pid, None)
+    started = time.monotonic()
+    returncode, stdout, stderr, hung, interrupted = _run_helper(args, helper_env(env), limits.restore_s + limits.unlock_s,
+                                                                on_start=allow)
+    seconds = time.monotonic() - started
+    if hung:
+        return Step("restore", False, hung=True, seconds=seconds, interrupted=interrupted), None
+    reply, failed = _reply("restore", returncode, stdout, stderr, seconds, interrupted)
+    if reply is None:
+        return failed, None  # type: ignore[return-value]
+    if reply.get("refused"):
+        return Step("restore", False, refused=reply.get("refused"), seconds=seconds, interrupted=interrupted), None
+    unlock = reply.get("unlock") if isinstance(reply.get("unlock"), dict) else {}
+    tried = unlock.get("result") is not None
+    state = reply.get("state")
+    restored = Step("restore", bool(reply.get("ok")), result=reply.get("result"),
+                    state_before=reply.get("state_before"),
+                    state=LOCKED if reply.get("ok") else state,  # a restore that worked leaves it locked
+                    seconds=seconds, restore_map=reply.get("restore_map"), interrupted=interrupted,
+                    hold=reply.get("hold") if isinstance(reply.get("hold"), dict) else None)
+    if not tried:
+        return restored, None
+    return restored, Step("unlock", bool(unlock.get("ok")), result=unlock.get("result"), state_before=LOCKED,
+                          state=state, seconds=0.0, interrupted=interrupted)
+
+
+def _run_helper(args: List[str], env: Dict[str, str], limit: float,
+                on_start: Allow = None) -> Tuple[int, bytes, bytes, bool, bool]:
     """Runs a helper to its end or its limit: ``(returncode, stdout, stderr, hung, interrupted)``.
 
     The helper has a session of its own, so a Ctrl-C typed at the terminal (which signals the whole
@@ -170,6 +218,11 @@ def _run_helper(args: List[str], env: Dict[str, str], limit: float) -> Tuple[int
     """
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                             env=env, cwd=HELPER_CWD, start_new_session=True)
+    if on_start is not None:
+        try:
+            on_start(proc.pid)
+        except Exception:
+            pass  # the helper then restores without the permission: its hold says why it could not
     deadline = time.monotonic() + limit
     interrupted = False
     while True:
@@ -584,14 +637,16 @@ def _unlock_back(pid, limits, env, steps, outcome, what: str) -> Outcome:
 
 
 def resume(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = None,
-           need: Optional[Dict[str, int]] = None) -> Outcome:
+           need: Optional[Dict[str, int]] = None, allow: Allow = None) -> Outcome:
     """Bring process ``pid`` back from whatever state a park left it in (restore, then unlock).
 
     Driven by the driver's own state, not by what was recorded: a checkpointed process is
     restored and unlocked, a locked one unlocked, a running one left alone (``changed`` False).
     ``need``: what it held per GPU UUID before its park (kept by the park); a GPU that lacks room for it
     now is said and no restore is tried. A failed restore leaves it parked, its memory still in host
-    memory, and says how to retry. A Ctrl-C or SIGTERM lets the step under way finish.
+    memory, and says how to retry. A Ctrl-C or SIGTERM lets the step under way finish. The restore and its
+    unlock run with the process's other threads held (:func:`restore_held`); ``allow`` names the helper to
+    the kernel first.
     """
     started = time.monotonic()
     steps: List[Step] = []
@@ -618,8 +673,10 @@ def resume(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = 
             lacking = room_refusal(pid, need, gpus(), apps)
             if lacking:
                 return outcome(False, CHECKPOINTED, lacking)
-        restored = step(pid, "restore", limits, env=env)
+        restored, unlocked = restore_held(pid, limits, env, allow)
         steps.append(restored)
+        if restored.refused:
+            return outcome(False, CHECKPOINTED if found.state == CHECKPOINTED else None, restored.refused)
         now = restored.state if not restored.hung else _state_after_hang(pid, limits, env, steps)
         if not (restored.ok or now == LOCKED):
             what = (f"outran its limit of {limits.restore_s:.0f} s" if restored.hung
@@ -630,6 +687,10 @@ def resume(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = 
             return outcome(False, now, f"[gpucleanup.park.625] the restore of process {pid} {what} and left it "
                            f"{now or 'in a state the driver did not report'}: its GPU state may be lost; save "
                            "what you can and restart it")
+        if unlocked is not None:
+            steps.append(unlocked)
+            if unlocked.ok or unlocked.state == RUNNING:
+                return outcome(True, RUNNING, f"resumed process {pid}", changed=True)
     unlocked = step(pid, "unlock", limits, env=env)
     steps.append(unlocked)
     now = unlocked.state if not unlocked.hung else _state_after_hang(pid, limits, env, steps)

@@ -1,7 +1,8 @@
 """The park helper: one step of parking another process, in a short-lived process of its own.
 
 ``python -m gpucleanup.park_step STEP PID [LOCK_TIMEOUT_MS]`` runs one of the CUDA driver's
-checkpoint calls (``state``, ``lock``, ``checkpoint``, ``restore``, ``unlock``) on process
+checkpoint calls (``state``, ``lock``, ``checkpoint``, ``restore``, ``unlock``; ``resume`` is a restore
+and an unlock with the process's other threads held meanwhile) on process
 ``PID`` and prints one JSON object on stdout: the library's step result, or
 ``{"ok": false, "refused": "<sentence>", "status": N}`` when no step could be run (a driver
 without checkpoint calls, a pid that is not another process, a failed ``cuInit``). ``PID``
@@ -20,7 +21,7 @@ import json
 import sys
 from typing import List, Optional, Tuple
 
-STEPS = ("state", "lock", "checkpoint", "restore", "unlock")
+STEPS = ("state", "lock", "checkpoint", "restore", "unlock", "resume")
 USAGE = f"usage: python -m gpucleanup.park_step {{{','.join(STEPS)}}} PID [LOCK_TIMEOUT_MS]"
 
 #: The library takes the pid as a C int and the lock timeout as a C unsigned int: a larger number would

@@ -202,14 +202,15 @@ def park_kernel(pid: int, record: RecordStep, lock_file: os.PathLike,
 def resume_kernel(pid: int, record: Optional[RecordStep], lock_file: os.PathLike,
                   limits: park_steps.Limits = park_steps.Limits(), env: Optional[dict] = None,
                   lock_timeout: Optional[float] = None,
-                  by: Optional[str] = None) -> park_steps.Outcome:
+                  by: Optional[str] = None, allow: park_steps.Allow = None) -> park_steps.Outcome:
     """Brings kernel ``pid`` back from whatever a park left (the driver's own state decides) and, when it
     runs again, records ``resumed``. Waits for a park under way (at most :func:`wait_limit`). ``by``: how the
     kernel's next cell says a resume made here, for a resume no cell says at once (:mod:`.resume_news`: from
-    outside, for a request that is no cell); None: said at once by the caller (before a cell), or never (at exit)."""
+    outside, for a request that is no cell); None: said at once by the caller (before a cell), or never (at exit).
+    ``allow``: names the restore's helper to the kernel, so that it may hold the kernel's threads meanwhile."""
     with ParkLock(lock_file, wait_limit(limits) if lock_timeout is None else lock_timeout) as lock:
         note = lock.read_note()
-        outcome = park_steps.resume(pid, limits, env=env, need=parked_need(note))
+        outcome = park_steps.resume(pid, limits, env=env, need=parked_need(note), allow=allow)
         if outcome.ok:
             lock.write_note(resume_news.after_resume(note, outcome.seconds, by)
                             if by is not None and outcome.changed else None)
@@ -251,6 +252,14 @@ def resumed_text(outcome: park_steps.Outcome, parked: Optional[dict]) -> str:
 
 
 # ------------------------------------------------------------------ the kernel's own side
+
+
+def allow_helper(helper_pid: int) -> None:
+    """In the kernel: lets the resume's helper hold this process's threads during the restore (Yama's
+    ptrace_scope 1 lets a process trace only its descendants, or one the tracee names)."""
+    from . import _native
+
+    _native.allow_tracer(helper_pid)
 
 
 #: Threads that outlive cells by design and make no GPU calls of the user's: tqdm's monitor, IPython's history
@@ -469,7 +478,7 @@ class InKernel:
             return after
 
         def run() -> str:
-            outcome = resume_kernel(pid, record, endpoint.park_lock, self.limits, self.env, by=by)
+            outcome = resume_kernel(pid, record, endpoint.park_lock, self.limits, self.env, by=by, allow=allow_helper)
             if outcome.ok:
                 return (resumed_text(outcome, before) if outcome.changed else
                         "resumed already (by gpucleanup resume or the page) before this cell")
@@ -483,7 +492,8 @@ class InKernel:
             if not self.parked():
                 return
             endpoint = self._endpoint()
-            resume_kernel(os.getpid(), endpoint.park_step, endpoint.park_lock, self.limits, self.env)
+            resume_kernel(os.getpid(), endpoint.park_step, endpoint.park_lock, self.limits, self.env,
+                          allow=allow_helper)
         except Exception:
             pass
 

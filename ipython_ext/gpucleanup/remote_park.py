@@ -16,7 +16,7 @@ from typing import Optional
 from . import park as park_steps, parking, resume_news, status_client
 
 __all__ = ["remote_record", "owner_refusal", "process_uid", "park_from_outside", "check_kernel",
-           "resume_from_outside", "not_parked_refusal", "outcome_text"]
+           "resume_from_outside", "allow_from_outside", "not_parked_refusal", "outcome_text"]
 
 
 def remote_record(target, timeout: float, automatic: bool = False) -> parking.RecordStep:
@@ -141,7 +141,8 @@ def resume_from_outside(pid: int, target, timeout: float, lock_file: os.PathLike
     known_parked = before.get("state") in ("parking", "parked")
     record = remote_record(target, timeout) if known_parked else None
     outcome = parking.resume_kernel(pid, record, lock_file, lock_timeout=wait,
-                                    by=resume_news.FROM_OUTSIDE if known_parked else None)
+                                    by=resume_news.FROM_OUTSIDE if known_parked else None,
+                                    allow=allow_from_outside(target, timeout) if known_parked else None)
     if outcome.changed or outcome.interrupted:
         return outcome, before
     if not known_parked and outcome.state in (None, park_steps.RUNNING):
@@ -152,6 +153,16 @@ def resume_from_outside(pid: int, target, timeout: float, lock_file: os.PathLike
         # a refusal, as a park's are, not a failed step
         raise park_steps.ParkRefused(parking.kernel_message(outcome))
     return outcome, before
+
+
+def allow_from_outside(target, timeout: float):
+    """Asks the parked kernel (a signed ``park`` request, step ``tracer``) to let the resume's helper hold its
+    threads during the restore; a kernel that cannot (an older gpucleanup) is restored without the hold."""
+
+    def allow(helper_pid: int) -> None:
+        status_client.request(target, "park", timeout, step="tracer", pid=int(helper_pid))
+
+    return allow
 
 
 def not_parked_refusal(pid: int) -> str:

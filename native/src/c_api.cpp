@@ -20,6 +20,7 @@
 
 #include "accounting.hpp"
 #include "checkpoint.hpp"
+#include "thread_hold.hpp"
 #include "api_input.hpp"
 #include "devices.hpp"
 #include "drain.hpp"
@@ -409,13 +410,21 @@ gpucleanup_status gpucleanup_checkpoint_step(int pid, const char* step, unsigned
     const auto parsed = step == nullptr ? std::nullopt : parse_checkpoint_step(step);
     if (!parsed) {
       fail(GPUCLEANUP_ERR_INVALID_ARGUMENT,
-           "[gpucleanup.park.605] step is not one of state, lock, checkpoint, restore, unlock");
+           "[gpucleanup.park.605] step is not one of state, lock, checkpoint, restore, unlock, resume");
     }
     try {
       hand_out(checkpoint_step(Driver::process(), pid, *parsed, lock_timeout_ms), json_out);
     } catch (const Error& error) {
       fail(error.id() == "gpucleanup.park.603" ? GPUCLEANUP_ERR_INVALID_ARGUMENT : GPUCLEANUP_ERR_DRIVER, error.what());
     }
+  });
+}
+
+gpucleanup_status gpucleanup_allow_tracer(int tracer, int* errno_out) {
+  return guarded([&] {
+    if (errno_out == nullptr) fail(GPUCLEANUP_ERR_INVALID_ARGUMENT, "[gpucleanup.api.136] errno_out is NULL: pass the address of an int");
+    if (tracer < 0) fail(GPUCLEANUP_ERR_INVALID_ARGUMENT, "[gpucleanup.api.137] tracer must be a process id, or 0 to take the permission back");
+    *errno_out = allow_tracer(static_cast<pid_t>(tracer));
   });
 }
 

@@ -9,13 +9,15 @@
 #include <vector>
 
 #include "errors.hpp"
+#include "thread_hold.hpp"
 
 namespace gpucleanup {
 namespace {
 
 using json = nlohmann::json;
 
-constexpr const char* kStepNames[] = {"state", "lock", "checkpoint", "restore", "unlock"};
+constexpr const char* kStepNames[] = {"state", "lock", "checkpoint", "restore", "unlock", "resume"};
+constexpr int kSteps = sizeof kStepNames / sizeof kStepNames[0];
 
 // The driver's state of `pid` as an int: newer drivers answer values (4, 5)
 // that CUDA 13.0's CUprocessState does not list, and reading such a value
@@ -65,12 +67,54 @@ bool restore_with_map() {
   return mode == nullptr || std::string_view(mode) != "none";
 }
 
+CUresult restore(const Driver& driver, int pid, json& out) {
+  std::vector<CUcheckpointGpuPair> pairs;
+  if (restore_with_map()) pairs = identity_map(driver);
+  CUcheckpointRestoreArgs args;
+  std::memset(&args, 0, sizeof args);  // the reserved fields must be zero
+  args.gpuPairs = pairs.empty() ? nullptr : pairs.data();
+  args.gpuPairsCount = static_cast<unsigned int>(pairs.size());
+  out["restore_map"] = pairs.size();
+  return driver.api().cuCheckpointProcessRestore(pid, pairs.empty() ? nullptr : &args);
+}
+
+// The driver's restore thread in `pid` (the one thread a hold lets run), or 0
+// with the reason in `why`.
+pid_t restore_thread(const Driver& driver, int pid, std::string& why) {
+  const auto get = driver.api().cuCheckpointProcessGetRestoreThreadId;
+  if (get == nullptr) {
+    why = "the driver has no cuCheckpointProcessGetRestoreThreadId";
+    return 0;
+  }
+  int tid = 0;
+  const CUresult result = get(pid, &tid);
+  if (result != CUDA_SUCCESS || tid <= 0) {
+    why = "the driver did not name the restore thread (" + driver.error_name(result) + ")";
+    return 0;
+  }
+  return static_cast<pid_t>(tid);
+}
+
+// How long a hold may take to come (the kernel's permission, every thread's stop).
+std::chrono::milliseconds hold_limit() {
+  const char* text = std::getenv("GPUCLEANUP_PARK_HOLD_MS");
+  const long ms = text == nullptr ? 5000 : std::strtol(text, nullptr, 10);
+  return std::chrono::milliseconds(ms > 0 && ms <= 60000 ? ms : 5000);
+}
+
+// GPUCLEANUP_PARK_HOLD=off restores without holding the threads (for the GPU
+// test that shows what the hold prevents); anything else holds them.
+bool hold_wanted() {
+  const char* mode = std::getenv("GPUCLEANUP_PARK_HOLD");
+  return mode == nullptr || std::string_view(mode) != "off";
+}
+
 }  // namespace
 
 const char* to_string(CheckpointStep step) noexcept { return kStepNames[static_cast<int>(step)]; }
 
 std::optional<CheckpointStep> parse_checkpoint_step(std::string_view name) noexcept {
-  for (int i = 0; i < 5; ++i) {
+  for (int i = 0; i < kSteps; ++i) {
     if (name == kStepNames[i]) return static_cast<CheckpointStep>(i);
   }
   return std::nullopt;
@@ -155,15 +199,27 @@ json checkpoint_step(const Driver& driver, int pid, CheckpointStep step, unsigne
     case CheckpointStep::checkpoint:
       result = api.cuCheckpointProcessCheckpoint(pid, nullptr);
       break;
-    case CheckpointStep::restore: {
-      std::vector<CUcheckpointGpuPair> pairs;
-      if (restore_with_map()) pairs = identity_map(driver);
-      CUcheckpointRestoreArgs args;
-      std::memset(&args, 0, sizeof args);  // the reserved fields must be zero
-      args.gpuPairs = pairs.empty() ? nullptr : pairs.data();
-      args.gpuPairsCount = static_cast<unsigned int>(pairs.size());
-      out["restore_map"] = pairs.size();
-      result = api.cuCheckpointProcessRestore(pid, pairs.empty() ? nullptr : &args);
+    case CheckpointStep::restore:
+      result = restore(driver, pid, out);
+      break;
+    case CheckpointStep::resume: {
+      // Restore, then unlock, with every other thread of the process held (DESIGN rule 12).
+      std::string why;
+      const pid_t spare = hold_wanted() ? restore_thread(driver, pid, why) : 0;
+      if (!hold_wanted()) why = "holding was turned off (GPUCLEANUP_PARK_HOLD=off)";
+      std::optional<ThreadHold> hold;
+      if (spare > 0) hold.emplace(static_cast<pid_t>(pid), spare, hold_limit());
+      json held = hold ? hold->report() : json{{"held", false}, {"threads", 0}, {"why", why}};
+      result = restore(driver, pid, out);
+      json unlock{{"ok", false}, {"result", nullptr}, {"code", nullptr}};
+      if (result == CUDA_SUCCESS) {
+        const CUresult unlocked = api.cuCheckpointProcessUnlock(pid, nullptr);
+        unlock = json{{"ok", unlocked == CUDA_SUCCESS}, {"result", driver.error_name(unlocked)},
+                      {"code", static_cast<int>(unlocked)}};
+      }
+      if (hold) hold->release();
+      out["unlock"] = std::move(unlock);
+      out["hold"] = std::move(held);
       break;
     }
     case CheckpointStep::unlock:

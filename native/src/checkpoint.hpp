@@ -21,7 +21,7 @@
 
 namespace gpucleanup {
 
-enum class CheckpointStep { state, lock, checkpoint, restore, unlock };
+enum class CheckpointStep { state, lock, checkpoint, restore, unlock, resume };
 
 const char* to_string(CheckpointStep step) noexcept;
 std::optional<CheckpointStep> parse_checkpoint_step(std::string_view name) noexcept;
@@ -38,6 +38,11 @@ std::vector<std::string> missing_checkpoint_calls(const Driver& driver);
 //    "state_before", "state" (GetState before and after; null if it failed),
 //    "seconds" (the step's call alone), "lock_timeout_ms" (lock only),
 //    "restore_map" (restore only: how many GPUs the identity map named; 0: no map)}
+// The step "resume" is a restore and, when it succeeded, an unlock, with every
+// other thread of the process held meanwhile (thread_hold.hpp): its "ok" and
+// "result" are the restore's, "unlock" is {"ok", "result", "code"} (null
+// result: not tried), "hold" is ThreadHold::report() or {"held": false,
+// "why"} (no restore thread named, or holding turned off).
 // A driver that refuses the step is a value ("ok": false), not an exception.
 // Throws gpucleanup::Error for what no step can be run on:
 //   gpucleanup.park.601  the driver is missing or unusable

@@ -183,12 +183,20 @@ void RequestCheck::check_body(CheckedRequest& out, std::span<const std::string_v
       reject("419", "park needs a signed request: sign it with HMAC-SHA256 under the key from the kernel's key file");
     }
     const auto step = request.find("step");
-    static const char* const steps[] = {"begin", "parked", "failed", "resumed"};
+    static const char* const steps[] = {"begin", "parked", "failed", "resumed", "tracer"};
     if (step == request.end() || !step->is_string() ||
         std::find(std::begin(steps), std::end(steps), step->get_ref<const std::string&>()) == std::end(steps)) {
-      reject("408", "request is malformed: a park request needs \"step\": begin, parked, failed or resumed");
+      reject("408", "request is malformed: a park request needs \"step\": begin, parked, failed, resumed or tracer");
     }
     out.park_step = step->get<std::string>();
+    if (out.park_step == "tracer") {
+      const auto pid = request.find("pid");
+      if (pid == request.end() || !pid->is_number_integer() || pid->get<std::int64_t>() < 1 ||
+          pid->get<std::int64_t>() > 2147483647) {
+        reject("408", "request is malformed: a park step tracer needs \"pid\": the helper's process id, 1 to 2^31-1");
+      }
+      out.tracer = pid->get<std::int64_t>();
+    }
     if (const auto it = request.find("bytes"); it != request.end() && !it->is_null()) {
       if (!it->is_number_integer() || it->get<std::int64_t>() < 0) {
         reject("408", "request is malformed: \"bytes\" must be an integer >= 0 or null");

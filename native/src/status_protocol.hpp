@@ -60,9 +60,10 @@ struct CheckedRequest {
   bool is_signed = false;
   std::optional<std::size_t> limit;  // history: "limit", when given
   double timeout_s = 0;              // drain: "timeout_s", else the config's drain_timeout_s
-  std::string park_step;             // park: "step" (begin, parked, failed, resumed)
+  std::string park_step;             // park: "step" (begin, parked, failed, resumed, tracer)
   std::optional<std::int64_t> bytes; // park: "bytes" of a "parked" step, when given
   bool automatic = false;             // park: "automatic", a begin asked by a policy, not by a person
+  std::int64_t tracer = 0;            // park, step tracer: the pid of the helper that holds the threads
 };
 
 // Whether every request must be signed: as configured, and always on tcp://.

@@ -1,4 +1,5 @@
 #include "status_server.hpp"
+#include "thread_hold.hpp"
 
 #include <unistd.h>
 
@@ -229,6 +230,16 @@ struct StatusServer::Impl {
           accept_drain(envelope, request.id, request.timeout_s, fd);
           return request.authenticated;  // answered when the hook is done
         case RequestKind::park: {
+          if (request.park_step == "tracer") {
+            // A resume's helper holds the kernel's threads during the restore (thread_hold.hpp): only while the
+            // kernel is parking or parked, and only the helper the signed request names.
+            if (kernel.park_state() == 0) {
+              reject("420", "park step tracer refused: the kernel is not parked, so there is no restore to hold it for");
+            }
+            reply = json{{"ok", true}, {"kind", "park"}, {"kernel", config.kernel}, {"step", "tracer"},
+                         {"errno", allow_tracer(static_cast<pid_t>(request.tracer))}, {"state", kernel.view(realtime_ns())}};
+            break;
+          }
           json after;
           if (auto refused = kernel.park(request.park_step, request.bytes, after, nullptr, request.automatic,
                                          [this] { return jobs.drain_running(); })) {

@@ -36,8 +36,17 @@
 //                                  // NULL args (what the helper passed)
 //    "device_bytes": 0,            // what the process holds on its devices
 //    "calls": {...},               // checkpoint calls made on this pid
-//    "calls_while_parked": {...}}  // the process's own driver calls made while
+//    "calls_while_parked": {...},  // the process's own driver calls made while
 //                                  // it was not running (each blocked until it was)
+//    "restore_tid": 0,             // the process's "restore thread", a thread the
+//                                  // fake starts in it at registration, which
+//                                  // cuCheckpointProcessGetRestoreThreadId names
+//    "running_at_restore": null,   // set by each restore and unlock that reaches
+//    "running_at_unlock": null}    // the record: the process's threads, the
+//                                  // restore thread left out, that were not
+//                                  // stopped (/proc/<pid>/task/*/stat state
+//                                  // neither t nor T) as the call ran: [] when
+//                                  // a hold kept the restore alone
 //
 // A restore whose args have a non-zero reserved byte, or pairs counted but not
 // given, is CUDA_ERROR_INVALID_VALUE (after the record's injected errors),
@@ -46,7 +55,9 @@
 //
 // Every read-modify-write holds flock() on the file, so helpers and the
 // process itself never lose each other's changes.
+#include <dirent.h>
 #include <fcntl.h>
+#include <sys/syscall.h>
 #include <signal.h>
 #include <sys/file.h>
 #include <sys/stat.h>
@@ -56,9 +67,12 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <optional>
 #include <string>
 #include <thread>
+#include <atomic>
 
 #include <nlohmann/json.hpp>
 
@@ -88,7 +102,30 @@ json default_record() {
               {"restore_map", nullptr},
               {"device_bytes", 0},
               {"calls", json::object()},
-              {"calls_while_parked", json::object()}};
+              {"calls_while_parked", json::object()},
+              {"restore_tid", 0},
+              {"running_at_restore", nullptr},
+              {"running_at_unlock", nullptr}};
+}
+
+// The threads of `pid` that are not stopped now, `spare` left out.
+json running_threads(int pid, int spare) {
+  json out = json::array();
+  const std::string task = "/proc/" + std::to_string(pid) + "/task";
+  DIR* dir = opendir(task.c_str());
+  if (dir == nullptr) return out;
+  while (const dirent* entry = readdir(dir)) {
+    const int tid = std::atoi(entry->d_name);
+    if (tid <= 0 || tid == spare) continue;
+    std::ifstream stat(task + "/" + entry->d_name + "/stat");
+    std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+    const auto close = text.rfind(')');
+    if (close == std::string::npos || close + 2 >= text.size()) continue;  // gone meanwhile
+    const char state = text[close + 2];
+    if (state != 't' && state != 'T') out.push_back(tid);
+  }
+  closedir(dir);
+  return out;
 }
 
 // The record of `pid` under flock, changed by `change` (which returns whether
@@ -254,31 +291,66 @@ const std::string& checkpoint_dir() {
   return dir;
 }
 
+namespace {
+
+// The process's stand-in for the driver's restore thread: started once per
+// process (a forked child starts its own), it only waits.
+int restore_thread_tid() {
+  static pid_t started_in = 0;
+  static std::atomic<int> tid{0};
+  if (started_in != getpid()) {
+    started_in = getpid();
+    tid = 0;
+    std::thread([] {
+      tid = static_cast<int>(syscall(SYS_gettid));
+      for (;;) pause();
+    }).detach();
+    while (tid.load() == 0) std::this_thread::yield();
+  }
+  return tid.load();
+}
+
+}  // namespace
+
 void register_process() {
   // A pid reused by a new process starts running, whatever its predecessor left.
-  with_record(static_cast<int>(getpid()), true, [](json& record) {
+  const int restore_tid = restore_thread_tid();
+  with_record(static_cast<int>(getpid()), true, [&](json& record) {
     record = default_record();
+    record["restore_tid"] = restore_tid;
     return true;
   });
+}
+
+// Read without the record's lock once the call is counted: a thread held
+// (stopped by a park helper's hold) while it owned the flock would stop the
+// helper's restore; a torn read fails to parse and is read again.
+std::optional<std::string> unlocked_state(int pid) {
+  std::ifstream file(record_path(pid));
+  if (!file) return std::nullopt;
+  std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  const json record = json::parse(text, nullptr, false);
+  if (!record.is_object()) return std::string("?");
+  return record.value("state", std::string("running"));
 }
 
 void wait_while_parked(const char* entry) {
   if (checkpoint_dir().empty()) return;
   const int pid = static_cast<int>(getpid());
-  bool counted = false;
-  for (;;) {
-    bool running = true;
-    if (!with_record(pid, false, [&](json& record) {
-          running = record.value("state", std::string("running")) == "running";
-          if (running || counted) return false;
-          record["calls_while_parked"][entry] = record["calls_while_parked"].value(entry, 0) + 1;
-          return true;
-        })) {
-      return;  // not registered (the record was removed): nothing parks this process
-    }
-    if (running) return;
-    counted = true;
+  bool running = true;
+  if (!with_record(pid, false, [&](json& record) {
+        running = record.value("state", std::string("running")) == "running";
+        if (running) return false;
+        record["calls_while_parked"][entry] = record["calls_while_parked"].value(entry, 0) + 1;
+        return true;
+      })) {
+    return;  // not registered (the record was removed): nothing parks this process
+  }
+  while (!running) {
     std::this_thread::sleep_for(kPoll);
+    const auto state = unlocked_state(pid);
+    if (!state) return;  // the record was removed
+    running = *state == "running";
   }
 }
 
@@ -381,14 +453,30 @@ FAKE_CUDA_EXPORT CUresult CUDAAPI cuCheckpointProcessRestore(int pid, CUcheckpoi
         next = CU_PROCESS_STATE_LOCKED;
         return CUDA_SUCCESS;
       },
-      [&](nlohmann::json& record) { record["restore_map"] = pairs; });
+      [&](nlohmann::json& record) {
+        record["restore_map"] = pairs;
+        record["running_at_restore"] = fake_cuda::running_threads(pid, record.value("restore_tid", 0));
+      });
 }
 
 FAKE_CUDA_EXPORT CUresult CUDAAPI cuCheckpointProcessUnlock(int pid, CUcheckpointUnlockArgs*) {
-  return checkpoint_call("cuCheckpointProcessUnlock", pid, [](int current, int& next, nlohmann::json&) {
-    if (current != CU_PROCESS_STATE_LOCKED) return CUDA_ERROR_ILLEGAL_STATE;
-    next = CU_PROCESS_STATE_RUNNING;
-    return CUDA_SUCCESS;
+  return checkpoint_call(
+      "cuCheckpointProcessUnlock", pid,
+      [](int current, int& next, nlohmann::json&) {
+        if (current != CU_PROCESS_STATE_LOCKED) return CUDA_ERROR_ILLEGAL_STATE;
+        next = CU_PROCESS_STATE_RUNNING;
+        return CUDA_SUCCESS;
+      },
+      [&](nlohmann::json& record) {
+        record["running_at_unlock"] = fake_cuda::running_threads(pid, record.value("restore_tid", 0));
+      });
+}
+
+FAKE_CUDA_EXPORT CUresult CUDAAPI cuCheckpointProcessGetRestoreThreadId(int pid, int* tid) {
+  if (tid == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  return checkpoint_call("cuCheckpointProcessGetRestoreThreadId", pid, [&](int, int&, nlohmann::json& record) {
+    *tid = record.value("restore_tid", 0);
+    return *tid > 0 ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
   });
 }
 

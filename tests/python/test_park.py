@@ -255,7 +255,7 @@ def test_the_helper_refuses_bad_arguments_with_its_usage():
     done = subprocess.run([sys.executable, "-m", "gpucleanup.park_step", "suspend", "12"], capture_output=True,
                           text=True)
     assert done.returncode == 2
-    assert done.stderr.strip() == ("usage: python -m gpucleanup.park_step {state,lock,checkpoint,restore,unlock} PID "
+    assert done.stderr.strip() == ("usage: python -m gpucleanup.park_step {state,lock,checkpoint,restore,unlock,resume} PID "
                                    "[LOCK_TIMEOUT_MS]")
 
 
@@ -307,7 +307,7 @@ def test_a_cells_end_arms_the_idle_park_timer_only_when_asked_and_a_requested_pa
 
 # ------------------------------------------------ the helper's arguments (gpucleanup.park_step.main)
 
-HELPER_USAGE = "usage: python -m gpucleanup.park_step {state,lock,checkpoint,restore,unlock} PID [LOCK_TIMEOUT_MS]"
+HELPER_USAGE = "usage: python -m gpucleanup.park_step {state,lock,checkpoint,restore,unlock,resume} PID [LOCK_TIMEOUT_MS]"
 NOT_DIGITS = ("PID must be a decimal integer from 1 to 2147483647 in digits alone (no sign, space or exponent), "
               "got {!r}: pass the id of the process to act on")
 OUT_OF_RANGE = "PID must be from 1 to 2147483647, got {!r}: pass the id of the process to act on"
@@ -460,3 +460,106 @@ def test_the_next_cell_says_a_resume_made_for_a_request_or_from_outside_once(tmp
     assert first.startswith("gpucleanup · resumed its GPU memory from host memory in "), said
     assert first.endswith(" before this cell, from outside the kernel (gpucleanup resume or the page)"), said
     assert printed == "44"
+
+
+# ------------------------------------------------------------------ a restore runs alone (DESIGN rule 12)
+
+BUSY_TARGET = r"""
+import ctypes, sys, threading
+lib = ctypes.CDLL(sys.argv[1])
+count = ctypes.c_int()
+lib.cuDeviceGetCount(ctypes.byref(count))   # the fake registers this process (and its restore thread)
+spins = [0]
+
+def spin():                                  # a thread that never waits: only a hold stops it
+    while True:
+        spins[0] += 1
+
+def poll():                                  # a thread that calls the driver over and over, as XLA's do
+    c = ctypes.c_int()
+    while True:
+        lib.cuDeviceGetCount(ctypes.byref(c))
+
+threading.Thread(target=spin, daemon=True).start()
+threading.Thread(target=poll, daemon=True).start()
+print("ready", flush=True)
+for line in sys.stdin:
+    before = spins[0]
+    while spins[0] == before:
+        pass
+    print("spinning", flush=True)
+"""
+
+
+@pytest.fixture
+def busy_target(env):
+    proc = subprocess.Popen([sys.executable, "-c", BUSY_TARGET, str(FAKE_CUDA)], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def thread_count(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def test_the_restore_and_its_unlock_run_with_every_other_thread_of_the_process_held(busy_target, env, checkpoints):
+    pid = busy_target.pid
+    assert park.park(pid, FAST, env=env).ok
+    threads = thread_count(pid)
+    resumed = park.resume(pid, FAST, env=env)
+    assert (resumed.ok, resumed.state, resumed.changed) == (True, "running", True)
+    assert names(resumed) == ["state", "restore", "unlock"]
+    kept = record(checkpoints, pid)
+    # the fake looked at every thread as the driver's restore and unlock ran: none but the restore thread ran
+    assert (kept["running_at_restore"], kept["running_at_unlock"]) == ([], [])
+    restored = resumed.steps[1]
+    assert restored.hold == {"held": True, "threads": threads - 1, "spared": kept["restore_tid"], "missed": 0}
+    # and every thread runs again after it: the spinning one moves, the polling one's calls go through
+    busy_target.stdin.write("go\n")
+    busy_target.stdin.flush()
+    assert busy_target.stdout.readline().strip() == "spinning"
+    assert [line.split()[2] for line in open(f"/proc/{pid}/task/{pid}/stat")][0] not in ("t", "T")
+
+
+def test_with_the_hold_turned_off_the_other_threads_run_during_the_restore(busy_target, env, checkpoints):
+    pid = busy_target.pid
+    assert park.park(pid, FAST, env=env).ok
+    resumed = park.resume(pid, FAST, env=dict(env, GPUCLEANUP_PARK_HOLD="off"))
+    assert (resumed.ok, resumed.state) == (True, "running")
+    kept = record(checkpoints, pid)
+    assert kept["restore_tid"] not in kept["running_at_restore"]
+    assert len(kept["running_at_restore"]) == thread_count(pid) - 1  # every thread but the restore thread ran
+    assert resumed.steps[1].hold == {"held": False, "threads": 0,
+                                     "why": "holding was turned off (GPUCLEANUP_PARK_HOLD=off)"}
+
+
+def test_a_driver_that_names_no_restore_thread_is_restored_without_a_hold_and_the_step_says_why(busy_target, env,
+                                                                                               checkpoints):
+    pid = busy_target.pid
+    assert park.park(pid, FAST, env=env).ok
+    patch(checkpoints, pid, {"errors": {"cuCheckpointProcessGetRestoreThreadId": 500}})
+    resumed = park.resume(pid, FAST, env=env)
+    assert (resumed.ok, resumed.state) == (True, "running")
+    assert resumed.steps[1].hold == {"held": False, "threads": 0, "why": "the driver did not name the restore thread "
+                                                                         "(CUDA_ERROR_NOT_FOUND)"}
+    assert record(checkpoints, pid)["running_at_restore"] != []
+
+
+def test_a_failed_restore_under_the_hold_lets_every_thread_go_and_tries_no_unlock(busy_target, env, checkpoints):
+    pid = busy_target.pid
+    assert park.park(pid, FAST, env=env).ok
+    patch(checkpoints, pid, {"errors": {"cuCheckpointProcessRestore": 1}})
+    failed = park.resume(pid, FAST, env=env)
+    assert (failed.ok, failed.state, names(failed)) == (False, "checkpointed", ["state", "restore"])
+    assert failed.steps[1].hold["held"] is True
+    kept = record(checkpoints, pid)
+    assert kept["calls"].get("cuCheckpointProcessUnlock") is None
+    # no thread is left stopped: the main thread answers once the kernel is resumed
+    patch(checkpoints, pid, {"errors": {}})
+    assert park.resume(pid, FAST, env=env).ok
+    busy_target.stdin.write("go\n")
+    busy_target.stdin.flush()
+    assert busy_target.stdout.readline().strip() == "spinning"

@@ -1,0 +1,59 @@
+// Holding another process's threads while the driver restores it: a restore
+// runs alone (DESIGN rule 12). CRIU's CUDA plugin keeps every thread of the
+// process stopped and lets only the driver's restore thread run; a thread that
+// calls the driver mid-restore (XLA polling a stream) made the driver raise
+// SIGSEGV in it (share/FACTS.md §12). The park helper does the same: it stops
+// each thread but the restore thread with PTRACE_SEIZE + PTRACE_INTERRUPT
+// (transparent to the thread: an interrupted system call is restarted) and
+// lets them go after the restore and the unlock. A helper that dies lets them
+// go too: the kernel detaches every tracee of a tracer that exits.
+//
+// A leaf: no driver, no JSON library beyond the result's shape.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <map>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+namespace gpucleanup {
+
+class ThreadHold {
+ public:
+  // Stops every thread of `pid` but `spare` (the driver's restore thread);
+  // waits at most `limit` for the permission (the kernel names its helper with
+  // PR_SET_PTRACER a moment after starting it) and for the threads to stop.
+  ThreadHold(pid_t pid, pid_t spare, std::chrono::milliseconds limit);
+  ~ThreadHold();  // releases whatever is still held
+  ThreadHold(const ThreadHold&) = delete;
+  ThreadHold& operator=(const ThreadHold&) = delete;
+
+  bool held() const noexcept { return held_; }
+  void release() noexcept;
+  // {"held": bool, "threads": n stopped, "spared": tid, "missed": n that did
+  //  not stop in time, "why": the sentence when not held, "errno"}
+  nlohmann::json report() const;
+
+ private:
+  pid_t pid_;
+  pid_t spare_;
+  bool held_ = false;
+  int missed_ = 0;
+  int count_ = 0;
+  int error_ = 0;
+  std::string why_;
+  std::map<pid_t, int> stopped_;  // tid -> the signal to hand back on release (0: none)
+};
+
+// Names `tracer` as the process allowed to trace this one under Yama's
+// ptrace_scope 1 (prctl PR_SET_PTRACER); 0 clears it. Returns errno (0: done;
+// EINVAL where Yama is absent, when no name is needed).
+int allow_tracer(pid_t tracer) noexcept;
+
+// Yama's /proc/sys/kernel/yama/ptrace_scope, -1 when absent.
+int ptrace_scope() noexcept;
+
+}  // namespace gpucleanup
