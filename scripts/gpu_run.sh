@@ -7,7 +7,7 @@
 # for the stage trace: trace-tests.log, trace-bench.json, trace-bench.log; for dask: dask-tests.log, dask-bench.*;
 # for server: server-tests.log and server/ (the page's data, /metrics, the plots);
 # and for the stage kernels: kernels.json, kernels.log, kernel-calls.json, kernel-calls.log.
-# Usage: scripts/gpu_run.sh [STAGE ...]   stages: tests facts bench demo kernels kernels-focus per-cell paired paired-stages paired-ab stages trace dask server reliability memcheck park park-kernels park-loop park-bench-kernels
+# Usage: scripts/gpu_run.sh [STAGE ...]   stages: tests facts bench demo kernels kernels-focus per-cell paired paired-stages paired-ab stages trace dask server reliability memcheck park park-kernels park-loop park-hold park-bench-kernels
 #        (default: tests facts bench demo)
 # The stage stages (tests/bench/profile_cell.py --stages --primitives, in-process, about a minute) writes
 # stages.log: where the per-cell time goes, step by step, with CUDA unused and PyTorch or CuPy idle; and
@@ -117,6 +117,26 @@ if [[ $stages == *" park-loop "* ]]; then
   done
   echo "park-loop: $passed of $ran runs passed" | tee -a "$out/park-loop.log"
   rm -f "$out/park-loop-run.log"
+fi
+if [[ $stages == *" park-hold "* ]]; then
+  # one kernel (gpucleanup loaded by the kernel's config file) parked from outside and resumed again and again
+  # (tests/bench/park_loop.py), arm after arm: PARK_HOLD_ARMS is a list of framework:runs:pause:resume:hold
+  # (pause: seconds idle before the park; resume: cell or outside; hold: on, or off for the control arm without
+  # the hold), each bounded by PARK_HOLD_ARM_S seconds (default 300); each arm's runs in park-hold-<n>.json, every
+  # line in park-hold.log
+  if command -v cc >/dev/null && cc -shared -fPIC -O1 -o /tmp/crash_backtrace.so tests/gpu/native/crash_backtrace.c; then
+    export GPUCLEANUP_TEST_CRASH_BACKTRACE=/tmp/crash_backtrace.so
+  fi
+  echo "park-hold: Yama ptrace_scope $(cat /proc/sys/kernel/yama/ptrace_scope 2>/dev/null || echo absent), uid $(id -u)" \
+    | tee "$out/park-hold.log"
+  n=0
+  for arm in ${PARK_HOLD_ARMS:-jax:50:0:cell:on jax:50:2:cell:on}; do
+    n=$((n + 1))
+    IFS=: read -r framework runs pause resume hold <<<"$arm"
+    timeout $(( ${PARK_HOLD_ARM_S:-300} + 60 )) python3 tests/bench/park_loop.py --framework "$framework" --runs "$runs" \
+      --pause "$pause" --resume "$resume" --hold "$hold" --budget "${PARK_HOLD_ARM_S:-300}" \
+      --json "$out/park-hold-$n.json" 2>&1 | tee -a "$out/park-hold.log"
+  done
 fi
 if [[ $stages == *" park-bench-kernels "* ]]; then
   # a kernel parked and resumed against restarted and set up again: 1, 8, 32 GiB of PyTorch, JAX at its default

@@ -248,6 +248,9 @@ def resumed_text(outcome: park_steps.Outcome, parked: Optional[dict]) -> str:
     since = parked.get("since_ns")
     if isinstance(since, int) and since > 0:
         text += f" (parked {format_duration(max(0.0, (time.time_ns() - since) / 1e9))})"
+    hold = next((s.hold for s in outcome.steps if s.name == "restore" and isinstance(s.hold, dict)), None)
+    if hold is not None and not hold.get("held"):
+        text += f"; the kernel's other threads ran during the restore ({hold.get('why') or 'not held'})"
     return text
 
 

@@ -114,6 +114,9 @@ def test_gpumem_park_parks_after_the_cell_and_the_next_cell_resumes_first(kernel
     assert "(parked " in out and "42\n" in out
     assert record(checkpoints, kernel.pid)["state"] == "running"
     assert kernel.state()["state"] == "idle"
+    # the kernel's own resume ran the restore and the unlock with every other thread of the kernel held
+    kept = record(checkpoints, kernel.pid)
+    assert (kept["running_at_restore"], kept["running_at_unlock"]) == ([], [])
 
 
 def test_a_park_asked_for_in_the_cell_that_unloads_gpucleanup_says_it_will_not_happen(kernel, checkpoints):
@@ -148,6 +151,40 @@ def test_the_command_parks_an_idle_kernel_and_resumes_it(kernel, checkpoints):
     assert told.startswith("gpucleanup · resumed its GPU memory from host memory in "), told
     assert told.endswith(" before this cell, from outside the kernel (gpucleanup resume or the page)"), told
     assert printed == "42"
+
+
+def test_a_resume_from_outside_holds_every_thread_of_the_kernel_but_the_drivers_restore_thread(kernel, checkpoints):
+    assert cli("park", str(kernel.pid)).returncode == 0
+    threads = len(os.listdir(f"/proc/{kernel.pid}/task"))
+    resumed = cli("resume", "--json", str(kernel.pid))
+    assert resumed.returncode == 0, resumed
+    restore = [step for step in json.loads(resumed.stdout)["steps"] if step["name"] == "restore"][0]
+    kept = record(checkpoints, kernel.pid)
+    assert restore["hold"] == {"held": True, "threads": threads - 1, "spared": kept["restore_tid"], "missed": 0}
+    assert (kept["running_at_restore"], kept["running_at_unlock"]) == ([], [])
+    assert kernel.execute("print(6 * 7)").splitlines()[-1] == "42"
+
+
+def test_the_park_step_tracer_is_signed_taken_only_while_parked_and_checks_its_pid(kernel, checkpoints):
+    target = kernel.target()
+    with pytest.raises(status_client.StatusError) as refused:
+        status_client.request(target, "park", 10, step="tracer", pid=os.getpid())
+    assert refused.value.error_id == "gpucleanup.server.420"
+    assert "the kernel is not parked, so there is no restore to hold it for" in str(refused.value)
+    assert cli("park", str(kernel.pid)).returncode == 0
+    for bad in (0, -1, 2 ** 31, "12", None):
+        with pytest.raises(status_client.StatusError) as malformed:
+            status_client.request(target, "park", 10, step="tracer", pid=bad)
+        assert malformed.value.error_id == "gpucleanup.server.408"
+        assert "a park step tracer needs \"pid\": the helper's process id" in str(malformed.value)
+    unsigned = status_client.Target(target.endpoint, b"")
+    with pytest.raises(status_client.StatusError):
+        status_client.request(unsigned, "park", 10, step="tracer", pid=os.getpid())
+    named = status_client.request(target, "park", 10, step="tracer", pid=os.getpid())
+    # 0: named; EINVAL (22): no Yama on this machine, where no name is needed
+    assert (named["step"], named["errno"] in (0, 22), named["state"]["state"]) == ("tracer", True, "parked")
+    assert kernel.state()["state"] == "parked"  # the step changes no state
+    assert cli("resume", str(kernel.pid)).returncode == 0
 
 
 def test_resume_of_a_kernel_never_parked_is_refused_and_park_json_prints_its_object_when_refused(kernel,
