@@ -305,7 +305,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
 
     def unload(self) -> None:
         """Undo ``load``: the same bound methods are unregistered, the magic and %config entry removed."""
-        self.parking.disarm()
+        self.parking.close()
         if self.parking.requested:  # %gpumem --park earlier in the cell that unloads: its park cannot come
             self.parking.requested = False
             print(say("not parked: gpucleanup was unloaded in the cell that asked for the "

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import inspect
 import json
 import os
 import stat
@@ -148,6 +149,7 @@ def parked_need(note: dict) -> Optional[dict]:
 #: The refusals of a park's ``begin`` that pass by themselves (share/protocol.md): a drain, or the kernel's own
 #: release on a thread, is under way; on the socket and in the kernel's own process.
 PASSING_REFUSALS = ("gpucleanup.server.421", "gpucleanup.server.510")
+RECHECK_S = 2.0  # how often a blocked automatic park, and the server's memo of the blocker, look again
 BEGIN_WAIT_S = 10.0  # how long a park asks again while a refusal passes (a release takes milliseconds to seconds)
 
 
@@ -269,12 +271,48 @@ def allow_helper(helper_pid: int) -> None:
 #: saver, gpucleanup's own.
 _QUIET_THREADS = ("gpucleanup", "TMonitor", "IPythonHistorySavingThread")
 
+#: Where the kernel's own machinery lives: a thread whose class or target comes from one of these modules is the
+#: kernel's (ipykernel's parent poller, heartbeat, iopub, control and shell channel threads, ZeroMQ's and
+#: tornado's, the debugger's), never the notebook's work, however and whenever gpucleanup was loaded.
+_MACHINERY = ("ipykernel", "jupyter_client", "zmq", "tornado", "IPython", "debugpy", "_pydevd", "pydevd",
+              "gpucleanup", "comm", "traitlets")
 
-def outliving_threads(known: set) -> list:
-    """The names of the live threads not in ``known`` (the idents alive when gpucleanup loaded), less those
-    that run no user work: threads a cell started that still run, whose GPU calls a park would stop."""
-    return sorted(t.name for t in threading.enumerate()
-                  if t.ident not in known and t.is_alive() and not t.name.startswith(_QUIET_THREADS))
+_WORKER_FILE = os.path.join("concurrent", "futures", "thread.py")
+
+
+def _origin(thread: threading.Thread) -> str:
+    """The module a thread's code comes from: its class's when it is a subclass, else its target's."""
+    cls = type(thread)
+    if cls not in (threading.Thread, threading.Timer):
+        return cls.__module__ or ""
+    target = getattr(thread, "_target", None)
+    return getattr(target, "__module__", None) or ""
+
+
+def _idle_worker(frame) -> bool:
+    """A ThreadPoolExecutor's worker (asyncio's default executor included) waiting in its queue for work: its
+    innermost Python frame is the worker loop itself, not a task it runs."""
+    code = getattr(frame, "f_code", None)
+    return code is not None and code.co_name == "_worker" and code.co_filename.endswith(_WORKER_FILE)
+
+
+def outliving_threads(known: Optional[set] = None) -> list:
+    """The names of the live threads that may be doing the notebook's GPU work (a training loop, a prefetcher,
+    a task on an executor), whenever they started (before gpucleanup loaded too): every thread but the kernel's
+    machinery (:data:`_MACHINERY`), the main thread, the quiet ones and idle executor workers. ``known``:
+    idents left out as well."""
+    import sys
+
+    frames = sys._current_frames()  # noqa: SLF001 (the one way to see where another thread waits)
+    main = threading.main_thread()
+    out = []
+    for t in threading.enumerate():
+        if t is main or not t.is_alive() or (known and t.ident in known) or t.name.startswith(_QUIET_THREADS):
+            continue
+        if _origin(t).split(".")[0] in _MACHINERY or _idle_worker(frames.get(t.ident)):
+            continue
+        out.append(t.name)
+    return sorted(out)
 
 
 class InKernel:
@@ -296,9 +334,9 @@ class InKernel:
         self.requested = False
         self._timer = None
         self._auto_note: Optional[str] = None
-        #: the threads alive as gpucleanup loaded: an automatic park leaves a kernel alone while a thread
-        #: started after them runs on (its GPU calls would stop, with no cell running to show why)
-        self._threads_at_load = {t.ident for t in threading.enumerate()}
+        self._watch: Optional[threading.Thread] = None  # follows a blocker until its threads end
+        self._closed = threading.Event()
+        self._armed = 0  # which arming of the timer is current (a cell's start or a new arming ends the older)
         #: why the cell about to run must not run (the kernel stays parked), for the extension to say
         self.refusal: Optional[str] = None
         self._thread_count = threading.active_count()
@@ -316,12 +354,18 @@ class InKernel:
         if self._timer is not None:
             self.disarm()
         if after_s and after_s > 0:
-            self._timer = threading.Timer(after_s, self._park_when_idle, args=(after_s,))
-            self._timer.daemon = True
-            self._timer.name = "gpucleanup-park-timer"
-            self._timer.start()
+            self._closed.clear()
+            self._start_timer(after_s, after_s)
+
+    def _start_timer(self, delay_s: float, after_s: float) -> None:
+        self._armed += 1
+        self._timer = threading.Timer(delay_s, self._park_when_idle, args=(after_s, self._armed))
+        self._timer.daemon = True
+        self._timer.name = "gpucleanup-park-timer"
+        self._timer.start()
 
     def disarm(self) -> None:
+        self._armed += 1  # a timer already firing re-arms nothing
         timer, self._timer = self._timer, None
         if timer is not None:
             timer.cancel()
@@ -329,7 +373,7 @@ class InKernel:
     def automatic_park_blocker(self) -> Optional[str]:
         """Why no automatic park may take this kernel now (None: it may): a thread started in a cell that
         still runs; its driver calls would stop for as long as the kernel stays parked."""
-        running = [name for name in outliving_threads(self._threads_at_load) if name != threading.current_thread().name]
+        running = [name for name in outliving_threads() if name != threading.current_thread().name]
         if not running:
             return None
         return (f"[gpucleanup.park.642] {len(running)} thread{'s' if len(running) > 1 else ''} started in a cell "
@@ -337,7 +381,7 @@ class InKernel:
                 f"{', ...' if len(running) > 3 else ''}): an automatic park would stop their GPU calls; "
                 "it is left to %gpumem --park or gpucleanup park once they end")
 
-    def _park_when_idle(self, after_s: float) -> None:
+    def _park_when_idle(self, after_s: float, armed: int = 0) -> None:
         # On the timer's thread, the kernel idle: the server's "begin" refuses if a cell started meanwhile.
         endpoint = self._endpoint()
         if getattr(endpoint, "park_lock", None) is None:
@@ -345,6 +389,9 @@ class InKernel:
         blocker = self.automatic_park_blocker()
         if blocker:
             self._auto_note = f"not parked after {format_duration(after_s)} idle: {blocker}"
+            if armed == self._armed and not self._closed.is_set():
+                # looked at again until the threads end: the kernel has been idle long enough by then
+                self._start_timer(RECHECK_S, after_s)
             return
         try:
             outcome = park_kernel(os.getpid(), endpoint.park_step, endpoint.park_lock, self.limits, self.env)
@@ -399,6 +446,32 @@ class InKernel:
         if say is not None:
             say(blocker)
             self._blocker_said = blocker
+            if blocker is not None:
+                self._follow_blocker()
+
+    def _follow_blocker(self) -> None:
+        """While the server is told a blocker, a thread looks again every :data:`RECHECK_S` seconds and tells it
+        when the threads have ended (with no cell to say it, the server's automatic park would wait for ever)."""
+        self._closed.clear()  # loaded again after an unload
+        if self._watch is not None and self._watch.is_alive():
+            return
+
+        def watch() -> None:
+            while not self._closed.wait(RECHECK_S):
+                try:
+                    self.say_blocker()
+                except Exception:
+                    return
+                if self._blocker_said is None:
+                    return
+
+        self._watch = threading.Thread(target=watch, name="gpucleanup-thread-watch", daemon=True)
+        self._watch.start()
+
+    def close(self) -> None:
+        """The extension unloads: no timer, no watch."""
+        self._closed.set()
+        self.disarm()
 
     def park_after_cell(self) -> None:
         """The park ``%gpumem --park`` asked for, now that the cell has ended (its state is idle)."""
@@ -529,19 +602,31 @@ class InKernel:
 
 class RequestGuard:
     """Brings a parked kernel back before any request that runs code and is no cell: a silent execute (a
-    variable inspector's poll), a comm message (a widget), an inspection or a completion (which may call an
-    object's ``__repr__``). Each would otherwise block the kernel's shell on its first GPU call, with the next
-    cell queued behind it and nobody to resume it.
+    variable inspector's poll), an execute whose ``user_expressions`` ipykernel evaluates after it (a blank one
+    runs no cell hook at all), a comm message (a widget), an inspection or a completion (which may call an
+    object's ``__repr__``), and the debugger's variable requests on the control channel (JupyterLab's Variables
+    panel). Each would otherwise block the kernel on its first GPU call, with the next cell queued behind it and
+    nobody to resume it.
 
-    It wraps the kernel's own handlers (ipykernel's ``Kernel.shell_handlers``: the handler of each message
-    type, called as ``handler(stream, idents, msg)``) and puts them back on :meth:`remove` where they are
-    still its own. A cell's execute request is passed on untouched: its ``pre_run_cell`` resumes it, and
-    says so under the cell. When the resume fails, a silent execute is refused (``refuse``: the extension
-    turns it into an error of that request, as for a cell) and any other request is dropped with a line in
-    the kernel's log, since running it would block the kernel until someone resumes it.
+    It wraps the kernel's own handlers (ipykernel's ``Kernel.shell_handlers`` and ``control_handlers``: the
+    handler of each message type, called as ``handler(stream, idents, msg)``) and puts them back on
+    :meth:`remove` where they are still its own. A cell's execute request is passed on untouched: its
+    ``pre_run_cell`` resumes it, and says so under the cell. When the resume fails, the request gets an error
+    that says why, never silence: a silent execute is refused as a cell is (``refuse``), ``user_expressions``
+    each answer the error, a completion, an inspection and a debug request get an error reply; a comm message,
+    which has no reply, is dropped with a line in the kernel's log. After each request the kernel's threads are
+    looked at again (a widget's button may start a training thread): an automatic park then knows them.
+
+    Left out (they run no user code, or have a reply of their own): ``kernel_info_request``,
+    ``history_request``, ``is_complete_request``, ``comm_info_request``, ``shutdown_request`` (exit resumes a
+    parked kernel itself), ``interrupt_request``, ``usage_request``.
     """
 
     TYPES = ("execute_request", "comm_open", "comm_msg", "comm_close", "inspect_request", "complete_request")
+    CONTROL_TYPES = ("debug_request",)
+    #: the debugger's commands that evaluate the user's objects (their repr): the Variables panel's
+    DEBUG_COMMANDS = ("inspectVariables", "richInspectVariables", "variables", "evaluate", "copyToGlobals",
+                      "dumpCell", "modules")
 
     def __init__(self, parking: "InKernel", refuse: Callable[[str], None]):
         self._parking = parking
@@ -553,38 +638,65 @@ class RequestGuard:
         handlers = getattr(kernel, "shell_handlers", None)
         if not isinstance(handlers, dict) or self._installed:
             return False
-        for msg_type in self.TYPES:
-            original = handlers.get(msg_type)
-            if original is not None:
-                handlers[msg_type] = self._installed[msg_type] = self._wrap(msg_type, original)
+        control = getattr(kernel, "control_handlers", None)
+        for table, types in ((handlers, self.TYPES), (control if isinstance(control, dict) else {}, self.CONTROL_TYPES)):
+            for msg_type in types:
+                original = table.get(msg_type)
+                if original is not None:
+                    table[msg_type] = self._wrap(msg_type, original)
+                    self._installed[(id(table), msg_type)] = (table, table[msg_type])
         self._kernel = kernel
         return True
 
     def remove(self) -> None:
-        handlers = getattr(self._kernel, "shell_handlers", None)
         installed, self._installed, self._kernel = self._installed, {}, None
-        if not isinstance(handlers, dict):
-            return
-        for msg_type, wrapper in installed.items():
-            if handlers.get(msg_type) is wrapper:  # another extension wrapped it after us: leave theirs
-                handlers[msg_type] = wrapper.__wrapped__
+        for (_, msg_type), (table, wrapper) in installed.items():
+            if table.get(msg_type) is wrapper:  # another extension wrapped it after us: leave theirs
+                table[msg_type] = wrapper.__wrapped__
 
     def _wrap(self, msg_type: str, original: Callable) -> Callable:
         guard = self
 
         def handler(stream, idents, msg, *args, **kwargs):
-            if guard.holds_back(msg_type, msg):
+            if guard.holds_back(msg_type, msg, stream, idents):
                 return None
-            return original(stream, idents, msg, *args, **kwargs)
+            result = original(stream, idents, msg, *args, **kwargs)
+            if inspect.isawaitable(result):
+                async def then():
+                    try:
+                        return await result
+                    finally:
+                        guard.after_request()
+                return then()
+            guard.after_request()
+            return result
 
         handler.__wrapped__ = original  # type: ignore[attr-defined]
         return handler
 
-    def holds_back(self, msg_type: str, msg) -> bool:
-        """Resumes the kernel first where ``msg`` needs it; True when the request must not be run."""
+    def after_request(self) -> None:
+        try:
+            self._parking.threads_seen()
+        except Exception:
+            pass
+
+    def needs_resume(self, msg_type: str, content: dict) -> bool:
+        """Whether the request runs the user's code outside a cell's hooks."""
+        if msg_type == "execute_request":
+            # a cell resumes in its own pre_run_cell; a silent one runs no hook, and user_expressions are
+            # evaluated after the cell (for blank code, with no hook at all)
+            return bool(content.get("silent")) or bool(content.get("user_expressions"))
+        if msg_type == "debug_request":
+            return content.get("command") in self.DEBUG_COMMANDS
+        return True
+
+    def holds_back(self, msg_type: str, msg, stream=None, idents=None) -> bool:
+        """Resumes the kernel first where ``msg`` needs it; True when the request must not be run (answered
+        here with an error, or dropped where it has no reply)."""
         content = msg.get("content") if isinstance(msg, dict) else None
-        if msg_type == "execute_request" and not (isinstance(content, dict) and content.get("silent")):
-            return False  # a cell: its own pre_run_cell resumes the kernel
+        content = content if isinstance(content, dict) else {}
+        if not self.needs_resume(msg_type, content):
+            return False
         try:
             still = self._parking.resume_for_request(msg_type)
         except Exception:
@@ -594,9 +706,43 @@ class RequestGuard:
         why = (f"the kernel is still parked after a resume was tried before this {msg_type}: its GPU calls would "
                f"wait for a restore nobody makes; resume it with gpucleanup resume {os.getpid()}")
         if msg_type == "execute_request":
-            self._refuse(why)
+            if content.get("user_expressions"):
+                # each expression answers the refusal (the messaging spec's error for an expression)
+                content["user_expressions"] = {name: f"__import__('gpucleanup.parking').parking.still_parked({why!r})"
+                                               for name in content["user_expressions"]}
+            if content.get("silent") or (content.get("code") or "").strip():
+                self._refuse(why)
             return False  # it runs, and the refusal ends it before any of its code
+        if self._reply_error(msg_type, msg, content, stream, idents, why):
+            return True
         log = getattr(self._kernel, "log", None)
         if log is not None:
             log.warning("gpucleanup: %s dropped: %s", msg_type, why)
         return True
+
+    def _reply_error(self, msg_type: str, msg: dict, content: dict, stream, idents, why: str) -> bool:
+        """Answers a request that has a reply with an error that says ``why``; False where it has none."""
+        session = getattr(self._kernel, "session", None)
+        if session is None or stream is None:
+            return False
+        if msg_type == "debug_request":
+            reply = {"type": "response", "request_seq": content.get("seq"), "success": False,
+                     "command": content.get("command"), "message": why, "seq": 0}
+        elif msg_type in ("complete_request", "inspect_request"):
+            reply = {"status": "error", "ename": "KernelStillParked", "evalue": why, "traceback": []}
+        else:
+            return False
+        try:
+            session.send(stream, msg_type.replace("_request", "_reply"), reply, msg, idents)
+        except Exception:
+            return False
+        return True
+
+
+class StillParked(RuntimeError):
+    """A request's expression refused: the kernel is still parked."""
+
+
+def still_parked(why: str):
+    """Raises :class:`StillParked` with ``why``: what each of a refused execute's ``user_expressions`` answers."""
+    raise StillParked(why)

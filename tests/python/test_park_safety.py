@@ -490,3 +490,186 @@ def test_a_refusal_armed_for_a_request_that_never_ran_is_not_the_next_cells(fake
         assert ext._refuse_the_cell not in ip.ast_transformers
     finally:
         ip.extension_manager.unload_extension("gpucleanup")
+
+
+class _Session:
+    def __init__(self):
+        self.sent = []
+
+    def send(self, stream, msg_type, content, parent, ident):
+        self.sent.append((msg_type, content, parent, ident))
+
+
+class _FullKernel(_Kernel):
+    """A kernel with ipykernel's control handlers and session: error replies can be sent."""
+
+    def __init__(self):
+        super().__init__()
+        self.session = _Session()
+        self.shell_handlers["complete_request"] = lambda stream, idents, msg: self.calls.append("complete_request")
+        self.control_handlers = {"debug_request": lambda stream, idents, msg: self.calls.append("debug_request"),
+                                 "shutdown_request": lambda stream, idents, msg: self.calls.append("shutdown")}
+
+
+class _WatchedParking(_Parking):
+    def __init__(self, parked: bool, resume_works: bool):
+        super().__init__(parked, resume_works)
+        self.looks = 0
+
+    def threads_seen(self):
+        self.looks += 1
+
+
+def test_an_execute_with_user_expressions_resumes_first_whatever_its_code():
+    kernel, parked = _FullKernel(), _WatchedParking(parked=True, resume_works=True)
+    guard = parking.RequestGuard(parked, [].append)
+    guard.install(kernel)
+    # blank code: IPython runs no cell hook, then ipykernel evaluates the expressions (before: a deadlock)
+    kernel.shell_handlers["execute_request"](None, [], {"content": {"code": "  ", "user_expressions": {"n": "x"}}})
+    assert (parked.resumes, parked.is_parked, kernel.calls) == (1, False, ["execute_request"])
+
+
+def test_user_expressions_of_a_kernel_still_parked_each_answer_why_and_a_cell_with_code_is_refused():
+    kernel, parked = _FullKernel(), _WatchedParking(parked=True, resume_works=False)
+    refused = []
+    guard = parking.RequestGuard(parked, refused.append)
+    guard.install(kernel)
+    msg = {"content": {"code": "", "user_expressions": {"n": "torch.cuda.memory_allocated()"}}}
+    kernel.shell_handlers["execute_request"](None, [], msg)
+    assert refused == []  # blank code: nothing to refuse, the expressions answer instead
+    expression = msg["content"]["user_expressions"]["n"]
+    with pytest.raises(parking.StillParked) as answered:
+        eval(expression, {})
+    assert str(answered.value).startswith("the kernel is still parked after a resume was tried before this "
+                                          "execute_request: its GPU calls would wait for a restore nobody makes")
+    kernel.shell_handlers["execute_request"](None, [], {"content": {"code": "x", "user_expressions": {"n": "x"}}})
+    assert len(refused) == 1
+
+
+def test_the_debuggers_variable_requests_resume_first_and_get_an_error_reply_when_still_parked():
+    kernel, parked = _FullKernel(), _WatchedParking(parked=True, resume_works=True)
+    originals = dict(kernel.control_handlers)
+    guard = parking.RequestGuard(parked, [].append)
+    guard.install(kernel)
+    kernel.control_handlers["debug_request"](None, [], {"content": {"command": "debugInfo", "seq": 1}})
+    assert parked.resumes == 0  # runs no user code
+    kernel.control_handlers["debug_request"](None, [], {"content": {"command": "inspectVariables", "seq": 2}})
+    assert (parked.resumes, kernel.calls) == (1, ["debug_request", "debug_request"])
+    assert kernel.control_handlers["shutdown_request"] is originals["shutdown_request"]
+    guard.remove()
+    assert kernel.control_handlers == originals
+
+    kernel, parked = _FullKernel(), _WatchedParking(parked=True, resume_works=False)
+    parking.RequestGuard(parked, [].append).install(kernel)
+    request = {"content": {"command": "richInspectVariables", "seq": 7}}
+    kernel.control_handlers["debug_request"]("control", [b"id"], request)
+    kernel.shell_handlers["complete_request"]("shell", [b"id"], {"content": {"code": "x.", "cursor_pos": 2}})
+    assert kernel.calls == []  # neither ran: each got an error reply that says why, none waits for ever
+    (debug_type, debug, parent, ident), (complete_type, complete, _, _) = kernel.session.sent
+    assert (debug_type, debug["success"], debug["request_seq"], debug["command"], parent, ident) == (
+        "debug_reply", False, 7, "richInspectVariables", request, [b"id"])
+    assert debug["message"].startswith("the kernel is still parked after a resume was tried before this debug_request")
+    assert (complete_type, complete["status"], complete["ename"]) == ("complete_reply", "error", "KernelStillParked")
+
+
+def test_after_a_comm_message_the_kernels_threads_are_looked_at_again():
+    kernel, parked = _FullKernel(), _WatchedParking(parked=False, resume_works=True)
+    parking.RequestGuard(parked, [].append).install(kernel)
+    kernel.shell_handlers["comm_msg"](None, [], {"content": {}})  # a widget's button may start a thread
+    assert (kernel.calls, parked.looks) == (["comm_msg"], 1)
+
+
+def test_the_kernels_own_threads_and_idle_executor_workers_never_block_an_automatic_park():
+    import asyncio
+    import concurrent.futures
+
+    kernel = parking.InKernel(lambda: None, lambda lines: None)
+    stop = threading.Event()
+
+    class ParentPoller(threading.Thread):  # as ipykernel's own, whatever its name or when it started
+        pass
+
+    ParentPoller.__module__ = "ipykernel.parentpoller"
+    machinery = ParentPoller(target=stop.wait, name="Thread-1", daemon=True)
+    machinery.start()
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    try:
+        pool.submit(lambda: None).result()  # a worker now waits in the pool's queue for work
+        asyncio.run(asyncio.to_thread(lambda: None))  # asyncio's default executor: asyncio_0, idle after
+        assert kernel.automatic_park_blocker() is None
+        busy = pool.submit(stop.wait)  # a worker running a task blocks it
+        deadline = time.monotonic() + 10
+        while kernel.automatic_park_blocker() is None:
+            assert time.monotonic() < deadline, "a worker running a task was not seen"
+            time.sleep(0.01)
+        assert kernel.automatic_park_blocker().startswith("[gpucleanup.park.642] 1 thread started in a cell still "
+                                                          "runs (ThreadPoolExecutor-")
+    finally:
+        stop.set()
+        pool.shutdown(wait=True)
+        machinery.join()
+    assert kernel.automatic_park_blocker() is None
+
+
+def test_a_thread_started_before_gpucleanup_loaded_blocks_an_automatic_park_too():
+    stop = threading.Event()
+    early = threading.Thread(target=stop.wait, name="train-before-load", daemon=True)
+    early.start()
+    try:
+        kernel = parking.InKernel(lambda: None, lambda lines: None)  # loaded after the thread started
+        assert "(train-before-load)" in kernel.automatic_park_blocker()
+    finally:
+        stop.set()
+        early.join()
+
+
+def test_a_blocked_automatic_park_looks_again_and_parks_once_the_thread_ends(monkeypatch, tmp_path):
+    class Endpoint:
+        park_lock = tmp_path / "lock"
+
+        def park_step(self, step, parked_bytes=None):
+            return {}
+
+    parked = []
+    monkeypatch.setattr(parking, "RECHECK_S", 0.05)
+    monkeypatch.setattr(parking, "park_kernel", lambda *args, **kwargs: parked.append(args) or park.Outcome(
+        "park", os.getpid(), True, "checkpointed", "parked"))
+    kernel = parking.InKernel(lambda: Endpoint(), lambda lines: None)
+    stop = threading.Event()
+    prefetch = threading.Thread(target=stop.wait, name="prefetch", daemon=True)
+    prefetch.start()
+    kernel.arm(0.05)
+    deadline = time.monotonic() + 10
+    while kernel._auto_note is None:  # noqa: SLF001
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert "(prefetch)" in kernel.take_note() and parked == []
+    stop.set()
+    prefetch.join()
+    while not parked:  # before: the timer was not armed again, and the kernel stayed unparked for good
+        assert time.monotonic() < deadline, "no park once the thread ended"
+        time.sleep(0.01)
+    kernel.close()
+
+
+def test_the_servers_memo_of_a_blocker_is_cleared_when_its_threads_end_without_a_cell(monkeypatch):
+    said = []
+
+    class Endpoint:
+        def park_blocker(self, why):
+            said.append(why)
+
+    monkeypatch.setattr(parking, "RECHECK_S", 0.05)
+    kernel = parking.InKernel(lambda: Endpoint(), lambda lines: None)
+    stop = threading.Event()
+    worker = threading.Thread(target=stop.wait, name="train-loop", daemon=True)
+    worker.start()
+    kernel.threads_seen()  # a cell ends with the thread running: the server is told
+    assert len(said) == 1 and "(train-loop)" in said[0]
+    stop.set()
+    worker.join()
+    deadline = time.monotonic() + 10
+    while said[-1] is not None:  # no cell ends: the kernel's watch tells the server the thread is gone
+        assert time.monotonic() < deadline, f"the server still holds {said[-1]}"
+        time.sleep(0.01)
+    kernel.close()
