@@ -349,6 +349,26 @@ def test_park_after_idle_parks_a_kernel_left_idle_and_its_next_cell_resumes_it(k
     assert record(checkpoints, kernel.pid)["state"] == "running"
 
 
+def test_park_after_idle_parks_a_kernel_that_loads_gpucleanup_from_its_config_file(runtime, checkpoints, tmp_path):
+    # the README's set-up: ipykernel's parent poller and its other threads start after the extension loads; they
+    # were taken for threads a cell started, and no automatic park ever happened
+    profile = tmp_path / "ipython" / "profile_default"
+    profile.mkdir(parents=True)
+    (profile / "ipython_kernel_config.py").write_text("c.InteractiveShellApp.extensions = ['gpucleanup']\n"
+                                                      "c.GPUCleanup.park_after_idle_s = 0.5\n")
+    k = kernel_harness.Kernel(dict(environment(), JUPYTER_RUNTIME_DIR=str(runtime), IPYTHONDIR=str(tmp_path / "ipython")),
+                              kernel_id=str(uuid.uuid4()), timeout=120)
+    try:
+        assert k.execute("y = 7\nimport threading\nprint(threading.active_count() > 2)") == "True\n"
+        wait_until(lambda: k.status()["state"]["state"] == "parked", "the idle kernel was never parked")
+        assert record(checkpoints, k.pid)["state"] == "checkpointed"
+        out = k.execute("print(y * 6)")
+        assert out.startswith("gpucleanup · resumed its GPU memory from host memory in "), out
+        assert out.endswith("42\n")
+    finally:
+        k.stop()
+
+
 def test_a_bad_park_after_idle_is_refused_and_changes_nothing(kernel):
     out = kernel.execute("%config GPUCleanup.park_after_idle_s = -1")
     assert "park_after_idle_s" in out and "-1" in out, out
