@@ -522,6 +522,8 @@ def _park_check(args, kernel: discovery.Kernel) -> int:
         print(f"kernel {kernel.pid} cannot be parked now:")
         for reason in found["reasons"]:
             print(f"  - {reason}")
+    if found.get("blocker") and not args.json:
+        print(f"  but automatic and bulk parks leave it alone: {found['blocker']}")
     return EXIT_OK if found["parkable"] else EXIT_REFUSED
 
 

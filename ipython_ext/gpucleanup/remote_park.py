@@ -96,7 +96,8 @@ def check_kernel(pid: int, target, timeout: float, lock_file: os.PathLike) -> di
     the driver's state of the process (a helper's read-only look: a driver without checkpoint calls says so
     there), the GPUs it uses (nvidia-smi), host memory and its cgroup's limit. Returns ``{"parkable",
     "reasons", "usage", "state", "driver_state"}``; never raises for what it finds."""
-    out: dict = {"pid": pid, "parkable": False, "reasons": [], "usage": None, "state": None, "driver_state": None}
+    out: dict = {"pid": pid, "parkable": False, "reasons": [], "usage": None, "state": None, "driver_state": None,
+                 "blocker": None}
     refusal = owner_refusal(pid, lock_file)
     if refusal:
         out["reasons"].append(refusal)
@@ -107,6 +108,8 @@ def check_kernel(pid: int, target, timeout: float, lock_file: os.PathLike) -> di
         state = {}
         out["reasons"].append(f"the kernel did not answer its status request ({exc}): a park would be refused")
     out["state"] = kernel_state = state.get("state")
+    # a thread of the notebook's still runs: automatic and bulk parks leave the kernel alone; a person may park it
+    out["blocker"] = state.get("park_blocker") if isinstance(state.get("park_blocker"), str) else None
     if kernel_state == "draining" and state.get("cell") is None:
         out["reasons"].append("a drain from outside (gpucleanup drain, the page's Drain) is running the kernel's own "
                               "cleanup (the frameworks' caches, then garbage collection, where objects' finalizers "

@@ -93,6 +93,8 @@ json KernelState::view(std::int64_t now_ns) {
   view["updated_ns"] = updated_ns_;
   view["age_s"] = static_cast<double>(now_ns - since_ns_) / 1e9;
   view["last_cell_ended_ns"] = last_cell_ended_ns_ ? json(*last_cell_ended_ns_) : json(nullptr);
+  // What keeps an automatic park away (a notebook's thread still runs), for park --check and the page's bulk park.
+  if (!park_blocker_.empty()) view["park_blocker"] = park_blocker_;
   return view;
 }
 

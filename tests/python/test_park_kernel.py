@@ -526,3 +526,17 @@ def test_a_park_that_waited_for_a_release_to_end_says_how_long(tmp_path, monkeyp
     outcome = parking.park_kernel(4242, record, tmp_path / "x.park")
     assert steps == ["begin", "parked"] and outcome.waited_s == 0.0
     assert parking.parked_text(outcome) == "parked 1.0 GiB of GPU memory (context included) in host memory in 2.0 s"
+
+
+def test_park_check_says_what_keeps_automatic_and_bulk_parks_away(kernel, checkpoints):
+    assert kernel.execute("import threading\nstop = threading.Event()\n"
+                          "worker = threading.Thread(target=stop.wait, name='train-loop')\nworker.start()") == ""
+    checked = cli("park", "--check", str(kernel.pid))
+    assert checked.returncode == 0, checked  # a person may still park it
+    assert checked.stdout.endswith("  but automatic and bulk parks leave it alone: [gpucleanup.park.642] 1 thread "
+                                   "started in a cell still runs (train-loop): an automatic park would stop their "
+                                   "GPU calls; it is left to %gpumem --park or gpucleanup park once they end\n"), checked
+    assert json.loads(cli("park", "--check", "--json", str(kernel.pid)).stdout)["blocker"].startswith(
+        "[gpucleanup.park.642] 1 thread")
+    assert kernel.execute("stop.set(); worker.join()") == ""
+    assert json.loads(cli("park", "--check", "--json", str(kernel.pid)).stdout)["blocker"] is None

@@ -673,3 +673,16 @@ def test_the_servers_memo_of_a_blocker_is_cleared_when_its_threads_end_without_a
         assert time.monotonic() < deadline, f"the server still holds {said[-1]}"
         time.sleep(0.01)
     kernel.close()
+
+
+def test_the_bulk_parks_preview_skips_a_kernel_whose_notebook_thread_runs_and_says_why():
+    from gpucleanup.server import admin
+
+    blocker = ("[gpucleanup.park.642] 1 thread started in a cell still runs (train-loop): an automatic park would "
+               "stop their GPU calls; it is left to %gpumem --park or gpucleanup park once they end")
+    entries = [{"id": kid, "gpucleanup": True, "pid": pid, "idle_s": 600.0, "held_bytes": 1 << 30, "held": [],
+                "state": dict({"state": "idle"}, **extra), "park_check": {"parkable": True, "reasons": []}}
+               for kid, pid, extra in (("a", 11, {}), ("b", 12, {"park_blocker": blocker}))]
+    preview = admin.park_preview(entries, 300)
+    assert [k["id"] for k in preview["kernels"]] == ["a"] and preview["bytes"] == 1 << 30
+    assert [(r["id"], r["reasons"]) for r in preview["refused"]] == [("b", [blocker])]

@@ -295,7 +295,9 @@ def park_preview(entries: Iterable[dict], min_idle_s: float) -> dict:
                 "owner": entry.get("owner"), "idle_s": entry["idle_s"], "bytes": entry.get("held_bytes") or 0,
                 "held": [{"gpu": h["gpu"], "index": h["index"], "bytes": h["bytes"]} for h in entry.get("held") or ()]}
         check = entry.get("park_check") or {}
-        if check.get("parkable"):
+        if isinstance(state.get("park_blocker"), str):  # a thread of the notebook's runs: a bulk park leaves it
+            refused.append(dict(item, reasons=[state["park_blocker"]]))
+        elif check.get("parkable"):
             chosen.append(item)
         else:
             refused.append(dict(item, reasons=list(check.get("reasons") or ["it cannot be asked from here"])))
