@@ -7,6 +7,8 @@
 #include <cstring>
 #include <string_view>
 #include <vector>
+#include <atomic>
+#include <thread>
 
 #include "errors.hpp"
 #include "thread_hold.hpp"
@@ -210,12 +212,29 @@ json checkpoint_step(const Driver& driver, int pid, CheckpointStep step, unsigne
       std::optional<ThreadHold> hold;
       if (spare > 0) hold.emplace(static_cast<pid_t>(pid), spare, hold_limit());
       json held = hold ? hold->report() : json{{"held", false}, {"threads", 0}, {"why", why}};
-      result = restore(driver, pid, out);
       json unlock{{"ok", false}, {"result", nullptr}, {"code", nullptr}};
-      if (result == CUDA_SUCCESS) {
-        const CUresult unlocked = api.cuCheckpointProcessUnlock(pid, nullptr);
-        unlock = json{{"ok", unlocked == CUDA_SUCCESS}, {"result", driver.error_name(unlocked)},
-                      {"code", static_cast<int>(unlocked)}};
+      // The driver's calls on a thread of their own; this thread, the tracer, watches the held threads meanwhile
+      // (a shutdown's SIGTERM lets them go; a killed kernel is reaped).
+      std::atomic<bool> finished{false};
+      json restored;
+      std::thread driver_steps([&] {
+        result = restore(driver, pid, restored);
+        if (result == CUDA_SUCCESS) {
+          const CUresult unlocked = api.cuCheckpointProcessUnlock(pid, nullptr);
+          unlock = json{{"ok", unlocked == CUDA_SUCCESS}, {"result", driver.error_name(unlocked)},
+                        {"code", static_cast<int>(unlocked)}};
+        }
+        finished = true;
+      });
+      while (!finished) {
+        if (hold) hold->watch();
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      }
+      driver_steps.join();
+      out["restore_map"] = restored.value("restore_map", json(nullptr));
+      if (hold) {
+        const json after = hold->report();
+        if (after.contains("released")) held["released"] = after["released"];
       }
       if (hold) hold->release();
       out["unlock"] = std::move(unlock);

@@ -4,6 +4,7 @@
 #include <sys/prctl.h>
 #include <sys/ptrace.h>
 #include <sys/wait.h>
+#include <csignal>
 #include <unistd.h>
 
 #include <cerrno>
@@ -110,6 +111,46 @@ ThreadHold::ThreadHold(pid_t pid, pid_t spare, std::chrono::milliseconds limit) 
 
 ThreadHold::~ThreadHold() { release(); }
 
+namespace {
+
+// The signals pending for the whole process (ShdPnd of /proc/<pid>/status), as a mask; 0 when unreadable.
+unsigned long long shared_pending(pid_t pid) {
+  const std::string path = "/proc/" + std::to_string(pid) + "/status";
+  std::FILE* file = std::fopen(path.c_str(), "re");
+  if (file == nullptr) return 0;
+  char line[256];
+  unsigned long long mask = 0;
+  while (std::fgets(line, sizeof line, file) != nullptr) {
+    if (std::strncmp(line, "ShdPnd:", 7) == 0) {
+      mask = std::strtoull(line + 7, nullptr, 16);
+      break;
+    }
+  }
+  std::fclose(file);
+  return mask;
+}
+
+}  // namespace
+
+bool ThreadHold::watch() noexcept {
+  if (stopped_.empty()) return false;
+  for (auto it = stopped_.begin(); it != stopped_.end();) {
+    int status = 0;
+    const pid_t got = waitpid(it->first, &status, __WALL | WNOHANG);
+    if ((got == it->first && (WIFEXITED(status) || WIFSIGNALED(status))) || (got < 0 && errno == ECHILD)) {
+      it = stopped_.erase(it);  // ended (killed): reaped here, so that its parent can reap the process
+    } else {
+      ++it;
+    }
+  }
+  constexpr unsigned long long kEnding = (1ULL << (SIGTERM - 1)) | (1ULL << (SIGHUP - 1)) | (1ULL << (SIGQUIT - 1));
+  if (const unsigned long long pending = shared_pending(pid_) & kEnding; pending != 0 && released_.empty()) {
+    released_ = pending & (1ULL << (SIGTERM - 1)) ? "SIGTERM" : pending & (1ULL << (SIGHUP - 1)) ? "SIGHUP" : "SIGQUIT";
+    release();
+  }
+  return !stopped_.empty();
+}
+
 void ThreadHold::release() noexcept {
   for (const auto& [tid, signal] : stopped_) {
     // A thread that stopped on a signal gets it back; the others simply go on.
@@ -122,6 +163,7 @@ void ThreadHold::release() noexcept {
 nlohmann::json ThreadHold::report() const {
   nlohmann::json out{{"held", held_}, {"threads", count_}, {"spared", spare_}, {"missed", missed_}};
   if (!why_.empty()) out["why"] = why_;
+  if (!released_.empty()) out["released"] = "let go before the restore ended: " + released_ + " came for the process";
   if (error_ != 0) out["errno"] = error_;
   return out;
 }

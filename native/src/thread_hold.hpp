@@ -33,6 +33,11 @@ class ThreadHold {
 
   bool held() const noexcept { return held_; }
   void release() noexcept;
+  // Called by the holding thread while the restore runs: lets every thread go
+  // at once when a signal that ends the process waits for it (SIGTERM, SIGHUP,
+  // SIGQUIT: a shutdown is never held back), and reaps held threads that ended
+  // (a SIGKILL: the kernel's parent can then reap the process). True while held.
+  bool watch() noexcept;
   // {"held": bool, "threads": n stopped, "spared": tid, "missed": n that did
   //  not stop in time, "why": the sentence when not held, "errno"}
   nlohmann::json report() const;
@@ -45,6 +50,7 @@ class ThreadHold {
   int count_ = 0;
   int error_ = 0;
   std::string why_;
+  std::string released_;  // why the hold ended before the restore did
   std::map<pid_t, int> stopped_;  // tid -> the signal to hand back on release (0: none)
 };
 
