@@ -41,7 +41,7 @@ TEST(Driver, FallsBackToFourArgumentGetProcAddressOnOlderDrivers) {
   EXPECT_EQ(driver.missing_optional(),
             (std::vector<std::string>{"cuCtxRecordEvent", "cuCheckpointProcessGetState", "cuCheckpointProcessLock",
                                       "cuCheckpointProcessCheckpoint", "cuCheckpointProcessRestore",
-                                      "cuCheckpointProcessUnlock"}));
+                                      "cuCheckpointProcessUnlock", "cuCheckpointProcessGetRestoreThreadId"}));
   EXPECT_GT(fake.counter("calls.cuGetProcAddress"), 0);
   size_t total = 0;
   ASSERT_EQ(driver.api().cuDeviceTotalMem(&total, 0), CUDA_SUCCESS);
@@ -127,7 +127,7 @@ TEST(Driver, OlderDriverVersionLeavesNewerOptionalEntryPointsOut) {
                                       "cuMemPoolTrimTo", "cuMemPoolGetAttribute", "cuCtxRecordEvent",
                                       "cuCheckpointProcessGetState",
                                       "cuCheckpointProcessLock", "cuCheckpointProcessCheckpoint",
-                                      "cuCheckpointProcessRestore", "cuCheckpointProcessUnlock"}));
+                                      "cuCheckpointProcessRestore", "cuCheckpointProcessUnlock", "cuCheckpointProcessGetRestoreThreadId"}));
 }
 
 TEST(Driver, NamesErrorsWithCuGetErrorName) {
