@@ -142,36 +142,35 @@ def helper_env(env: Optional[Dict[str, str]] = None) -> Dict[str, str]:
 Allow = Optional[Callable[[int], None]]
 
 
-def _reply(name: str, returncode: int, stdout: bytes, stderr: bytes, seconds: float,
-           interrupted: bool) -> Tuple[Optional[dict], Optional[Step]]:
-    """The helper's JSON object, or the Step that says it gave none."""
+def _call(name: str, pid: int, limit: float, env: Optional[Dict[str, str]], extra: Optional[List[str]] = None,
+          python: Optional[str] = None, on_start: Allow = None) -> Tuple[Optional[dict], Step]:
+    """Runs helper step ``name`` to its end or ``limit``: its JSON reply (None when it gave none) and the
+    :class:`Step` made of it (or of its silence: hung, or no answer)."""
+    started = time.monotonic()
+    returncode, stdout, stderr, hung, interrupted = _run_helper(helper_command(name, pid, extra, python),
+                                                                helper_env(env), limit, on_start)
+    seconds = time.monotonic() - started
+    if hung:
+        return None, Step(name, False, hung=True, seconds=seconds, interrupted=interrupted)
     try:
         reply = json.loads(stdout.decode("utf-8", "replace").strip().splitlines()[-1])
         if not isinstance(reply, dict):
             raise ValueError("not an object")
-        return reply, None
     except (ValueError, IndexError):
         why = stderr.decode("utf-8", "replace").strip().splitlines()
         detail = why[-1] if why else f"exit status {returncode}"
-        return None, Step(name, False, refused=f"[gpucleanup.park.610] the park helper gave no answer ({detail[:300]})",
-                          seconds=seconds, interrupted=interrupted)
+        return None, Step(name, False, refused=f"[gpucleanup.park.610] the park helper gave no answer "
+                          f"({detail[:300]})", seconds=seconds, interrupted=interrupted)
+    return reply, Step(name, bool(reply.get("ok")), result=reply.get("result"), state_before=reply.get("state_before"),
+                       state=reply.get("state"), seconds=seconds, refused=reply.get("refused"),
+                       restore_map=reply.get("restore_map"), interrupted=interrupted)
 
 
 def step(pid: int, name: str, limits: Limits = Limits(), python: Optional[str] = None,
          env: Optional[Dict[str, str]] = None) -> Step:
     """Runs one step in a fresh helper process, killed past ``limits``; never raises for the driver's answer."""
     extra = [str(int(limits.lock_timeout_s * 1000))] if name == "lock" else []
-    args = helper_command(name, pid, extra, python)
-    started = time.monotonic()
-    returncode, stdout, stderr, hung, interrupted = _run_helper(args, helper_env(env), limits.of(name))
-    if hung:
-        return Step(name, False, hung=True, seconds=time.monotonic() - started, interrupted=interrupted)
-    reply, failed = _reply(name, returncode, stdout, stderr, time.monotonic() - started, interrupted)
-    if reply is None:
-        return failed  # type: ignore[return-value]
-    return Step(name, bool(reply.get("ok")), result=reply.get("result"), state_before=reply.get("state_before"),
-                state=reply.get("state"), seconds=time.monotonic() - started, refused=reply.get("refused"),
-                restore_map=reply.get("restore_map"), interrupted=interrupted)
+    return _call(name, pid, limits.of(name), env, extra, python)[1]
 
 
 def restore_held(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = None,
@@ -181,30 +180,18 @@ def restore_held(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, st
     a JAX thread that called the driver mid-restore made the driver raise SIGSEGV in it, share/FACTS.md §12).
     ``allow`` is called with the helper's pid as it starts, so that the kernel can name it as its tracer.
     Returns the restore's step (``hold``: what was held) and the unlock's (None when it was not tried)."""
-    args = helper_command("resume", pid, None)
-    started = time.monotonic()
-    returncode, stdout, stderr, hung, interrupted = _run_helper(args, helper_env(env), limits.restore_s + limits.unlock_s,
-                                                                on_start=allow)
-    seconds = time.monotonic() - started
-    if hung:
-        return Step("restore", False, hung=True, seconds=seconds, interrupted=interrupted), None
-    reply, failed = _reply("restore", returncode, stdout, stderr, seconds, interrupted)
-    if reply is None:
-        return failed, None  # type: ignore[return-value]
-    if reply.get("refused"):
-        return Step("restore", False, refused=reply.get("refused"), seconds=seconds, interrupted=interrupted), None
+    reply, restored = _call("resume", pid, limits.restore_s + limits.unlock_s, env, on_start=allow)
+    restored.name = "restore"
+    if reply is None or restored.refused:
+        return restored, None
+    restored.hold = reply.get("hold") if isinstance(reply.get("hold"), dict) else None
+    if restored.ok:
+        restored.state = LOCKED  # the state after the restore alone; the helper's "state" is after its unlock
     unlock = reply.get("unlock") if isinstance(reply.get("unlock"), dict) else {}
-    tried = unlock.get("result") is not None
-    state = reply.get("state")
-    restored = Step("restore", bool(reply.get("ok")), result=reply.get("result"),
-                    state_before=reply.get("state_before"),
-                    state=LOCKED if reply.get("ok") else state,  # a restore that worked leaves it locked
-                    seconds=seconds, restore_map=reply.get("restore_map"), interrupted=interrupted,
-                    hold=reply.get("hold") if isinstance(reply.get("hold"), dict) else None)
-    if not tried:
+    if unlock.get("result") is None:
         return restored, None
     return restored, Step("unlock", bool(unlock.get("ok")), result=unlock.get("result"), state_before=LOCKED,
-                          state=state, seconds=0.0, interrupted=interrupted)
+                          state=reply.get("state"), interrupted=restored.interrupted)
 
 
 def _run_helper(args: List[str], env: Dict[str, str], limit: float,
@@ -675,8 +662,8 @@ def resume(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = 
                 return outcome(False, CHECKPOINTED, lacking)
         restored, unlocked = restore_held(pid, limits, env, allow)
         steps.append(restored)
-        if restored.refused:
-            return outcome(False, CHECKPOINTED if found.state == CHECKPOINTED else None, restored.refused)
+        if restored.refused:  # the helper ran no driver call: the process is as it was
+            return outcome(False, CHECKPOINTED, restored.refused)
         now = restored.state if not restored.hung else _state_after_hang(pid, limits, env, steps)
         if not (restored.ok or now == LOCKED):
             what = (f"outran its limit of {limits.restore_s:.0f} s" if restored.hung
@@ -691,6 +678,7 @@ def resume(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = 
             steps.append(unlocked)
             if unlocked.ok or unlocked.state == RUNNING:
                 return outcome(True, RUNNING, f"resumed process {pid}", changed=True)
+        # restored but not unlocked (or the unlock not tried): one unlock of its own, as from a park left locked
     unlocked = step(pid, "unlock", limits, env=env)
     steps.append(unlocked)
     now = unlocked.state if not unlocked.hung else _state_after_hang(pid, limits, env, steps)

@@ -296,18 +296,17 @@ def _idle_worker(frame) -> bool:
     return code is not None and code.co_name == "_worker" and code.co_filename.endswith(_WORKER_FILE)
 
 
-def outliving_threads(known: Optional[set] = None) -> list:
+def outliving_threads() -> list:
     """The names of the live threads that may be doing the notebook's GPU work (a training loop, a prefetcher,
     a task on an executor), whenever they started (before gpucleanup loaded too): every thread but the kernel's
-    machinery (:data:`_MACHINERY`), the main thread, the quiet ones and idle executor workers. ``known``:
-    idents left out as well."""
+    machinery (:data:`_MACHINERY`), the main thread, the quiet ones and idle executor workers."""
     import sys
 
     frames = sys._current_frames()  # noqa: SLF001 (the one way to see where another thread waits)
     main = threading.main_thread()
     out = []
     for t in threading.enumerate():
-        if t is main or not t.is_alive() or (known and t.ident in known) or t.name.startswith(_QUIET_THREADS):
+        if t is main or not t.is_alive() or t.name.startswith(_QUIET_THREADS):
             continue
         if _origin(t).split(".")[0] in _MACHINERY or _idle_worker(frames.get(t.ident)):
             continue
@@ -632,7 +631,7 @@ class RequestGuard:
         self._parking = parking
         self._refuse = refuse
         self._kernel = None
-        self._installed: dict = {}
+        self._installed: list = []  # (handler table, message type, our wrapper)
 
     def install(self, kernel) -> bool:
         handlers = getattr(kernel, "shell_handlers", None)
@@ -644,13 +643,13 @@ class RequestGuard:
                 original = table.get(msg_type)
                 if original is not None:
                     table[msg_type] = self._wrap(msg_type, original)
-                    self._installed[(id(table), msg_type)] = (table, table[msg_type])
+                    self._installed.append((table, msg_type, table[msg_type]))
         self._kernel = kernel
         return True
 
     def remove(self) -> None:
-        installed, self._installed, self._kernel = self._installed, {}, None
-        for (_, msg_type), (table, wrapper) in installed.items():
+        installed, self._installed, self._kernel = self._installed, [], None
+        for table, msg_type, wrapper in installed:
             if table.get(msg_type) is wrapper:  # another extension wrapped it after us: leave theirs
                 table[msg_type] = wrapper.__wrapped__
 
