@@ -278,6 +278,7 @@ _MACHINERY = ("ipykernel", "jupyter_client", "zmq", "tornado", "IPython", "debug
               "gpucleanup", "comm", "traitlets")
 
 _WORKER_FILE = os.path.join("concurrent", "futures", "thread.py")
+_EXECUTOR = "concurrent.futures"
 
 
 def _origin(thread: threading.Thread) -> str:
@@ -335,6 +336,7 @@ class InKernel:
         self._auto_note: Optional[str] = None
         self._watch: Optional[threading.Thread] = None  # follows a blocker until its threads end
         self._closed = threading.Event()
+        self._workers = False  # executor workers were alive at the last look
         self._armed = 0  # which arming of the timer is current (a cell's start or a new arming ends the older)
         #: why the cell about to run must not run (the kernel stays parked), for the extension to say
         self.refusal: Optional[str] = None
@@ -428,11 +430,13 @@ class InKernel:
 
     def threads_seen(self) -> None:
         """A cell ends, before its state says idle (from when a policy may park the kernel): when a thread
-        started or ended since the last look, what keeps an automatic park away is said again. One count of
-        Python's threads when none did."""
+        started or ended since the last look, or while executor workers live (one may have taken a task without
+        any thread starting), what keeps an automatic park away is said again. One count of Python's threads
+        otherwise."""
         count = threading.active_count()
-        if count != self._thread_count:
+        if count != self._thread_count or self._workers:
             self._thread_count = count
+            self._workers = any(_origin(t).startswith(_EXECUTOR) for t in threading.enumerate())
             self.say_blocker()
 
     def say_blocker(self) -> None:

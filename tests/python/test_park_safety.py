@@ -686,3 +686,34 @@ def test_the_bulk_parks_preview_skips_a_kernel_whose_notebook_thread_runs_and_sa
     preview = admin.park_preview(entries, 300)
     assert [k["id"] for k in preview["kernels"]] == ["a"] and preview["bytes"] == 1 << 30
     assert [(r["id"], r["reasons"]) for r in preview["refused"]] == [("b", [blocker])]
+
+
+def test_a_task_an_existing_executor_worker_takes_is_told_to_the_server_though_no_thread_started():
+    import concurrent.futures
+
+    said = []
+
+    class Endpoint:
+        def park_blocker(self, why):
+            said.append(why)
+
+    kernel = parking.InKernel(lambda: Endpoint(), lambda lines: None)
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    stop = threading.Event()
+    try:
+        pool.submit(lambda: None).result()
+        kernel.threads_seen()  # a cell ends: a worker, idle
+        assert said == []
+        busy = pool.submit(stop.wait)  # the next cell gives the same worker a long task: no thread starts
+        deadline = time.monotonic() + 10
+        while not said:
+            assert time.monotonic() < deadline, "the busy worker was never told"
+            kernel.threads_seen()
+            time.sleep(0.01)
+        assert "(ThreadPoolExecutor-" in said[0]
+    finally:
+        stop.set()
+        pool.shutdown(wait=True)
+    kernel.threads_seen()
+    assert said[-1] is None
+    kernel.close()
