@@ -79,7 +79,9 @@ def state_text(state: Optional[dict], started_ns: Optional[int] = None) -> Optio
         words = f"waiting for GPU{state['device']}"
     elif name == "parked":
         words = f"parked {format_bytes(size)} in host memory" if type(size) is int and size > 0 else "parked in host memory"
-    age = idle_for_s(state, started_ns) if name == "idle" else state.get("age_s")
+    elif name == "lost":
+        words = "lost: a resume could not bring its GPU state back; restart it"
+    age = idle_for_s(state, started_ns) if name == "idle" else None if name == "lost" else state.get("age_s")
     if isinstance(age, (int, float)) and not isinstance(age, bool):
         words += f" for {format_duration(age)}"
     return words

@@ -84,7 +84,7 @@ __all__ = [
 log = logging.getLogger("gpucleanup")
 
 #: the states ``gpucleanup_kernel_state`` has a series for; any other state counts as "unknown"
-STATES = ("idle", "running", "draining", "waiting", "parking", "parked", "unknown")
+STATES = ("idle", "running", "draining", "waiting", "parking", "parked", "lost", "unknown")
 
 KERNEL_LABELS = ("kernel_id", "notebook", "pid", "user")
 #: the kernel labels that carry a value in a public exporter's metrics (``--public``): what ``ps`` shows every

@@ -689,6 +689,18 @@ def resume(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = 
                    f"{now or 'in a state the driver did not report'}; retry with {_resume_hint(pid)}")
 
 
+def lost(outcome: Outcome) -> bool:
+    """Whether a resume left the process where no later resume can bring it back: the driver says it failed,
+    or, after a restore or an unlock was tried, in a state that is neither parked, locked nor running (a restore
+    that fails can leave a process whose unlock fails for good, share/FACTS.md §12)."""
+    if outcome.action != "resume" or outcome.ok:
+        return False
+    if outcome.state == FAILED:
+        return True
+    tried = any(s.name in ("restore", "unlock") for s in outcome.steps)
+    return tried and outcome.state not in (CHECKPOINTED, LOCKED, RUNNING) + UNDER_WAY
+
+
 MAX_PID = (1 << 31) - 1  # the driver takes an int: a larger number would wrap onto another process
 
 

@@ -213,6 +213,11 @@ def resume_kernel(pid: int, record: Optional[RecordStep], lock_file: os.PathLike
     with ParkLock(lock_file, wait_limit(limits) if lock_timeout is None else lock_timeout) as lock:
         note = lock.read_note()
         outcome = park_steps.resume(pid, limits, env=env, need=parked_need(note), allow=allow)
+        if record is not None and park_steps.lost(outcome):
+            try:
+                record("lost", None)  # ps, the page and /metrics say it; no cell waits on it
+            except Exception:
+                pass
         if outcome.ok:
             lock.write_note(resume_news.after_resume(note, outcome.seconds, by)
                             if by is not None and outcome.changed else None)
@@ -340,6 +345,8 @@ class InKernel:
         self._armed = 0  # which arming of the timer is current (a cell's start or a new arming ends the older)
         #: why the cell about to run must not run (the kernel stays parked), for the extension to say
         self.refusal: Optional[str] = None
+        #: set when a resume lost the kernel's GPU state: every later cell and request is refused at once with it
+        self.lost: Optional[str] = None
         self._thread_count = threading.active_count()
         self._blocker_said: Optional[str] = None
         self._lock_of: object = None  # the endpoint whose park lock _lock is
@@ -510,6 +517,9 @@ class InKernel:
         parked after it (no room on its GPU, a failed restore, Ctrl-C), ``refusal`` says why: the cell
         must not run, since its first GPU call would wait for a restore nobody makes."""
         self.refusal = None
+        if self.lost is not None:
+            self.refusal = self.lost
+            return
         if self._timer is not None:
             self.disarm()
         note = self.take_note() if self._auto_note is not None else None  # set by the timer's thread
@@ -522,6 +532,9 @@ class InKernel:
                 self._say([say(told)])
             return
         text = self._resume(then, None)
+        if self.lost is not None:
+            self.refusal = self.lost
+            return
         if self.parked():
             self.refusal = (f"this cell was not run: the kernel is still parked ({text}); nothing is lost: run the "
                             f"cell again, or resume it with gpucleanup resume {os.getpid()}")
@@ -532,10 +545,12 @@ class InKernel:
         """A request that runs code and is no cell (a silent execute, a comm message, an inspection) brings a
         parked kernel back first; it has no cell to show a line under, so the next cell says it
         (:mod:`.resume_news`). Returns whether the kernel is still parked."""
+        if self.lost is not None:
+            return True
         if not self.parked():
             return False
         self._resume(None, resume_news.for_request(msg_type))
-        return self.parked()
+        return self.lost is not None or self.parked()
 
     def _lock_file(self) -> Optional[Path]:
         """The kernel's park lock (its endpoint's, fixed while the endpoint serves); None while it is off."""
@@ -552,12 +567,17 @@ class InKernel:
         before: dict = {}
 
         def record(step: str, parked_bytes: Optional[int]) -> dict:
-            after = endpoint.park_step(step, parked_bytes, then) if then else endpoint.park_step(step, parked_bytes)
+            # the cell's state goes with "resumed" only (the same step: no park can begin in between)
+            after = (endpoint.park_step(step, parked_bytes, then) if then and step == "resumed" else
+                     endpoint.park_step(step, parked_bytes))
             before.update(after.get("was") or {})
             return after
 
         def run() -> str:
             outcome = resume_kernel(pid, record, endpoint.park_lock, self.limits, self.env, by=by, allow=allow_helper)
+            if park_steps.lost(outcome):
+                self.lost = (f"this cell was not run: the kernel's GPU state is lost ({kernel_message(outcome)}); "
+                             "restart the kernel (its variables cannot be brought back to the GPU)")
             if outcome.ok:
                 return (resumed_text(outcome, before) if outcome.changed else
                         "resumed already (by gpucleanup resume or the page) before this cell")
@@ -706,7 +726,8 @@ class RequestGuard:
             return False
         if not still:
             return False
-        why = (f"the kernel is still parked after a resume was tried before this {msg_type}: its GPU calls would "
+        why = (getattr(self._parking, "lost", None) or
+               f"the kernel is still parked after a resume was tried before this {msg_type}: its GPU calls would "
                f"wait for a restore nobody makes; resume it with gpucleanup resume {os.getpid()}")
         if msg_type == "execute_request":
             if content.get("user_expressions"):

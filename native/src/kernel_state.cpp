@@ -111,7 +111,8 @@ int KernelState::park_state_locked() const {
   const auto it = state_.find("state");
   if (it == state_.end() || !it->is_string()) return 0;
   const auto& name = it->get_ref<const std::string&>();
-  return name == "parking" ? 1 : name == "parked" ? 2 : 0;
+  // lost: a resume that could not bring the process back; like parked, no driver call and no cell's state replaces it
+  return name == "parking" ? 1 : (name == "parked" || name == "lost") ? 2 : 0;
 }
 
 std::optional<ParkRefusal> KernelState::park(const std::string& step, std::optional<std::int64_t> bytes, json& after,
@@ -163,6 +164,10 @@ std::optional<ParkRefusal> KernelState::park(const std::string& step, std::optio
     before_park_.reset();  // parked: what comes next is the resume's own state
     state_ = step == "parked" ? json{{"state", "parked"}, {"bytes", bytes ? json(*bytes) : json(nullptr)}}
                               : json{{"state", "idle"}};  // no "begin" (set() said parking): idle from now
+  } else if (step == "lost") {
+    if (parked == 0) return ParkRefusal{false, "park step \"lost\" refused: the kernel is " + name + ", not parked"};
+    before_park_.reset();
+    state_ = json{{"state", "lost"}};
   } else if (step == "resumed") {
     if (parked == 0) return ParkRefusal{false, "park step \"resumed\" refused: the kernel is " + name + ", not parked"};
     before_park_.reset();
@@ -176,7 +181,7 @@ std::optional<ParkRefusal> KernelState::park(const std::string& step, std::optio
     after["was"] = std::move(was);  // what the park was: its bytes, since when
     return std::nullopt;
   } else {
-    return ParkRefusal{false, "unknown park step \"" + step + "\": use begin, parked, failed or resumed"};
+    return ParkRefusal{false, "unknown park step \"" + step + "\": use begin, parked, failed, resumed or lost"};
   }
   since_ns_ = now;
   updated_ns_ = now;

@@ -183,10 +183,10 @@ void RequestCheck::check_body(CheckedRequest& out, std::span<const std::string_v
       reject("419", "park needs a signed request: sign it with HMAC-SHA256 under the key from the kernel's key file");
     }
     const auto step = request.find("step");
-    static const char* const steps[] = {"begin", "parked", "failed", "resumed", "tracer"};
+    static const char* const steps[] = {"begin", "parked", "failed", "resumed", "lost", "tracer"};
     if (step == request.end() || !step->is_string() ||
         std::find(std::begin(steps), std::end(steps), step->get_ref<const std::string&>()) == std::end(steps)) {
-      reject("408", "request is malformed: a park request needs \"step\": begin, parked, failed, resumed or tracer");
+      reject("408", "request is malformed: a park request needs \"step\": begin, parked, failed, resumed, lost or tracer");
     }
     out.park_step = step->get<std::string>();
     if (out.park_step == "tracer") {

@@ -533,7 +533,7 @@ TEST_F(SignedServer, AFailedParkGoesBackToIdleAndParkedNeedsParking) {
   EXPECT_EQ(server_->park_state(), 0);
   json bad = park_request("sleep");
   expect_error(client_->ask(bad), "gpucleanup.server.408",
-               "request is malformed: a park request needs \"step\": begin, parked, failed, resumed or tracer");
+               "request is malformed: a park request needs \"step\": begin, parked, failed, resumed, lost or tracer");
   json negative = park_request("parked");
   negative["bytes"] = -1;
   expect_error(client_->ask(negative), "gpucleanup.server.408",

@@ -275,7 +275,8 @@ def test_the_wait_histogram_is_the_published_buckets(kernel):
 def test_the_kernels_state_is_one_series_per_state(kernel):
     samples = scrape(registry_for(kernel.endpoint.discovery_path.parent))
     states = {l["state"]: v for n, l, v in samples if n == "gpucleanup_kernel_state"}
-    assert states == {"idle": 1, "running": 0, "draining": 0, "waiting": 0, "parking": 0, "parked": 0, "unknown": 0}
+    assert states == {"idle": 1, "running": 0, "draining": 0, "waiting": 0, "parking": 0, "parked": 0, "lost": 0,
+                      "unknown": 0}
     assert value(samples, "gpucleanup_kernel_state_age_seconds") >= 0
     kernel.endpoint.set_state({"state": "running", "cell": 13, "since_ns": time.time_ns()})
     samples = scrape(registry_for(kernel.endpoint.discovery_path.parent))

@@ -540,3 +540,24 @@ def test_park_check_says_what_keeps_automatic_and_bulk_parks_away(kernel, checkp
         "[gpucleanup.park.642] 1 thread")
     assert kernel.execute("stop.set(); worker.join()") == ""
     assert json.loads(cli("park", "--check", "--json", str(kernel.pid)).stdout)["blocker"] is None
+
+
+def test_a_resume_that_loses_the_kernel_says_so_at_once_in_every_later_cell_and_in_ps(kernel, checkpoints):
+    out = kernel.execute("x = 41\n%gpumem --park")
+    assert "gpucleanup · parked " in out, out
+    patch(checkpoints, kernel.pid, {"errors": {"cuCheckpointProcessRestore": 304},
+                                    "error_state": {"cuCheckpointProcessRestore": "failed"}})
+    out = kernel.execute("x + 1")
+    assert out.startswith("KernelStillParked: this cell was not run: the kernel's GPU state is lost ([gpucleanup.park.625] "
+                          f"the restore of process {kernel.pid} failed with CUDA_ERROR_OPERATING_SYSTEM and left it "
+                          "failed: its GPU state may be lost; save what you can and restart it); restart the kernel "
+                          "(its variables cannot be brought back to the GPU)"), out
+    assert "42" not in out
+    assert kernel.state()["state"] == "lost"
+    restores = record(checkpoints, kernel.pid)["calls"]["cuCheckpointProcessRestore"]
+    again = kernel.execute("x + 1")  # at once: no helper started again, no wait
+    assert again == out and record(checkpoints, kernel.pid)["calls"]["cuCheckpointProcessRestore"] == restores
+    listed = cli("ps")
+    assert "lost: a resume could not bring its GPU state back; restart it" in listed.stdout, listed
+    resumed = cli("resume", str(kernel.pid))
+    assert resumed.returncode != 0 and "its GPU state is lost, restart it" in resumed.stdout + resumed.stderr, resumed
