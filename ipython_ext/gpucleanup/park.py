@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
+from .say import printable
 from .units import format_bytes
 
 __all__ = ["Limits", "Step", "Outcome", "ParkRefused", "Gpu", "step", "state", "park", "resume", "refusals",
@@ -341,7 +342,7 @@ def cgroup_memory_refusal(parked_bytes: Optional[int], memory: Optional[CgroupMe
     if parked_bytes + margin <= memory.room:
         return None
     return (f"[gpucleanup.park.628] this kernel's memory limit cannot hold its GPU memory: a park copies "
-            f"{format_bytes(parked_bytes)} into the kernel's own memory, and its cgroup ({memory.path}: limit "
+            f"{format_bytes(parked_bytes)} into the kernel's own memory, and its cgroup ({printable(memory.path)}: limit "
             f"{format_bytes(memory.limit)}, {format_bytes(memory.usage)} in use) leaves "
             f"{format_bytes(memory.room)}, less a margin of {format_bytes(margin)}: the out-of-memory killer would "
             "end the kernel; raise the container's memory limit, or free GPU memory first")

@@ -89,6 +89,9 @@ class ParkLock:
             if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
                 raise LockUnusable(f"[gpucleanup.park.641] the park lock {self.path} is not a regular file of this "
                                    "user: nothing was done; remove it (it is not gpucleanup's), then try again")
+            if info.st_nlink != 1:  # a hard link planted at the name: the park's note would overwrite that file
+                raise LockUnusable(f"[gpucleanup.park.646] the park lock {self.path} has {info.st_nlink} links (a "
+                                   "hard link to another file): nothing was done; remove it, then try again")
             deadline = time.monotonic() + self.timeout
             while True:
                 try:

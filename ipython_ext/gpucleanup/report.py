@@ -34,12 +34,7 @@ __all__ = [
     "JSONReport",
 ]
 
-from .say import PREFIX, SEP, say  # noqa: F401  (the prefix is written once, in say.py)
-
-
-def printable(text: object) -> str:
-    """``text`` with control characters escaped (``\\n``, ``\\x1b``): a path from the environment stays one line."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+from .say import PREFIX, SEP, printable, say  # noqa: F401  (the prefix is written once, in say.py)
 
 
 _VENDOR = {"nvidia", "tesla", "geforce", "quadro"}

@@ -717,3 +717,23 @@ def test_a_task_an_existing_executor_worker_takes_is_told_to_the_server_though_n
     kernel.threads_seen()
     assert said[-1] is None
     kernel.close()
+
+
+def test_a_park_lock_with_a_second_link_is_refused_and_the_linked_file_keeps_its_bytes(tmp_path):
+    victim = tmp_path / "notes.txt"
+    victim.write_text("mine")
+    lock = tmp_path / "kernel.park"
+    os.link(victim, lock)  # planted: the park's note would overwrite notes.txt
+    with pytest.raises(parking.LockUnusable) as refused:
+        with parking.ParkLock(lock, 1.0) as held:
+            held.write_note({"usage": {}})
+    assert str(refused.value) == (f"[gpucleanup.park.646] the park lock {lock} has 2 links (a hard link to another "
+                                  "file): nothing was done; remove it, then try again")
+    assert victim.read_text() == "mine"
+
+
+def test_a_cgroup_path_reaches_the_terminal_with_its_control_characters_escaped():
+    memory = park.CgroupMemory("/sys/fs/cgroup/evil\x1b]0;owned\x07\nname", 1 << 30, 1 << 29)
+    refusal = park.cgroup_memory_refusal(4 << 30, memory)
+    assert "\x1b" not in refusal and "\x07" not in refusal and "\n" not in refusal
+    assert "(/sys/fs/cgroup/evil\\x1b]0;owned\\x07\\nname: limit 1.0 GiB" in refusal
