@@ -517,6 +517,66 @@ def _refusal_for_state(pid: int, found: Step, usage: Optional[Dict[str, int]] = 
             f"({found.state}): nothing was done; check it with nvidia-smi")
 
 
+_MPS_SEEN: Dict[str, Tuple[float, Optional[str]]] = {}  # proc -> (when looked, what was found)
+
+
+def mps_server(proc: str = "/proc", max_age_s: float = 5.0) -> Optional[str]:
+    """``process N, nvidia-cuda-mps-server`` when an MPS server or control daemon runs here, else None; one
+    look at every process's name, kept ``max_age_s`` seconds (the page asks for every kernel at each refresh)."""
+    seen = _MPS_SEEN.get(proc)
+    if seen is not None and time.monotonic() - seen[0] < max_age_s:
+        return seen[1]
+    found = None
+    try:
+        names = os.listdir(proc)
+    except OSError:
+        names = []
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"{proc}/{name}/comm", encoding="utf-8", errors="replace") as fh:
+                comm = fh.read().strip()
+        except OSError:
+            continue
+        if comm.startswith("nvidia-cuda-mps"):
+            found = f"process {name}, {printable(comm)}"
+            break
+    _MPS_SEEN[proc] = (time.monotonic(), found)
+    return found
+
+
+def unsupported_refusals(pid: int, proc: str = "/proc") -> List[str]:
+    """Sentences for what the driver's checkpoint does not support (share/FACTS.md §12), read from files alone:
+    CUPTI loaded in the process (gpucleanup's own ``%gpumem --trace`` loads it), a MIG device among those it may
+    use (``MIG-`` in its ``CUDA_VISIBLE_DEVICES``), and an MPS server on the machine (its clients go through it)."""
+    out: List[str] = []
+    try:
+        with open(f"{proc}/{int(pid)}/maps", encoding="utf-8", errors="replace") as fh:
+            cupti = any("libcupti" in line for line in fh)
+    except OSError:
+        cupti = False
+    if cupti:
+        out.append(f"[gpucleanup.park.647] process {pid} has CUPTI loaded (a profiler, or %gpumem --trace), which "
+                   "the driver's checkpoint does not support: it is not parked; restart the kernel without the "
+                   "trace to make it parkable")
+    try:
+        with open(f"{proc}/{int(pid)}/environ", "rb") as fh:
+            environ = fh.read().split(b"\0")
+    except OSError:
+        environ = []
+    visible = next((v.split(b"=", 1)[1] for v in environ if v.startswith(b"CUDA_VISIBLE_DEVICES=")), b"")
+    if b"MIG-" in visible:
+        out.append(f"[gpucleanup.park.648] process {pid} runs on a MIG device (CUDA_VISIBLE_DEVICES names "
+                   f"{printable(visible.decode('utf-8', 'replace'))[:120]}), which the driver's checkpoint does not "
+                   "support: it is not parked")
+    server = mps_server(proc)
+    if server:
+        out.append(f"[gpucleanup.park.649] an MPS server runs on this machine ({server}), and the driver's checkpoint "
+                   "does not support MPS clients: nothing is parked while it runs")
+    return out
+
+
 def refusals(pid: int, found: Optional[Step], usage: Optional[Dict[str, int]], view: Optional[List[Gpu]] = None,
              parked_bytes: Optional[int] = None, meminfo: str = "/proc/meminfo", proc: str = "/proc",
              cgroup_root: str = "/sys/fs/cgroup") -> List[str]:
@@ -531,6 +591,7 @@ def refusals(pid: int, found: Optional[Step], usage: Optional[Dict[str, int]], v
                    cgroup_memory_refusal(size, cgroup_memory(pid, proc, cgroup_root))):
         if reason:
             out.append(reason)
+    out.extend(unsupported_refusals(pid, proc))
     return out
 
 

@@ -737,3 +737,24 @@ def test_a_cgroup_path_reaches_the_terminal_with_its_control_characters_escaped(
     refusal = park.cgroup_memory_refusal(4 << 30, memory)
     assert "\x1b" not in refusal and "\x07" not in refusal and "\n" not in refusal
     assert "(/sys/fs/cgroup/evil\\x1b]0;owned\\x07\\nname: limit 1.0 GiB" in refusal
+
+
+def test_cupti_a_mig_device_and_an_mps_server_are_refused_before_anything_is_done(tmp_path):
+    proc = tmp_path / "proc"
+    write(proc / "500" / "maps", "7f00-7f10 r-xp 0 08:01 1 /usr/lib/libcuda.so.1\n"
+                                 "7f20-7f30 r-xp 0 08:01 2 /opt/cuda/lib64/libcupti.so.13\n")
+    (proc / "500" / "environ").write_bytes(b"HOME=/root\0CUDA_VISIBLE_DEVICES=MIG-4f1c2a7e-0000-1111\0")
+    write(proc / "500" / "comm", "python\n")
+    write(proc / "600" / "maps", "7f00-7f10 r-xp 0 08:01 1 /usr/lib/libcuda.so.1\n")
+    (proc / "600" / "environ").write_bytes(b"CUDA_VISIBLE_DEVICES=0\0")
+    assert park.unsupported_refusals(600, str(proc)) == []
+    write(proc / "700" / "comm", "nvidia-cuda-mps-server\n")
+    park._MPS_SEEN.clear()
+    found = park.unsupported_refusals(500, str(proc))
+    assert [r.split("]")[0] for r in found] == ["[gpucleanup.park.647", "[gpucleanup.park.648", "[gpucleanup.park.649"]
+    assert found[0].startswith("[gpucleanup.park.647] process 500 has CUPTI loaded (a profiler, or %gpumem --trace)")
+    assert "CUDA_VISIBLE_DEVICES names MIG-4f1c2a7e-0000-1111" in found[1]
+    assert found[2] == ("[gpucleanup.park.649] an MPS server runs on this machine (process 700, nvidia-cuda-mps-server), "
+                        "and the driver's checkpoint does not support MPS clients: nothing is parked while it runs")
+    assert "[gpucleanup.park.647]" in park.refusals(500, None, {}, proc=str(proc))[0]
+    park._MPS_SEEN.clear()
