@@ -76,6 +76,8 @@ class Step:
     restore_map: Optional[int] = None     # restore: how many GPUs its identity map named (0: none passed)
     interrupted: bool = False             # Ctrl-C or SIGTERM came while it ran: it was let finish
     hold: Optional[dict] = None           # restore: whether the process's other threads were held meanwhile
+    driver_version: Optional[int] = None  # cuDriverGetVersion in the helper (13000: CUDA 13.0)
+    restore_layout_known: Optional[bool] = None  # the driver's restore arguments are laid out as this build's
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -164,7 +166,9 @@ def _call(name: str, pid: int, limit: float, env: Optional[Dict[str, str]], extr
                           f"({detail[:300]})", seconds=seconds, interrupted=interrupted)
     return reply, Step(name, bool(reply.get("ok")), result=reply.get("result"), state_before=reply.get("state_before"),
                        state=reply.get("state"), seconds=seconds, refused=reply.get("refused"),
-                       restore_map=reply.get("restore_map"), interrupted=interrupted)
+                       restore_map=reply.get("restore_map"), interrupted=interrupted,
+                       driver_version=reply.get("driver_version"),
+                       restore_layout_known=reply.get("restore_layout_known"))
 
 
 def step(pid: int, name: str, limits: Limits = Limits(), python: Optional[str] = None,
@@ -517,6 +521,23 @@ def _refusal_for_state(pid: int, found: Step, usage: Optional[Dict[str, int]] = 
             f"({found.state}): nothing was done; check it with nvidia-smi")
 
 
+def layout_refusal(found: Optional[Step], view=None) -> Optional[str]:
+    """A sentence when the driver lays out the restore's arguments unlike this build (CUDA 12.9 to 13.0) on a
+    machine of several GPUs: the restore would go without the GPU map every GPU must be named in (share/FACTS.md
+    §10, §12), so the process could not come back. One GPU restores without a map. ``view``: the GPUs, or a
+    callable that gives them (asked only when the layout is unknown)."""
+    if found is None or found.restore_layout_known is not False:
+        return None
+    listed = view() if callable(view) else view
+    if not listed or len(listed) < 2:
+        return None
+    version = found.driver_version
+    named = f"CUDA {version // 1000}.{version % 1000 // 10}" if isinstance(version, int) else "an unknown CUDA"
+    return (f"[gpucleanup.park.650] the driver ({named}) lays out the restore's arguments unlike this gpucleanup "
+            f"(built for CUDA 12.9 to 13.0), and this machine has {len(listed)} GPUs, whose restore needs a GPU map in "
+            "them: nothing was done; update gpucleanup for this driver to park here")
+
+
 _MPS_SEEN: Dict[str, Tuple[float, Optional[str]]] = {}  # proc -> (when looked, what was found)
 
 
@@ -620,8 +641,9 @@ def park(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = No
     found = state(pid, limits, env)
     steps.append(found)
     reasons = refusals(pid, found, usage, gpus() if usage and len(usage) > 1 else None, parked_bytes)
-    if reasons:
-        raise ParkRefused(reasons[0])
+    layout = layout_refusal(found, gpus) if not reasons else None
+    if reasons or layout:
+        raise ParkRefused(reasons[0] if reasons else layout)
     if found.interrupted:
         raise ParkRefused("[gpucleanup.park.631] interrupted (Ctrl-C or SIGTERM) before the lock: nothing was done, "
                           f"process {pid} runs as before")

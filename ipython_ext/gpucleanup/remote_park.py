@@ -128,6 +128,9 @@ def check_kernel(pid: int, target, timeout: float, lock_file: os.PathLike) -> di
     reasons = park_steps.refusals(pid, None if kernel_state in ("parking", "parked") else found, usage,
                                   park_steps.gpus() if usage else None)
     out["reasons"].extend(reasons)
+    layout = park_steps.layout_refusal(found, park_steps.gpus) if kernel_state not in ("parking", "parked") else None
+    if layout:
+        out["reasons"].append(layout)
     out["parkable"] = not out["reasons"]
     return out
 

@@ -69,9 +69,20 @@ bool restore_with_map() {
   return mode == nullptr || std::string_view(mode) != "none";
 }
 
+// Whether this driver lays CUcheckpointRestoreArgs out as the CUDA 13.0 cuda.h
+// this library is built with: the layout changed in CUDA 12.9, 13.1, 13.3 and
+// 13.4 (share/FACTS.md §12), so drivers of CUDA 12.9 to 13.0 only.
+bool known_restore_layout(const Driver& driver) {
+  const auto version = driver.version();
+  return version && *version >= 12090 && *version < 13010;
+}
+
 CUresult restore(const Driver& driver, int pid, json& out) {
   std::vector<CUcheckpointGpuPair> pairs;
-  if (restore_with_map()) pairs = identity_map(driver);
+  const bool known = known_restore_layout(driver);
+  out["restore_layout_known"] = known;
+  // An unknown layout is never filled in: NULL args (the driver's default, no map) are valid with every driver.
+  if (restore_with_map() && known) pairs = identity_map(driver);
   CUcheckpointRestoreArgs args;
   std::memset(&args, 0, sizeof args);  // the reserved fields must be zero
   args.gpuPairs = pairs.empty() ? nullptr : pairs.data();
@@ -181,6 +192,8 @@ json checkpoint_step(const Driver& driver, int pid, CheckpointStep step, unsigne
   const EntryPoints& api = driver.api();
   json out{{"pid", pid},
            {"step", to_string(step)},
+           {"driver_version", driver.version() ? json(*driver.version()) : json(nullptr)},
+           {"restore_layout_known", known_restore_layout(driver)},
            {"state_before", step == CheckpointStep::state ? json(nullptr) : state_of(driver, pid)}};
   const auto start = std::chrono::steady_clock::now();
   CUresult result = CUDA_SUCCESS;

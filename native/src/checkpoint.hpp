@@ -37,7 +37,10 @@ std::vector<std::string> missing_checkpoint_calls(const Driver& driver);
 //   {"pid", "step", "ok", "result" (CUDA_SUCCESS or the error's name), "code",
 //    "state_before", "state" (GetState before and after; null if it failed),
 //    "seconds" (the step's call alone), "lock_timeout_ms" (lock only),
-//    "restore_map" (restore only: how many GPUs the identity map named; 0: no map)}
+//    "restore_map" (restore only: how many GPUs the identity map named; 0: no map),
+//    "driver_version" (cuDriverGetVersion, null if unknown), "restore_layout_known"
+//    (the driver lays CUcheckpointRestoreArgs out as this build's cuda.h does:
+//    CUDA 12.9 to 13.0; otherwise a restore passes NULL args, no GPU map)}
 // The step "resume" is a restore and, when it succeeded, an unlock, with every
 // other thread of the process held meanwhile (thread_hold.hpp): its "ok" and
 // "result" are the restore's, "unlock" is {"ok", "result", "code"} (null

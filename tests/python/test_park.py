@@ -563,3 +563,27 @@ def test_a_failed_restore_under_the_hold_lets_every_thread_go_and_tries_no_unloc
     busy_target.stdin.write("go\n")
     busy_target.stdin.flush()
     assert busy_target.stdout.readline().strip() == "spinning"
+
+
+def test_a_driver_whose_restore_arguments_this_build_does_not_know_is_restored_without_them(target, env, checkpoints):
+    helpers = dict(env, GPUCLEANUP_FAKE_CUDA_SCENARIO='{"driver_version": 13030}')  # CUDA 13.3: another layout
+    parked = park.park(target.pid, FAST, env=helpers)
+    assert parked.ok and parked.steps[0].driver_version == 13030 and parked.steps[0].restore_layout_known is False
+    resumed = park.resume(target.pid, FAST, env=helpers)
+    assert resumed.ok and resumed.steps[1].restore_map == 0  # NULL args: never a struct of the wrong shape
+    assert record(checkpoints, target.pid)["restore_map"] == 0
+    known = park.resume(target.pid, FAST, env=env)
+    assert known.steps[0].driver_version == 13000 and known.steps[0].restore_layout_known is True
+
+
+def test_an_unknown_restore_layout_refuses_a_park_only_on_a_machine_of_several_gpus():
+    found = park.Step("state", True, state="running", driver_version=13030, restore_layout_known=False)
+    one = [park.Gpu(0, "GPU-a", 1 << 30, 1 << 34)]
+    two = one + [park.Gpu(1, "GPU-b", 1 << 30, 1 << 34)]
+    assert park.layout_refusal(found, one) is None
+    assert park.layout_refusal(found, lambda: two) == (
+        "[gpucleanup.park.650] the driver (CUDA 13.3) lays out the restore's arguments unlike this gpucleanup (built "
+        "for CUDA 12.9 to 13.0), and this machine has 2 GPUs, whose restore needs a GPU map in them: nothing was "
+        "done; update gpucleanup for this driver to park here")
+    assert park.layout_refusal(park.Step("state", True, state="running", driver_version=13000,
+                                         restore_layout_known=True), two) is None
