@@ -226,6 +226,11 @@ def _run_helper(args: List[str], env: Dict[str, str], limit: float,
             proc.communicate()
             return proc.returncode, b"", b"", True, interrupted
         except KeyboardInterrupt:
+            if not interrupted:  # said at once: a checkpoint of many GiB takes minutes
+                step_name = args[4] if len(args) > 4 else "step"
+                print(f"gpucleanup: interrupted: the driver's {step_name} under way is let finish (at most "
+                      f"{max(0.0, deadline - time.monotonic()):.0f} s more), then it stops where the kernel's state "
+                      "can be named", file=sys.stderr, flush=True)
             interrupted = True
 
 

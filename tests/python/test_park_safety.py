@@ -292,11 +292,14 @@ def test_an_interrupt_during_the_checkpoint_lets_it_finish_and_says_the_process_
     flag = tmp_path / "signalled"
     patch(checkpoints, target.pid, {"hang": ["cuCheckpointProcessCheckpoint"]})
     parker = subprocess.Popen([sys.executable, "-c", PARKER.format(package=str(PACKAGE), pid=target.pid, flag=str(flag))], env=env,
-                              stdout=subprocess.PIPE, text=True, start_new_session=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     wait_for(lambda: record(checkpoints, target.pid)["calls"].get("cuCheckpointProcessCheckpoint") == 1,
              "the checkpoint began")
     os.killpg(parker.pid, signal.SIGINT)
     wait_for(flag.exists, "the parker took the signal")
+    # said at once, while the checkpoint still runs (before: nothing until the step ended)
+    assert parker.stderr.readline().startswith("gpucleanup: interrupted: the driver's checkpoint under way is let "
+                                               "finish (at most ")
     patch(checkpoints, target.pid, {"hang": []})
     out, _ = parker.communicate(timeout=60)
     outcome = json.loads(out.splitlines()[-1])
