@@ -761,3 +761,42 @@ def test_cupti_a_mig_device_and_an_mps_server_are_refused_before_anything_is_don
                         "and the driver's checkpoint does not support MPS clients: nothing is parked while it runs")
     assert "[gpucleanup.park.647]" in park.refusals(500, None, {}, proc=str(proc))[0]
     park._MPS_SEEN.clear()
+
+
+def test_park_checks_of_one_kernel_share_one_helper_until_a_park_of_it(monkeypatch, tmp_path):
+    import asyncio
+
+    import importlib
+
+    from gpucleanup import remote_park
+
+    handlers = importlib.import_module("gpucleanup.server.handlers")
+
+    calls = []
+
+    def check_kernel(pid, target, timeout, lock):
+        calls.append(pid)
+        time.sleep(0.2)
+        return {"pid": pid, "parkable": True, "reasons": []}
+
+    monkeypatch.setattr(remote_park, "check_kernel", check_kernel)
+    monkeypatch.setattr(remote_park, "park_from_outside", lambda *args: "parked")
+    watch = handlers.KernelWatch(None, handlers.GPUCleanupServer())
+    class Kernel:  # what the watch reads of a discovered kernel
+        pid, key_file = 4242, str(tmp_path / "4242-ab.key")
+
+    kernel = Kernel()
+
+    async def viewers():
+        first = await asyncio.gather(*(watch.park_check(kernel, None) for _ in range(5)))
+        again = await watch.park_check(kernel, None)  # within the window: the same answer
+        await watch.park(kernel, None, "park")        # a park forgets it: the next check looks again
+        after = await watch.park_check(kernel, None)
+        return first, again, after
+
+    try:
+        first, again, after = asyncio.run(viewers())
+    finally:
+        watch.close()
+    assert calls == [4242, 4242]  # five viewers and a sixth request: one helper; after the park: one more
+    assert all(f["parkable"] for f in first) and again["parkable"] and after["parkable"]

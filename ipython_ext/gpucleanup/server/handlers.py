@@ -90,6 +90,10 @@ class KernelWatch:
         # one collection per set of cards whose history is wanted (None: every kernel's), shared by the
         # requests that arrive while it runs
         self._pending: Dict[object, asyncio.Future] = {}
+        #: park checks per kernel pid: (when asked, its future), shared by requests within CHECK_SHARED_S seconds
+        #: (each costs a helper process and nvidia-smi: viewers asking again must not slow an admin's park); a
+        #: park or a resume of that kernel forgets its entry
+        self.park_checks: Dict[int, tuple] = {}
         self._stopped = False
         self._timers: List[object] = []
 
@@ -129,11 +133,30 @@ class KernelWatch:
         pool: a park moves the kernel's whole device memory and may take minutes. ``automatic``: the
         policy's park (``park_idle_after_s``), which a kernel refuses while a thread a cell started runs on."""
         lock = parking.lock_path(kernel.key_file, kernel.pid)
+        self.park_checks.pop(kernel.pid, None)
         if action == "park":
             call = partial(remote_park.park_from_outside, kernel.pid, target, self.settings.timeout, lock, automatic)
         else:
             call = partial(remote_park.resume_from_outside, kernel.pid, target, self.settings.timeout, lock, 0.0)
-        return asyncio.get_running_loop().run_in_executor(self._drains, call)
+        future = asyncio.get_running_loop().run_in_executor(self._drains, call)
+        future.add_done_callback(lambda _: self.park_checks.pop(kernel.pid, None))
+        return future
+
+    CHECK_SHARED_S = 2.0
+
+    def park_check(self, kernel: discovery.Kernel, target: status_client.Target):
+        """``remote_park.check_kernel`` for ``kernel``, one at a time per kernel, its answer shared for
+        :data:`CHECK_SHARED_S` seconds; on the drains' pool (a helper's look at the driver, nvidia-smi)."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        for pid in [p for p, (when, _) in self.park_checks.items() if now - when > self.CHECK_SHARED_S]:
+            del self.park_checks[pid]
+        shared = self.park_checks.get(kernel.pid)
+        if shared is None:
+            lock = parking.lock_path(kernel.key_file, kernel.pid)
+            check = partial(remote_park.check_kernel, kernel.pid, target, self.settings.timeout, lock)
+            shared = self.park_checks[kernel.pid] = (now, loop.run_in_executor(self._drains, check))
+        return shared[1]
 
     async def park_idle(self) -> List[str]:
         """One round of the automatic parking (``park_idle_after_s``): every kernel with gpucleanup that
@@ -527,11 +550,7 @@ class ParkCheckHandler(_API):
         kernel = await self.watch.find(key)
         if not kernel.key_file:
             raise web.HTTPError(409, "%s", f"kernel {key} has no key file: it cannot be parked from outside")
-        target = _target_of(kernel, key)
-        lock = parking.lock_path(kernel.key_file, kernel.pid)
-        # a helper's look at the driver's state and nvidia-smi: seconds at worst, on the drains' pool
-        check = partial(remote_park.check_kernel, kernel.pid, target, self.watch.settings.timeout, lock)
-        found = await asyncio.get_running_loop().run_in_executor(self.watch._drains, check)
+        found = dict(await asyncio.shield(self.watch.park_check(kernel, _target_of(kernel, key))))
         found["id"] = key
         found["message"] = ("can be parked now" if found["parkable"] else
                             "cannot be parked now: " + "; ".join(found["reasons"]))
