@@ -544,6 +544,12 @@ class InKernel:
             return
         self._say([say(text)])
 
+    def hold_off_parks(self, begin: bool) -> bool:
+        """A request that is no cell begins (``begin``) or ends: the status server refuses a park's begin
+        meanwhile, as during the kernel's own release (a passing refusal); False when the endpoint says parked."""
+        say = getattr(self._endpoint(), "background", None)
+        return True if say is None else bool(say(begin))
+
     def resume_for_request(self, msg_type: str = "request") -> bool:
         """A request that runs code and is no cell (a silent execute, a comm message, an inspection) brings a
         parked kernel back first; it has no cell to show a line under, so the next cell says it
@@ -686,21 +692,37 @@ class RequestGuard:
         def handler(stream, idents, msg, *args, **kwargs):
             if guard.holds_back(msg_type, msg, stream, idents):
                 return None
-            result = original(stream, idents, msg, *args, **kwargs)
+            # no park begins while the request runs (a first completion imports jedi: seconds, the kernel idle)
+            held = guard.needs_resume(msg_type, _content(msg)) and guard.hold_off_parks(True)
+            try:
+                result = original(stream, idents, msg, *args, **kwargs)
+            except BaseException:
+                guard.after_request(held)
+                raise
             if inspect.isawaitable(result):
                 async def then():
                     try:
                         return await result
                     finally:
-                        guard.after_request()
+                        guard.after_request(held)
                 return then()
-            guard.after_request()
+            guard.after_request(held)
             return result
 
         handler.__wrapped__ = original  # type: ignore[attr-defined]
         return handler
 
-    def after_request(self) -> None:
+    def hold_off_parks(self, begin: bool) -> bool:
+        """Tells the status server that the kernel answers a request (no park may begin meanwhile: a passing
+        refusal, asked again) or has answered it; True when the begin was taken."""
+        try:
+            return bool(self._parking.hold_off_parks(begin))
+        except Exception:
+            return False
+
+    def after_request(self, held: bool = False) -> None:
+        if held:
+            self.hold_off_parks(False)
         try:
             self._parking.threads_seen()
         except Exception:
@@ -719,8 +741,7 @@ class RequestGuard:
     def holds_back(self, msg_type: str, msg, stream=None, idents=None) -> bool:
         """Resumes the kernel first where ``msg`` needs it; True when the request must not be run (answered
         here with an error, or dropped where it has no reply)."""
-        content = msg.get("content") if isinstance(msg, dict) else None
-        content = content if isinstance(content, dict) else {}
+        content = _content(msg)
         if not self.needs_resume(msg_type, content):
             return False
         try:
@@ -764,6 +785,11 @@ class RequestGuard:
         except Exception:
             return False
         return True
+
+
+def _content(msg) -> dict:
+    content = msg.get("content") if isinstance(msg, dict) else None
+    return content if isinstance(content, dict) else {}
 
 
 class StillParked(RuntimeError):

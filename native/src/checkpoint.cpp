@@ -94,13 +94,13 @@ CUresult restore(const Driver& driver, int pid, json& out) {
 // The driver's restore thread in `pid` (the one thread a hold lets run), or 0
 // with the reason in `why`.
 pid_t restore_thread(const Driver& driver, int pid, std::string& why) {
-  const auto get = driver.api().cuCheckpointProcessGetRestoreThreadId;
-  if (get == nullptr) {
+  const EntryPoints& api = driver.api();
+  if (api.cuCheckpointProcessGetRestoreThreadId == nullptr) {
     why = "the driver has no cuCheckpointProcessGetRestoreThreadId";
     return 0;
   }
   int tid = 0;
-  const CUresult result = get(pid, &tid);
+  const CUresult result = api.cuCheckpointProcessGetRestoreThreadId(pid, &tid);
   if (result != CUDA_SUCCESS || tid <= 0) {
     why = "the driver did not name the restore thread (" + driver.error_name(result) + ")";
     return 0;

@@ -800,3 +800,31 @@ def test_park_checks_of_one_kernel_share_one_helper_until_a_park_of_it(monkeypat
         watch.close()
     assert calls == [4242, 4242]  # five viewers and a sixth request: one helper; after the park: one more
     assert all(f["parkable"] for f in first) and again["parkable"] and after["parkable"]
+
+
+def test_no_park_begins_while_a_request_that_is_no_cell_runs():
+    import asyncio
+
+    class Parking(_WatchedParking):
+        def __init__(self):
+            super().__init__(parked=False, resume_works=True)
+            self.holds = []
+
+        def hold_off_parks(self, begin):
+            self.holds.append(begin)
+            return True
+
+    kernel, parked = _FullKernel(), Parking()
+    seen = []
+
+    async def complete(stream, idents, msg):  # ipykernel's handlers are coroutines
+        seen.append(list(parked.holds))
+        await asyncio.sleep(0)
+        return "replied"
+
+    kernel.shell_handlers["complete_request"] = complete
+    parking.RequestGuard(parked, [].append).install(kernel)
+    assert asyncio.run(kernel.shell_handlers["complete_request"](None, [], {"content": {}})) == "replied"
+    assert seen == [[True]] and parked.holds == [True, False]  # held off while it ran, let go after
+    kernel.shell_handlers["execute_request"](None, [], {"content": {"code": "x"}})  # a cell: its own state holds it
+    assert parked.holds == [True, False]

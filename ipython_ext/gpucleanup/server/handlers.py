@@ -191,7 +191,8 @@ class KernelWatch:
                 if not outcome.ok:
                     refused[entry["id"]] = state.get("since_ns")
             except Exception as exc:  # refused, no answer, a key file that cannot be read: next time, if it changes
-                refused[entry["id"]] = state.get("since_ns")
+                if getattr(exc, "error_id", None) not in parking.PASSING_REFUSALS:  # one that passes: next round
+                    refused[entry["id"]] = state.get("since_ns")
                 said.append(f"kernel {entry['id']} idle {state['age_s']:.0f} s: not parked: {exc}")
         return said
 
