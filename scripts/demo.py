@@ -194,9 +194,12 @@ class Server:
         from jupyter_core.paths import jupyter_runtime_dir
 
         self.token = secrets.token_hex(24)
+        # the token in the environment (JUPYTER_TOKEN: /proc/<pid>/environ is readable by this user alone), never
+        # in the arguments, which every local user reads in /proc/<pid>/cmdline
+        env = dict(env, JUPYTER_TOKEN=self.token)
         self.env = env
         argv = [sys.executable, "-m", "jupyter_server", "--no-browser", "--ServerApp.ip=127.0.0.1",
-                f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={root}",
+                f"--ServerApp.root_dir={root}",
                 "--ServerApp.jpserver_extensions=gpucleanup.server=True", "--ServerApp.log_level=WARN",
                 # ipc sockets: over TCP, ipykernel warns on its stderr (this terminal); in a directory with a
                 # short name, as a socket's path is at most 107 bytes (the runtime directory's can be longer)

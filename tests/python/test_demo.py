@@ -165,6 +165,8 @@ def test_the_server_lists_its_kernel_parks_it_and_stops_everything_on_ctrl_c(dem
         assert kernel["server_kernel"] and kernel["gpucleanup"] and kernel["notebook"] == "tour.ipynb", kernel
         server_pid = json.loads(next(Path(demo_env["JUPYTER_RUNTIME_DIR"]).glob("jpserver-*.json")).read_text())["pid"]
         pids = [server_pid, kernel["pid"]]
+        for pid in pids:  # every local user reads a process's arguments: the token is never among them
+            assert token.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes(), pid
         with urllib.request.urlopen(f"{url}/gpucleanup?token={token}", timeout=TIMEOUT) as response:
             assert response.status == 200
 
