@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable, List
 
-from .say import say
+from .say import printable, say
 
 __all__ = ["LoadNotes"]
 
@@ -30,7 +30,9 @@ class LoadNotes:
         return getattr(self.shell, "kernel", None) is not None and not getattr(self.shell, "parent_header", None)
 
     def say(self, text: str) -> None:
-        line = say(text)
+        # one line, its control characters escaped: a value from a kernelspec's argv or a config file may carry
+        # ESC, BEL or a newline, which would reach the terminal of whoever started Jupyter
+        line = say(printable(text))
         print(line)  # terminal IPython, and a load from a cell: the cell's own output
         if not self._before_any_request():
             return

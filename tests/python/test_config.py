@@ -158,6 +158,22 @@ def test_bad_value_in_the_config_file_loads_with_defaults_and_says_which(shell, 
     assert ext.gc == "never"
 
 
+def test_a_bad_config_value_reaches_the_terminal_as_one_line_with_its_control_characters_escaped(shell, stand_in,  # noqa: F811
+                                                                                                     capsys):
+    class Evil:  # a value whose repr carries a terminal title sequence and a line of its own
+        def __repr__(self):
+            return "\x1b]0;owned\x07\ngpucleanup · all clear"
+
+    cfg = Config()
+    cfg.GPUCleanup.gc = Evil()
+    shell.config.merge(cfg)
+    shell.run_line_magic("load_ext", "gpucleanup")
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out
+    assert out.splitlines() == ["gpucleanup · ignored GPUCleanup.gc = \\x1b]0;owned\\x07\\ngpucleanup · all clear from "
+                                "the configuration: gc must be one of 'auto', 'always', 'never'; using the default"]
+
+
 def test_history_size_change_resizes_the_history(shell, stand_in):  # noqa: F811
     shell.run_line_magic("load_ext", "gpucleanup")
     ext = extension.get_extension(shell)
