@@ -139,6 +139,8 @@ def one_run(session: Session, pause: float, resume: str) -> dict:
     out["resume_s"] = round(time.monotonic() - started, 3)
     lines = cell.printed.splitlines()
     out["line"] = next((line for line in lines if line.startswith("gpucleanup · resumed")), None)
+    if resume == "cell" and out["line"]:
+        out["hold"] = {"held": "ran during the restore" not in out["line"]}  # the line says when it was not held
     equal = any(line.startswith("True ") for line in lines)
     out["outcome"] = "ok" if equal and not cell.error_line else "wrong"
     if out["outcome"] != "ok":
@@ -181,8 +183,7 @@ def main() -> int:
     for result in runs:
         counts[result["outcome"]] = counts.get(result["outcome"], 0) + 1
     held = sum(1 for r in runs if isinstance(r.get("hold"), dict) and r["hold"].get("held"))
-    summary = {"label": label, "runs": len(runs), "outcomes": counts,
-               "held_outside": held if args.resume == "outside" else None}
+    summary = {"label": label, "runs": len(runs), "outcomes": counts, "held": held}
     print(f"park-loop summary {json.dumps(summary)}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"summary": summary, "runs": runs}, indent=1))
