@@ -31,6 +31,7 @@
   let timer = null;
   let inFlight = false;
   let sortOrder = "held";
+  let shownSort = "held"; // the order the rows on the page were asked in: what the headers mark
   let lastData = null;
 
   // ------------------------------------------------------------------ building blocks
@@ -560,8 +561,8 @@
       }
     }
     for (const th of document.querySelectorAll("th[data-sort]")) {
-      th.classList.toggle("sorted", th.dataset.sort === sortOrder);
-      th.setAttribute("aria-sort", th.dataset.sort === sortOrder ? (sortOrder === "name" ? "ascending" : "descending") : "none");
+      th.classList.toggle("sorted", th.dataset.sort === shownSort);
+      th.setAttribute("aria-sort", th.dataset.sort === shownSort ? (shownSort === "name" ? "ascending" : "descending") : "none");
     }
   }
 
@@ -704,7 +705,8 @@
     if (inFlight) return;
     inFlight = true;
     const open = [...shown.values()].filter((v) => v.open).map((v) => v.entry.id);
-    const url = `${API}?sort=${sortOrder}&cards=${open.map(encodeURIComponent).join(",")}`;
+    const asked = sortOrder; // a click while this request runs sorts the next one
+    const url = `${API}?sort=${asked}&cards=${open.map(encodeURIComponent).join(",")}`;
     try {
       const response = await fetch(url, { credentials: "same-origin", headers: { Accept: "application/json" } });
       if (response.status === 403) {
@@ -712,14 +714,16 @@
       } else if (!response.ok) {
         say(`Could not refresh at ${clock(Date.now() * 1e6)}: HTTP ${response.status}.`);
       } else {
-        render(await response.json());
+        const data = await response.json();
+        shownSort = asked;
+        render(data);
         say("");
       }
     } catch (error) {
       say(`Could not reach the Jupyter server at ${clock(Date.now() * 1e6)} (${error.message}); the figures below are older.`);
     } finally {
       inFlight = false;
-      refreshSoon(REFRESH_MS);
+      refreshSoon(sortOrder === asked ? REFRESH_MS : 0); // a sort asked for meanwhile: at once
     }
   }
 
