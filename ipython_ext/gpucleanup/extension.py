@@ -210,7 +210,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         self.cells = CellState()
         self.load_notes = LoadNotes(shell, self._say)  # what load says, heard in a kernel too
         self._interrupt_the_cell = _InterruptTheCell()
-        self.parking = InKernel(lambda: self._endpoint, self._say)
+        self.parking = InKernel(lambda: self._endpoint, self._say, tracing=lambda: bool(tracer.active))
         self._refuse_the_cell = _RefuseTheCell(shell)
         self._request_guard = RequestGuard(self.parking, self._refuse_the_cell.arm)
         self.engine.background = self._background

@@ -572,25 +572,32 @@ def mps_server(proc: str = "/proc", max_age_s: float = 5.0) -> Optional[str]:
     return found
 
 
-def unsupported_refusals(pid: int, proc: str = "/proc") -> List[str]:
-    """Sentences for what the driver's checkpoint does not support (share/FACTS.md §12), read from files alone:
-    CUPTI loaded in the process (gpucleanup's own ``%gpumem --trace`` loads it), a MIG device among those it may
-    use (``MIG-`` in its ``CUDA_VISIBLE_DEVICES``), and an MPS server on the machine (its clients go through it)."""
+def unsupported_refusals(pid: int, proc: str = "/proc", tracing: bool = False) -> List[str]:
+    """Sentences for what the driver's checkpoint does not support (share/FACTS.md §12), read from files alone
+    (and ``tracing``, which only the kernel knows): CUPTI in use, a MIG device among those the process may use
+    (``MIG-`` in its ``CUDA_VISIBLE_DEVICES``), and an MPS server on the machine (its clients go through it).
+
+    CUPTI in use means gpucleanup's own ``%gpumem --trace`` on (``tracing``: its subscriber holds CUPTI) or a tool
+    injected into the process through ``CUDA_INJECTION64_PATH`` (Nsight Systems, Nsight Compute,
+    compute-sanitizer). The library merely loaded is not refused: JAX's XLA plugin and PyTorch's profiler load
+    libcupti at import without subscribing; such JAX kernels were parked and resumed on the project's GPU runs
+    (tests/bench/results/h100-park-loop-jax-64cf67d-2026-11-27.log), and a refusal for the mapping alone refused
+    every one of them (tests/bench/results/h100-park-hold-cupti-refused-2026-12-06.log)."""
     out: List[str] = []
-    try:
-        with open(f"{proc}/{int(pid)}/maps", encoding="utf-8", errors="replace") as fh:
-            cupti = any("libcupti" in line for line in fh)
-    except OSError:
-        cupti = False
-    if cupti:
-        out.append(f"[gpucleanup.park.647] process {pid} has CUPTI loaded (a profiler, or %gpumem --trace), which "
-                   "the driver's checkpoint does not support: it is not parked; restart the kernel without the "
-                   "trace to make it parkable")
     try:
         with open(f"{proc}/{int(pid)}/environ", "rb") as fh:
             environ = fh.read().split(b"\0")
     except OSError:
         environ = []
+    injected = next((v.split(b"=", 1)[1] for v in environ if v.startswith(b"CUDA_INJECTION64_PATH=")), b"")
+    if tracing:
+        out.append("[gpucleanup.park.647] %gpumem --trace is on in this kernel: its CUPTI subscriber is something "
+                   "the driver's checkpoint does not support, so it is not parked; %gpumem --trace off, then park")
+    elif injected:
+        out.append(f"[gpucleanup.park.647] process {pid} runs under a CUDA tool injected through "
+                   f"CUDA_INJECTION64_PATH={printable(injected.decode('utf-8', 'replace'))[:160]} (a profiler or "
+                   "compute-sanitizer, through CUPTI), which the driver's checkpoint does not support: it is not "
+                   "parked; restart the kernel without the tool to make it parkable")
     visible = next((v.split(b"=", 1)[1] for v in environ if v.startswith(b"CUDA_VISIBLE_DEVICES=")), b"")
     if b"MIG-" in visible:
         out.append(f"[gpucleanup.park.648] process {pid} runs on a MIG device (CUDA_VISIBLE_DEVICES names "
@@ -605,10 +612,10 @@ def unsupported_refusals(pid: int, proc: str = "/proc") -> List[str]:
 
 def refusals(pid: int, found: Optional[Step], usage: Optional[Dict[str, int]], view: Optional[List[Gpu]] = None,
              parked_bytes: Optional[int] = None, meminfo: str = "/proc/meminfo", proc: str = "/proc",
-             cgroup_root: str = "/sys/fs/cgroup") -> List[str]:
+             cgroup_root: str = "/sys/fs/cgroup", tracing: bool = False) -> List[str]:
     """Why process ``pid`` cannot be parked now, each reason one sentence (empty: it can), from what is known
     without touching it: the driver's state (``found``, a ``state`` step), the GPUs it uses, host memory and
-    its cgroup's limit. The one decision every way of parking goes through, and what ``park --check`` says."""
+    its cgroup's limit, and whether the kernel's own trace is on (``tracing``). The one decision every way of parking goes through, and what ``park --check`` says."""
     out: List[str] = []
     if found is not None and (found.refused or found.hung or found.state != RUNNING):
         out.append(_refusal_for_state(pid, found, usage))
@@ -617,12 +624,12 @@ def refusals(pid: int, found: Optional[Step], usage: Optional[Dict[str, int]], v
                    cgroup_memory_refusal(size, cgroup_memory(pid, proc, cgroup_root))):
         if reason:
             out.append(reason)
-    out.extend(unsupported_refusals(pid, proc))
+    out.extend(unsupported_refusals(pid, proc, tracing))
     return out
 
 
 def park(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = None,
-         parked_bytes: Optional[int] = None) -> Outcome:
+         parked_bytes: Optional[int] = None, tracing: bool = False) -> Outcome:
     """Lock, then checkpoint process ``pid``; on any failure leave it running (or say exactly where it is).
 
     Raises :class:`ParkRefused` when nothing was done: the first of :func:`refusals` (the process is not
@@ -645,7 +652,8 @@ def park(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = No
 
     found = state(pid, limits, env)
     steps.append(found)
-    reasons = refusals(pid, found, usage, gpus() if usage and len(usage) > 1 else None, parked_bytes)
+    reasons = refusals(pid, found, usage, gpus() if usage and len(usage) > 1 else None, parked_bytes,
+                       tracing=tracing)
     layout = layout_refusal(found, gpus) if not reasons else None
     if reasons or layout:
         raise ParkRefused(reasons[0] if reasons else layout)

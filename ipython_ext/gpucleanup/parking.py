@@ -176,7 +176,8 @@ def _begin(record: RecordStep, wait_s: float) -> float:
 
 def park_kernel(pid: int, record: RecordStep, lock_file: os.PathLike,
                 limits: park_steps.Limits = park_steps.Limits(), env: Optional[dict] = None,
-                lock_timeout: float = 1.0, begin_wait_s: float = BEGIN_WAIT_S) -> park_steps.Outcome:
+                lock_timeout: float = 1.0, begin_wait_s: float = BEGIN_WAIT_S,
+                tracing: bool = False) -> park_steps.Outcome:
     """Parks kernel ``pid``: its state to parking, the driver's steps, its state to parked (or back to idle).
 
     A ``begin`` refused only for a moment (a drain or the kernel's own release under way) is asked again
@@ -190,7 +191,7 @@ def park_kernel(pid: int, record: RecordStep, lock_file: os.PathLike,
     with ParkLock(lock_file, lock_timeout) as lock:
         waited_s = _begin(record, begin_wait_s)
         try:
-            outcome = park_steps.park(pid, limits, env=env)
+            outcome = park_steps.park(pid, limits, env=env, tracing=tracing)
         except BaseException:
             record("failed", None)
             raise
@@ -334,8 +335,10 @@ class InKernel:
     """
 
     def __init__(self, endpoint: Callable[[], object], say: Callable[[list], None],
-                 limits: park_steps.Limits = park_steps.Limits(), env: Optional[dict] = None):
+                 limits: park_steps.Limits = park_steps.Limits(), env: Optional[dict] = None,
+                 tracing: Callable[[], bool] = lambda: False):
         self._endpoint = endpoint
+        self._tracing = tracing  # whether %gpumem --trace holds CUPTI now (the driver cannot checkpoint then)
         self._say = say
         self.limits = limits
         self.env = env
@@ -351,6 +354,8 @@ class InKernel:
         #: set when a resume lost the kernel's GPU state: every later cell and request is refused at once with it
         self.lost: Optional[str] = None
         self._thread_count = threading.active_count()
+        self._traced = False  # whether the trace was on at the last look
+        self._say_lock = threading.Lock()
         self._blocker_said: Optional[str] = None
         self._lock_of: object = None  # the endpoint whose park lock _lock is
         self._lock = None
@@ -382,8 +387,11 @@ class InKernel:
             timer.cancel()
 
     def automatic_park_blocker(self) -> Optional[str]:
-        """Why no automatic park may take this kernel now (None: it may): a thread started in a cell that
-        still runs; its driver calls would stop for as long as the kernel stays parked."""
+        """Why no automatic park may take this kernel now (None: it may): %gpumem --trace on, or a thread started
+        in a cell that still runs (its driver calls would stop for as long as the kernel stays parked)."""
+        if self._tracing():
+            return ("[gpucleanup.park.647] %gpumem --trace is on: the driver's checkpoint does not support its "
+                    "CUPTI subscriber (%gpumem --trace off makes the kernel parkable)")
         running = [name for name in outliving_threads() if name != threading.current_thread().name]
         if not running:
             return None
@@ -405,7 +413,8 @@ class InKernel:
                 self._start_timer(RECHECK_S, after_s)
             return
         try:
-            outcome = park_kernel(os.getpid(), endpoint.park_step, endpoint.park_lock, self.limits, self.env)
+            outcome = park_kernel(os.getpid(), endpoint.park_step, endpoint.park_lock, self.limits, self.env,
+                                  tracing=self._tracing())
         except (park_steps.ParkRefused, LockBusy, RuntimeError) as exc:
             if "the kernel is running" not in str(exc):  # a cell that started first is not news
                 self._auto_note = f"not parked after {format_duration(after_s)} idle: {exc}"
@@ -440,27 +449,30 @@ class InKernel:
 
     def threads_seen(self) -> None:
         """A cell ends, before its state says idle (from when a policy may park the kernel): when a thread
-        started or ended since the last look, or while executor workers live (one may have taken a task without
+        started or ended since the last look, or the trace was turned on or off, or while executor workers live (one may have taken a task without
         any thread starting), what keeps an automatic park away is said again. One count of Python's threads
         otherwise."""
         count = threading.active_count()
-        if count != self._thread_count or self._workers:
+        tracing = bool(self._tracing())
+        if count != self._thread_count or self._workers or tracing != self._traced:
             self._thread_count = count
+            self._traced = tracing
             self._workers = any(_origin(t).startswith(_EXECUTOR) for t in threading.enumerate())
             self.say_blocker()
 
     def say_blocker(self) -> None:
         """Tells the status server why no automatic park may begin (or that one may), when that changed: the
         server's own automatic park asks the kernel's server, which cannot see Python's threads."""
-        blocker = self.automatic_park_blocker()
-        if blocker == self._blocker_said:
-            return
-        say = getattr(self._endpoint(), "park_blocker", None)
-        if say is not None:
-            say(blocker)
-            self._blocker_said = blocker
-            if blocker is not None:
-                self._follow_blocker()
+        with self._say_lock:  # the cell's thread and the watch thread: one says each change, once
+            blocker = self.automatic_park_blocker()
+            if blocker == self._blocker_said:
+                return
+            say = getattr(self._endpoint(), "park_blocker", None)
+            if say is not None:
+                say(blocker)
+                self._blocker_said = blocker
+                if blocker is not None:
+                    self._follow_blocker()
 
     def _follow_blocker(self) -> None:
         """While the server is told a blocker, a thread looks again every :data:`RECHECK_S` seconds and tells it
@@ -499,7 +511,8 @@ class InKernel:
         pid = os.getpid()
 
         def run() -> str:
-            outcome = park_kernel(pid, endpoint.park_step, endpoint.park_lock, self.limits, self.env)
+            outcome = park_kernel(pid, endpoint.park_step, endpoint.park_lock, self.limits, self.env,
+                                  tracing=self._tracing())
             if outcome.ok:
                 return (parked_text(outcome) + "; the next cell brings it back (or: gpucleanup resume "
                         f"{pid})")

@@ -742,11 +742,12 @@ def test_a_cgroup_path_reaches_the_terminal_with_its_control_characters_escaped(
     assert "(/sys/fs/cgroup/evil\\x1b]0;owned\\x07\\nname: limit 1.0 GiB" in refusal
 
 
-def test_cupti_a_mig_device_and_an_mps_server_are_refused_before_anything_is_done(tmp_path):
+def test_cupti_in_use_a_mig_device_and_an_mps_server_are_refused_before_anything_is_done(tmp_path):
     proc = tmp_path / "proc"
     write(proc / "500" / "maps", "7f00-7f10 r-xp 0 08:01 1 /usr/lib/libcuda.so.1\n"
                                  "7f20-7f30 r-xp 0 08:01 2 /opt/cuda/lib64/libcupti.so.13\n")
-    (proc / "500" / "environ").write_bytes(b"HOME=/root\0CUDA_VISIBLE_DEVICES=MIG-4f1c2a7e-0000-1111\0")
+    (proc / "500" / "environ").write_bytes(b"HOME=/root\0CUDA_VISIBLE_DEVICES=MIG-4f1c2a7e-0000-1111\0"
+                                           b"CUDA_INJECTION64_PATH=/opt/nsight/libToolsInjection64.so\0")
     write(proc / "500" / "comm", "python\n")
     write(proc / "600" / "maps", "7f00-7f10 r-xp 0 08:01 1 /usr/lib/libcuda.so.1\n")
     (proc / "600" / "environ").write_bytes(b"CUDA_VISIBLE_DEVICES=0\0")
@@ -755,12 +756,59 @@ def test_cupti_a_mig_device_and_an_mps_server_are_refused_before_anything_is_don
     park._MPS_SEEN.clear()
     found = park.unsupported_refusals(500, str(proc))
     assert [r.split("]")[0] for r in found] == ["[gpucleanup.park.647", "[gpucleanup.park.648", "[gpucleanup.park.649"]
-    assert found[0].startswith("[gpucleanup.park.647] process 500 has CUPTI loaded (a profiler, or %gpumem --trace)")
+    assert found[0] == ("[gpucleanup.park.647] process 500 runs under a CUDA tool injected through "
+                        "CUDA_INJECTION64_PATH=/opt/nsight/libToolsInjection64.so (a profiler or compute-sanitizer, "
+                        "through CUPTI), which the driver's checkpoint does not support: it is not parked; restart "
+                        "the kernel without the tool to make it parkable")
     assert "CUDA_VISIBLE_DEVICES names MIG-4f1c2a7e-0000-1111" in found[1]
     assert found[2] == ("[gpucleanup.park.649] an MPS server runs on this machine (process 700, nvidia-cuda-mps-server), "
                         "and the driver's checkpoint does not support MPS clients: nothing is parked while it runs")
     assert "[gpucleanup.park.647]" in park.refusals(500, None, {}, proc=str(proc))[0]
     park._MPS_SEEN.clear()
+
+
+def test_libcupti_loaded_without_a_subscriber_is_parkable_and_the_kernels_own_trace_is_not(tmp_path):
+    # JAX's XLA plugin and PyTorch's profiler map libcupti at import and subscribe nothing: the H100 run that
+    # refused every JAX park for the mapping alone is why this is no refusal
+    proc = tmp_path / "proc"
+    write(proc / "510" / "maps", "7f00-7f10 r-xp 0 08:01 1 /usr/lib/libcuda.so.1\n"
+                                 "7f20-7f30 r-xp 0 08:01 2 /site/nvidia/cuda_cupti/lib/libcupti.so.12\n"
+                                 "7f40-7f50 r-xp 0 08:01 3 /site/jax_plugins/xla_cuda12/xla_cuda_plugin.so\n")
+    (proc / "510" / "environ").write_bytes(b"CUDA_VISIBLE_DEVICES=0\0")
+    park._MPS_SEEN.clear()
+    assert park.unsupported_refusals(510, str(proc)) == []
+    assert park.refusals(510, None, {}, proc=str(proc)) == []
+    traced = park.refusals(510, None, {}, proc=str(proc), tracing=True)
+    assert traced == ["[gpucleanup.park.647] %gpumem --trace is on in this kernel: its CUPTI subscriber is something "
+                      "the driver's checkpoint does not support, so it is not parked; %gpumem --trace off, then park"]
+    park._MPS_SEEN.clear()
+
+
+def test_the_trace_keeps_automatic_parks_away_and_the_server_is_told_when_it_is_turned_on_and_off():
+    told = []
+
+    class Endpoint:
+        def park_blocker(self, text):
+            told.append(text)
+
+    endpoint = Endpoint()
+    tracing = [False]
+    kernel = parking.InKernel(lambda: endpoint, lambda lines: None, tracing=lambda: tracing[0])
+    try:
+        assert kernel.automatic_park_blocker() is None
+        tracing[0] = True
+        kernel.threads_seen()  # no thread started or ended: the trace alone is news
+        assert kernel.automatic_park_blocker() == (
+            "[gpucleanup.park.647] %gpumem --trace is on: the driver's checkpoint does not support its CUPTI "
+            "subscriber (%gpumem --trace off makes the kernel parkable)")
+        assert told == [kernel.automatic_park_blocker()]
+        kernel.threads_seen()
+        assert len(told) == 1  # said once while it stays on
+        tracing[0] = False
+        kernel.threads_seen()
+        assert told[-1] is None and len(told) == 2
+    finally:
+        kernel.close()
 
 
 def test_park_checks_of_one_kernel_share_one_helper_until_a_park_of_it(monkeypatch, tmp_path):
