@@ -41,7 +41,8 @@ class Output:
     """One output of a cell, in the order it came.
 
     ``kind``: ``stdout`` or ``stderr`` (a stream), ``display`` (display_data, update_display_data), ``result``
-    (execute_result), ``gpucleanup`` (a display output gpucleanup names as its own: its summary lines), ``error``.
+    (execute_result), ``gpucleanup`` (a display output gpucleanup names as its own: its summary lines), ``error``,
+    ``clear`` (a clear_output: no text, ``metadata["wait"]`` its wait flag).
     ``text``: what it reads as: a stream's text; the ``text/plain`` of a display output or result, then a
     newline; an error's ``ename: evalue`` and a newline.
     """
@@ -113,7 +114,7 @@ class Cell(str):
 
 
 def output(kind: str, content: dict) -> Optional[Output]:
-    """The output an iopub message of this kind carries, or None (status, execute_input, clear_output...)."""
+    """The output an iopub message of this kind carries, or None (status, execute_input...)."""
     if kind == "stream":
         return Output(content["name"], content["text"])
     if kind in ("display_data", "update_display_data", "execute_result"):
@@ -122,6 +123,8 @@ def output(kind: str, content: dict) -> Optional[Output]:
         return Output(named, data.get("text/plain", "") + "\n", data, metadata)
     if kind == "error":
         return Output("error", f"{content['ename']}: {content['evalue']}\n")
+    if kind == "clear_output":  # no text: the cell reads the same; its place in the order is what counts
+        return Output("clear", "", metadata={"wait": bool(content.get("wait"))})
     return None
 
 

@@ -36,6 +36,7 @@ from .load_notes import LoadNotes
 from .magics import gpumem_arguments, parse_gpumem, with_settings
 from .outside_drain import OutsideDrain, gave_no_way as outside_drain_gave_no_way
 from .parking import InKernel, RequestGuard
+from .pending_clear import PendingClear
 from .record import CellRecord, Outcome
 from .say import PREFIX, say
 from .totals import Totals
@@ -212,6 +213,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         self._interrupt_the_cell = _InterruptTheCell()
         self.parking = InKernel(lambda: self._endpoint, self._say, tracing=lambda: bool(tracer.active))
         self._refuse_the_cell = _RefuseTheCell(shell)
+        self.clears = PendingClear(shell)  # a clear_output(wait=True) the cell left pending holds the line back
+        self._holding = False  # set while the end of a cell says nothing (a pending clear would wipe its output)
         self._request_guard = RequestGuard(self.parking, self._refuse_the_cell.arm)
         self.engine.background = self._background
         # A drain from outside (gpucleanup drain, the page's Drain button) runs the kernel's cleanup on a thread
@@ -301,6 +304,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         self._start_status_endpoint()
         with contextlib.suppress(Exception):  # ipykernel's: requests that run code and are no cell resume first
             self._request_guard.install(getattr(self.shell, "kernel", None))
+        with contextlib.suppress(Exception):
+            self.clears.install()
         atexit.register(self._at_exit)
 
     def unload(self) -> None:
@@ -312,6 +317,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                       "park (%gpumem --park); load it again and ask in a cell of its own"))
         with contextlib.suppress(Exception):
             self._request_guard.remove()
+        with contextlib.suppress(Exception):
+            self.clears.remove()
         self._refuse_the_cell.disarm()
         self.load_notes.remove()
         with contextlib.suppress(Exception):
@@ -445,6 +452,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
     # ------------------------------------------------------------ notes
 
     def _warn_once_now(self, kind: str, text: str) -> None:
+        if self._holding:  # said at a later cell's end: one said now would be held back, and never said
+            return
         if self.engine.note_once(kind):
             self._say([say(text)])
 
@@ -454,7 +463,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         the cell and frontends, nbconvert and tests can tell apart or drop; terminal IPython's display
         publisher prints its text after the cell's output. ``%%capture`` and a redirected stdout
         inside the cell hold only what the user printed."""
-        if not lines:
+        if not lines or self._holding:
             return
         publish = getattr(getattr(self.shell, "display_pub", None), "publish", None)
         if publish is None:
@@ -472,6 +481,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                 return
             self._put_right_unended_cells()
         self.parking.parked_at_start = None  # set again below by the resume, once the cell says "running"
+        self.clears.cell_starts()
         try:
             if outside_drain:
                 self.outside.wait()  # one that began before this cell: it ends first
@@ -544,6 +554,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         try:
             if result is not None and getattr(getattr(result, "info", None), "silent", False):
                 return
+            # a clear_output(wait=True) still pending: anything said now would wipe what the cell showed
+            self._holding = self.clears.holds_the_line(result)
             traits = self._hook_traits()
             if not traits.enabled or self.engine.exiting or self.parking.parked_for_cleanup():
                 return  # parked (its resume failed): a driver call would wait for the restore
@@ -579,6 +591,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                 self.parking.after_cell((traits or self._hook_traits()).park_after_idle_s)
             except Exception:
                 pass
+            self._holding = False
 
     def _say_idle(self) -> None:
         """The status endpoint's "idle" as a cell's hook ends. A Ctrl-C that lands here comes after

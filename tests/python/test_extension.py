@@ -1774,3 +1774,46 @@ def test_memory_outside_every_pool_that_grows_in_a_cell_is_said_with_the_cell(sh
     # a cell that changes nothing outside the pools says nothing of it
     _, out = _run(shell, "x = 5", capsys)
     assert not any("outside every pool" in l for l in _lines(out.out))
+
+
+def test_a_pending_clear_is_followed_on_a_publisher_whose_clear_output_sends_without_its_hooks():
+    # ipykernel before 6.29 sends clear_output straight to the socket; its display messages still pass the hooks
+    from gpucleanup.pending_clear import PendingClear
+
+    class OldPublisher:
+        def __init__(self):
+            self.hooks, self.sent = [], []
+
+        def register_hook(self, hook):
+            self.hooks.append(hook)
+
+        def unregister_hook(self, hook):
+            self.hooks.remove(hook)
+
+        def clear_output(self, wait=False):
+            self.sent.append(("clear_output", wait))
+
+        def publish(self, data, metadata=None):
+            msg = {"header": {"msg_type": "display_data"}, "content": {"data": data}, "metadata": metadata or {}}
+            for hook in self.hooks:
+                msg = hook(msg)
+            self.sent.append(("display_data", data))
+
+    publisher = OldPublisher()
+    clears = PendingClear(types.SimpleNamespace(display_pub=publisher))
+    assert clears.install() is True
+    publisher.clear_output(True)
+    assert publisher.sent == [("clear_output", True)] and clears.pending
+    assert clears.holds_the_line(types.SimpleNamespace(result=None)) is True
+    assert clears.holds_the_line(types.SimpleNamespace(result=42)) is False  # Out[N] takes the clear first
+    publisher.publish({"text/plain": "gpucleanup · ..."}, {"gpucleanup": {"kind": "after_cell"}})
+    assert clears.pending  # gpucleanup's own line never counts as the cell's output
+    publisher.publish({"text/plain": "'frame'"})
+    assert not clears.pending
+    publisher.clear_output(False)
+    assert not clears.pending
+    clears.remove()
+    assert "clear_output" not in vars(publisher) and publisher.hooks == []
+    publisher.clear_output(True)
+    assert not clears.pending  # removed: the publisher is as it was
+    assert PendingClear(types.SimpleNamespace(display_pub=None)).install() is False  # terminal IPython

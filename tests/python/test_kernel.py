@@ -125,6 +125,32 @@ def test_summary_line_arrives_as_its_own_output_never_on_the_cells_stdout(tmp_pa
         assert check["stdout"] == "[{'driver': 2147483648}]\n"
 
 
+def test_a_clear_output_left_pending_by_the_cell_is_never_taken_by_the_line(tmp_path):
+    # clear_output(wait=True) clears at the next output: were gpucleanup's line that output, what the cell drew
+    # would be wiped (nbclient's Clear Output.ipynb)
+    with kernel(tmp_path, GPUCLEANUP_FAKE_CUDA_SCENARIO=json.dumps(SCENARIO)) as kc:
+        assert execute(kc, "%load_ext gpucleanup")["reply"]["status"] == "ok"
+        kinds = lambda cell: [o.kind for o in cell.outputs]  # noqa: E731
+        drawn = kc.execute(ALLOCATE + "\nfrom IPython.display import clear_output, display\n"
+                           "display('frame 1'); clear_output(wait=True); display('frame 2'); clear_output(wait=True)")
+        assert drawn.reply["status"] == "ok"
+        assert kinds(drawn) == ["display", "clear", "display", "clear"]  # no line: frame 2 stays shown
+        assert drawn.display == ["'frame 1'", "'frame 2'"]
+        n = drawn.reply["execution_count"]
+        kept = kc.execute("from gpucleanup.extension import get_extension\n"
+                          f"print([r['devices'][0]['freed_bytes'] for r in get_extension(get_ipython()).history.last() "
+                          f"if r['cell'] == {n}])")
+        assert kept.stdout == "[{'driver': 2147483648}]\n"  # cleaned all the same, and in the history
+        shown = kc.execute(ALLOCATE + "\nfrom IPython.display import clear_output, display\n"
+                           "clear_output(wait=True); display('frame 3')")
+        assert kinds(shown) == ["clear", "display", "gpucleanup"]  # the clear was taken by the cell's own output
+        assert "freed 2.0 GiB" in shown.gpucleanup
+        result = kc.execute(ALLOCATE + "\nfrom IPython.display import clear_output\nclear_output(wait=True)\n41 + 1")
+        assert kinds(result) == ["clear", "result", "gpucleanup"] and result.result == "42"
+        now = kc.execute(ALLOCATE + "\nfrom IPython.display import clear_output\nclear_output()")
+        assert kinds(now) == ["clear", "gpucleanup"]  # cleared at once: nothing left to wipe
+
+
 def test_error_in_the_cell_stays_the_users(tmp_path):
     with kernel(tmp_path, GPUCLEANUP_FAKE_CUDA_SCENARIO=json.dumps(SCENARIO)) as kc:
         execute(kc, "%load_ext gpucleanup")

@@ -1,0 +1,97 @@
+"""Whether a cell ends with a ``clear_output(wait=True)`` that no output has followed yet.
+
+``IPython.display.clear_output(wait=True)`` asks the frontend to clear the cell's output at its *next* output
+(a progress display that redraws without flicker). A cell that ends with such a clear still pending shows what it
+drew until something else is output: gpucleanup's line after the cell would be that output, and would wipe what
+the user's cell showed (nbclient's own ``Clear Output.ipynb`` checks exactly this). So the line waits: while a
+clear is pending at the end of a cell, gpucleanup says nothing after it (the cell's record stays in
+``%gpumem --history`` and the status endpoint).
+
+What is seen: the publisher's ``clear_output`` calls (wrapped on the shell's own publisher while gpucleanup is
+loaded: ipykernel before 6.29 sends the clear without its hooks), every display message it sends from the
+kernel's main thread, through its public ``register_hook`` (the mechanism ipywidgets' Output uses), and the
+cell's own result (``Out[N]``, which the frontend shows, clearing first). Text printed after the clear goes through ipykernel's stream, whose hooks
+run on its I/O thread, out of reach here: a cell that prints after its clear is counted as still pending, and its
+line is left out too. Terminal IPython has no such publisher: nothing is pending there.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from .report import OUTPUT_TAG
+
+
+def _message_type(msg: Any) -> Optional[str]:
+    if not isinstance(msg, dict):
+        return None
+    kind = msg.get("msg_type")
+    if kind is None and isinstance(msg.get("header"), dict):
+        kind = msg["header"].get("msg_type")
+    return kind if isinstance(kind, str) else None
+
+
+class PendingClear:
+    """A hook on the shell's display publisher that follows the last ``clear_output`` of the cell."""
+
+    def __init__(self, shell: Any):
+        self._publisher = getattr(shell, "display_pub", None)
+        self._installed = False
+        self._wrapper: Any = None
+        self.pending = False
+
+    def install(self) -> bool:
+        """Registers the hook and wraps ``clear_output`` where the publisher takes hooks (ipykernel's); False
+        where it does not (terminal IPython)."""
+        publisher = self._publisher
+        register = getattr(publisher, "register_hook", None)
+        if register is None or self._installed:
+            return self._installed
+        original = publisher.clear_output
+
+        def clear_output(wait: bool = False) -> Any:
+            self.pending = bool(wait)
+            return original(wait)
+
+        clear_output.__wrapped__ = original  # type: ignore[attr-defined]
+        publisher.clear_output = clear_output
+        self._wrapper = clear_output
+        register(self)
+        self._installed = True
+        return True
+
+    def remove(self) -> None:
+        if not self._installed:
+            return
+        publisher = self._publisher
+        unregister = getattr(publisher, "unregister_hook", None)
+        if unregister is not None:
+            unregister(self)
+        if vars(publisher).get("clear_output") is self._wrapper:  # another's wrapper over ours is left alone
+            del publisher.clear_output
+        self._installed = False
+
+    def cell_starts(self) -> None:
+        self.pending = False
+
+    def __call__(self, msg: Any) -> Any:
+        """Sees each message and hands it on unchanged (a hook that returned None would drop it)."""
+        try:
+            kind = _message_type(msg)
+            if kind == "clear_output":
+                content = msg.get("content") if isinstance(msg.get("content"), dict) else {}
+                self.pending = bool(content.get("wait"))
+            elif kind in ("display_data", "update_display_data"):
+                metadata = msg.get("metadata") if isinstance(msg.get("metadata"), dict) else {}
+                if OUTPUT_TAG not in metadata:  # gpucleanup's own line never ends a wait it was held for
+                    self.pending = False
+        except Exception:
+            pass
+        return msg
+
+    def holds_the_line(self, result: Any = None) -> bool:
+        """Whether what gpucleanup would say after the cell must be left out: a ``clear_output(wait=True)``
+        is pending and the cell shows no result of its own (an ``Out[N]`` would take the clear first)."""
+        if not self.pending:
+            return False
+        return getattr(result, "result", None) is None
