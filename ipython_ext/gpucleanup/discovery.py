@@ -73,7 +73,9 @@ import json
 import os
 import re
 import secrets
+import socket
 import stat
+import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -944,6 +946,108 @@ def _listing(fd: int) -> List[Tuple[int, str, str]]:
     return sorted(names)
 
 
+def _process_uid(pid: int, proc: str) -> Optional[int]:
+    """The real uid of process ``pid`` (``Uid:`` in its status), or None."""
+    try:
+        with open(f"{proc}/{pid}/status", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("Uid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _hex_address(host: str) -> Optional[str]:
+    """How /proc/net/tcp{,6} write a loopback address: each 32-bit word in this machine's byte order, in hex."""
+    try:
+        if host.startswith("["):
+            packed = socket.inet_pton(socket.AF_INET6, host.strip("[]"))
+            return "".join(f"{word:08X}" for word in struct.unpack("=4I", packed))
+        return f"{struct.unpack('=I', socket.inet_aton(host))[0]:08X}"
+    except (OSError, ValueError, struct.error):
+        return None
+
+
+def _listening_inode(endpoint: str, pid: int, proc: str) -> Optional[int]:
+    """The inode of the listening socket ``endpoint`` names, in process ``pid``'s network namespace, or None."""
+    tcp = _TCP.fullmatch(endpoint)
+    try:
+        if tcp:
+            host, port = tcp.group(1), int(tcp.group(2))
+            want = f"{_hex_address(host)}:{port:04X}"
+            table = "tcp6" if host.startswith("[") else "tcp"
+            with open(f"{proc}/{pid}/net/{table}", encoding="ascii", errors="replace") as fh:
+                next(fh, None)
+                for line in fh:
+                    fields = line.split()
+                    if len(fields) > 9 and fields[1].upper() == want and fields[3] == "0A":  # 0A: LISTEN
+                        return int(fields[9])
+            return None
+        if endpoint.startswith("ipc://"):
+            path = endpoint[len("ipc://"):]
+            with open(f"{proc}/{pid}/net/unix", encoding="utf-8", errors="replace") as fh:
+                next(fh, None)
+                for line in fh:
+                    fields = line.split(None, 7)
+                    # Num RefCount Protocol Flags Type St Inode Path; flag 0x10000: accepting connections
+                    if len(fields) == 8 and fields[7].rstrip("\n") == path and int(fields[3], 16) & 0x10000:
+                        return int(fields[6])
+            return None
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _socket_inodes(pid: int, proc: str) -> Optional[set]:
+    """The inodes of the sockets process ``pid`` holds open, or None when its descriptors cannot be read."""
+    found = set()
+    try:
+        names = os.listdir(f"{proc}/{pid}/fd")
+    except OSError:
+        return None
+    for name in names:
+        try:
+            target = os.readlink(f"{proc}/{pid}/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:[") and target.endswith("]"):
+            with_digits = target[len("socket:["):-1]
+            if with_digits.isdigit():
+                found.add(int(with_digits))
+    return found
+
+
+def foreign_record_refusal(info: dict, owner: int, proc: str = "/proc") -> Optional[str]:
+    """Why a live record that another user's file holds must not be asked (None: it may), read from /proc
+    alone: its process must belong to the file's owner, and each endpoint it names (the status socket and the
+    publisher) must be a listening socket that process holds. Without this, whoever writes a runtime directory
+    that root (or a reader of a shared one) scans could make ``gpucleanup ps`` and ``drain`` connect to any
+    loopback port or socket on the machine, with a ZMTP greeting and a signed request each time."""
+    pid = info.get("pid")
+    if not isinstance(pid, int):
+        return "no valid pid: not asked"
+    uid = _process_uid(pid, proc)
+    if uid is None:
+        return f"the owner of process {pid} cannot be read: not asked"
+    if uid != owner:
+        return (f"process {pid} belongs to uid {uid}, not to uid {owner}, who owns this file: not asked (a record "
+                "names only its own writer's kernel)")
+    held = _socket_inodes(pid, proc)
+    if held is None:
+        return f"the sockets of process {pid} cannot be read: whether it serves the endpoint is unknown, not asked"
+    for key in ("endpoint", "pub_endpoint"):
+        endpoint = info.get(key)
+        if not isinstance(endpoint, str):
+            continue
+        inode = _listening_inode(endpoint, pid, proc)
+        if inode is None:
+            return f"nothing listens on its {key} {_show(endpoint)}: not asked"
+        if inode not in held:
+            return f"its {key} {_show(endpoint)} is not a socket of process {pid}: not asked"
+    return None
+
+
 def scan(directory: Optional[Path] = None, clean: bool = True) -> ScanResult:
     """Every discovery file in ``directory``: live kernels, stale files, kernels elsewhere, skipped files.
 
@@ -998,6 +1102,11 @@ def scan(directory: Optional[Path] = None, clean: bool = True) -> ScanResult:
                 result.skipped.append(Skipped(path, str(exc) or type(exc).__name__))
                 continue
             state, why, place = judge(info, own_ns or "", own_boot or "", own_machine, own_net or "")
+            if state == LIVE and info_stat.st_uid != os.geteuid():
+                refusal = foreign_record_refusal(info, info_stat.st_uid)
+                if refusal:
+                    result.skipped.append(Skipped(path, refusal))
+                    continue
             if state == LIVE:
                 result.live.append(Kernel(path, info, owner=info_stat.st_uid))
             elif state == ELSEWHERE:

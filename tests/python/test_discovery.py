@@ -20,6 +20,7 @@ import logging
 import os
 import socket
 import stat
+import shutil
 import subprocess
 import sys
 import time
@@ -583,17 +584,46 @@ def test_status_and_drain_report_a_bad_key_file_instead_of_hanging(runtime, slee
         )
 
 
-def test_a_key_file_is_only_ever_the_schemes_owned_by_the_discovery_files_owner(runtime, sleepers, tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("only root can give a file away")
+def test_a_key_file_is_only_ever_the_schemes_owned_by_the_discovery_files_owner(runtime, tmp_path):
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("only root can give a file away (and start the user's processes, with setpriv)")
     # root reading a user's runtime directory (--runtime-dir, JUPYTER_RUNTIME_DIR): everything there is the user's
     os.chown(runtime, 12345, 12345)
     secret = tmp_path / "root-only"
     secret.write_text("r" * 64)
     os.chmod(secret, 0o600)
     private = discovery.ensure_private_dir(runtime / "gpucleanup")
-    named, planted = sleepers(), sleepers()
-    for pid, fields in ((named, {"key_file": str(secret)}), (planted, {})):
+    # the user's own processes, holding the sockets their records name (a record of a user names only the
+    # user's own process and sockets: tests/python/test_foreign_records.py); the sockets are made here and handed
+    # down, as the user cannot reach pytest's root-only directory
+    users, sockets = [], []
+    for n in range(2):
+        held = []
+        for suffix in ("sock", "pub"):
+            listening = socket.socket(socket.AF_UNIX)
+            listening.bind(str(private / f"user{n}.{suffix}"))
+            listening.listen(1)
+            held.append(listening)
+        sockets += held
+        users.append(subprocess.Popen(
+            ["setpriv", "--reuid=12345", "--regid=12345", "--clear-groups", sys.executable, "-I", "-c",
+             "import sys; print('ready', flush=True); sys.stdin.read()"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, pass_fds=[s.fileno() for s in held]))
+    try:
+        for user in users:
+            assert user.stdout.readline() == "ready\n"
+        _key_files_of_the_users_records(runtime, private, secret, users[0].pid, users[1].pid)
+    finally:
+        for user in users:
+            user.stdin.close()
+            user.wait(timeout=GUARD)
+        for listening in sockets:
+            listening.close()
+
+
+def _key_files_of_the_users_records(runtime: Path, private: Path, secret: Path, named: int, planted: int) -> None:
+    for n, pid, fields in ((0, named, {"key_file": str(secret)}), (1, planted, {})):
+        fields.update(endpoint=f"ipc://{private}/user{n}.sock", pub_endpoint=f"ipc://{private}/user{n}.pub")
         path = plant(runtime, pid, record(runtime, pid, **fields))
         os.chown(path, 12345, 12345)
     # at the scheme's path, a root-owned key (the user cannot have written it): not the user's either
