@@ -1817,3 +1817,20 @@ def test_a_pending_clear_is_followed_on_a_publisher_whose_clear_output_sends_wit
     publisher.clear_output(True)
     assert not clears.pending  # removed: the publisher is as it was
     assert PendingClear(types.SimpleNamespace(display_pub=None)).install() is False  # terminal IPython
+
+
+def test_underscore_is_the_last_result_after_a_cell_whose_line_was_shown(shell, gpu, capsys, monkeypatch):
+    # gpucleanup's own proof for what IPython's test_underscore_* check (those are left out of the suite's
+    # show = "always" run: they fail without gpucleanup too once a doctest has left builtins._ set)
+    import builtins
+
+    monkeypatch.setitem(shell.config.GPUCleanup, "show", "always")
+    shell.run_line_magic("load_ext", "gpucleanup")
+    result, out = _run(shell, "x = 12\nx", capsys)
+    assert result.result == 12 and "gpucleanup ·" in out.out  # the line after the result
+    result, out = _run(shell, "_", capsys)
+    assert result.result == 12 and shell.user_ns["_"] == 12
+    assert "gpucleanup ·" in out.out
+    result, out = _run(shell, "_ * 2", capsys)
+    assert result.result == 24 and shell.user_ns["__"] == 12
+    assert not hasattr(builtins, "_") or builtins._ != 12  # the output cache's, never written into builtins

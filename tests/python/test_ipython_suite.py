@@ -27,7 +27,7 @@ def test_every_test_left_out_names_its_condition_and_why():
     for entry in entries:
         assert len(entry) == 3, f"not condition, test, reason: {entry!r}"
         when, test, reason = entry
-        assert when in ("loaded", "by-design", "unexplained"), f"{test}: unknown condition {when!r}"
+        assert when in ("loaded", "by-design", "suite-order"), f"{test}: unknown condition {when!r}"
         assert re.match(r"^(tests|IPython)/[\w/]+\.py::[\w.:]+$", test), f"not a test of the suite: {test!r}"
         assert len(reason.split()) >= 6, f"{test}: a reason says why, in a sentence: {reason!r}"
     tests = [test for _, test, _ in entries]
@@ -54,18 +54,21 @@ def test_the_by_design_tests_are_those_that_compare_a_cells_output():
         assert "show = always" in reason, f"{test}: the reason names the show it is left out for: {reason!r}"
 
 
-def test_the_unexplained_ones_are_the_underscore_tests_and_say_so():
-    # a difference whose cause is not known is not called a design: it is listed apart, and says so
-    unexplained = {test: reason for when, test, reason in left_out() if when == "unexplained"}
-    assert sorted(unexplained) == [
+def test_the_suite_order_ones_are_the_underscore_tests_and_name_gpucleanups_own_proof():
+    # tests that fail in that run's order without gpucleanup too are listed apart, and point at the test of
+    # gpucleanup's own that proves what they would have
+    order = {test: reason for when, test, reason in left_out() if when == "suite-order"}
+    assert sorted(order) == [
         "tests/test_displayhook.py::test_underscore_no_overwrite_builtins",
         "tests/test_displayhook.py::test_underscore_no_overwrite_user",
         "tests/test_interactiveshell.py::test_naked_string_cells",
         "tests/test_interactiveshell.py::test_run_cell_asyncio_run",
         "tests/test_interactiveshell.py::test_run_cell_await",
     ]
-    for test, reason in unexplained.items():
-        assert "not explained yet" in reason and "show = always" in reason, f"{test}: {reason!r}"
+    proof = "test_underscore_is_the_last_result_after_a_cell_whose_line_was_shown"
+    for test, reason in order.items():
+        assert "fails without gpucleanup too" in reason and proof in reason, f"{test}: {reason!r}"
+    assert f"def {proof}(" in (Path(__file__).parent / "test_extension.py").read_text()
 
 
 def test_an_unknown_show_is_refused_before_anything_runs():
