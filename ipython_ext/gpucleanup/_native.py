@@ -549,16 +549,17 @@ def server_park_blocker(why: Optional[str]) -> bool:
     return True
 
 
-def server_background(begin: bool) -> int:
+def server_background(begin: bool, activity: bool = False) -> int:
     """The kernel's own work on a thread of its own (a release once idle) begins or ends
     (gpucleanup_server_background): begin answers 0 when it may run (counted: a park asked for before it
     ends is refused), or the park state (1 parking, 2 parked) when it must wait for the resume; end
-    answers 0. A library older than the call coordinates nothing: begin answers :func:`server_parked`.
+    answers 0; an end with ``activity`` (a request that ran the user's code) also starts an idle kernel's idle
+    time again. A library older than the call coordinates nothing: begin answers :func:`server_parked`.
     Raises NativeError when the server is not running."""
     fn = getattr(held(), "gpucleanup_server_background", None)
     if fn is None:
         return server_parked() if begin else 0
-    answer = fn(1 if begin else 0)
+    answer = fn(1 if begin else 2 if activity else 0)
     if answer < 0:
         _raise(held(), ERR_SERVER)
     return answer

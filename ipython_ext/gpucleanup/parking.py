@@ -559,9 +559,12 @@ class InKernel:
 
     def hold_off_parks(self, begin: bool) -> bool:
         """A request that is no cell begins (``begin``) or ends: the status server refuses a park's begin
-        meanwhile, as during the kernel's own release (a passing refusal); False when the endpoint says parked."""
+        meanwhile, as during the kernel's own release (a passing refusal); False when the endpoint says parked.
+        Its end is activity: an idle kernel's idle time, which automatic parks wait for, starts again."""
         say = getattr(self._endpoint(), "background", None)
-        return True if say is None else bool(say(begin))
+        if say is None:
+            return True
+        return bool(say(True)) if begin else bool(say(False, activity=True))
 
     def resume_for_request(self, msg_type: str = "request") -> bool:
         """A request that runs code and is no cell (a silent execute, a comm message, an inspection) brings a

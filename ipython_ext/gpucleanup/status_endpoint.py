@@ -247,16 +247,17 @@ class StatusEndpoint:
         except Exception as exc:
             self._note(exc)
 
-    def background(self, begin: bool) -> bool:
+    def background(self, begin: bool, activity: bool = False) -> bool:
         """The kernel's own work on a thread of its own (a release once idle) begins or ends. Begin: True
         when it may run, and until it ends a park is refused; False while a park is under way (its driver
-        calls would wait for the resume). With the endpoint off, or a native module without the call (a
+        calls would wait for the resume); an end with ``activity`` (a request that ran the user's code) starts
+        an idle kernel's idle time again. With the endpoint off, or a native module without the call (a
         test's stand-in), nothing can park this kernel: True. Never raises."""
         if not self._serving():
             return True
         try:
             fn = getattr(self._native or self._lib(), "server_background", None)
-            return fn is None or fn(begin) == 0  # an end always answers 0
+            return fn is None or fn(begin, activity) == 0  # an end always answers 0
         except Exception as exc:
             self._note(exc)
             return True

@@ -522,7 +522,7 @@ gpucleanup_status gpucleanup_server_park(const char* step, long long bytes, cons
 int gpucleanup_server_background(int begin) {
   int answer = -1;
   const gpucleanup_status status = guarded([&] {
-    on_server([&](StatusServer& server) { answer = server.background(begin != 0); });
+    on_server([&](StatusServer& server) { answer = server.background(begin == 1 ? 1 : begin == 2 ? 2 : 0); });
   });
   return status == GPUCLEANUP_OK ? answer : -1;
 }

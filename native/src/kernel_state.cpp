@@ -207,11 +207,16 @@ void KernelState::set_park_blocker(std::string why) noexcept {
   }
 }
 
-int KernelState::background(bool begin) noexcept {
+int KernelState::background(int kind) noexcept {
   try {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (!begin) {
+    if (kind != 1) {
       if (background_ > 0) --background_;
+      if (kind == 2 && name_locked() == "idle") {
+        // a request that ran the user's code (a completion, an inspection, a silent execute) is activity, as
+        // it is for Jupyter's culling clock: the idle time a park policy waits for starts again from its end
+        since_ns_ = updated_ns_ = realtime_ns();
+      }
       return 0;
     }
     if (const int parked = park_state_locked(); parked != 0) return parked;

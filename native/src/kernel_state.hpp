@@ -55,7 +55,7 @@ class KernelState {
   int park_state() const noexcept;
   void set_park_blocker(std::string why) noexcept;
   // As StatusServer::background.
-  int background(bool begin) noexcept;
+  int background(int kind) noexcept;
 
   // Runs `body(name, outside)` under the lock, name being the state's ("idle", "running", ...; "unknown" when
   // it has none), `outside` whether it is the kernel's own cleanup for a drain from outside ("draining" of no

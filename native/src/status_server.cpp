@@ -346,7 +346,7 @@ nlohmann::json StatusServer::park_step(const std::string& step, std::optional<st
   return after;
 }
 
-int StatusServer::background(bool begin) noexcept { return impl_ ? impl_->kernel.background(begin) : 0; }
+int StatusServer::background(int kind) noexcept { return impl_ ? impl_->kernel.background(kind) : 0; }
 
 void StatusServer::set_park_blocker(std::string why) noexcept {
   if (impl_) impl_->kernel.set_park_blocker(std::move(why));

@@ -124,7 +124,9 @@ class StatusServer {
   // Begin: counted, and 0 returned, unless a park is under way: then its park_state() and nothing counted
   // (the work must not run: its driver calls would wait for the restore). Until every counted one has ended,
   // park_step("begin") is refused. End: always 0. Safe from any thread.
-  int background(bool begin) noexcept;
+  // kind: 1 begin; 0 end; 2 the end of a request that ran the user's code outside a cell, which also starts
+  // an idle kernel's idle time again (since_ns): activity, as for Jupyter's culling clock.
+  int background(int kind) noexcept;
   // One finished cell's record: kept in the bounded history, sent on PUB.
   void publish(const nlohmann::json& record);
   // The same from its JSON text, which the caller has checked to be one JSON

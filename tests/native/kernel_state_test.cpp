@@ -159,3 +159,32 @@ TEST(KernelState, ACellThatResumesAParkEndsAsAnyCell) {
   EXPECT_EQ(kernel.set_cell(false, 2), 0);
   EXPECT_GE(*kernel.last_cell_ended_ns(), ends);
 }
+
+TEST(KernelState, TheEndOfARequestThatRanTheUsersCodeStartsAnIdleKernelsIdleTimeAgain) {
+  KernelState kernel;
+  const std::int64_t long_ago = realtime_ns() - 3600LL * 1000000000LL;
+  kernel.set(json{{"state", "idle"}, {"since_ns", long_ago}});
+  EXPECT_EQ(kernel.view(realtime_ns())["since_ns"], long_ago);
+  // the kernel's own release: not activity, the idle time stays
+  EXPECT_EQ(kernel.background(1), 0);
+  EXPECT_EQ(kernel.background(0), 0);
+  EXPECT_EQ(kernel.view(realtime_ns())["since_ns"], long_ago);
+  // a completion (a request that ran the user's code): idle from its end, as Jupyter's culling clock counts it
+  EXPECT_EQ(kernel.background(1), 0);
+  const std::int64_t before = realtime_ns();
+  EXPECT_EQ(kernel.background(2), 0);
+  const json view = kernel.view(realtime_ns());
+  EXPECT_GE(view["since_ns"].get<std::int64_t>(), before);
+  EXPECT_LT(view["age_s"].get<double>(), 60.0);
+  EXPECT_EQ(view["state"], "idle");
+  EXPECT_TRUE(view["last_cell_ended_ns"].is_null()) << "only a cell's end moves it";
+  // a running kernel's time is its cell's: a request beside it (the debugger's, on the control channel) keeps it
+  std::int64_t b = 0, a = 0;
+  cell_by_fast_path(kernel, 5, b, a);
+  EXPECT_EQ(kernel.set_cell(true, 6), 0);
+  const std::int64_t running_since = kernel.view(realtime_ns())["since_ns"].get<std::int64_t>();
+  EXPECT_EQ(kernel.background(1), 0);
+  EXPECT_EQ(kernel.background(2), 0);
+  EXPECT_EQ(kernel.view(realtime_ns())["since_ns"], running_since);
+  EXPECT_EQ(kernel.view(realtime_ns())["state"], "running");
+}

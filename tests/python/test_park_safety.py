@@ -850,6 +850,23 @@ def test_park_checks_of_one_kernel_share_one_helper_until_a_park_of_it(monkeypat
     assert all(f["parkable"] for f in first) and again["parkable"] and after["parkable"]
 
 
+def test_the_end_of_a_request_that_ran_code_tells_the_server_it_was_activity():
+    told = []
+
+    class Endpoint:
+        def background(self, begin, activity=False):
+            told.append((begin, activity))
+            return True
+
+    endpoint = Endpoint()
+    kernel = parking.InKernel(lambda: endpoint, lambda lines: None)
+    assert kernel.hold_off_parks(True) is True
+    assert kernel.hold_off_parks(False) is True
+    # the begin holds parks off; the end lets them go and starts the idle time again (a park policy waits for
+    # idle time counted from the last request, as Jupyter's culling does: a completion is no idle time)
+    assert told == [(True, False), (False, True)]
+
+
 def test_no_park_begins_while_a_request_that_is_no_cell_runs():
     import asyncio
 
