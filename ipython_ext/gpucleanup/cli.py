@@ -492,8 +492,25 @@ class _TermAsInterrupt:
             signal.signal(signal.SIGTERM, self._old)
 
 
+def _resolve_for(args, action: str) -> discovery.Kernel:
+    """:func:`_resolve` for park and resume: with ``--json``, a kernel not found still prints one object (the
+    README's promise to scripts), then the error goes to stderr with its exit status."""
+    try:
+        return _resolve(args, args.kernel)
+    except CliError as exc:
+        if args.json:
+            if action == "check":
+                print(json.dumps({"pid": None, "kernel": args.kernel, "parkable": False, "reasons": [str(exc)]},
+                                 indent=1))
+            else:
+                print(json.dumps({"action": action, "pid": None, "kernel": args.kernel, "ok": False,
+                                  "changed": False, "message": str(exc)}, indent=1))
+            sys.stdout.flush()
+        raise
+
+
 def cmd_park(args) -> int:
-    kernel = _resolve(args, args.kernel)
+    kernel = _resolve_for(args, "check" if args.check else "park")
     if args.check:
         return _park_check(args, kernel)
     try:
@@ -528,7 +545,7 @@ def _park_check(args, kernel: discovery.Kernel) -> int:
 
 
 def cmd_resume(args) -> int:
-    kernel = _resolve(args, args.kernel)
+    kernel = _resolve_for(args, "resume")
     try:
         with _TermAsInterrupt():
             outcome, before = remote_park.resume_from_outside(kernel.pid, _target(kernel), args.timeout,
@@ -821,6 +838,7 @@ def _parser() -> argparse.ArgumentParser:
     exporter.add_argument("--json", action="store_true", help="say where it listens as one JSON line")
     exporter.set_defaults(run=cmd_exporter)
     parser.set_defaults(commands=dict(sub.choices))
+    parser.set_defaults(command_names=sorted(sub.choices))  # for "did you mean" on a mistyped command
     return parser
 
 
@@ -840,8 +858,22 @@ def _refuse_unknown(command: argparse.ArgumentParser, name: str, unknown: List[s
     command.error(f"unrecognized arguments: {' '.join(unknown)}" + (" (" + "; ".join(hints) + ")" if hints else ""))
 
 
+def _refuse_unknown_command(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
+    """A first word that is no command and no option (``gpucleanup stauts``): refused with the near miss, if any,
+    before argparse's "invalid choice" list."""
+    commands = parser.get_default("command_names") or []
+    first = next(iter(argv), None)
+    if first is None or first.startswith("-") or first in commands:
+        return
+    close = difflib.get_close_matches(first, commands, n=1)
+    parser.error(f"unknown command '{_safe(first)}'" + (f": did you mean {close[0]!r}?" if close else "")
+                 + f" (the commands: {', '.join(commands)})")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _refuse_unknown_command(parser, argv)
     args, unknown = parser.parse_known_args(argv)
     if args.command is None:
         if unknown:  # an option before any command: the top level's usage says what exists

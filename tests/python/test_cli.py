@@ -416,6 +416,40 @@ def test_an_option_before_its_command_or_misspelt_is_a_usage_error_that_says_wha
     assert out.out == "" and out.err.splitlines()[-1] == said
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["stauts"], "gpucleanup: error: unknown command 'stauts': did you mean 'status'? (the commands: drain, exporter, "
+                 "park, ps, resume, status, watch)"),
+    (["prk", "123"], "gpucleanup: error: unknown command 'prk': did you mean 'park'? (the commands: drain, exporter, "
+                     "park, ps, resume, status, watch)"),
+    (["frobnicate"], "gpucleanup: error: unknown command 'frobnicate' (the commands: drain, exporter, park, ps, "
+                     "resume, status, watch)"),
+    (["\x1b]0;x\x07"], "gpucleanup: error: unknown command '\\x1b]0;x\\x07' (the commands: drain, exporter, park, "
+                       "ps, resume, status, watch)"),
+])
+def test_a_mistyped_command_is_a_usage_error_that_names_the_near_miss(argv, said, runtime, capsys):
+    with pytest.raises(SystemExit) as raised:
+        gpucleanup_cli.main(argv)
+    assert raised.value.code == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.splitlines()[-1] == said
+
+
+@pytest.mark.parametrize("argv, action", [(["park", "99999"], "park"), (["resume", "99999"], "resume"),
+                                          (["resume", ""], "resume")])
+def test_park_and_resume_json_print_one_object_even_when_no_kernel_is_found(argv, action, runtime, capsys):
+    code = gpucleanup_cli.main([*argv, "--json"])
+    out = capsys.readouterr()
+    reply = json.loads(out.out)
+    message = out.err.removeprefix("gpucleanup: ").rstrip("\n")
+    assert reply == {"action": action, "pid": None, "kernel": argv[1], "ok": False, "changed": False,
+                     "message": message}
+    assert code == (2 if argv[1] == "" else 1) and message
+    code = gpucleanup_cli.main(["park", "--check", "99999", "--json"])
+    out = capsys.readouterr()
+    assert json.loads(out.out) == {"pid": None, "kernel": "99999", "parkable": False,
+                                   "reasons": [out.err.removeprefix("gpucleanup: ").rstrip("\n")]}
+
+
 @pytest.mark.parametrize(
     "argv, option, allowed",
     [
