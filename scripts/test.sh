@@ -43,7 +43,28 @@ started=$SECONDS
 say() { echo "test.sh: $*"; }
 source scripts/lib/stages.sh
 
+# A run that fails says, last: where it failed, after how long, the tests that failed (pytest's JUnit reports of
+# this run, in $build/pytest-reports/), and the stages it never began.
+planned_stages=("set-up" "C++ build" "C++ tests" "Python suites" "ipykernel suite" "IPython suite"
+                "lowest-IPython suites" "sanitizers" "fuzzing")
+report_failure() {
+  local rc=$? stage not_run=()
+  [ "$rc" != 0 ] || return 0
+  say "FAILED with exit status $rc after $(_stage_duration $((SECONDS - started)))${stage_current:+, in the stage: $stage_current}"
+  if [ -d "$build/pytest-reports" ]; then
+    python3 scripts/lib/junit_failures.py "$build"/pytest-reports/*.xml | sed 's/^/test.sh:   /' || true
+  fi
+  for stage in "${planned_stages[@]}"; do
+    [[ " ${stages_begun[*]-} " == *" $stage "* ]] || not_run+=("$stage")
+  done
+  if [ ${#not_run[@]} -gt 0 ]; then
+    say "stages that did not run: $(IFS=,; echo "${not_run[*]}" | sed 's/,/, /g')"
+  fi
+}
 build=${GPUCLEANUP_BUILD_DIR:-build}
+rm -rf "$build/pytest-reports"
+trap report_failure EXIT
+
 # The first test run of this clone, or a run again over kept builds (what the timings are recorded as); the
 # set-up may have been done already by scripts/demo.sh, which the recorded timings then say.
 timings_start test "$build"
@@ -60,11 +81,14 @@ stage_begin "C++ tests"
 ctest --test-dir "$build" --output-on-failure -j"$(nproc)"
 stage_end "C++ tests"
 
-# pytest "$@" with the arguments given to test.sh; a selection of those (-k ...) that leaves one suite without
+# pytest "$@" with the arguments given to test.sh, its JUnit report in $build/pytest-reports/N.xml; a selection of those (-k ...) that leaves one suite without
 # a test (pytest's exit 5) is no failure.
+reports=0
 pytest_run() {
   local rc=0
-  GPUCLEANUP_BUILD_DIR="$build" "$@" -q -p no:cacheprovider ${pytest_args[@]+"${pytest_args[@]}"} || rc=$?
+  reports=$((reports + 1))
+  GPUCLEANUP_BUILD_DIR="$build" "$@" -q -p no:cacheprovider --junitxml="$build/pytest-reports/$reports.xml" \
+    ${pytest_args[@]+"${pytest_args[@]}"} || rc=$?
   if [ "$rc" = 5 ] && [ ${#pytest_args[@]} -gt 0 ]; then
     say "no test selected there by: ${pytest_args[*]}"
     rc=0
@@ -73,9 +97,10 @@ pytest_run() {
 }
 # The installed package (with its own libgpucleanup.so) is what is tested; the
 # build tree provides only the fake driver.
-# Two runs: each suite has a conftest of its own that its modules import. -rs: every skip says why.
+# Two runs: each suite has a conftest of its own that its modules import. -rfEs: every failure, error and skip
+# is named in the summary at the end (a skip says why).
 run_suites() {
-  pytest_run .venv/bin/python -m pytest tests/python -rs && pytest_run .venv/bin/python -m pytest tests/gpu -rs
+  pytest_run .venv/bin/python -m pytest tests/python -rfEs && pytest_run .venv/bin/python -m pytest tests/gpu -rfEs
 }
 for ((round = 1; round <= repeat; round++)); do
   [ "$repeat" = 1 ] || say "round $round of $repeat"
@@ -205,7 +230,7 @@ low_ipython_version=${low_versions% *}
 say "the IPython suites with IPython $low_ipython_version and jupyter_core ${low_versions#* }"
 stage_begin "lowest-IPython suites"
 rc=0
-pytest_run "$low/bin/python" -m pytest -rs \
+pytest_run "$low/bin/python" -m pytest -rfEs \
   tests/python/test_extension.py tests/python/test_magics.py tests/python/test_config.py tests/python/test_kernel.py || rc=$?
 if [ "$rc" != 0 ]; then
   say "the IPython suites failed with IPython $low_ipython_version ($low); they passed with IPython $main_ipython (.venv)"

@@ -3,6 +3,7 @@
 #   stage_begin NAME     prints "<script>: NAME: started"
 #   stage_end NAME       prints "<script>: NAME: done in N s" and, when GPUCLEANUP_TIMINGS names a file,
 #                        appends "NAME<TAB>seconds" to it
+#   stages_begun, stage_current: the stages begun in order, and the one under way (for a failed run's report)
 #
 # scripts/test.sh and scripts/demo.sh point GPUCLEANUP_TIMINGS at a file of their build directory; the scripts
 # they call (setup.sh, sanitizers.sh, fuzz.sh) inherit it, so one run's stages end up in one file, which
@@ -30,14 +31,20 @@ timings_record() {
     --total "$((SECONDS - $2))" ${timing_note[@]+"${timing_note[@]}"}
 }
 
+stages_begun=()   # every stage begun so far, in order (a failed run says which of its planned stages never began)
+stage_current=""  # the stage begun and not yet ended (a failed run says it is where it failed)
+
 stage_begin() {
   _stage_started[$1]=$SECONDS
+  stages_begun+=("$1")
+  stage_current=$1
   say "$1: started"
 }
 
 stage_end() {
   local name=$1 took=$((SECONDS - ${_stage_started[$1]:-$SECONDS}))
   say "$name: done in $(_stage_duration "$took")"
+  [ "$stage_current" != "$name" ] || stage_current=""
   if [ -n "${GPUCLEANUP_TIMINGS:-}" ]; then
     printf '%s\t%s\n' "$name" "$took" >>"$GPUCLEANUP_TIMINGS"
   fi

@@ -19,6 +19,9 @@
 #include "errors.hpp"
 #include "test_support.hpp"
 
+#include <filesystem>
+#include <system_error>
+
 using gpucleanup::CheckpointStep;
 using gpucleanup::checkpoint_step;
 using gpucleanup::Driver;
@@ -35,6 +38,19 @@ const std::string kDirectory = [] {
   setenv("GPUCLEANUP_FAKE_CUDA_CHECKPOINT_DIR", dir.c_str(), 1);
   return dir;
 }();
+
+// ctest runs each test in a process of its own: each removes its directory as it exits (the process that made it
+// only, never a forked target), so that a run leaves nothing in /tmp.
+struct RemovedAtExit {
+  std::string dir;
+  pid_t owner;
+  ~RemovedAtExit() {
+    if (getpid() != owner || dir == "/tmp") return;
+    std::error_code ignored;
+    std::filesystem::remove_all(dir, ignored);
+  }
+};
+const RemovedAtExit kRemovedAtExit{kDirectory, getpid()};
 
 // A child that waits for a byte on a pipe, then makes one driver call
 // (cuDeviceGetCount through the fake it inherited) and exits 0 if it succeeded.
