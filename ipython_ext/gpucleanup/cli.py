@@ -38,17 +38,20 @@ Exit status: (the page's REST API answers the same outcomes with the HTTP status
        'gpucleanup[server]'), or its port or token file cannot be used
   130  interrupted (Ctrl-C; SIGTERM too during park and resume, which let the
        driver's step under way finish and say the state they left), except
-       watch, which exits 0
+       watch and exporter, whose way to stop is Ctrl-C (exporter: SIGTERM
+       too), which exit 0
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import json
 import math
 import os
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -698,6 +701,24 @@ def cmd_exporter(args) -> int:
     from . import exporter
 
     directory = Path(args.runtime_dir) if args.runtime_dir else None
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    # Ctrl-C and SIGTERM (a service manager's stop) end it cleanly, with exit 0 as for watch; set here because a
+    # script that starts it with `&` leaves SIGINT ignored, and Python then never raises KeyboardInterrupt
+    previous = {}
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(ValueError, OSError):  # not the main thread (an embedding caller): as it was
+            previous[signum] = signal.signal(signum, stop)
+    try:
+        return _serve_metrics(args, exporter, directory)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _serve_metrics(args, exporter, directory) -> int:
     try:
         server = exporter.start_exporter(args.port, args.host, runtime_dir=directory, timeout=args.timeout,
                                          token_file=args.token_file, public=args.public)

@@ -378,7 +378,8 @@ def test_help_lists_the_exit_codes(runtime):
         "       'gpucleanup[server]'), or its port or token file cannot be used\n"
         "  130  interrupted (Ctrl-C; SIGTERM too during park and resume, which let the\n"
         "       driver's step under way finish and say the state they left), except\n"
-        "       watch, which exits 0\n"
+        "       watch and exporter, whose way to stop is Ctrl-C (exporter: SIGTERM\n"
+        "       too), which exit 0\n"
     )
     assert result.stderr == ""
 
@@ -764,14 +765,18 @@ def test_exporter_port_out_of_range_is_a_usage_error(runtime):
     assert "must be a port number from 0 (any free port) to 65535, got '70000'" in result.stderr
 
 
-def test_exporter_serves_metrics_until_interrupted(kernel):
+@pytest.mark.parametrize("stop, ignored", [(signal.SIGINT, False), (signal.SIGINT, True), (signal.SIGTERM, False)],
+                         ids=["ctrl-c", "ctrl-c-started-with-&", "sigterm"])
+def test_exporter_serves_metrics_until_interrupted(kernel, stop, ignored):
+    # started with & from a script, a process gets SIGINT ignored (the shell's doing): it must still stop on it
     import pwd
     import urllib.request
 
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "ipython_ext"), env.get("PYTHONPATH")]))
     proc = subprocess.Popen([sys.executable, "-m", "gpucleanup", "exporter", "--port", "0", "--json"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignored else None)
     try:
         where = json.loads(proc.stdout.readline())
         assert where["host"] == "127.0.0.1" and where["port"] > 0
@@ -783,8 +788,9 @@ def test_exporter_serves_metrics_until_interrupted(kernel):
         assert (f'gpucleanup_kernel_up{{kernel_id="",notebook="/home/me/fit.ipynb",pid="{os.getpid()}",'
                 f'user="{user}"}} 1.0') in body
         assert "gpucleanup_kernels 1.0" in body
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 0
+        proc.send_signal(stop)
+        assert proc.wait(timeout=30) == 0  # its normal way to stop, as watch's (the exit table says so)
+        assert proc.stderr.read() == ""
     finally:
         if proc.poll() is None:
             proc.kill()
