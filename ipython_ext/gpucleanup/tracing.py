@@ -105,6 +105,23 @@ def cupti_candidates(environ: Optional[dict] = None) -> List[str]:
     return found
 
 
+def named_cupti_missing(environ: Optional[dict] = None) -> Optional[str]:
+    """Why ``GPUCLEANUP_CUPTI`` cannot be used (None: unset, or it names a file): each path it lists (``:``
+    between them) must be an existing file, as a bare library name would be looked up elsewhere than asked."""
+    env = os.environ if environ is None else environ
+    value = env.get("GPUCLEANUP_CUPTI")
+    if value is None or not value.strip():
+        return None
+    paths = [p.strip() for p in value.split(os.pathsep) if p.strip()]
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if not missing:
+        return None
+    shown = ", ".join(repr(p)[1:-1] if p.isprintable() else repr(p) for p in missing[:3])
+    return (f"GPUCLEANUP_CUPTI names {shown}, which {'is' if len(missing) == 1 else 'are'} not a file: set it to "
+            "the path of a libcupti.so (e.g. /usr/local/cuda/lib64/libcupti.so.13, or the nvidia-cuda-cupti "
+            "wheel's), or unset it to let gpucleanup find one")
+
+
 class Tracer:
     """The extension's side of the trace: starting and stopping it, the cell it is in,
     and turning the library's groups back into sites people can read."""
@@ -125,7 +142,14 @@ class Tracer:
 
     def start(self, lines: bool = True) -> dict:
         """Subscribe; returns the library's reply (``active``, ``library``, ``error``).
-        ``lines=False``: no Python line is asked for (to measure what asking costs)."""
+        ``lines=False``: no Python line is asked for (to measure what asking costs).
+
+        A ``GPUCLEANUP_CUPTI`` that names no file is refused (``active`` False and the ``error``), never passed
+        over for another libcupti: the user asked for that one."""
+        wrong = named_cupti_missing()
+        if wrong:
+            self.active, self.library, self.refused = False, None, wrong
+            return {"active": False, "library": None, "error": wrong}
         reply = self.native.trace_start(cupti_candidates(), self._hook if lines else None)
         self.active = bool(reply.get("active"))
         self.library = reply.get("library")

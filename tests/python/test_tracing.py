@@ -133,6 +133,24 @@ def test_another_profiler_holding_cupti_is_named_and_nothing_breaks(traced_shell
     assert data["active"] is False and "CUPTI" in data["refused"]
 
 
+def test_a_gpucleanup_cupti_that_names_no_file_is_refused_with_what_to_set(traced_shell, cupti, monkeypatch,
+                                                                            tmp_path):
+    # before: a wrong path was passed over for another libcupti, silently
+    shell = traced_shell
+    monkeypatch.setenv("GPUCLEANUP_CUPTI", str(tmp_path / "libcupti.so.13"))
+    _, said = _magic(shell, "--trace on")
+    assert said[0] == (f"gpucleanup · allocation trace not started: GPUCLEANUP_CUPTI names {tmp_path / 'libcupti.so.13'}, "
+                       "which is not a file: set it to the path of a libcupti.so (e.g. "
+                       "/usr/local/cuda/lib64/libcupti.so.13, or the nvidia-cuda-cupti wheel's), or unset it to let "
+                       "gpucleanup find one")
+    assert extension.get_extension(shell).tracer.active is False
+    assert tracing.named_cupti_missing({"GPUCLEANUP_CUPTI": str(FAKE_CUPTI)}) is None
+    assert tracing.named_cupti_missing({}) is None and tracing.named_cupti_missing({"GPUCLEANUP_CUPTI": " "}) is None
+    monkeypatch.setenv("GPUCLEANUP_CUPTI", str(FAKE_CUPTI))
+    _, said = _magic(shell, "--trace on")
+    assert extension.get_extension(shell).tracer.active is True
+
+
 def test_trace_off_unsubscribes_and_unload_does_too(traced_shell, cupti):
     shell = traced_shell
     _magic(shell, "--trace on")
