@@ -443,7 +443,9 @@ def cmd_status(args) -> int:
 
 def cmd_drain(args) -> int:
     kernel = _resolve(args, args.kernel)
-    # The reply comes after the drain: wait for it as long as the drain may take.
+    # A kernel that does not answer at all (stopped, hung in its server) is said within --timeout: a status
+    # round trip first (under a millisecond), then the drain, whose reply comes after it, as long as it may take.
+    _ask(args, kernel, "status", args.timeout)
     reply = _ask(args, kernel, "drain", args.timeout + args.drain_timeout, timeout_s=args.drain_timeout)
     result = reply.get("result") or {}
     devices = [dev for dev in result.get("devices") or [] if isinstance(dev, dict)]

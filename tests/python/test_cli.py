@@ -820,3 +820,28 @@ def test_exporter_without_prometheus_client_cannot_run_here(runtime, monkeypatch
     out = capsys.readouterr()
     assert out.out == ""
     assert out.err.startswith("gpucleanup: ") and "pip install 'gpucleanup[server]'" in out.err
+
+
+def test_a_drain_of_a_stopped_kernel_says_so_within_timeout_not_timeout_plus_the_drains(runtime, fake_cuda):
+    # before: --timeout 0.5 with the drain's 10 s waited 10.5 s, and said so
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "ipython_ext"), env.get("PYTHONPATH")]))
+    stopped = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import sys, types
+        from gpucleanup.status_endpoint import StatusEndpoint
+        ep = StatusEndpoint()
+        ep.start(types.SimpleNamespace(user_ns={}))
+        assert ep.error is None, ep.error
+        print("ready", flush=True)
+        sys.stdin.read()
+    """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert stopped.stdout.readline() == "ready\n"
+        os.kill(stopped.pid, signal.SIGSTOP)
+        result = cli("drain", str(stopped.pid), "--timeout", "0.5", "--drain-timeout", "60", timeout=120)
+        assert result.returncode == 3
+        assert f"kernel {stopped.pid} did not answer within 0.5 s" in result.stderr, result.stderr
+    finally:
+        os.kill(stopped.pid, signal.SIGCONT)
+        stopped.stdin.close()
+        stopped.wait(timeout=60)
