@@ -555,7 +555,7 @@ def history_table(records: Sequence[dict], title: str = "history") -> Table:
         outside = _signed_bytes(sum(growths)) if growths else "-"
         rows.append(
             [
-                f"[{rec.get('cell') if rec.get('cell') is not None else '-'}]",
+                _history_label(rec),
                 format_bytes(freed),
                 format_bytes(pinned_freed),
                 (rec.get("gc") or {}).get("ran") or "-",
@@ -567,6 +567,25 @@ def history_table(records: Sequence[dict], title: str = "history") -> Table:
         )
     return Table(title, ["cell", "freed", "pinned", "gc", "device used", "outside pools", "state", "time"], rows,
                  align="lrrllrll")
+
+
+def _history_label(rec: dict) -> str:
+    """A record's first column: its cell (``[3]``), else what it was: a drain from outside (``gpucleanup drain``,
+    the page's Drain) or ``%gpumem --drain`` run on its own."""
+    if rec.get("cell") is not None:
+        return f"[{rec.get('cell')}]"
+    return "outside drain" if rec.get("source") == "outside" else "drain"
+
+
+def _history_title(records: Sequence[dict]) -> str:
+    """``last 3 cells``, ``last 3 cells and 1 drain``: drains (no cell) are counted apart, never as cells."""
+    cells = sum(1 for rec in records if rec.get("cell") is not None)
+    drains = len(records) - cells
+    if not drains:
+        return f"last {count_of(cells, 'cell')}"
+    if not cells:
+        return f"last {count_of(drains, 'drain')}"
+    return f"last {count_of(cells, 'cell')} and {count_of(drains, 'drain')}"
 
 
 def _signed_bytes(n: int) -> str:
@@ -661,7 +680,7 @@ def dask_drain_lines(drained: Dict[str, dict]) -> List[str]:
 def history_report(records: Sequence[dict]) -> Report:
     if not records:
         return Report([], [f"{PREFIX}{SEP}no cell recorded yet"])
-    return Report([history_table(records, title=f"last {count_of(len(records), 'cell')}")])
+    return Report([history_table(records, title=_history_title(records))])
 
 
 def vars_report(found: Sequence[dict], limit: int) -> Report:

@@ -220,6 +220,16 @@ def test_history_table_shows_each_cells_growth_outside_every_pool():
     ]
 
 
+def test_history_names_drains_apart_and_never_counts_them_as_cells():
+    outside, magic = _record(), _record()
+    outside.update(cell=None, source="outside")
+    magic["cell"] = None
+    lines = report.history_report([_record(), outside, magic]).text().splitlines()
+    assert lines[0] == "last 1 cell and 2 drains"
+    assert [line.split("  ")[0] for line in lines[3:]] == ["[3]", "outside drain", "drain"]
+    assert report.history_report([outside]).text().splitlines()[0] == "last 1 drain"
+
+
 def test_vars_report_largest_first():
     found = [
         {"name": "small", "kind": "cupy.ndarray", "shape": [2], "dtype": "float32", "device": "GPU0", "bytes": 8},
