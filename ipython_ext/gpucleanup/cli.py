@@ -615,8 +615,9 @@ def _drain_problems(result: dict, devices: List[dict], drain_timeout: float) -> 
         if state == "busy" and status == "still_busy":
             since = f" queued {format_duration(busy_for)} ago" if isinstance(busy_for, (int, float)) else ""
             problems.append(
-                f"{gpu} busy: its work{since} is still running (an earlier drain is still waiting for it), so its "
-                "memory pools were not trimmed; try again when that work has finished"
+                f"{gpu} busy: its work{since} is still running, and a wait for it is under way already (the "
+                "kernel's own cleanup after its last cell, or an earlier drain) or cannot be made without holding the "
+                "GPU's context, so its memory pools were not trimmed; try again when that work has finished"
             )
         elif state == "busy" and status == "interrupted":
             problems.append(

@@ -286,8 +286,10 @@ def test_drain_of_a_busy_device_exits_5_and_says_which_device_and_why(kernel, fa
             (0, "busy", "still_busy"), (1, "drained", "done")]
         busy_for = gpucleanup_cli.format_duration(reply["result"]["devices"][0]["settle"]["busy_for_s"])
         assert result.stderr == (
-            f"gpucleanup: kernel {pid} GPU0 busy: its work queued {busy_for} ago is still running (an earlier drain "
-            "is still waiting for it), so its memory pools were not trimmed; try again when that work has finished\n"
+            f"gpucleanup: kernel {pid} GPU0 busy: its work queued {busy_for} ago is still running, and a wait for it "
+            "is under way already (the kernel's own cleanup after its last cell, or an earlier drain) or cannot be "
+            "made without holding the GPU's context, so its memory pools were not trimmed; try again when that work "
+            "has finished\n"
         )
     finally:
         settle_after(fake_cuda)

@@ -579,8 +579,8 @@ def test_drain_lines_say_what_was_released_and_why_not():
         "GPU0: drained, released 1.0 GiB",
         "GPU1 busy: the work the kernel queued on it did not finish within 2 s, so its memory pools were not "
         "trimmed; try again later",
-        "GPU2 busy: an earlier drain still waits for its queued work, so its memory pools were not trimmed; "
-        "try again when that work has finished",
+        "GPU2 busy: its queued work is still running and a wait for it is under way already (the kernel's own "
+        "cleanup, or an earlier drain), so its memory pools were not trimmed; try again when that work has finished",
         "GPU3 unusable: GPU3 is unusable after CUDA_ERROR_ILLEGAL_ADDRESS: restart the kernel",
         "GPU4 error: cuMemPoolTrimTo failed on GPU4; try again",
     ]

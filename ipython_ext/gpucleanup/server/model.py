@@ -184,8 +184,9 @@ def drain_lines(result: dict, drain_timeout: float) -> List[str]:
         if state == "drained":
             line = f"{gpu}: {report.drained_text(result, dev)}"
         elif state == "busy" and settle.get("status") == "still_busy":
-            line = (f"{gpu} busy: an earlier drain still waits for its queued work, so its memory pools were not "
-                    "trimmed; try again when that work has finished")
+            line = (f"{gpu} busy: its queued work is still running and a wait for it is under way already (the "
+                    "kernel's own cleanup, or an earlier drain), so its memory pools were not trimmed; try again when "
+                    "that work has finished")
         elif state == "busy" and settle.get("status") == "interrupted":
             line = f"{gpu} busy: the wait for its queued work was interrupted, so its memory pools were not trimmed; try again"
         elif state == "busy":
