@@ -390,3 +390,22 @@ def test_idle_since_is_the_end_of_the_last_cell_whatever_happened_since():
     assert admin._idle_since({"state": {"state": "parked", "since_ns": parked}, "last_cells": [{"time_ns": ended}]}) == ended
     assert admin._idle_since({"state": {"state": "running", "cell": 3, "since_ns": drained,
                                         "last_cell_ended_ns": ended}}) is None
+
+
+def test_without_nvidia_smi_the_driver_pools_used_bytes_are_held_and_never_counted_twice():
+    # the demo's kernel: 512 MiB in the driver's pool, in use, no framework naming it (before: held 0 B)
+    import importlib
+
+    admin = importlib.import_module("gpucleanup.server.admin")
+    device = {"index": 0, "uuid": "GPU-a", "name": "Fake H100", "live_bytes": {}, "cached_bytes": {},
+              "driver_pool_reserved_bytes": 512 * MiB, "driver_pool_used_bytes": 512 * MiB}
+    [held] = admin._held({"pid": 7, "devices": [device]}, {}, parked=False)
+    assert (held["bytes"], held["live_bytes"], held["cached_bytes"], held["source"]) == (
+        512 * MiB, 512 * MiB, 0, "kernel")
+    # a framework on that pool (CuPy's MemoryAsyncPool): its live bytes are the pool's used bytes, once
+    device.update(live_bytes={"cupy": 384 * MiB}, cached_bytes={"cupy": 0}, driver_pool_used_bytes=384 * MiB)
+    [held] = admin._held({"pid": 7, "devices": [device]}, {}, parked=False)
+    assert (held["bytes"], held["live_bytes"], held["cached_bytes"]) == (512 * MiB, 384 * MiB, 128 * MiB)
+    # nvidia-smi's figure, where there is one, stays what is held
+    [held] = admin._held({"pid": 7, "devices": [device]}, {7: {"GPU-a": 900 * MiB}}, parked=False)
+    assert (held["bytes"], held["source"]) == (900 * MiB, "nvidia-smi")

@@ -145,7 +145,8 @@ def _held(entry: dict, apps_by_pid: Dict[int, Dict[str, int]], parked: bool) -> 
         key = _gpu_key(dev.get("uuid"), dev.get("index"))
         seen.add(key)
         live = kernels.total(dev.get("live_bytes"))
-        pool_free = max(0, (dev.get("driver_pool_reserved_bytes") or 0) - (dev.get("driver_pool_used_bytes") or 0))
+        pool_used = dev.get("driver_pool_used_bytes") or 0
+        pool_free = max(0, (dev.get("driver_pool_reserved_bytes") or 0) - pool_used)
         cached = kernels.total(dev.get("cached_bytes")) + pool_free
         if parked:
             held, source = 0, "parked"  # a parked process holds nothing on the GPU; its figures are from before
@@ -153,6 +154,10 @@ def _held(entry: dict, apps_by_pid: Dict[int, Dict[str, int]], parked: bool) -> 
         elif listed is not None:
             held, source = listed.get(dev.get("uuid"), 0), "nvidia-smi"
         else:
+            # no nvidia-smi: what the kernel itself reports. The driver pool's used bytes are live memory of the
+            # process even where no framework names them its own (cuMemAllocAsync from the kernel's code, a
+            # framework on the stream-ordered pool): at least that much is live, never counted twice
+            live = max(live, pool_used)
             held, source = live + cached, "kernel"
         if source == "nvidia-smi":
             # the record may be older than nvidia-smi's look: never more live and cached than held
