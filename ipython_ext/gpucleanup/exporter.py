@@ -10,8 +10,9 @@ running as its own user with a copy of the token) while other users flood it:
   without a thread of its own; a connection that has not sent a whole request head within
   :data:`REQUEST_DEADLINE_S` is closed;
 - at most :data:`MAX_PENDING` connections wait in the gate; at that cap a newcomer takes the place of
-  the oldest connection of whoever holds the most (the other end's uid in ``/proc/net/tcp`` for a local
-  peer, its address otherwise), so one user's flood evicts its own connections, never a lone scraper's;
+  the oldest connection of whoever holds the most (the other end's uid for a local peer, asked of the kernel
+  by sock_diag, one exact lookup each, else read from ``/proc/net/tcp``; its address otherwise), so one
+  user's flood evicts its own connections, never a lone scraper's;
 - only a request that presents the token gets a thread (at most :data:`MAX_CONNECTIONS` at once); one
   without it is answered 401 by the gate at once, and ``/`` and unknown paths likewise.
 
@@ -34,6 +35,7 @@ import secrets
 import selectors
 import socket
 import stat
+import struct
 import sys
 import threading
 import time
@@ -215,10 +217,78 @@ def _tcp_text(address, family) -> str:
     return "".join(f"{w:08X}" for w in words) + f":{address[1]:04X}"
 
 
+# sock_diag (linux/sock_diag.h, linux/inet_diag.h): one exact lookup of a TCP socket by its four-tuple, answered
+# by the kernel from its hash tables, where /proc/net/tcp prints every socket of the namespace each time
+_NETLINK_SOCK_DIAG = 4
+_SOCK_DIAG_BY_FAMILY = 20
+_NLM_F_REQUEST = 1
+_NLMSG_ERROR = 2
+_INET_DIAG_NOCOOKIE = 0xFFFFFFFF
+_TCP_STATES_ALL = 0xFFFFFFFF
+_DIAG_TIMEOUT_S = 0.2
+
+
+def _diag_request(sock: socket.socket, seq: int) -> Optional[bytes]:
+    """The inet_diag_req_v2 that asks for the socket at the other end of ``sock`` (its source is our peer)."""
+    try:
+        local, peer = sock.getsockname(), sock.getpeername()
+        src = socket.inet_pton(sock.family, peer[0]).ljust(16, b"\0")
+        dst = socket.inet_pton(sock.family, local[0]).ljust(16, b"\0")
+    except (OSError, ValueError):
+        return None
+    sockid = (struct.pack("!HH", peer[1], local[1]) + src + dst
+              + struct.pack("=III", 0, _INET_DIAG_NOCOOKIE, _INET_DIAG_NOCOOKIE))
+    body = struct.pack("=BBBxI", sock.family, socket.IPPROTO_TCP, 0, _TCP_STATES_ALL) + sockid
+    return struct.pack("=IHHII", 16 + len(body), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST, seq, 0) + body
+
+
+def _diag_peer_uids(socks: List[socket.socket]) -> Optional[Dict[socket.socket, int]]:
+    """:func:`tcp_peer_uids` through sock_diag: one request per connection on one netlink socket; None when
+    netlink cannot be used here (then /proc/net/tcp is read)."""
+    try:
+        link = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_SOCK_DIAG)
+    except (OSError, AttributeError):
+        return None
+    found: Dict[socket.socket, int] = {}
+    try:
+        link.settimeout(_DIAG_TIMEOUT_S)
+        asked: Dict[int, socket.socket] = {}
+        for seq, sock in enumerate(socks, start=1):
+            request = _diag_request(sock, seq)
+            if request is not None:
+                link.send(request)
+                asked[seq] = sock
+        while asked:
+            data = link.recv(65536)
+            offset = 0
+            while offset + 16 <= len(data):
+                length, kind, _flags, seq = struct.unpack_from("=IHHI", data, offset)
+                if length < 16:
+                    break
+                sock = asked.pop(seq, None)
+                # inet_diag_msg: family, state, timer, retrans, sockid (48 bytes), expires, rqueue, wqueue, uid
+                if sock is not None and kind == _SOCK_DIAG_BY_FAMILY and length >= 16 + 4 + 48 + 16:
+                    found[sock] = struct.unpack_from("=I", data, offset + 16 + 4 + 48 + 12)[0]
+                offset += (length + 3) & ~3
+    except OSError:  # netlink refused, or no answer in time: /proc tells them all
+        return None
+    finally:
+        link.close()
+    return found
+
+
 def tcp_peer_uids(socks: Iterable[socket.socket]) -> Dict[socket.socket, int]:
-    """The users owning the other ends of loopback tcp connections, read from one pass over this network
-    namespace's ``/proc/net/tcp`` and ``tcp6`` (the socket whose local address is our peer's and remote
-    address ours); a connection whose other end is not on this machine is left out."""
+    """The users owning the other ends of loopback tcp connections: asked of the kernel by sock_diag, one exact
+    lookup each, else read from one pass over this network namespace's ``/proc/net/tcp`` and ``tcp6`` (the
+    socket whose local address is our peer's and remote address ours); a connection whose other end is not on
+    this machine is left out. (Under a flood of churning connections the /proc pass at each eviction cost the
+    exporter most of a core: every socket of the machine, printed and parsed, each time.)"""
+    socks = list(socks)
+    found = _diag_peer_uids(socks)
+    return _proc_peer_uids(socks) if found is None else found
+
+
+def _proc_peer_uids(socks: Iterable[socket.socket]) -> Dict[socket.socket, int]:
     wanted: Dict[tuple, socket.socket] = {}
     for sock in socks:
         try:

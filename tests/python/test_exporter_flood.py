@@ -136,3 +136,39 @@ def test_a_scraper_of_another_user_with_the_token_is_answered_under_a_third_user
     if cap is not None:
         assert exporter.server.max_pending == cap
         assert stats["evicted"] > 0  # the flood went over the cap and lost its own connections
+
+
+def test_the_user_at_the_other_end_is_asked_of_the_kernel_without_reading_proc_net_tcp(monkeypatch):
+    # issue 53, case 3: each eviction parsed /proc/net/tcp (every socket of the machine): 300 churning
+    # connections cost the exporter most of a core. sock_diag answers one exact lookup per connection.
+    import builtins
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    client = subprocess.Popen(_as(NEIGHBOUR_UID, "import socket, sys\n"
+                                  f"s = socket.create_connection(('127.0.0.1', {listener.getsockname()[1]}))\n"
+                                  "print('connected', flush=True); sys.stdin.read()"),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert client.stdout.readline() == "connected\n"
+        accepted, _ = listener.accept()
+        read = []
+        real_open = builtins.open
+
+        def counting_open(file, *args, **kwargs):
+            if str(file).startswith("/proc/net/tcp"):
+                read.append(str(file))
+            return real_open(file, *args, **kwargs)
+
+        monkeypatch.setattr(builtins, "open", counting_open)
+        assert exporters.tcp_peer_uids([accepted]) == {accepted: NEIGHBOUR_UID}
+        assert read == []
+        assert exporters._proc_peer_uids([accepted]) == {accepted: NEIGHBOUR_UID}  # the same answer, the old way
+        assert read == ["/proc/net/tcp", "/proc/net/tcp6"]
+        accepted.close()
+    finally:
+        listener.close()
+        client.stdin.close()
+        client.wait(timeout=30)
