@@ -67,7 +67,11 @@ def drains_label(points: List[dict]) -> str:
 DRAIN_COLOR = "#7b4fa8"
 
 #: what --plot says when the history holds no GPU use
-EMPTY = f"{report.PREFIX}{report.SEP}no cell has used the GPU yet: nothing to plot (%gpumem --plot draws once one has)"
+# A record is made as a cell ends: this cell's comes after the plot, and a cleanup before any cell (the
+# extension loaded at startup) is its first cell's. So "no cell has used the GPU" would be untrue beside a line that
+# freed memory.
+EMPTY = (f"{report.PREFIX}{report.SEP}nothing to plot yet: a record is made as each cell ends (this cell's comes "
+         "after it), so %gpumem --plot draws from the next cell on")
 
 # what XML 1.0 cannot hold and a terminal would act on
 _CONTROL = re.compile("[\x00-\x1f\x7f\ufffe\uffff]")

@@ -240,7 +240,8 @@ def test_sparklines_share_marks_past_the_width():
 
 def test_nothing_recorded_says_so_in_one_line():
     shown = plot.TimelinePlot([])
-    assert shown.text() == plot.EMPTY
+    assert shown.text() == plot.EMPTY == ("gpucleanup · nothing to plot yet: a record is made as each cell ends (this "
+                                          "cell's comes after it), so %gpumem --plot draws from the next cell on")
     assert shown._repr_png_() is None and shown._repr_svg_() is None
     data, _ = DisplayFormatter().format(shown)
     assert data == {"text/plain": plot.EMPTY}
