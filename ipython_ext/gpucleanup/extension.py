@@ -32,7 +32,7 @@ from .config import GPUCleanupOptions
 from .dask_workers import DaskWorkers
 from .frameworks.objects import find_gpu_objects
 from .history import History
-from .load_notes import LoadNotes
+from .load_notes import LoadNotes, environment_notes
 from .magics import gpumem_arguments, parse_gpumem, with_settings
 from .outside_drain import OutsideDrain, gave_no_way as outside_drain_gave_no_way
 from .parking import InKernel, RequestGuard
@@ -268,6 +268,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         self._loaded = True
         notes = self.load_notes
         for sentence in self.ignored_config:
+            notes.say(sentence)
+        for sentence in environment_notes():
             notes.say(sentence)
         try:
             probe = self.native.probe()

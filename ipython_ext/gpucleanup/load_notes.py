@@ -61,3 +61,46 @@ class LoadNotes:
             self.shell.events.unregister("post_run_cell", self._first_cell)
         except ValueError:
             pass
+
+
+#: gpucleanup's own environment variables that take a word, and the words each takes (README "Environment
+#: variables"); any other value is read as the first word listed (the default)
+_ENV_WORDS = {
+    "GPUCLEANUP_STATUS_TRANSPORT": ("ipc", "tcp"),
+    "GPUCLEANUP_NATIVE_GIL": ("hold", "release"),
+    "GPUCLEANUP_TRACE_CALLER": ("1", "0"),
+    "GPUCLEANUP_PARK_RESTORE_MAP": ("identity", "none"),
+    "GPUCLEANUP_PARK_HOLD": ("on", "off"),
+}
+#: the ones that take a whole number of milliseconds: (lowest, highest, the default)
+_ENV_NUMBERS = {"GPUCLEANUP_PARK_HOLD_MS": (1, 60000, 5000)}
+
+
+def _shown(value: str) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def environment_notes(environ=None) -> List[str]:
+    """One sentence per gpucleanup variable whose value is none of those it takes (a typo would otherwise pass
+    silently, and the default be used): what was found, what it is read as, and what to set."""
+    import os
+
+    env = os.environ if environ is None else environ
+    out: List[str] = []
+    for name, words in _ENV_WORDS.items():
+        value = env.get(name)
+        # read as the code reads them: exactly, but for the transport, which is lowercased
+        if value is None or value == "" or (value.lower() if name == "GPUCLEANUP_STATUS_TRANSPORT" else value) in words:
+            continue
+        out.append(f"{name}={_shown(value)} is not one of {', '.join(words)}: it is read as {words[0]} "
+                   f"(set one of those, or unset it)")
+    for name, (low, high, default) in _ENV_NUMBERS.items():
+        value = env.get(name)
+        if value is None or value == "":
+            continue
+        number = int(value) if value.isascii() and value.isdigit() else None  # digits only, as the library
+        if number is None or not low <= number <= high:
+            out.append(f"{name}={_shown(value)} is not a whole number of milliseconds from {low} to {high}: it is read "
+                       f"as {default} (set one, or unset it)")
+    return out

@@ -105,6 +105,8 @@ class StatusEndpoint:
         refusals_every_s: float = _REFUSALS_EVERY_S,
     ):
         self.transport = (transport or os.environ.get("GPUCLEANUP_STATUS_TRANSPORT") or "ipc").lower()
+        if transport is None and self.transport not in ("ipc", "tcp"):
+            self.transport = "ipc"  # a wrong value in the environment: the default, and the load says so
         self.history_limit = history_limit
         self.max_peers = max_peers
         self.peer_idle_timeout_s = peer_idle_timeout_s

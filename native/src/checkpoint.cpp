@@ -110,8 +110,11 @@ pid_t restore_thread(const Driver& driver, int pid, std::string& why) {
 
 // How long a hold may take to come (the kernel's permission, every thread's stop).
 std::chrono::milliseconds hold_limit() {
+  // digits only, as the extension's load note checks them (a value it calls wrong is read as 5000 here too)
   const char* text = std::getenv("GPUCLEANUP_PARK_HOLD_MS");
-  const long ms = text == nullptr ? 5000 : std::strtol(text, nullptr, 10);
+  char* end = nullptr;
+  const long ms = text == nullptr || *text < '0' || *text > '9' ? 5000 : std::strtol(text, &end, 10);
+  if (end != nullptr && *end != '\0') return std::chrono::milliseconds(5000);
   return std::chrono::milliseconds(ms > 0 && ms <= 60000 ? ms : 5000);
 }
 

@@ -530,13 +530,24 @@ LOAD_LINES = {
     "JUPYTER_RUNTIME_DIR-nan": "runtime directory 'nan' is not an absolute path: gpucleanup writes no discovery file, key "
                                "or socket there; set JUPYTER_RUNTIME_DIR to the absolute path of a private directory",
     "JUPYTER_RUNTIME_DIR-fifo": "gpucleanup status endpoint did not start: FileExistsError",
-    "GPUCLEANUP_STATUS_TRANSPORT-nan": "gpucleanup status endpoint did not start: ValueError: transport 'nan' is not "
-                                       "supported: use 'ipc' or 'tcp'",
 }
+# A word variable with a value it does not take: the load says so (before: nothing, and the default was used;
+# the transport's stopped the status endpoint), and the cells run as with the default.
+_WORDS_TAKEN = {"GPUCLEANUP_STATUS_TRANSPORT": "ipc, tcp: it is read as ipc", "GPUCLEANUP_NATIVE_GIL":
+                "hold, release: it is read as hold", "GPUCLEANUP_TRACE_CALLER": "1, 0: it is read as 1",
+                "GPUCLEANUP_PARK_RESTORE_MAP": "identity, none: it is read as identity",
+                "GPUCLEANUP_PARK_HOLD": "on, off: it is read as on"}
+for _variable, _taken in _WORDS_TAKEN.items():
+    LOAD_LINES[f"{_variable}-nan"] = f"gpucleanup · {_variable}='nan' is not one of {_taken} (set one of those, or unset it)"
+    for _garbage in ("long", "junk"):
+        LOAD_LINES[f"{_variable}-{_garbage}"] = f"is not one of {_taken} (set one of those, or unset it)"
+for _garbage in ("nan", "long", "junk"):
+    LOAD_LINES[f"GPUCLEANUP_PARK_HOLD_MS-{_garbage}"] = (
+        "is not a whole number of milliseconds from 1 to 60000: it is read as 5000 (set one, or unset it)")
 # Where the garbage changes nothing that the cells see: the load says nothing.
-QUIET_LOADS = {f"{v}-{g}" for v in ("GPUCLEANUP_NATIVE_GIL", "GPUCLEANUP_TRACE_CALLER", "JPY_SESSION_NAME", "NO_COLOR",
-                                    "TERM", "TF_GPU_ALLOCATOR", "XLA_PYTHON_CLIENT_ALLOCATOR", "CUDA_HOME", "CUDA_PATH",
-                                    "GPUCLEANUP_CUPTI") for g in PATH_GARBAGE}
+QUIET_LOADS = {f"{v}-{g}" for v in ("JPY_SESSION_NAME", "NO_COLOR", "TERM", "TF_GPU_ALLOCATOR",
+                                    "XLA_PYTHON_CLIENT_ALLOCATOR", "CUDA_HOME", "CUDA_PATH", "GPUCLEANUP_CUPTI")
+               for g in PATH_GARBAGE} | {f"{v}-empty" for v in (*_WORDS_TAKEN, "GPUCLEANUP_PARK_HOLD_MS")}
 
 
 @pytest.mark.parametrize("name, variable, garbage", ENV_CASES, ids=[c[0] for c in ENV_CASES])

@@ -83,3 +83,23 @@ def test_a_load_from_a_cell_says_it_in_that_cell_only(tmp_path):
         kernel.stop()
     assert "no CUDA driver found" in loaded.stdout
     assert "no CUDA driver found" not in after  # nothing kept for a later cell
+
+
+def test_a_gpucleanup_variable_with_a_value_it_does_not_take_is_said_with_what_it_is_read_as():
+    from gpucleanup.load_notes import environment_notes
+
+    assert environment_notes({}) == []
+    assert environment_notes({"GPUCLEANUP_NATIVE_GIL": "release", "GPUCLEANUP_STATUS_TRANSPORT": "TCP",
+                              "GPUCLEANUP_PARK_HOLD": "off", "GPUCLEANUP_PARK_HOLD_MS": "250",
+                              "GPUCLEANUP_TRACE_CALLER": "0", "GPUCLEANUP_PARK_RESTORE_MAP": "none"}) == []
+    assert environment_notes({"GPUCLEANUP_NATIVE_GIL": "relase", "GPUCLEANUP_PARK_HOLD_MS": "250ms"}) == [
+        "GPUCLEANUP_NATIVE_GIL='relase' is not one of hold, release: it is read as hold (set one of those, or unset it)",
+        "GPUCLEANUP_PARK_HOLD_MS='250ms' is not a whole number of milliseconds from 1 to 60000: it is read as 5000 "
+        "(set one, or unset it)",
+    ]
+    # read exactly as the library reads them: "OFF" is no "off"
+    assert environment_notes({"GPUCLEANUP_PARK_HOLD": "OFF"}) == [
+        "GPUCLEANUP_PARK_HOLD='OFF' is not one of on, off: it is read as on (set one of those, or unset it)"]
+    assert environment_notes({"GPUCLEANUP_PARK_HOLD_MS": "0"})[0].startswith("GPUCLEANUP_PARK_HOLD_MS='0' is not")
+    [long] = environment_notes({"GPUCLEANUP_PARK_RESTORE_MAP": "x" * 5000})
+    assert long.startswith("GPUCLEANUP_PARK_RESTORE_MAP='xxx") and "..." in long and len(long) < 200
