@@ -1812,6 +1812,26 @@ def test_a_pending_clear_is_followed_on_a_publisher_whose_clear_output_sends_wit
     assert not clears.pending
     publisher.clear_output(False)
     assert not clears.pending
+    # text written after a pending clear takes it; the streams get their own write back at once
+    import io
+
+    stream = io.StringIO()
+    teed = []
+    tee = stream.write
+    stream.write = lambda text: teed.append(text) or tee(text)  # a write of the stream's own, as IPython's tee
+    old_stdout, sys.stdout = sys.stdout, stream
+    try:
+        publisher.clear_output(True)
+        assert clears.pending and vars(stream)["write"] is not tee
+        print("step 1")
+        assert not clears.pending and stream.getvalue() == "step 1\n" and teed == ["step 1", "\n"]
+        own = vars(stream)["write"]
+        publisher.clear_output(True)
+        assert clears.holds_the_line(types.SimpleNamespace(result=None)) is True
+        assert vars(stream)["write"] is own  # the cell has ended: the stream has its own write back
+    finally:
+        sys.stdout = old_stdout
+    clears.cell_starts()
     clears.remove()
     assert "clear_output" not in vars(publisher) and publisher.hooks == []
     publisher.clear_output(True)

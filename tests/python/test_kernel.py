@@ -131,6 +131,8 @@ def test_a_clear_output_left_pending_by_the_cell_is_never_taken_by_the_line(tmp_
     with kernel(tmp_path, GPUCLEANUP_FAKE_CUDA_SCENARIO=json.dumps(SCENARIO)) as kc:
         assert execute(kc, "%load_ext gpucleanup")["reply"]["status"] == "ok"
         kinds = lambda cell: [o.kind for o in cell.outputs]  # noqa: E731
+        before = kc.execute("import sys\nprint([getattr(vars(s).get('write'), '__qualname__', None) "
+                            "for s in (sys.stdout, sys.stderr)])").stdout
         drawn = kc.execute(ALLOCATE + "\nfrom IPython.display import clear_output, display\n"
                            "display('frame 1'); clear_output(wait=True); display('frame 2'); clear_output(wait=True)")
         assert drawn.reply["status"] == "ok"
@@ -149,6 +151,15 @@ def test_a_clear_output_left_pending_by_the_cell_is_never_taken_by_the_line(tmp_
         assert kinds(result) == ["clear", "result", "gpucleanup"] and result.result == "42"
         now = kc.execute(ALLOCATE + "\nfrom IPython.display import clear_output\nclear_output()")
         assert kinds(now) == ["clear", "gpucleanup"]  # cleared at once: nothing left to wipe
+        # a progress loop that prints after each clear: the text takes the clear, the line comes after it
+        printed = kc.execute(ALLOCATE + "\nfrom IPython.display import clear_output\n"
+                             "for i in range(3):\n    clear_output(wait=True)\n    print(f'step {i}')")
+        assert [o for o in kinds(printed) if o != "stdout"] == ["clear", "clear", "clear", "gpucleanup"]
+        assert printed.stdout.endswith("step 2\n") and "freed 2.0 GiB" in printed.gpucleanup
+        # the kernel's streams are as they were: IPython's own write (its tee into the history) is back on them
+        own = ("import sys\nprint([getattr(vars(s).get('write'), '__qualname__', None) "
+               "for s in (sys.stdout, sys.stderr)])")
+        assert kc.execute(own).stdout == before
 
 
 def test_error_in_the_cell_stays_the_users(tmp_path):
