@@ -95,6 +95,14 @@ def environment_notes(environ=None) -> List[str]:
             continue
         out.append(f"{name}={_shown(value)} is not one of {', '.join(words)}: it is read as {words[0]} "
                    f"(set one of those, or unset it)")
+    value = env.get("GPUCLEANUP_PARK_UNPROVEN")
+    if value:
+        from .park import UNPROVEN
+
+        unknown = [n for n in (n.strip() for n in value.split(",")) if n and n not in UNPROVEN]
+        if unknown:
+            out.append(f"GPUCLEANUP_PARK_UNPROVEN={_shown(value)} names {_shown(', '.join(unknown))}, which is not "
+                       f"among the frameworks whose parks wait for proof ({', '.join(sorted(UNPROVEN))}): ignored there")
     for name, (low, high, default) in _ENV_NUMBERS.items():
         value = env.get(name)
         if value is None or value == "":

@@ -182,7 +182,7 @@ def restore_held(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, st
                  allow: Allow = None) -> Tuple[Step, Optional[Step]]:
     """The restore and, when it worked, the unlock, in one helper that holds every other thread of process
     ``pid`` meanwhile (ptrace), all but the driver's own restore thread: a restore runs alone (DESIGN rule 12;
-    a JAX thread that called the driver mid-restore made the driver raise SIGSEGV in it, share/FACTS.md §12).
+    a JAX thread that called the driver mid-restore made the driver raise SIGSEGV in it, share/FACTS.md §11).
     ``allow`` is called with the helper's pid as it starts, so that the kernel can name it as its tracer.
     Returns the restore's step (``hold``: what was held) and the unlock's (None when it was not tried)."""
     reply, restored = _call("resume", pid, limits.restore_s + limits.unlock_s, env, on_start=allow)
@@ -572,8 +572,43 @@ def mps_server(proc: str = "/proc", max_age_s: float = 5.0) -> Optional[str]:
     return found
 
 
+#: frameworks whose resume is not yet shown safe on a GPU, and how their GPU backend shows in /proc/PID/maps
+UNPROVEN = {"jax": ("xla_cuda_plugin", "/jaxlib/cuda/")}
+
+
+def unproven_opt_in(environ: Optional[List[bytes]] = None) -> set:
+    """The frameworks ``GPUCLEANUP_PARK_UNPROVEN`` (comma-separated) lets be parked all the same: set for the
+    process that parks (the command, the server) or for the kernel itself."""
+    names = set()
+    for value in [os.environ.get("GPUCLEANUP_PARK_UNPROVEN", "")] + [
+            v.split(b"=", 1)[1].decode("utf-8", "replace") for v in environ or ()
+            if v.startswith(b"GPUCLEANUP_PARK_UNPROVEN=")]:
+        names.update(n.strip() for n in value.split(",") if n.strip())
+    return names
+
+
+def unproven_refusal(pid: int, proc: str = "/proc", environ: Optional[List[bytes]] = None) -> Optional[str]:
+    """Why a kernel whose framework's resume is not yet proven is not parked (None: none is in use, or it was
+    let through): JAX on the GPU lost 2 of 8 kernels in their resume on an H100 (share/FACTS.md §11), and the
+    restore's thread hold that should end this has not yet been shown on a GPU (README, "Parking a kernel")."""
+    try:
+        with open(f"{proc}/{int(pid)}/maps", encoding="utf-8", errors="replace") as fh:
+            maps = fh.read()
+    except OSError:
+        return None
+    allowed = unproven_opt_in(environ)
+    for name, marks in UNPROVEN.items():
+        if name in allowed or not any(mark in maps for mark in marks):
+            continue
+        return (f"[gpucleanup.park.651] process {pid} runs {'JAX' if name == 'jax' else name} on the GPU, whose "
+                "resume lost kernels on an H100 and is not yet shown safe with the restore's thread hold: it is "
+                f"not parked; GPUCLEANUP_PARK_UNPROVEN={name} (for the kernel, or for the command or server that "
+                "parks) parks it all the same")
+    return None
+
+
 def unsupported_refusals(pid: int, proc: str = "/proc", tracing: bool = False) -> List[str]:
-    """Sentences for what the driver's checkpoint does not support (share/FACTS.md §12), read from files alone
+    """Sentences for what the driver's checkpoint does not support (share/FACTS.md §11), read from files alone
     (and ``tracing``, which only the kernel knows): CUPTI in use, a MIG device among those the process may use
     (``MIG-`` in its ``CUDA_VISIBLE_DEVICES``), and an MPS server on the machine (its clients go through it).
 
@@ -589,6 +624,9 @@ def unsupported_refusals(pid: int, proc: str = "/proc", tracing: bool = False) -
             environ = fh.read().split(b"\0")
     except OSError:
         environ = []
+    unproven = unproven_refusal(pid, proc, environ)
+    if unproven:
+        out.append(unproven)
     injected = next((v.split(b"=", 1)[1] for v in environ if v.startswith(b"CUDA_INJECTION64_PATH=")), b"")
     if tracing:
         out.append("[gpucleanup.park.647] %gpumem --trace is on in this kernel: its CUPTI subscriber is something "
@@ -789,7 +827,7 @@ def resume(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = 
 def lost(outcome: Outcome) -> bool:
     """Whether a resume left the process where no later resume can bring it back: the driver says it failed,
     or, after a restore or an unlock was tried, in a state that is neither parked, locked nor running (a restore
-    that fails can leave a process whose unlock fails for good, share/FACTS.md §12)."""
+    that fails can leave a process whose unlock fails for good, share/FACTS.md §11)."""
     if outcome.action != "resume" or outcome.ok:
         return False
     if outcome.state == FAILED:

@@ -71,7 +71,7 @@ bool restore_with_map() {
 
 // Whether this driver lays CUcheckpointRestoreArgs out as the CUDA 13.0 cuda.h
 // this library is built with: the layout changed in CUDA 12.9, 13.1, 13.3 and
-// 13.4 (share/FACTS.md §12), so drivers of CUDA 12.9 to 13.0 only.
+// 13.4 (share/FACTS.md §11), so drivers of CUDA 12.9 to 13.0 only.
 bool known_restore_layout(const Driver& driver) {
   const auto version = driver.version();
   return version && *version >= 12090 && *version < 13010;

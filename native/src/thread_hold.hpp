@@ -2,7 +2,7 @@
 // runs alone (DESIGN rule 12). CRIU's CUDA plugin keeps every thread of the
 // process stopped and lets only the driver's restore thread run; a thread that
 // calls the driver mid-restore (XLA polling a stream) made the driver raise
-// SIGSEGV in it (share/FACTS.md §12). The park helper does the same: it stops
+// SIGSEGV in it (share/FACTS.md §11). The park helper does the same: it stops
 // each thread but the restore thread with PTRACE_SEIZE + PTRACE_INTERRUPT
 // (transparent to the thread: an interrupted system call is restarted) and
 // lets them go after the restore and the unlock. A helper that dies lets them

@@ -67,7 +67,8 @@ def test_a_framework_process_is_parked_to_zero_device_memory_and_resumed_with_ev
     require(framework)
     from gpucleanup import park
 
-    env = subprocess_env(CUDA_VISIBLE_DEVICES="0", XLA_PYTHON_CLIENT_MEM_FRACTION="0.10")
+    env = subprocess_env(CUDA_VISIBLE_DEVICES="0", XLA_PYTHON_CLIENT_MEM_FRACTION="0.10",
+                         GPUCLEANUP_PARK_UNPROVEN="jax")  # refused otherwise until the park loop proves it
     proc = subprocess.Popen([sys.executable, "-c", TARGET, framework, str(GiB)], env=env, text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:

@@ -391,6 +391,7 @@ _NOT_PROCESS_ENV = {"PATH_INFO", "HTTP_AUTHORIZATION"}  # the WSGI request's env
 PATH_VARIABLES = ("GPUCLEANUP_LIBRARY", "GPUCLEANUP_LIBCUDA", "GPUCLEANUP_CUPTI", "JUPYTER_RUNTIME_DIR",
                   "JUPYTER_DATA_DIR", "XDG_DATA_HOME", "CUDA_HOME", "CUDA_PATH")
 WORD_VARIABLES = ("GPUCLEANUP_NATIVE_GIL", "GPUCLEANUP_PARK_HOLD", "GPUCLEANUP_PARK_HOLD_MS", "GPUCLEANUP_PARK_RESTORE_MAP",
+                  "GPUCLEANUP_PARK_UNPROVEN",
                   "GPUCLEANUP_STATUS_TRANSPORT",
                   "GPUCLEANUP_TRACE_CALLER", "JPY_SESSION_NAME",
                   "NO_COLOR", "TERM", "TF_GPU_ALLOCATOR", "XLA_PYTHON_CLIENT_ALLOCATOR")
@@ -542,12 +543,15 @@ for _variable, _taken in _WORDS_TAKEN.items():
     for _garbage in ("long", "junk"):
         LOAD_LINES[f"{_variable}-{_garbage}"] = f"is not one of {_taken} (set one of those, or unset it)"
 for _garbage in ("nan", "long", "junk"):
+    LOAD_LINES[f"GPUCLEANUP_PARK_UNPROVEN-{_garbage}"] = (
+        "which is not among the frameworks whose parks wait for proof (jax): ignored there")
     LOAD_LINES[f"GPUCLEANUP_PARK_HOLD_MS-{_garbage}"] = (
         "is not a whole number of milliseconds from 1 to 60000: it is read as 5000 (set one, or unset it)")
 # Where the garbage changes nothing that the cells see: the load says nothing.
 QUIET_LOADS = {f"{v}-{g}" for v in ("JPY_SESSION_NAME", "NO_COLOR", "TERM", "TF_GPU_ALLOCATOR",
                                     "XLA_PYTHON_CLIENT_ALLOCATOR", "CUDA_HOME", "CUDA_PATH", "GPUCLEANUP_CUPTI")
-               for g in PATH_GARBAGE} | {f"{v}-empty" for v in (*_WORDS_TAKEN, "GPUCLEANUP_PARK_HOLD_MS")}
+               for g in PATH_GARBAGE} | {f"{v}-empty" for v in (*_WORDS_TAKEN, "GPUCLEANUP_PARK_HOLD_MS",
+                                                                "GPUCLEANUP_PARK_UNPROVEN")}
 
 
 @pytest.mark.parametrize("name, variable, garbage", ENV_CASES, ids=[c[0] for c in ENV_CASES])

@@ -774,7 +774,8 @@ def test_libcupti_loaded_without_a_subscriber_is_parkable_and_the_kernels_own_tr
     write(proc / "510" / "maps", "7f00-7f10 r-xp 0 08:01 1 /usr/lib/libcuda.so.1\n"
                                  "7f20-7f30 r-xp 0 08:01 2 /site/nvidia/cuda_cupti/lib/libcupti.so.12\n"
                                  "7f40-7f50 r-xp 0 08:01 3 /site/jax_plugins/xla_cuda12/xla_cuda_plugin.so\n")
-    (proc / "510" / "environ").write_bytes(b"CUDA_VISIBLE_DEVICES=0\0")
+    # let through the JAX wait for proof (park.651, its own test), to look at CUPTI alone
+    (proc / "510" / "environ").write_bytes(b"CUDA_VISIBLE_DEVICES=0\0GPUCLEANUP_PARK_UNPROVEN=jax\0")
     park._MPS_SEEN.clear()
     assert park.unsupported_refusals(510, str(proc)) == []
     assert park.refusals(510, None, {}, proc=str(proc)) == []
@@ -893,3 +894,38 @@ def test_no_park_begins_while_a_request_that_is_no_cell_runs():
     assert seen == [[True]] and parked.holds == [True, False]  # held off while it ran, let go after
     kernel.shell_handlers["execute_request"](None, [], {"content": {"code": "x"}})  # a cell: its own state holds it
     assert parked.holds == [True, False]
+
+
+def test_a_jax_kernel_is_not_parked_until_its_resume_is_proven_unless_let_through(tmp_path, monkeypatch):
+    # issue 50: "until a framework is proven, refuse its park with a sentence (park --check says it)"
+    monkeypatch.delenv("GPUCLEANUP_PARK_UNPROVEN", raising=False)
+    proc = tmp_path / "proc"
+    write(proc / "520" / "maps", "7f00-7f10 r-xp 0 08:01 1 /usr/lib/libcuda.so.1\n"
+                                 "7f40-7f50 r-xp 0 08:01 3 /site/jax_plugins/xla_cuda12/xla_cuda_plugin.so\n")
+    (proc / "520" / "environ").write_bytes(b"CUDA_VISIBLE_DEVICES=0\0")
+    write(proc / "530" / "maps", "7f00-7f10 r-xp 0 08:01 1 /usr/lib/libcuda.so.1\n"
+                                 "7f40-7f50 r-xp 0 08:01 3 /site/jaxlib/xla_extension.so\n")  # JAX on the CPU only
+    (proc / "530" / "environ").write_bytes(b"")
+    park._MPS_SEEN.clear()
+    refused = park.refusals(520, None, {}, proc=str(proc))
+    assert refused == [
+        "[gpucleanup.park.651] process 520 runs JAX on the GPU, whose resume lost kernels on an H100 and is not yet "
+        "shown safe with the restore's thread hold: it is not parked; GPUCLEANUP_PARK_UNPROVEN=jax (for the kernel, "
+        "or for the command or server that parks) parks it all the same"]
+    assert park.refusals(530, None, {}, proc=str(proc)) == []
+    # let through by the kernel's own environment, or by the parking process's
+    (proc / "520" / "environ").write_bytes(b"CUDA_VISIBLE_DEVICES=0\0GPUCLEANUP_PARK_UNPROVEN=torch, jax\0")
+    assert park.refusals(520, None, {}, proc=str(proc)) == []
+    (proc / "520" / "environ").write_bytes(b"CUDA_VISIBLE_DEVICES=0\0")
+    monkeypatch.setenv("GPUCLEANUP_PARK_UNPROVEN", "jax")
+    assert park.refusals(520, None, {}, proc=str(proc)) == []
+    park._MPS_SEEN.clear()
+
+
+def test_a_name_the_unproven_list_does_not_know_is_said_at_load():
+    from gpucleanup.load_notes import environment_notes
+
+    assert environment_notes({"GPUCLEANUP_PARK_UNPROVEN": "jax"}) == []
+    assert environment_notes({"GPUCLEANUP_PARK_UNPROVEN": "jax,tensorflw"}) == [
+        "GPUCLEANUP_PARK_UNPROVEN='jax,tensorflw' names 'tensorflw', which is not among the frameworks whose parks "
+        "wait for proof (jax): ignored there"]
