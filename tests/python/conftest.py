@@ -14,8 +14,15 @@ import ctypes
 import json
 import os
 import pathlib
+import signal
 
 import pytest
+
+# A suite started in the background by a script (`bash scripts/test.sh &`, nohup) inherits SIGINT ignored, and so would
+# every process it starts: the tests that send Ctrl-C to a kernel, a parker or an exporter would see nothing. The
+# default handler here makes the children start with SIGINT at its default again (an exec keeps only an ignore).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BUILD = pathlib.Path(os.environ.get("GPUCLEANUP_BUILD_DIR", ROOT / "build")).resolve()
