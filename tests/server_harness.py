@@ -156,7 +156,10 @@ class Server:
             entry = self.entry(kernel_id)
             if condition(entry):
                 return entry
-            assert time.monotonic() < deadline, f"{what}: not within {TIMEOUT} s; last entry {entry}"
+            if time.monotonic() >= deadline:
+                gpucleanup_lines = [line for line in self.log().splitlines() if "gpucleanup" in line]
+                raise AssertionError(f"{what}: not within {TIMEOUT} s; the server's gpucleanup log lines:\n"
+                                     + "\n".join(gpucleanup_lines[-40:]) + f"\nlast entry {entry}")
             time.sleep(0.05)
 
     def stop(self) -> None:

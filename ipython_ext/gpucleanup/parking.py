@@ -449,12 +449,14 @@ class InKernel:
 
     def threads_seen(self) -> None:
         """A cell ends, before its state says idle (from when a policy may park the kernel): when a thread
-        started or ended since the last look, or the trace was turned on or off, or while executor workers live (one may have taken a task without
-        any thread starting), what keeps an automatic park away is said again. One count of Python's threads
-        otherwise."""
+        started or ended since the last look, or the trace was turned on or off, or while executor workers live
+        (one may have taken a task without any thread starting), or while a blocker is said (the watch thread
+        that follows it starts with it: a thread of the notebook that ends as it starts leaves the count as it
+        was), what keeps an automatic park away is said again. One count of Python's threads otherwise."""
         count = threading.active_count()
         tracing = bool(self._tracing())
-        if count != self._thread_count or self._workers or tracing != self._traced:
+        if (count != self._thread_count or self._workers or tracing != self._traced
+                or self._blocker_said is not None):
             self._thread_count = count
             self._traced = tracing
             self._workers = any(_origin(t).startswith(_EXECUTOR) for t in threading.enumerate())

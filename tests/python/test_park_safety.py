@@ -678,6 +678,119 @@ def test_the_servers_memo_of_a_blocker_is_cleared_when_its_threads_end_without_a
     kernel.close()
 
 
+def test_a_thread_that_ends_before_the_next_cell_ends_is_told_though_the_watch_thread_keeps_the_count(monkeypatch):
+    # The blocker's watch thread starts as the notebook's thread runs: when that thread ends, Python's thread
+    # count is what it was at the last cell's end. The next cell's end still tells the server the thread is gone.
+    said = []
+
+    class Endpoint:
+        def park_blocker(self, why):
+            said.append(why)
+
+    monkeypatch.setattr(parking, "RECHECK_S", 3600.0)  # the watch never looks again within this test
+    kernel = parking.InKernel(lambda: Endpoint(), lambda lines: None)
+    stop = threading.Event()
+    worker = threading.Thread(target=stop.wait, name="train-loop", daemon=True)
+    worker.start()
+    try:
+        kernel.threads_seen()  # a cell ends with the thread running: the server is told, the watch starts
+        assert len(said) == 1 and "(train-loop)" in said[0]
+        assert any(t.name == "gpucleanup-thread-watch" for t in threading.enumerate())
+        stop.set()
+        worker.join()
+        kernel.threads_seen()  # the cell that ended it ends
+        assert said[1:] == [None]
+        kernel.threads_seen()  # and nothing more is said while nothing changes
+        assert said[1:] == [None]
+    finally:
+        stop.set()
+        kernel.close()
+
+
+class _PolicyWatch:
+    """The server's automatic park round (KernelWatch.park_idle) over one idle kernel whose states and park
+    outcomes a test gives, round by round."""
+
+    def __init__(self, monkeypatch):
+        import asyncio
+        import importlib
+        import types
+
+        from gpucleanup import kernels
+
+        handlers = importlib.import_module("gpucleanup.server.handlers")  # the package exports a function of that name
+
+        monkeypatch.setattr(kernels, "target_of", lambda kernel: "target")
+        self.asyncio = asyncio
+        self.watch = handlers.KernelWatch.__new__(handlers.KernelWatch)
+        self.watch.settings = types.SimpleNamespace(park_idle_after_s=1.0)
+        kernel = types.SimpleNamespace(pid=4242, elsewhere=None, key_file="/run/kernel-4242.json")
+        found = types.SimpleNamespace(live=[kernel])
+        self.state = {}
+        self.answers = []
+        self.parks = 0
+
+        async def run(function, *args, **kwargs):
+            return found
+
+        async def collect(cards=None):
+            return {"kernels": [{"id": "k1", "pid": 4242, "gpucleanup": True, "state": dict(self.state)}]}
+
+        async def park_(kernel_, target, action, automatic=False):
+            assert (action, automatic) == ("park", True)
+            self.parks += 1
+            answer = self.answers.pop(0)
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+        self.watch.run, self.watch.collect, self.watch.park = run, collect, park_
+        monkeypatch.setattr(type(self.watch), "runtime_dir", property(lambda _: pathlib.Path("/nonexistent")))
+
+    def round(self):
+        return self.asyncio.run(self.watch.park_idle())
+
+
+def _blocked(text):
+    exc = park.ParkRefused(text)
+    exc.error_id = "gpucleanup.park.642"
+    return exc
+
+
+def test_the_servers_policy_parks_a_kernel_once_the_thread_that_blocked_it_ends_with_no_cell(monkeypatch):
+    blocker = ("[gpucleanup.park.642] 1 thread started in a cell still runs (train-loop): an automatic park would "
+               "stop their GPU calls; it is left to %gpumem --park or gpucleanup park once they end")
+    policy = _PolicyWatch(monkeypatch)
+    policy.state = {"state": "idle", "age_s": 5.0, "since_ns": 1000, "park_blocker": blocker}
+    policy.answers = [_blocked(blocker)]
+    said = policy.round()
+    assert policy.parks == 1 and len(said) == 1 and "not parked: [gpucleanup.park.642]" in said[0], said
+    assert policy.round() == [] and policy.parks == 1  # the same idle period, the same blocker: not asked again
+    # The watch thread tells the kernel's server that the thread ended: no cell ran, the idle time is the same.
+    del policy.state["park_blocker"]
+    policy.answers = [_blocked("[gpucleanup.park.640] a refusal that is not the blocker's")]
+    said = policy.round()
+    assert policy.parks == 2 and len(said) == 1 and "park.640" in said[0], said
+    assert policy.round() == [] and policy.parks == 2  # refused again for another reason: once per idle period
+
+
+def test_the_servers_policy_asks_again_when_a_blocker_came_between_its_listing_and_its_park(monkeypatch):
+    blocker = ("[gpucleanup.park.642] 1 thread started in a cell still runs (loader): an automatic park would "
+               "stop their GPU calls; it is left to %gpumem --park or gpucleanup park once they end")
+    policy = _PolicyWatch(monkeypatch)
+    policy.state = {"state": "idle", "age_s": 5.0, "since_ns": 1000}  # listed with no blocker
+    policy.answers = [_blocked(blocker)]  # the kernel said one meanwhile
+    policy.round()
+    policy.state["park_blocker"] = blocker
+    policy.answers = [_blocked(blocker)]
+    policy.round()  # listed with it: asked once more, remembered with it
+    assert policy.parks == 2 and policy.round() == [] and policy.parks == 2
+    del policy.state["park_blocker"]
+    policy.answers = [_blocked("[gpucleanup.park.640] another refusal")]
+    policy.round()
+    assert policy.parks == 3  # the blocker's end is seen
+
+
 def test_the_bulk_parks_preview_skips_a_kernel_whose_notebook_thread_runs_and_says_why():
     from gpucleanup.server import admin
 

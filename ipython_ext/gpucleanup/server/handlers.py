@@ -162,15 +162,17 @@ class KernelWatch:
         """One round of the automatic parking (``park_idle_after_s``): every kernel with gpucleanup that
         has been idle that long, one after the other; what each gave, as log lines. A kernel the park
         refused is tried once per idle period: not again, and not logged again, until its idle-since time
-        changes (a cell ran). A refused or failed park leaves that time as it was (the status server's
-        ``failed`` step puts back the idle state ``begin`` found), so the memo, by kernel and idle-since
-        time, holds for as long as the kernel stays idle."""
+        changes (a cell ran) or what the kernel said keeps an automatic park away (``park_blocker``: a thread
+        of the notebook runs, the trace is on) changes, as when the thread ends with no cell to say it. A
+        refused or failed park leaves the idle-since time as it was (the status server's ``failed`` step puts
+        back the idle state ``begin`` found), so the memo, by kernel, idle-since time and blocker, holds for
+        as long as neither changes."""
         after = self.settings.park_idle_after_s
         said: List[str] = []
         if after <= 0:
             return said
-        # kernel id -> the idle-since time (since_ns) of its last refused or failed park
-        refused: Dict[str, object] = getattr(self, "_park_refused", {})
+        # kernel id -> (the idle-since time (since_ns), the blocker said) of its last refused or failed park
+        refused: Dict[str, tuple] = getattr(self, "_park_refused", {})
         self._park_refused = refused
         found = await self.run(discovery.scan, self.runtime_dir, clean=False)
         listed = (await self.collect(frozenset()))["kernels"]  # the states only: no kernel asked for its cells
@@ -180,7 +182,8 @@ class KernelWatch:
             state = entry.get("state") or {}
             if not entry.get("gpucleanup") or state.get("state") != "idle" or not isinstance(state.get("age_s"), (int, float)):
                 continue
-            if state["age_s"] < after or (entry["id"] in refused and refused[entry["id"]] == state.get("since_ns")):
+            memo = (state.get("since_ns"), state.get("park_blocker"))
+            if state["age_s"] < after or refused.get(entry["id"]) == memo:
                 continue
             kernel = next((k for k in found.live if k.pid == entry.get("pid") and k.elsewhere is None), None)
             if kernel is None or not kernel.key_file:
@@ -189,10 +192,10 @@ class KernelWatch:
                 outcome = await self.park(kernel, kernels.target_of(kernel), "park", automatic=True)
                 said.append(f"kernel {entry['id']} idle {state['age_s']:.0f} s: {remote_park.outcome_text(outcome)}")
                 if not outcome.ok:
-                    refused[entry["id"]] = state.get("since_ns")
+                    refused[entry["id"]] = memo
             except Exception as exc:  # refused, no answer, a key file that cannot be read: next time, if it changes
                 if getattr(exc, "error_id", None) not in parking.PASSING_REFUSALS:  # one that passes: next round
-                    refused[entry["id"]] = state.get("since_ns")
+                    refused[entry["id"]] = memo
                 said.append(f"kernel {entry['id']} idle {state['age_s']:.0f} s: not parked: {exc}")
         return said
 
