@@ -3,7 +3,7 @@
 // which act on another process named by its pid.
 //
 // Only the park helper calls this: a short-lived process of its own whose
-// cuInit is its own (gpucleanup.park_step). The rule never to initialise CUDA
+// cuInit is its own (gpucleanup.park.native_step). The rule never to initialise CUDA
 // is about the process gpucleanup cleans; a kernel never runs a step on
 // itself (refused), and no long-lived process runs one either: a process that
 // had itself called cuInit and done a cycle was seen to hang the next lock

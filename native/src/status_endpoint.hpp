@@ -6,7 +6,7 @@
 
 #include <string>
 
-#include "status_server.hpp"
+#include "server_config.hpp"
 
 namespace gpucleanup {
 

@@ -18,7 +18,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "status_server.hpp"
+#include "server_config.hpp"
 
 namespace gpucleanup {
 

@@ -16,7 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "detail/status_replay_guard.hpp"
-#include "status_server.hpp"
+#include "server_config.hpp"
 
 namespace gpucleanup {
 

@@ -19,7 +19,7 @@
 #include <zmq.hpp>
 
 #include "peer_guard.hpp"
-#include "status_server.hpp"
+#include "server_config.hpp"
 
 namespace gpucleanup {
 
