@@ -184,7 +184,7 @@ _extensions = []  # (shell class, its GPUCleanup object)
 
 
 def _load(shell):
-    from gpucleanup.extension import get_extension
+    from gpucleanup.in_kernel.extension import get_extension
 
     shell.config.GPUCleanup.show = SHOW
     shell.extension_manager.load_extension("gpucleanup")

@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 #: seconds a kernel may stay silent (ready, a cell's next message) unless told otherwise
 TIMEOUT = 60.0
 
-#: the metadata key that names a display output as gpucleanup's own (gpucleanup.report.OUTPUT_TAG; not
+#: the metadata key that names a display output as gpucleanup's own (gpucleanup.records.report.OUTPUT_TAG; not
 #: imported: a benchmark's kernels may load another gpucleanup than this process)
 GPUCLEANUP = "gpucleanup"
 
@@ -269,14 +269,14 @@ class Kernel:
         """The kernel's gpucleanup status endpoint, from its discovery file in the runtime directory."""
         import json
 
-        from gpucleanup import discovery, status_client
+        from gpucleanup.protocol import discovery, status_client
 
         info = json.loads(discovery.path_for_pid(self.pid, self.runtime).read_text())
         return status_client.Target(info["endpoint"], Path(info["key_file"]).read_bytes())
 
     def status(self, timeout: float = 5) -> dict:
         """The kernel's reply to ``gpucleanup status``."""
-        from gpucleanup import status_client
+        from gpucleanup.protocol import status_client
 
         return status_client.request(self.target(), "status", timeout=timeout)
 

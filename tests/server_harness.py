@@ -25,7 +25,9 @@ from typing import Callable, Optional
 
 import pytest
 
-from gpucleanup import discovery, kernels, status_client
+from gpucleanup.protocol import discovery
+from gpucleanup.outside import kernels
+from gpucleanup.protocol import status_client
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 60
@@ -251,7 +253,7 @@ class Notebook:
 #: kernel, at a fraction of a kernel's start-up. It runs until its stdin closes.
 FAKE_KERNEL = r"""
 import json, os, sys, time, types
-from gpucleanup.status_endpoint import StatusEndpoint
+from gpucleanup.in_kernel.status_endpoint import StatusEndpoint
 spec = json.loads(sys.argv[1])
 endpoint = StatusEndpoint()
 endpoint.start(types.SimpleNamespace(user_ns={}))

@@ -45,12 +45,12 @@ def drain(timeout: float = 30.0) -> dict:
 
 
 def load_ipython_extension(ipython):  # pragma: no cover - exercised through IPython
-    from .extension import load_ipython_extension as _load
+    from .in_kernel.extension import load_ipython_extension as _load
 
     _load(ipython)
 
 
 def unload_ipython_extension(ipython):  # pragma: no cover - exercised through IPython
-    from .extension import unload_ipython_extension as _unload
+    from .in_kernel.extension import unload_ipython_extension as _unload
 
     _unload(ipython)

@@ -1,8 +1,8 @@
-"""``python -m gpucleanup``: the ``gpucleanup`` command (``gpucleanup.cli``)."""
+"""``python -m gpucleanup``: the ``gpucleanup`` command (``gpucleanup.outside.cli``)."""
 
 import sys
 
-from .cli import main
+from .outside.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -425,7 +425,7 @@ def trim() -> dict:
 def checkpoint_step(pid: int, step: str, lock_timeout_ms: int = 0) -> dict:
     """One step of parking process ``pid`` ("state", "lock", "checkpoint", "restore", "unlock").
 
-    For the park helper process only (``python -m gpucleanup.park_step``): it calls cuInit
+    For the park helper process only (``python -m gpucleanup.park.native_step``): it calls cuInit
     in *this* process, which a kernel must never do. A step the driver refuses is a value
     (``"ok": False``, ``"result"``, ``"state"``); a driver without checkpoint calls, a pid
     that is not another process or a failed cuInit raise :class:`NativeError`.

@@ -39,7 +39,7 @@ def main() -> int:
     from dask_cuda import LocalCUDACluster
     from distributed import Client
 
-    import gpucleanup.dask as gd
+    import gpucleanup.dask.plugin as gd
 
     dask.config.set({"distributed.scheduler.worker-saturation": float("inf")})
     out: dict = {"tasks": args.tasks, "rounds": args.rounds, "off_s": [], "on_s": []}

@@ -3,9 +3,9 @@
 For each size (default 1, 8 and 32 GiB of PyTorch tensors, and JAX at its default preallocation on one
 visible GPU), a target process fills the device from a seeded generator (the "set-up cells"), then:
 
-- park: ``gpucleanup.park.park`` (lock + checkpoint, each step in a helper process), the device memory of
+- park: ``gpucleanup.park.steps.park`` (lock + checkpoint, each step in a helper process), the device memory of
   the process from ``nvidia-smi`` before and while parked, its host RSS while parked;
-- resume: ``gpucleanup.park.resume`` (restore + unlock), and the first read of the data afterwards, with a
+- resume: ``gpucleanup.park.steps.resume`` (restore + unlock), and the first read of the data afterwards, with a
   SHA-256 of every byte compared with the one taken before the park;
 - the alternative: a fresh process that imports the framework and builds the same data again (a kernel
   restart and its set-up cells re-run), timed from its start to "ready".
@@ -65,7 +65,7 @@ def rss(pid: int) -> int:
 
 
 def case(framework: str, size: int, extra: dict, label: str) -> dict:
-    from gpucleanup import park
+    from gpucleanup.park import steps as park
 
     proc, setup_s = start(framework, size, extra)
     try:

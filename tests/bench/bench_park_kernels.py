@@ -93,7 +93,7 @@ def case(label: str, framework: str, setup: str, extra: dict) -> dict:
         kernel.run("before = digest()")  # every byte's SHA-256, to compare after the resume (not set-up time)
         device_before = used_mib(kernel.pid)
         began = time.monotonic()
-        parked = subprocess.run([sys.executable, "-m", "gpucleanup.cli", "park", str(kernel.pid)], capture_output=True,
+        parked = subprocess.run([sys.executable, "-m", "gpucleanup.outside.cli", "park", str(kernel.pid)], capture_output=True,
                                 text=True, env=helpers, timeout=TIMEOUT)
         park_s = time.monotonic() - began
         if parked.returncode != 0:

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ipython_ext"))
-from gpucleanup import exporter  # noqa: E402
+from gpucleanup.outside import exporter  # noqa: E402
 
 
 def percentile(values, q: float) -> float:

@@ -30,7 +30,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "ipython_ext"))
 
-from gpucleanup import park  # noqa: E402
+from gpucleanup.park import steps as park  # noqa: E402
 
 WORKER = textwrap.dedent('''
     import sys, json

@@ -75,7 +75,7 @@ def kernel_env(tmp: Path, framework: str, hold: str) -> dict:
 
 
 def cli(env: dict, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gpucleanup.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "gpucleanup.outside.cli", *args], capture_output=True, text=True,
                           env=env, timeout=timeout)
 
 

@@ -30,7 +30,7 @@ def _gpumem_json(kc) -> dict:
 
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gpucleanup.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "gpucleanup.outside.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=subprocess_env())
 
 
@@ -50,7 +50,7 @@ def _status_latency(pid: int, n: int = 100) -> list[float]:
     """Median-ready list of `status` round trips (ms), through the same client the CLI uses."""
     code = (
         "import sys, time, json\n"
-        "from gpucleanup import cli, discovery, status_client\n"
+        "from gpucleanup.outside import cli; from gpucleanup.protocol import discovery, status_client\n"
         f"kernel = next(k for k in discovery.scan()[0] if k.pid == {pid})\n"
         "target = cli._target(kernel)\n"
         "times = []\n"

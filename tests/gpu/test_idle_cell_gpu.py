@@ -13,7 +13,7 @@ from conftest import require, run_script
 SHELL = '''
     import io, contextlib
     from IPython.core.interactiveshell import InteractiveShell
-    from gpucleanup import extension
+    from gpucleanup.in_kernel import extension
     shell = InteractiveShell.instance()
     def run(code):
         sink = io.StringIO()

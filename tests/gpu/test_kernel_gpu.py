@@ -34,7 +34,7 @@ TIMEOUT = 180
 PROBE = r'''
 def __gpucleanup_probe():
     import json, sys, gpucleanup
-    from gpucleanup import extension
+    from gpucleanup.in_kernel import extension
     snap = gpucleanup.snapshot()
     out = {"state": snap["driver"]["state"], "free": {}, "live": 0, "cached": {}, "pinned_cached": {}}
     ext = extension.get_extension(get_ipython())

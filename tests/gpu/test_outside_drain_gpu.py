@@ -23,7 +23,7 @@ MiB = 1 << 20
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gpucleanup.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "gpucleanup.outside.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=subprocess_env())
 
 

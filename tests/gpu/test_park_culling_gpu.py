@@ -26,7 +26,7 @@ from conftest import GiB, ROOT, library_path, require
 sys.path.insert(0, str(ROOT / "tests"))
 import server_harness  # noqa: E402  (tests/server_harness.py)
 
-from gpucleanup import parking  # noqa: E402  (this tree's: PYTHONPATH=ipython_ext)
+from gpucleanup.park import kernel_side as parking  # noqa: E402  (this tree's: PYTHONPATH=ipython_ext)
 
 TIMEOUT = 300
 CULL_AFTER_S = 40

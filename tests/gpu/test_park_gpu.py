@@ -65,7 +65,7 @@ def ask(proc) -> str:
 @pytest.mark.parametrize("framework", ["cupy", "torch", "jax"])
 def test_a_framework_process_is_parked_to_zero_device_memory_and_resumed_with_every_value_equal(framework):
     require(framework)
-    from gpucleanup import park
+    from gpucleanup.park import steps as park
 
     env = subprocess_env(CUDA_VISIBLE_DEVICES="0", XLA_PYTHON_CLIENT_MEM_FRACTION="0.10",
                          GPUCLEANUP_PARK_UNPROVEN="jax")  # refused otherwise until the park loop proves it
@@ -100,7 +100,7 @@ def test_a_framework_process_is_parked_to_zero_device_memory_and_resumed_with_ev
 
 def test_a_call_made_while_parked_waits_and_completes_after_the_resume():
     require("torch")
-    from gpucleanup import park
+    from gpucleanup.park import steps as park
 
     env = subprocess_env(CUDA_VISIBLE_DEVICES="0")
     proc = subprocess.Popen([sys.executable, "-c", TARGET, "torch", str(256 * MiB)], env=env, text=True,

@@ -76,7 +76,7 @@ class Kernel(kernel_harness.Kernel):
         return cell.printed, cell.error_line
 
     def cli(self, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "gpucleanup.cli", *args], capture_output=True, text=True,
+        return subprocess.run([sys.executable, "-m", "gpucleanup.outside.cli", *args], capture_output=True, text=True,
                               env=self.env, timeout=TIMEOUT)
 
     def close(self) -> None:

@@ -70,7 +70,7 @@ def ask(proc) -> float:
 def test_a_park_never_loses_the_process_and_a_resume_brings_its_state_back(scenario):
     module, setup, expression = SCENARIOS[scenario]
     require(module)
-    from gpucleanup import park
+    from gpucleanup.park import steps as park
 
     proc = subprocess.Popen([sys.executable, "-c", TARGET, setup, expression], text=True,
                             env=subprocess_env(CUDA_VISIBLE_DEVICES="0"), stdin=subprocess.PIPE,

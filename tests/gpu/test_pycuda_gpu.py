@@ -48,7 +48,7 @@ def test_a_pool_emptied_by_its_cell_holds_nothing_after_it_and_the_memory_is_bac
     require("pycuda")
     r = run_script(SHELL, '''
         run("%load_ext gpucleanup")
-        run("import pycuda.autoinit\\nimport pycuda.driver as drv\\nimport pycuda.gpuarray as gpuarray\\n"
+        run("import pycuda.autoinit\\nimport pycuda.driver as drv\\nimport pycuda.gpuarray\\n"
             "import pycuda.tools\\nimport numpy as np")
         run("pool = pycuda.tools.DeviceMemoryPool()")
         drv = shell.user_ns["drv"]
@@ -93,7 +93,7 @@ def test_a_pool_made_on_another_thread_is_named_and_left_alone():
     require("pycuda")
     r = run_script(SHELL, '''
         run("%load_ext gpucleanup")
-        run("import threading\\nimport pycuda.autoinit\\nimport pycuda.driver as drv\\nimport pycuda.gpuarray as gpuarray\\n"
+        run("import threading\\nimport pycuda.autoinit\\nimport pycuda.driver as drv\\nimport pycuda.gpuarray\\n"
             "import pycuda.tools\\nimport numpy as np\\nctx = pycuda.autoinit.context")
         lines, err = run(
             "box = {}\\n"
@@ -137,7 +137,7 @@ def test_a_pool_made_in_the_cell_that_imports_pycuda_is_drained():
         run("%load_ext gpucleanup")
         import gpucleanup.frameworks.pycuda as adapter_module
         watching = adapter_module._TRACKER.watching
-        lines, err = run("import pycuda.autoinit\\nimport pycuda.gpuarray as gpuarray\\nimport pycuda.tools\\n"
+        lines, err = run("import pycuda.autoinit\\nimport pycuda.gpuarray\\nimport pycuda.tools\\n"
                          "import numpy as np\\npool = pycuda.tools.DeviceMemoryPool()\\n"
                          "arrays = [gpuarray.GPUArray((64 << 20,), np.uint8, allocator=pool.allocate) for _ in range(4)]\\n"
                          "del arrays")

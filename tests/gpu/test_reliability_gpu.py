@@ -39,7 +39,7 @@ def _value(kc, expression: str):
 
 #: what the kernel's last record says GPU0 used after its cleanup, and how many records it keeps
 _LAST = "(lambda h: {'used': h[-1]['devices'][0]['used_after_bytes'], 'n': len(h)})(" \
-        "get_ipython().extension_manager.loaded and __import__('gpucleanup.extension', fromlist=['x'])" \
+        "get_ipython().extension_manager.loaded and __import__('gpucleanup.in_kernel.extension', fromlist=['x'])" \
         ".get_extension(get_ipython()).history.last())"
 
 

@@ -30,7 +30,8 @@ prometheus_parser = pytest.importorskip("prometheus_client.parser")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import server_harness  # noqa: E402  (tests/server_harness.py)
 
-from gpucleanup import kernels, status_client  # noqa: E402
+from gpucleanup.outside import kernels
+from gpucleanup.protocol import status_client  # noqa: E402
 
 #: the outside-every-pool figure is device-wide (the CUDA context, other processes), read at two moments
 OUTSIDE_TOLERANCE = 64 * MiB

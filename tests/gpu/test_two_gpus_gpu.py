@@ -96,7 +96,7 @@ def test_idle_cells_on_two_gpus_read_pytorchs_token_alone_and_a_tensor_deleted_o
     # PyTorch's quiet token covers every device in use: idle cells build no figures, and a tensor deleted on GPU1
     # (its bytes stay in torch's cache there, unseen by the driver) changes it; that cell frees GPU1 alone
     r = run_script(SHELL, '''
-        from gpucleanup import extension
+        from gpucleanup.in_kernel import extension
         from gpucleanup.frameworks import ADAPTERS
         adapter = next(a for a in ADAPTERS if a.name == "torch")
         reads, read_figures = [], type(adapter)._stats

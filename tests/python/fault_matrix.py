@@ -32,13 +32,12 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
+from support import GiB  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 NATIVE_SRC = ROOT / "native" / "src"
 ENTRY_POINTS_INC = NATIVE_SRC / "detail" / "entry_points.inc"
 
-GiB = 1 << 30
-MiB = 1 << 20
 
 #: The errors of the matrix, as cuda.h numbers them (test_fault_matrix checks them against cuda.h).
 ERRORS = (
@@ -179,7 +178,7 @@ def _counters(fake) -> dict:
 
 def run_cell(ip, fake, code: str) -> dict:
     """Runs one cell as a frontend does; what it printed, returned and raised, and the driver calls made."""
-    from gpucleanup import extension
+    from gpucleanup.in_kernel import extension
 
     before = _counters(fake)
     out, err = io.StringIO(), io.StringIO()
@@ -230,7 +229,7 @@ def run_case(ip, fake, case: dict, clear: Optional[Callable[[], None]] = None,
     ``settled``: wait (bounded) for the process's threads and descriptors to be as before the case;
     False for a warm-up, which leaves what is meant to last (the device's watchdog thread).
     """
-    from gpucleanup import extension
+    from gpucleanup.in_kernel import extension
 
     errors = dict(case.get("errors") or {})
     at = case.get("at", "cells")

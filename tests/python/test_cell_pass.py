@@ -1,5 +1,5 @@
 """The after-cell engine built with no IPython shell, on the real library over the fake CUDA driver:
-its stages over one :class:`~gpucleanup.after_cell.DeviceWork` per device, and the idle cell whose
+its stages over one :class:`~gpucleanup.engine.after_cell.DeviceWork` per device, and the idle cell whose
 cleanup is skipped because nothing changed since the last one (no record, no publish, no hand-off).
 """
 
@@ -19,11 +19,12 @@ import pytest
 import gpucleanup
 import gpucleanup._native
 import gpucleanup.frameworks
-import gpucleanup.status_endpoint
-from gpucleanup import after_cell, extension, report
+import gpucleanup.in_kernel.status_endpoint
+from gpucleanup.engine import after_cell
+from gpucleanup.in_kernel import extension
+from gpucleanup.records import report
+from support import GiB, MiB  # noqa: E402
 
-GiB = 1 << 30
-MiB = 1 << 20
 TOTAL = 80 * GiB
 
 
@@ -844,7 +845,7 @@ def test_an_idle_cell_publishes_nothing_and_prints_nothing(shell, fake_cuda, mon
     endpoint = Endpoint()
     monkeypatch.setattr(gpucleanup, "_native", Native())
     monkeypatch.setattr(gpucleanup.frameworks, "active", lambda: [cupy])
-    monkeypatch.setattr(gpucleanup.status_endpoint, "StatusEndpoint", lambda: endpoint)
+    monkeypatch.setattr(gpucleanup.in_kernel.status_endpoint, "StatusEndpoint", lambda: endpoint)
     shell.run_line_magic("load_ext", "gpucleanup")
     ext = extension.get_extension(shell)
     shell.run_cell("a = 1", store_history=True)
@@ -961,7 +962,7 @@ def test_no_park_begins_while_a_release_runs_on_its_thread_and_none_runs_while_a
     # deadline comes while a park is under way waits for the next cell.
     import threading
 
-    from gpucleanup.status_endpoint import StatusEndpoint
+    from gpucleanup.in_kernel.status_endpoint import StatusEndpoint
 
     runtime = tmp_path / "runtime"
     runtime.mkdir(mode=0o700)

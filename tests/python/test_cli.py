@@ -25,23 +25,17 @@ from pathlib import Path
 import pytest
 
 import gpucleanup
-from gpucleanup import _native, discovery, status_client
-from gpucleanup import cli as gpucleanup_cli
-from gpucleanup.status_endpoint import StatusEndpoint
+from gpucleanup import _native
+from gpucleanup.protocol import discovery, status_client
+from gpucleanup.outside import cli as gpucleanup_cli
+from gpucleanup.in_kernel.status_endpoint import StatusEndpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernel_harness import Kernel  # noqa: E402  (tests/kernel_harness.py)
+from support import cli  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = Path(os.environ.get("GPUCLEANUP_BUILD_DIR", ROOT / "build")).resolve()
-
-
-def cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "ipython_ext"), env.get("PYTHONPATH")]))
-    return subprocess.run(
-        [sys.executable, "-m", "gpucleanup.cli", *args], capture_output=True, text=True, env=env, timeout=timeout
-    )
 
 
 @pytest.fixture
@@ -488,7 +482,7 @@ def test_option_values_at_the_limits_are_accepted():
 def test_watch_prints_records_until_interrupted(kernel, runtime):
     env = dict(os.environ, PYTHONPATH=str(ROOT / "ipython_ext"))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gpucleanup.cli", "watch", "--json"],
+        [sys.executable, "-m", "gpucleanup.outside.cli", "watch", "--json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )
     try:
@@ -813,7 +807,7 @@ def test_exporter_on_a_port_in_use_cannot_run_here(runtime):
 
 
 def test_exporter_without_prometheus_client_cannot_run_here(runtime, monkeypatch, capsys):
-    from gpucleanup import cli as cli_module
+    from gpucleanup.outside import cli as cli_module
 
     monkeypatch.setitem(sys.modules, "prometheus_client", None)
     monkeypatch.setitem(sys.modules, "prometheus_client.core", None)
@@ -830,7 +824,7 @@ def test_a_drain_of_a_stopped_kernel_says_so_within_timeout_not_timeout_plus_the
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "ipython_ext"), env.get("PYTHONPATH")]))
     stopped = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
         import sys, types
-        from gpucleanup.status_endpoint import StatusEndpoint
+        from gpucleanup.in_kernel.status_endpoint import StatusEndpoint
         ep = StatusEndpoint()
         ep.start(types.SimpleNamespace(user_ns={}))
         assert ep.error is None, ep.error

@@ -9,8 +9,8 @@ from traitlets.config import Config
 import gpucleanup
 import gpucleanup._native
 import gpucleanup.frameworks
-import gpucleanup.status_endpoint
-from gpucleanup import config, extension
+import gpucleanup.in_kernel.status_endpoint
+from gpucleanup.in_kernel import config, extension
 from test_extension import StandInEndpoint, StandInNative, shell  # noqa: F401  (fixture)
 
 
@@ -19,7 +19,7 @@ def stand_in(monkeypatch):
     native = StandInNative()
     monkeypatch.setattr(gpucleanup, "_native", native)
     monkeypatch.setattr(gpucleanup.frameworks, "active", lambda: [])
-    monkeypatch.setattr(gpucleanup.status_endpoint, "StatusEndpoint", lambda: StandInEndpoint())
+    monkeypatch.setattr(gpucleanup.in_kernel.status_endpoint, "StatusEndpoint", lambda: StandInEndpoint())
     return native
 
 

@@ -20,10 +20,10 @@ dask = pytest.importorskip("dask")
 from IPython.core.error import UsageError  # noqa: E402
 from IPython.utils.capture import capture_output  # noqa: E402
 
-import gpucleanup.dask as gdask  # noqa: E402
+import gpucleanup.dask.plugin as gdask  # noqa: E402
 import gpucleanup.frameworks  # noqa: E402
-import gpucleanup.status_endpoint  # noqa: E402
-from gpucleanup import report  # noqa: E402
+import gpucleanup.in_kernel.status_endpoint  # noqa: E402
+from gpucleanup.records import report  # noqa: E402
 from test_extension import GiB, StandInEndpoint, shell  # noqa: E402,F401
 
 # the functions below run in the workers: pickled by value (the workers cannot import this file)
@@ -240,7 +240,7 @@ def test_bad_plugin_options_are_refused_with_what_to_pass():
 
 def test_gpumem_dask_in_a_kernel_registers_shows_and_drains_the_workers(shell, client, monkeypatch):  # noqa: F811
     monkeypatch.setattr(gpucleanup.frameworks, "active", lambda: [])
-    monkeypatch.setattr(gpucleanup.status_endpoint, "StatusEndpoint", lambda: StandInEndpoint())
+    monkeypatch.setattr(gpucleanup.in_kernel.status_endpoint, "StatusEndpoint", lambda: StandInEndpoint())
     shell.run_line_magic("load_ext", "gpucleanup")
     with capture_output() as cap:
         shell.run_line_magic("gpumem", "--dask on")
@@ -261,7 +261,7 @@ def test_gpumem_dask_in_a_kernel_registers_shows_and_drains_the_workers(shell, c
 
 def test_gpumem_dask_without_a_client_says_how_to_make_one(shell, monkeypatch):  # noqa: F811
     monkeypatch.setattr(gpucleanup.frameworks, "active", lambda: [])
-    monkeypatch.setattr(gpucleanup.status_endpoint, "StatusEndpoint", lambda: StandInEndpoint())
+    monkeypatch.setattr(gpucleanup.in_kernel.status_endpoint, "StatusEndpoint", lambda: StandInEndpoint())
     shell.run_line_magic("load_ext", "gpucleanup")
     with pytest.raises(UsageError, match="this kernel has no Dask client: create one first"):
         shell.run_line_magic("gpumem", "--dask")
@@ -272,7 +272,7 @@ def test_gpumem_dask_without_dask_installed_names_the_extra_to_install(shell, mo
     import sys
 
     monkeypatch.setattr(gpucleanup.frameworks, "active", lambda: [])
-    monkeypatch.setattr(gpucleanup.status_endpoint, "StatusEndpoint", lambda: StandInEndpoint())
+    monkeypatch.setattr(gpucleanup.in_kernel.status_endpoint, "StatusEndpoint", lambda: StandInEndpoint())
     shell.run_line_magic("load_ext", "gpucleanup")
     monkeypatch.delitem(sys.modules, "distributed", raising=False)
     real = importlib.util.find_spec

@@ -30,8 +30,9 @@ from pathlib import Path
 
 import pytest
 
-from gpucleanup import cli as cli_module, discovery
-from gpucleanup.status_endpoint import StatusEndpoint
+from gpucleanup.outside import cli as cli_module; from gpucleanup.protocol import discovery
+from gpucleanup.in_kernel.status_endpoint import StatusEndpoint
+import support  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 GUARD = 120  # seconds: far more than any run needs; only there to turn a hang into a failure
@@ -54,8 +55,7 @@ def _env() -> dict:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gpucleanup.cli", *args], capture_output=True, text=True,
-                          env=_env(), timeout=GUARD)
+    return support.cli(*args, env=_env(), timeout=GUARD)
 
 
 @pytest.fixture
@@ -352,7 +352,7 @@ def test_recorded_other_namespace_is_shown_elsewhere_and_kept(kernel, runtime):
 INNER_KERNEL = r"""
 import os, socket, sys
 from pathlib import Path
-from gpucleanup import discovery
+from gpucleanup.protocol import discovery
 
 runtime = Path(os.environ["JUPYTER_RUNTIME_DIR"])
 pid = os.getpid()
@@ -457,7 +457,7 @@ def test_a_kernel_started_without_proc_is_elsewhere_and_its_files_stay(kernel, r
 
 
 def test_ps_without_proc_leaves_this_kernel_alone(kernel, runtime):
-    result = subprocess.run([*unshare_without_proc(), sys.executable, "-m", "gpucleanup.cli", "ps", "--json"],
+    result = subprocess.run([*unshare_without_proc(), sys.executable, "-m", "gpucleanup.outside.cli", "ps", "--json"],
                             capture_output=True, text=True, env=_env(), timeout=GUARD)
     assert result.returncode == 0, result.stderr
     (entry,) = json.loads(result.stdout)
@@ -472,7 +472,7 @@ def test_ps_without_proc_leaves_this_kernel_alone(kernel, runtime):
 
 def test_ps_in_another_pid_namespace_leaves_this_kernel_alone(kernel, runtime):
     result = subprocess.run(
-        [*unshare(), sys.executable, "-m", "gpucleanup.cli", "ps", "--json"],
+        [*unshare(), sys.executable, "-m", "gpucleanup.outside.cli", "ps", "--json"],
         capture_output=True, text=True, env=_env(), timeout=GUARD,
     )
     assert result.returncode == 0, result.stderr
@@ -841,7 +841,7 @@ def test_ensure_private_dir_narrows_a_real_directory_and_refuses_a_file(runtime)
 
 
 def test_a_cells_running_and_idle_go_in_one_call_that_answers_the_park_state(kernel):
-    from gpucleanup import status_client
+    from gpucleanup.protocol import status_client
 
     info = json.loads(kernel.discovery_path.read_text())
     target = status_client.Target(info["endpoint"], Path(info["key_file"]).read_bytes())
@@ -866,7 +866,7 @@ def test_a_cells_running_and_idle_go_in_one_call_that_answers_the_park_state(ker
 
 
 def test_a_library_older_than_the_one_call_gets_the_two_calls_it_stands_for(kernel, monkeypatch):
-    from gpucleanup import _native, status_client
+    from gpucleanup import _native; from gpucleanup.protocol import status_client
 
     info = json.loads(kernel.discovery_path.read_text())
     target = status_client.Target(info["endpoint"], Path(info["key_file"]).read_bytes())
@@ -917,7 +917,7 @@ def test_the_kernels_own_background_work_and_a_park_keep_out_of_each_others_way(
 
 
 def test_the_status_server_takes_the_per_cell_states_without_json(kernel):
-    from gpucleanup import _native, status_client
+    from gpucleanup import _native; from gpucleanup.protocol import status_client
 
     info = json.loads(kernel.discovery_path.read_text())
     target = status_client.Target(info["endpoint"], Path(info["key_file"]).read_bytes())
@@ -987,7 +987,7 @@ def test_a_notebook_is_named_relative_to_its_servers_root_everywhere(tmp_path, n
         env = dict(_env(), JUPYTER_RUNTIME_DIR=str(srv.runtime))
 
         def run(*args):
-            done = subprocess.run([sys.executable, "-m", "gpucleanup.cli", *args], capture_output=True, text=True,
+            done = subprocess.run([sys.executable, "-m", "gpucleanup.outside.cli", *args], capture_output=True, text=True,
                                   env=env, timeout=GUARD)
             assert done.returncode == 0, done.stderr
             return done.stdout
@@ -1025,7 +1025,7 @@ def test_a_notebook_is_named_relative_to_its_servers_root_everywhere(tmp_path, n
 
 
 def test_display_form_is_relative_only_under_the_root():
-    from gpucleanup.notebook_path import display_form
+    from gpucleanup.protocol.notebook_path import display_form
 
     assert display_form("/srv/root/a/b.ipynb", "/srv/root") == ("a/b.ipynb", "/srv/root")
     assert display_form("/srv/root/../other/b.ipynb", "/srv/root") == ("/srv/root/../other/b.ipynb", None)
@@ -1038,7 +1038,7 @@ def test_display_form_is_relative_only_under_the_root():
 
 def test_a_server_file_of_another_pid_root_or_machine_is_not_taken(tmp_path, sleepers):
     # this process stands for the Jupyter Server, a child of it for the kernel
-    from gpucleanup import notebook_path
+    from gpucleanup.protocol import notebook_path
 
     runtime = tmp_path / "runtime"
     runtime.mkdir(mode=0o700)

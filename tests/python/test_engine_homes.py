@@ -1,25 +1,20 @@
 """The engine's parts, each alone: the background releases (``Releases``), the idle proof (``QuietCheck``), the
 figures since the last pass (``SinceLastPass``) and the face that renders what the engine decides
-(``report.CellVoice``); and the layering the split keeps (the engine imports nothing of the report)."""
+(``report.CellVoice``). The layering the split keeps is tests/python/test_structure.py's."""
 
 from __future__ import annotations
 
-import ast
 import collections
-import pathlib
 import threading
 
-import pytest
-
-from gpucleanup import after_cell, report
-from gpucleanup.figures import FrameworkFigures, Held, outside_every_pool
-from gpucleanup.releases import Release, Releases
-from gpucleanup.settings import Settings
+from gpucleanup.engine import after_cell
+from gpucleanup.records import report
+from gpucleanup.engine.figures import FrameworkFigures, Held, outside_every_pool
+from gpucleanup.engine.releases import Release, Releases
+from gpucleanup.engine.settings import Settings
 from test_cell_pass import TOTAL, Native, _device  # noqa: F401  (the real library, its calls counted)
+from support import GiB, MiB  # noqa: E402
 
-GiB = 1 << 30
-MiB = 1 << 20
-PACKAGE = pathlib.Path(after_cell.__file__).parent
 
 
 def _engine(*adapters):
@@ -205,23 +200,6 @@ def test_the_progress_line_is_rewritten_in_place_and_closed():
     voice.progress_end()
     assert written == ["gpucleanup · waiting for GPU0 to finish queued work … 2 s",
                        "\rgpucleanup · waiting for GPU0 to finish queued work … 3 s", "\n"]
-
-
-ENGINE = ("after_cell", "cell_pass", "figures", "quiet_check", "releases", "settings", "since_last_pass")
-
-
-@pytest.mark.parametrize("module", ENGINE)
-def test_the_engine_imports_nothing_of_the_report_or_of_ipython(module):
-    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
-    imported = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom):
-            imported.add(("." * node.level) + (node.module or ""))
-            imported.update(f"{'.' * node.level}{node.module or ''}.{a.name}" for a in node.names)
-        elif isinstance(node, ast.Import):
-            imported.update(a.name for a in node.names)
-    assert not any(name.startswith((".report", "..report", "IPython", ".extension", ".say")) or name == "."
-                   or name.endswith(".report") for name in imported), imported
 
 
 def test_the_facade_holds_its_parts_and_nothing_else():

@@ -37,19 +37,19 @@ import pytest
 from conftest import BUILD, FAKE_CUDA
 import gpucleanup
 import gpucleanup.frameworks
-import gpucleanup.status_endpoint
-from gpucleanup import discovery, extension, status_client
-from gpucleanup.cell_pass import CellPass
+import gpucleanup.in_kernel.status_endpoint
+from gpucleanup.protocol import discovery; from gpucleanup.in_kernel import extension; from gpucleanup.protocol import status_client
+from gpucleanup.engine.cell_pass import CellPass
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernel_harness import Kernel, output  # noqa: E402  (tests/kernel_harness.py)
+from support import GiB  # noqa: E402
 
 jupyter_client = pytest.importorskip("jupyter_client")
 pytest.importorskip("ipykernel")
 
 ROOT = Path(__file__).resolve().parents[2]
 LIBRARY = BUILD / "native" / "libgpucleanup.so"
-GiB = 1 << 30
 SCENARIO = {"devices": [{"name": "Fake H100", "primary_active": True}]}
 
 SETTLE_S = 30  # the settle limit of the kernels below
@@ -561,7 +561,7 @@ def shell(runtime, fake_cuda, monkeypatch):
 def _gpu0() -> str:
     """GPU0 as the lines name it. The native library keeps the first name it read for the process's
     life (a real GPU does not change its name): an earlier test in this process may have set it."""
-    from gpucleanup import _native, report
+    from gpucleanup import _native; from gpucleanup.records import report
 
     return "GPU0 " + report.short_device_name(_native.snapshot()["devices"][0]["name"])
 

@@ -1,5 +1,5 @@
 """A Prometheus that runs as a user of its own, with a copy of the exporter's token, is answered while a
-third user floods the exporter with connections (gpucleanup.exporter's gate).
+third user floods the exporter with connections (gpucleanup.outside.exporter's gate).
 
 Three users as on a shared machine: the exporter's owner (this process, root), the scraper (uid 2) and
 the neighbour (uid 3), each process started with ``setpriv --reuid --regid --clear-groups`` (numeric
@@ -22,8 +22,8 @@ import pytest
 
 pytest.importorskip("prometheus_client")
 
-from gpucleanup import exporter as exporters  # noqa: E402
-from gpucleanup.status_endpoint import StatusEndpoint  # noqa: E402
+from gpucleanup.outside import exporter as exporters  # noqa: E402
+from gpucleanup.in_kernel.status_endpoint import StatusEndpoint  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
                                 reason="processes of other users need root and setpriv")

@@ -1,4 +1,4 @@
-"""The exporter's token file (gpucleanup.exporter): it never changes the mode of a directory it did not
+"""The exporter's token file (gpucleanup.outside.exporter): it never changes the mode of a directory it did not
 make, and refuses a token file in a directory that others than the user and root may change."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("prometheus_client")
 
-from gpucleanup import exporter as exporters  # noqa: E402
+from gpucleanup.outside import exporter as exporters  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 

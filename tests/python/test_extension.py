@@ -3,7 +3,7 @@
 The native module is the real libgpucleanup over the fake CUDA driver (conftest.fake_cuda), whose devices the
 tests script (fixture ``gpu``); the framework adapters are small scripted stand-ins (``StandInAdapter``) that move
 memory on the fake driver as they free it, and the status endpoint a recording one. Both are what the extension
-finds when it loads (``gpucleanup.frameworks.active``, ``gpucleanup.status_endpoint.StatusEndpoint``).
+finds when it loads (``gpucleanup.frameworks.active``, ``gpucleanup.in_kernel.status_endpoint.StatusEndpoint``).
 A few tests keep a stand-in native module (fixture ``stand_in``): no driver at all, and progress reports that
 the library sends only after seconds of real waiting.
 """
@@ -25,10 +25,9 @@ import uuid
 
 import pytest
 
-from gpucleanup import after_cell, extension
+from gpucleanup.engine import after_cell; from gpucleanup.in_kernel import extension
+from support import GiB, MiB  # noqa: E402
 
-GiB = 1 << 30
-MiB = 1 << 20
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -344,13 +343,13 @@ class NativeCalls:
 
 def _inject(monkeypatch, adapters=(), endpoint=None):
     """What the extension finds when it loads: these framework adapters (gpucleanup.frameworks.active) and this
-    status endpoint (gpucleanup.status_endpoint.StatusEndpoint, a factory); the native module is the real one."""
+    status endpoint (gpucleanup.in_kernel.status_endpoint.StatusEndpoint, a factory); the native module is the real one."""
     import gpucleanup.frameworks
-    import gpucleanup.status_endpoint
+    import gpucleanup.in_kernel.status_endpoint
 
     monkeypatch.setattr(gpucleanup.frameworks, "active", lambda: list(adapters))
     if endpoint is not None:
-        monkeypatch.setattr(gpucleanup.status_endpoint, "StatusEndpoint", endpoint)
+        monkeypatch.setattr(gpucleanup.in_kernel.status_endpoint, "StatusEndpoint", endpoint)
 
 
 # ------------------------------------------------------------------ fixtures
@@ -1099,7 +1098,7 @@ def test_status_endpoint_failures_never_reach_the_cell(shell, gpu, capsys):
 
 
 def test_status_endpoint_module_absent_is_skipped_silently(shell, gpu, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "gpucleanup.status_endpoint", None)  # import raises ModuleNotFoundError
+    monkeypatch.setitem(sys.modules, "gpucleanup.in_kernel.status_endpoint", None)  # import raises ModuleNotFoundError
     shell.run_line_magic("load_ext", "gpucleanup")
     assert _ext(shell)._endpoint is None
     assert capsys.readouterr().out == ""
@@ -1138,7 +1137,7 @@ def real(monkeypatch):
 def _fake_name(index=0):
     """The device name as the native library reports it: it keeps the first name it read for the
     process's life (a real GPU does not change its name), so an earlier test's scenario may have set it."""
-    from gpucleanup import _native, report
+    from gpucleanup import _native; from gpucleanup.records import report
 
     return report.short_device_name(_native.snapshot()["devices"][index]["name"])
 
@@ -1485,14 +1484,14 @@ def test_every_kept_record_matches_its_schema(shell, gpu, schemas, capsys):
     published = [e[1] for e in gpu.endpoint.events if e[0] == "publish"]
     for record in published:
         schemas["cell_record.schema.json"].validate(record)
-    # the published copy is the kept record plus the cumulative totals (gpucleanup.totals)
+    # the published copy is the kept record plus the cumulative totals (gpucleanup.records.totals)
     assert [{k: v for k, v in p.items() if k != "totals"} for p in published] == records[-len(published):]
 
 
 def test_the_engine_imports_nothing_from_ipython():
     import subprocess as sp
 
-    code = ("import sys, gpucleanup.after_cell, gpucleanup.record, gpucleanup.frameworks; "
+    code = ("import sys, gpucleanup.engine.after_cell, gpucleanup.records.record, gpucleanup.frameworks; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('IPython', 'traitlets', 'ipykernel')))")
     done = sp.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                   env=dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "ipython_ext"), os.environ.get("PYTHONPATH", "")])))
@@ -1778,7 +1777,7 @@ def test_memory_outside_every_pool_that_grows_in_a_cell_is_said_with_the_cell(sh
 
 def test_a_pending_clear_is_followed_on_a_publisher_whose_clear_output_sends_without_its_hooks():
     # ipykernel before 6.29 sends clear_output straight to the socket; its display messages still pass the hooks
-    from gpucleanup.pending_clear import PendingClear
+    from gpucleanup.in_kernel.pending_clear import PendingClear
 
     class OldPublisher:
         def __init__(self):

@@ -39,7 +39,8 @@ from conftest import BUILD, FAKE_CUDA, FakeCuda
 pytest_plugins = ["fault_matrix"]
 
 import gpucleanup  # noqa: E402
-from gpucleanup import after_cell, frameworks  # noqa: E402
+from gpucleanup.engine import after_cell
+from gpucleanup import frameworks  # noqa: E402
 
 ENTRY_POINTS = fm.called_entry_points()
 ERROR_NAMES = [name for name, _ in fm.ERRORS]
@@ -260,12 +261,12 @@ def matrix_shell():
 
     import gpucleanup._native
     import gpucleanup.frameworks
-    import gpucleanup.status_endpoint
+    import gpucleanup.in_kernel.status_endpoint
 
     # the real parts, as the extension looks them up at load: no stand-in left behind by another test
     assert gpucleanup._native.__name__ == "gpucleanup._native"
     assert gpucleanup.frameworks.active.__module__ == "gpucleanup.frameworks"
-    assert gpucleanup.status_endpoint.StatusEndpoint.__module__ == "gpucleanup.status_endpoint"
+    assert gpucleanup.in_kernel.status_endpoint.StatusEndpoint.__module__ == "gpucleanup.in_kernel.status_endpoint"
     ip = InteractiveShell.instance()
     ip.extension_manager.unload_extension("gpucleanup")
     saved = ip.config.pop("GPUCleanup", None)

@@ -16,11 +16,10 @@ import pytest
 import gpucleanup
 import gpucleanup._native  # noqa: F401  (the package attribute a stand-in replaces)
 import gpucleanup.frameworks
-import gpucleanup.status_endpoint
-from gpucleanup import after_cell, extension, report
+import gpucleanup.in_kernel.status_endpoint
+from gpucleanup.engine import after_cell; from gpucleanup.in_kernel import extension; from gpucleanup.records import report
+from support import GiB, MiB  # noqa: E402
 
-GiB = 1 << 30
-MiB = 1 << 20
 TOTAL = 80 * GiB
 
 
@@ -29,7 +28,7 @@ def _lines(lines):
 
 
 def _name():
-    from gpucleanup import _native, report
+    from gpucleanup import _native; from gpucleanup.records import report
 
     return report.short_device_name(_native.snapshot()["devices"][0]["name"])
 
@@ -207,7 +206,7 @@ def test_out_n_is_named_on_the_first_gpu_cell(shell, fake_cuda, monkeypatch, cap
     cupy = Framework("cupy")
     monkeypatch.setattr(gpucleanup, "_native", _native)
     monkeypatch.setattr(gpucleanup.frameworks, "active", lambda: [cupy])
-    monkeypatch.setattr(gpucleanup.status_endpoint, "StatusEndpoint", lambda: Endpoint())
+    monkeypatch.setattr(gpucleanup.in_kernel.status_endpoint, "StatusEndpoint", lambda: Endpoint())
     shell.run_line_magic("load_ext", "gpucleanup")
     shell.run_cell("x = 1", store_history=True)
     capsys.readouterr()
@@ -267,7 +266,7 @@ def test_a_pool_that_cannot_be_freed_is_reserved_never_cached_and_its_fix_said_o
 
 
 def test_gpumem_shows_a_pool_that_cannot_be_freed_in_its_own_column(fake_cuda, monkeypatch):
-    from gpucleanup import report
+    from gpucleanup.records import report
 
     fake_cuda.reset({"devices": [{"total_bytes": TOTAL, "primary_active": True,
                                   "free_bytes": TOTAL - 60 * GiB - 500 * MiB}]})
@@ -284,7 +283,7 @@ def test_gpumem_shows_a_pool_that_cannot_be_freed_in_its_own_column(fake_cuda, m
 
 
 def test_gpumem_names_a_context_no_array_uses(fake_cuda):
-    from gpucleanup import report
+    from gpucleanup.records import report
 
     fake_cuda.reset({"devices": [{"total_bytes": TOTAL, "primary_active": True, "free_bytes": TOTAL - GiB},
                                  {"total_bytes": TOTAL, "primary_active": True,
@@ -320,7 +319,7 @@ def _loaded(shell, fake_cuda, monkeypatch):
                                   "free_bytes": TOTAL - GiB}]})
     monkeypatch.setattr(gpucleanup, "_native", _native)
     monkeypatch.setattr(gpucleanup.frameworks, "active", lambda: [])
-    monkeypatch.setattr(gpucleanup.status_endpoint, "StatusEndpoint", lambda: Endpoint())
+    monkeypatch.setattr(gpucleanup.in_kernel.status_endpoint, "StatusEndpoint", lambda: Endpoint())
     shell.run_line_magic("load_ext", "gpucleanup")
     shell.run_line_magic("config", "GPUCleanup.show = 'always'")
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from gpucleanup import discovery
+from gpucleanup.protocol import discovery
 
 ROOT = Path(__file__).resolve().parents[2]
 USER = 4242
@@ -158,7 +158,7 @@ def test_roots_ps_never_connects_to_a_port_a_users_record_names_for_its_sleep(tm
         env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(runtime),
                    PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "ipython_ext"), os.environ.get("PYTHONPATH")])))
         for argv in (("ps", "--json"), ("drain", str(sleeper.pid), "--timeout", "2")):
-            run = subprocess.run([sys.executable, "-m", "gpucleanup.cli", *argv], capture_output=True, text=True,
+            run = subprocess.run([sys.executable, "-m", "gpucleanup.outside.cli", *argv], capture_output=True, text=True,
                                  env=env, timeout=GUARD)
             assert f"skipped {path}: its endpoint 'tcp://127.0.0.1:{port}' is not a socket of process" in run.stderr
         with pytest.raises(BlockingIOError):

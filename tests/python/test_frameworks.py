@@ -18,9 +18,8 @@ from stand_ins import (World, install_cupy, install_jax, install_numba, install_
                        install_torch)
 from stand_ins.cupy import MemoryAsyncPool, PlanCache
 from stand_ins.numba import Context
+from support import GiB, MiB  # noqa: E402
 
-MiB = 1 << 20
-GiB = 1 << 30
 FRAMEWORK_MODULES = ("cupy", "torch", "numba", "numba.cuda", "numba.cuda.cudadrv.devices", "jax",
                      "jax._src.xla_bridge", "rmm", "tensorflow", "tensorflow.python.eager.context",
                      "cupy.fft._cache")

@@ -16,12 +16,12 @@ import pytest
 prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from gpucleanup import exporter as exporters  # noqa: E402
-from gpucleanup.status_endpoint import StatusEndpoint  # noqa: E402
-from gpucleanup.totals import Totals  # noqa: E402
+from gpucleanup.outside import exporter as exporters  # noqa: E402
+from gpucleanup.in_kernel.status_endpoint import StatusEndpoint  # noqa: E402
+from gpucleanup.records.totals import Totals  # noqa: E402
+from support import GiB  # noqa: E402
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "share" / "grafana" / "gpucleanup.json"
-GiB = 1 << 30
 
 #: PromQL's functions and aggregations the dashboard may use, and its keywords
 FUNCTIONS = {"sum", "max", "min", "avg", "count", "topk", "bottomk", "increase", "rate", "irate", "delta",

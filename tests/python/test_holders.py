@@ -11,7 +11,7 @@ import pytest
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
-from gpucleanup import extension, holders
+from gpucleanup.in_kernel import extension, holders
 from test_extension import MiB, _lines, shell  # noqa: F401
 from test_magics import _Device, _fake_cupy_ndarray, stand_in  # noqa: F401
 

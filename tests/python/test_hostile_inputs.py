@@ -44,17 +44,18 @@ from conftest import BUILD, FAKE_CUDA
 import gpucleanup
 import gpucleanup._native  # noqa: F401  (the package attribute a stand-in replaces)
 import gpucleanup.frameworks
-import gpucleanup.status_endpoint
-from gpucleanup import config, extension, magics, status_client
-from gpucleanup.status_endpoint import StatusEndpoint
+import gpucleanup.in_kernel.status_endpoint
+from gpucleanup.in_kernel import config, extension, magics
+from gpucleanup.protocol import status_client
+from gpucleanup.in_kernel.status_endpoint import StatusEndpoint
 from test_extension import StandInEndpoint, shell  # noqa: F401  (fixture)
+from support import GiB  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "ipython_ext" / "gpucleanup"
 LIBRARY = Path(os.environ.get("GPUCLEANUP_LIBRARY") or BUILD / "native" / "libgpucleanup.so")
 FAKE_CUPTI = BUILD / "tests" / "fake_cupti" / "libcupti.so"
 NOBODY = 65534
-GiB = 1 << 30
 SCENARIO = {"devices": [{"name": "Fake H100", "primary_active": True}]}
 # A bound that only a hang reaches: never a measure of speed.
 HANG_S = 60
@@ -108,7 +109,7 @@ def loaded(shell, fake_cuda, monkeypatch):  # noqa: F811
     """gpucleanup loaded against the fake driver (GPU0 in use), one cell's record kept, a few variables."""
     fake_cuda.reset(SCENARIO)
     monkeypatch.setattr(gpucleanup.frameworks, "active", lambda: [])
-    monkeypatch.setattr(gpucleanup.status_endpoint, "StatusEndpoint", lambda: StandInEndpoint())
+    monkeypatch.setattr(gpucleanup.in_kernel.status_endpoint, "StatusEndpoint", lambda: StandInEndpoint())
     shell.run_line_magic("load_ext", "gpucleanup")
     with capture_output():
         shell.run_cell("weights = [1.0, 2.0]\nzero = 0\nnothing = None\nname = 'model'", store_history=True)
@@ -297,7 +298,7 @@ def stand_in_loaded(shell, monkeypatch):  # noqa: F811
 
     monkeypatch.setattr(gpucleanup, "_native", StandInNative())
     monkeypatch.setattr(gpucleanup.frameworks, "active", lambda: [])
-    monkeypatch.setattr(gpucleanup.status_endpoint, "StatusEndpoint", lambda: StandInEndpoint())
+    monkeypatch.setattr(gpucleanup.in_kernel.status_endpoint, "StatusEndpoint", lambda: StandInEndpoint())
     return shell
 
 
@@ -363,7 +364,7 @@ def test_a_profile_config_file_full_of_wrong_values_loads_with_the_defaults(tmp_
     runtime.mkdir(mode=0o700)
     done = subprocess.run(
         [sys.executable, "-m", "IPython", "--no-banner", "--colors=nocolor", "-c",
-         "from gpucleanup import extension\next = extension.get_extension(get_ipython())\n"
+         "from gpucleanup.in_kernel import extension\next = extension.get_extension(get_ipython())\n"
          "print(sorted(n for n in ext.trait_names(config=True) if getattr(ext, n) != ext.trait_defaults(n)))\n"
          "print(6 * 7)"],
         env=_child_env(IPYTHONDIR=str(tmp_path / "ipython"), JUPYTER_RUNTIME_DIR=str(runtime), HOME=str(tmp_path)),
@@ -419,7 +420,7 @@ _SWEEP = r"""
 import json, os, sys, traceback
 from IPython.core.interactiveshell import InteractiveShell
 from traitlets.config import Config
-import gpucleanup, gpucleanup.extension, gpucleanup.status_endpoint, gpucleanup.cli, jupyter_core.paths
+import gpucleanup, gpucleanup.in_kernel.extension, gpucleanup.in_kernel.status_endpoint, gpucleanup.outside.cli, jupyter_core.paths
 
 work, cases = sys.argv[1], json.loads(sys.argv[2])
 config = Config()
@@ -431,7 +432,7 @@ values = {"empty": b"", "nan": b"nan", "long": b"x" * 5000, "junk": bytes(b for 
 os.mkfifo(os.path.join(work, "fifo"))
 os.mkdir(os.path.join(work, "dir"))
 CELLS = ["%load_ext gpucleanup", "x = 6 * 7\nx", "d = %gpumem --json\ntype(d).__name__", "%gpumem --trace on",
-         "%gpumem --trace off", "from gpucleanup import cli\ncli.colour_wanted()",
+         "%gpumem --trace off", "from gpucleanup.outside import cli\ncli.colour_wanted()",
          "from gpucleanup.frameworks import jax as j, tensorflow as t\n(j._platform_allocator(), t._async_allocator())",
          "x + 1", "%unload_ext gpucleanup", "x + 2"]
 running = {}
@@ -628,7 +629,7 @@ PLANTS = {
 }
 
 
-#: the random part of this process's instance in these tests (gpucleanup.discovery.new_instance)
+#: the random part of this process's instance in these tests (gpucleanup.protocol.discovery.new_instance)
 PLANTED_ID = "5eed5eed"
 
 
@@ -668,7 +669,7 @@ def test_a_planted_name_is_never_written_through_and_the_cells_work(shell, fake_
     (outside / "victim.txt").write_text("precious\n")
     (outside / "planted.txt").write_text("planted\n")
     _plant(runtime, outside, where, what)
-    monkeypatch.setattr(gpucleanup.discovery, "new_instance", lambda pid=None: f"{os.getpid()}-{PLANTED_ID}")
+    monkeypatch.setattr(gpucleanup.protocol.discovery, "new_instance", lambda pid=None: f"{os.getpid()}-{PLANTED_ID}")
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(runtime))
     monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
     monkeypatch.setattr(gpucleanup.frameworks, "active", lambda: [])
@@ -718,8 +719,8 @@ _KERNEL = r"""
 import json, os, resource, signal, sys, secrets, tempfile, shutil, logging
 from IPython.core.interactiveshell import InteractiveShell
 from traitlets.config import Config
-import gpucleanup, gpucleanup.extension, gpucleanup.status_endpoint, gpucleanup.discovery, gpucleanup._native
-import gpucleanup.frameworks, gpucleanup.after_cell, gpucleanup.tracing, gpucleanup.history, gpucleanup.holders
+import gpucleanup, gpucleanup.in_kernel.extension, gpucleanup.in_kernel.status_endpoint, gpucleanup.protocol.discovery, gpucleanup._native
+import gpucleanup.frameworks, gpucleanup.engine.after_cell, gpucleanup.in_kernel.tracing, gpucleanup.records.history, gpucleanup.in_kernel.holders
 import jupyter_core.paths
 config = Config()
 config.HistoryManager.hist_file = ":memory:"
@@ -741,7 +742,7 @@ for code in ("%load_ext gpucleanup", "x = 6 * 7\nx", "x + 1"):
     r = ip.run_cell(code, store_history=True)
     out.append([repr(r.result), None if r.success else repr(r.error_in_exec)])
 if mode == "fills-later":
-    ext = gpucleanup.extension.get_extension(ip)
+    ext = gpucleanup.in_kernel.extension.get_extension(ip)
     path = ext._endpoint.discovery_path
     first = open(path, "rb").read()
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -819,7 +820,7 @@ def test_a_relative_runtime_directory_is_refused_before_anything_is_made(tmp_pat
 _AS_NOBODY = """
 import errno, hashlib, hmac, io, json, os, socket, sys, time, uuid, contextlib
 import zmq
-import gpucleanup, gpucleanup.cli, gpucleanup.kernels, gpucleanup.discovery, gpucleanup.status_client, gpucleanup.report
+import gpucleanup, gpucleanup.outside.cli, gpucleanup.outside.kernels, gpucleanup.protocol.discovery, gpucleanup.protocol.status_client, gpucleanup.records.report
 import jupyter_core.paths
 import argparse, concurrent.futures, shutil, textwrap, locale, encodings.idna, urllib.request, urllib.error
 os.setgroups([]); os.setgid(65534); os.setuid(65534)
@@ -843,7 +844,7 @@ def cli(*argv):
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            code = gpucleanup.cli.main(list(argv))
+            code = gpucleanup.outside.cli.main(list(argv))
         except SystemExit as exc:
             code = exc.code
     return {"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
@@ -1076,10 +1077,10 @@ def test_another_user_on_tcp_is_refused_every_request_and_learns_nothing(victim_
 @needs_root
 @pytest.mark.parametrize("victim_kernel", ["ipc"], indirect=True)
 def test_another_user_scraping_the_exporter_gets_no_figure_and_no_notebook(victim_kernel):
-    from gpucleanup import metrics
+    from gpucleanup.outside import exporter as exporter_mod
 
     k = victim_kernel
-    exporter = metrics.start_exporter(0, runtime_dir=k.runtime, timeout=5.0)
+    exporter = exporter_mod.start_exporter(0, runtime_dir=k.runtime, timeout=5.0)
     try:
         found = _as_nobody(
             f"""
@@ -1169,7 +1170,7 @@ sys.stdin.read()
 @needs_root
 @pytest.mark.parametrize("victim_kernel", ["ipc"], indirect=True)
 def test_idle_connections_of_another_user_cannot_lock_the_owner_out_of_the_exporter(victim_kernel, monkeypatch):
-    from gpucleanup import exporter as exporters
+    from gpucleanup.outside import exporter as exporters
 
     k = victim_kernel
     monkeypatch.setattr(exporters, "REQUEST_DEADLINE_S", 600.0)  # the other user's connections stay as long as it likes
@@ -1198,7 +1199,7 @@ def test_idle_connections_of_another_user_cannot_lock_the_owner_out_of_the_expor
 def test_the_exporter_closes_a_connection_that_sends_nothing(tmp_path, monkeypatch):
     import socket
 
-    from gpucleanup import exporter as exporters
+    from gpucleanup.outside import exporter as exporters
 
     runtime = tmp_path / "runtime"
     runtime.mkdir(mode=0o700)

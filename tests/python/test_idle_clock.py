@@ -18,7 +18,7 @@ import prometheus_client
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpucleanup import metrics
+from gpucleanup.outside import metrics
 from test_park_kernel import Kernel, checkpoints, cli, record, wait_until  # noqa: F401 (checkpoints: a fixture)
 
 

@@ -26,13 +26,13 @@ from conftest import BUILD, FAKE_CUDA
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernel_harness import Kernel  # noqa: E402  (tests/kernel_harness.py)
+from support import GiB  # noqa: E402
 
 jupyter_client = pytest.importorskip("jupyter_client")
 pytest.importorskip("ipykernel")
 
 ROOT = Path(__file__).resolve().parents[2]
 LIBRARY = BUILD / "native" / "libgpucleanup.so"
-GiB = 1 << 30
 TIMEOUT = 60
 
 
@@ -119,7 +119,7 @@ def test_summary_line_arrives_as_its_own_output_never_on_the_cells_stdout(tmp_pa
         n = cell["reply"]["execution_count"]
         check = execute(
             kc,
-            "from gpucleanup.extension import get_extension\n"
+            "from gpucleanup.in_kernel.extension import get_extension\n"
             f"print([r['devices'][0]['freed_bytes'] for r in get_extension(get_ipython()).history.last() if r['cell'] == {n}])",
         )
         assert check["stdout"] == "[{'driver': 2147483648}]\n"
@@ -139,7 +139,7 @@ def test_a_clear_output_left_pending_by_the_cell_is_never_taken_by_the_line(tmp_
         assert kinds(drawn) == ["display", "clear", "display", "clear"]  # no line: frame 2 stays shown
         assert drawn.display == ["'frame 1'", "'frame 2'"]
         n = drawn.reply["execution_count"]
-        kept = kc.execute("from gpucleanup.extension import get_extension\n"
+        kept = kc.execute("from gpucleanup.in_kernel.extension import get_extension\n"
                           f"print([r['devices'][0]['freed_bytes'] for r in get_extension(get_ipython()).history.last() "
                           f"if r['cell'] == {n}])")
         assert kept.stdout == "[{'driver': 2147483648}]\n"  # cleaned all the same, and in the history
@@ -253,7 +253,7 @@ def test_torch_imported_in_the_kernel_stays_uninitialised(tmp_path, scenario):
 
 
 def _kernel_files(runtime: Path, pid: int) -> list:
-    from gpucleanup import discovery
+    from gpucleanup.protocol import discovery
 
     private = runtime / "gpucleanup"
     path = discovery.path_for_pid(pid, runtime)  # named from its instance, or (left by hand here) from the pid
@@ -264,7 +264,7 @@ def _kernel_files(runtime: Path, pid: int) -> list:
 def test_the_next_kernel_that_loads_sweeps_what_a_killed_kernel_left(tmp_path):
     import socket
 
-    from gpucleanup import discovery
+    from gpucleanup.protocol import discovery
 
     runtime = tmp_path / "runtime"
     private = discovery.ensure_private_dir(runtime / "gpucleanup")

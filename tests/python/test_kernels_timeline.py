@@ -1,5 +1,5 @@
-"""``gpucleanup.kernels`` (every kernel's status, asked at once: what ps, the server page and the metrics
-read) and ``gpucleanup.timeline`` (device memory per cell, the data of every timeline)."""
+"""``gpucleanup.outside.kernels`` (every kernel's status, asked at once: what ps, the server page and the metrics
+read) and ``gpucleanup.records.timeline`` (device memory per cell, the data of every timeline)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from gpucleanup import discovery, kernels, timeline
-from gpucleanup.status_endpoint import StatusEndpoint
+from gpucleanup.protocol import discovery
+from gpucleanup.outside import kernels
+from gpucleanup.records import timeline
+from gpucleanup.in_kernel.status_endpoint import StatusEndpoint
 
 RECORD = {
     "cell": 11,

@@ -86,7 +86,7 @@ def test_a_load_from_a_cell_says_it_in_that_cell_only(tmp_path):
 
 
 def test_a_gpucleanup_variable_with_a_value_it_does_not_take_is_said_with_what_it_is_read_as():
-    from gpucleanup.load_notes import environment_notes
+    from gpucleanup.in_kernel.load_notes import environment_notes
 
     assert environment_notes({}) == []
     assert environment_notes({"GPUCLEANUP_NATIVE_GIL": "release", "GPUCLEANUP_STATUS_TRANSPORT": "TCP",

@@ -12,8 +12,8 @@ from IPython.utils.capture import capture_output
 import gpucleanup
 import gpucleanup._native  # noqa: F401  (the package attribute a stand-in replaces)
 import gpucleanup.frameworks
-import gpucleanup.status_endpoint
-from gpucleanup import extension, magics
+import gpucleanup.in_kernel.status_endpoint
+from gpucleanup.in_kernel import extension, magics
 from gpucleanup.frameworks import objects
 from test_extension import GiB, MiB, StandInAdapter, StandInEndpoint, StandInNative, _lines, shell  # noqa: F401
 
@@ -29,7 +29,7 @@ def stand_in(monkeypatch):
     native.device(0).used += 2 * GiB + 512 * MiB
     monkeypatch.setattr(gpucleanup, "_native", native)
     monkeypatch.setattr(gpucleanup.frameworks, "active", lambda: [cupy])
-    monkeypatch.setattr(gpucleanup.status_endpoint, "StatusEndpoint", lambda: StandInEndpoint())
+    monkeypatch.setattr(gpucleanup.in_kernel.status_endpoint, "StatusEndpoint", lambda: StandInEndpoint())
     return types.SimpleNamespace(native=native, cupy=cupy)
 
 
@@ -243,7 +243,7 @@ def test_gpumem_help_documents_every_option_stand_in(shell, stand_in):  # noqa: 
 
 
 def test_gpumem_help_reads_as_the_usage_line_and_is_dedented():
-    from gpucleanup.extension import GPUCleanup
+    from gpucleanup.in_kernel.extension import GPUCleanup
 
     doc = GPUCleanup.gpumem.__doc__  # what %gpumem? shows
     options = doc[doc.index("options:"):].splitlines()
@@ -264,7 +264,7 @@ def test_gpumem_without_driver_says_so_stand_in(shell, stand_in):  # noqa: F811
 
 def test_gpumem_with_the_fake_driver(shell, fake_cuda, monkeypatch):  # noqa: F811
     monkeypatch.setattr(gpucleanup.frameworks, "active", lambda: [])
-    monkeypatch.setattr(gpucleanup.status_endpoint, "StatusEndpoint", lambda: StandInEndpoint())
+    monkeypatch.setattr(gpucleanup.in_kernel.status_endpoint, "StatusEndpoint", lambda: StandInEndpoint())
     fake_cuda.reset({"devices": [{"name": "Fake H100", "primary_active": True, "default_pool": {"reserved_bytes": GiB, "used_bytes": 256 * MiB}}, {"primary_active": False}]})
     shell.run_line_magic("load_ext", "gpucleanup")
     data = shell.run_line_magic("gpumem", "--json")

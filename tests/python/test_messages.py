@@ -13,8 +13,11 @@ import pytest
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 
-from gpucleanup import cli, extension, status_client, units
-from gpucleanup.config import GPUCleanupOptions
+from gpucleanup.outside import cli
+from gpucleanup.in_kernel import extension
+from gpucleanup.protocol import status_client
+from gpucleanup import units
+from gpucleanup.in_kernel.config import GPUCleanupOptions
 
 TRAITS = sorted(GPUCleanupOptions.class_trait_names(config=True))
 
@@ -92,7 +95,7 @@ def test_command_line_config_values_are_read_as_the_trait_reads_them(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUCLEANUP_")}
     env.update(IPYTHONDIR=str(tmp_path / "ipython"), JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
                GPUCLEANUP_LIBCUDA=str(tmp_path / "none"))
-    code = ("%load_ext gpucleanup\nfrom gpucleanup.extension import get_extension\n"
+    code = ("%load_ext gpucleanup\nfrom gpucleanup.in_kernel.extension import get_extension\n"
             "x = get_extension(get_ipython())\nprint(x.history_size, x.gc, x.frameworks, x.settle_timeout)")
     done = subprocess.run([sys.executable, "-m", "IPython", "--quick", "--GPUCleanup.history_size=50",
                            "--GPUCleanup.gc=never", "--GPUCleanup.frameworks={'jax': False}",
@@ -155,7 +158,7 @@ def test_the_refusal_is_a_plain_sentence_on_stderr_in_a_kernel(tmp_path):
         assert cell["stderr"] == ("GPUCleanup.gc = 'sometimes' refused: gc must be one of 'auto', 'always', 'never'. "
                                   "Nothing changed; %config GPUCleanup lists every option.\n")
         assert cell["stdout"] == "" and cell["error"] is None and cell["reply"]["status"] == "ok"
-        after = execute(kc, "from gpucleanup.extension import get_extension; print(get_extension(get_ipython()).gc)")
+        after = execute(kc, "from gpucleanup.in_kernel.extension import get_extension; print(get_extension(get_ipython()).gc)")
         assert after["stdout"] == "auto\n"
 
 

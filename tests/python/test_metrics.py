@@ -1,4 +1,4 @@
-"""Prometheus metrics (gpucleanup.metrics) and the cumulative totals behind its counters (gpucleanup.totals).
+"""Prometheus metrics (gpucleanup.outside.metrics) and the cumulative totals behind its counters (gpucleanup.records.totals).
 
 The kernels are status endpoints in this process (the native server over the fake CUDA driver): one
 described with a notebook and published records, or the extension itself loaded in an InteractiveShell.
@@ -33,14 +33,15 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 import gpucleanup
 import gpucleanup.frameworks
-import gpucleanup.status_endpoint
-from gpucleanup import discovery, extension, kernels, metrics  # noqa: E402
-from gpucleanup.status_endpoint import StatusEndpoint  # noqa: E402
-from gpucleanup.totals import BUCKETS_S, Totals, settle_wait_s  # noqa: E402
+import gpucleanup.in_kernel.status_endpoint
+from gpucleanup.protocol import discovery
+from gpucleanup.in_kernel import extension
+from gpucleanup.outside import exporter as exporter_mod, kernels, metrics  # noqa: E402
+from gpucleanup.in_kernel.status_endpoint import StatusEndpoint  # noqa: E402
+from gpucleanup.records.totals import BUCKETS_S, Totals, settle_wait_s  # noqa: E402
+from support import GiB, MiB  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-GiB = 1 << 30
-MiB = 1 << 20
 
 
 # ------------------------------------------------------------------ helpers
@@ -354,8 +355,8 @@ def test_without_prometheus_client_the_error_says_how_to_install_it(runtime, mon
     with pytest.raises(metrics.MetricsUnavailable, match=r"pip install 'gpucleanup\[server\]'"):
         list(collector.collect())
     # the exporter's own error, which the command prints (exit status 2)
-    with pytest.raises(metrics.ExporterError, match=r"pip install 'gpucleanup\[server\]'"):
-        metrics.start_exporter(0, runtime_dir=runtime)
+    with pytest.raises(exporter_mod.ExporterError, match=r"pip install 'gpucleanup\[server\]'"):
+        exporter_mod.start_exporter(0, runtime_dir=runtime)
 
 
 def test_a_timeout_that_is_not_a_positive_number_is_refused(runtime):
@@ -383,7 +384,7 @@ def shell(runtime, monkeypatch):
 
 
 def test_the_extension_publishes_its_totals_and_keeps_its_history_per_cell(shell, runtime, fake_cuda, schemas, capsys):
-    from gpucleanup import status_client
+    from gpucleanup.protocol import status_client
 
     fake_cuda.reset({"devices": [{"name": "Fake H100", "primary_active": True,
                                   "default_pool": {"reserved_bytes": 1 * GiB, "used_bytes": 0}}]})
@@ -693,7 +694,7 @@ def test_the_default_registry_is_the_one_jupyter_server_serves(runtime):
 _SERVER = textwrap.dedent("""
     import sys
     from jupyter_server.serverapp import ServerApp
-    from gpucleanup.metrics import register_server_collector
+    from gpucleanup.outside.metrics import register_server_collector
 
     app = ServerApp()
     app.initialize(argv=sys.argv[1:])
@@ -777,7 +778,7 @@ def test_the_first_scrape_after_the_server_starts_shows_a_kernel_started_after_i
 #: a kernel in a process of its own (its status endpoint on the fake driver), stopped by the test with SIGSTOP
 _STOPPABLE_KERNEL = textwrap.dedent("""
     import sys, types
-    from gpucleanup.status_endpoint import StatusEndpoint
+    from gpucleanup.in_kernel.status_endpoint import StatusEndpoint
     ep = StatusEndpoint()
     ep.start(types.SimpleNamespace(user_ns={"__session__": "/home/me/stopped.ipynb"}))
     assert ep.error is None, ep.error
@@ -907,7 +908,7 @@ def _token(exporter) -> str:
 
 
 def test_the_exporter_serves_the_metrics_over_http_until_shut_down(kernel, runtime):
-    exporter = metrics.start_exporter(0, runtime_dir=runtime, timeout=5.0)
+    exporter = exporter_mod.start_exporter(0, runtime_dir=runtime, timeout=5.0)
     try:
         assert exporter.host == "127.0.0.1" and exporter.port > 0
         assert exporter.url == f"http://127.0.0.1:{exporter.port}/metrics"
@@ -937,7 +938,7 @@ def test_the_exporter_serves_the_metrics_over_http_until_shut_down(kernel, runti
 
 
 def test_the_exporter_is_private_to_its_owner_by_default(kernel, runtime):
-    exporter = metrics.start_exporter(0, runtime_dir=runtime, timeout=5.0)
+    exporter = exporter_mod.start_exporter(0, runtime_dir=runtime, timeout=5.0)
     try:
         assert exporter.token_file == runtime / "gpucleanup" / "exporter.token"
         assert stat.S_IMODE(exporter.token_file.stat().st_mode) == 0o600
@@ -953,7 +954,7 @@ def test_the_exporter_is_private_to_its_owner_by_default(kernel, runtime):
     finally:
         exporter.shutdown()
     # the same token the next time: a Prometheus configured once keeps working
-    again = metrics.start_exporter(0, runtime_dir=runtime, timeout=5.0)
+    again = exporter_mod.start_exporter(0, runtime_dir=runtime, timeout=5.0)
     try:
         assert _token(again) == token
     finally:
@@ -961,7 +962,7 @@ def test_the_exporter_is_private_to_its_owner_by_default(kernel, runtime):
 
 
 def test_a_public_exporter_names_no_notebook_nor_kernel_id(kernel, runtime):
-    exporter = metrics.start_exporter(0, runtime_dir=runtime, timeout=5.0, public=True)
+    exporter = exporter_mod.start_exporter(0, runtime_dir=runtime, timeout=5.0, public=True)
     try:
         assert exporter.token_file is None
         samples = scrape_text(_get(exporter.url)[1])
@@ -975,12 +976,12 @@ def test_a_token_file_others_may_read_is_refused(runtime, tmp_path):
     loose = tmp_path / "token"
     loose.write_text("a" * 32)
     loose.chmod(0o644)
-    with pytest.raises(metrics.ExporterError, match=r"may be read by others \(mode 644\): chmod 600 it"):
-        metrics.start_exporter(0, runtime_dir=runtime, token_file=loose)
+    with pytest.raises(exporter_mod.ExporterError, match=r"may be read by others \(mode 644\): chmod 600 it"):
+        exporter_mod.start_exporter(0, runtime_dir=runtime, token_file=loose)
     loose.chmod(0o600)
     loose.write_text("short")
-    with pytest.raises(metrics.ExporterError, match="does not hold a token"):
-        metrics.start_exporter(0, runtime_dir=runtime, token_file=loose)
+    with pytest.raises(exporter_mod.ExporterError, match="does not hold a token"):
+        exporter_mod.start_exporter(0, runtime_dir=runtime, token_file=loose)
 
 
 def test_a_port_in_use_is_a_clear_error(runtime):
@@ -988,8 +989,8 @@ def test_a_port_in_use_is_a_clear_error(runtime):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        for start in (metrics.start_exporter, metrics.run_exporter):
-            with pytest.raises(metrics.ExporterError) as error:
+        for start in (exporter_mod.start_exporter, exporter_mod.run_exporter):
+            with pytest.raises(exporter_mod.ExporterError) as error:
                 start(port, runtime_dir=runtime)
             assert str(error.value) == (f"cannot listen on 127.0.0.1:{port}: the port is in use by another program; "
                                         "choose another port with --port")
@@ -1004,20 +1005,20 @@ def test_a_port_in_use_is_a_clear_error(runtime):
     (0, "192.0.2.1", "192.0.2.1 is not an address of this machine"),
 ])
 def test_bad_ports_and_hosts_are_clear_errors(runtime, port, host, says):
-    with pytest.raises(metrics.ExporterError, match=says.replace(".", r"\.")):
-        metrics.start_exporter(port, host=host, runtime_dir=runtime)
+    with pytest.raises(exporter_mod.ExporterError, match=says.replace(".", r"\.")):
+        exporter_mod.start_exporter(port, host=host, runtime_dir=runtime)
 
 
 def test_run_exporter_serves_until_ctrl_c_and_returns_0(kernel, runtime):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "ipython_ext"), os.environ.get("PYTHONPATH")])))
-    code = "import sys; from gpucleanup.metrics import run_exporter; sys.exit(run_exporter(0, timeout=5.0))"
+    code = "import sys; from gpucleanup.outside.exporter import run_exporter; sys.exit(run_exporter(0, timeout=5.0))"
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = _read_line(proc)
         assert line.startswith("gpucleanup exporter: serving http://127.0.0.1:"), line
         assert line.rstrip().endswith("/metrics (Ctrl-C stops)")
         url = line.split()[3]
-        status, text = _get(url, metrics.token_path().read_text().strip())
+        status, text = _get(url, exporter_mod.token_path().read_text().strip())
         assert status == 200
         assert value(scrape_text(text), "gpucleanup_kernel_up", pid=kernel.pid) == 1
         proc.send_signal(signal.SIGINT)

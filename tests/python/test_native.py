@@ -20,10 +20,9 @@ import pytest
 
 import gpucleanup
 from gpucleanup import _native
+from support import GiB, MiB  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-GiB = 1 << 30
-MiB = 1 << 20
 
 
 def eventually(condition, timeout=10.0):

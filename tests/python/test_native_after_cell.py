@@ -16,9 +16,8 @@ import time
 import pytest
 
 from gpucleanup import _native
+from support import GiB, MiB  # noqa: E402
 
-GiB = 1 << 30
-MiB = 1 << 20
 
 # One cell's driver calls with one idle device in use (native/README.md, "Calls per cell").
 ONE_DEVICE_IN_USE = {

@@ -1,8 +1,8 @@
 """gpucleanup_settle (drain(trim=False)): waits like a drain, never trims the driver's pools."""
 
 from gpucleanup import _native
+from support import GiB  # noqa: E402
 
-GiB = 1 << 30
 
 
 def test_settle_only_reports_pools_untouched_and_validates(fake_cuda, schemas):

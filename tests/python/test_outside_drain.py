@@ -20,12 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from gpucleanup import status_client
+from gpucleanup.protocol import status_client
 from test_park_kernel import Kernel, cli, environment, wait_until
+from support import GiB, MiB  # noqa: E402
 
 STAND_INS = Path(__file__).resolve().parent
-GiB = 1 << 30
-MiB = 1 << 20
 SCENARIO = {"devices": [{"uuid": "GPU-0d7a0000-0000-0000-0000-000000000001", "primary_active": True,
                          "total_bytes": 80 * GiB, "free_bytes": 70 * GiB}]}
 
@@ -97,14 +96,14 @@ def test_the_reply_carries_the_figures_and_the_history_keeps_the_drain(kernel, s
     assert [(d["index"], d["state"], d["released_bytes"]) for d in part["devices"]] == [
         (0, "drained", {"cupy": GiB, "torch": 512 * MiB})]
     assert [d["state"] for d in drained["devices"]] == ["drained"]
-    last = kernel.execute("from gpucleanup.extension import get_extension\n"
+    last = kernel.execute("from gpucleanup.in_kernel.extension import get_extension\n"
                           "_r = get_extension(get_ipython()).history.last(1)[0]\n"
                           "print(_r['cell'], _r['devices'][0]['freed_bytes'])")
     assert last == f"None {{'cupy': {GiB}, 'torch': {512 * MiB}}}\n"  # the drain's record: no cell
 
 
 def test_a_drain_from_outside_is_counted_and_shown_as_one_not_as_a_cell(kernel):
-    before = kernel.execute("from gpucleanup.extension import get_extension\n"
+    before = kernel.execute("from gpucleanup.in_kernel.extension import get_extension\n"
                             "_t = get_extension(get_ipython()).totals.as_dict()\n"
                             "print(_t['cleanups'], _t['drains_from_outside'])")
     cleanups = int(before.split()[0])
@@ -134,7 +133,7 @@ def test_a_cell_started_during_the_kernels_part_of_the_drain_waits_for_it(kernel
             _free_all_blocks(stream)
         _cupy.pool.free_all_blocks = _free_when_let_go
     """))
-    drain = subprocess.Popen([sys.executable, "-m", "gpucleanup.cli", "drain", str(kernel.pid), "--json",
+    drain = subprocess.Popen([sys.executable, "-m", "gpucleanup.outside.cli", "drain", str(kernel.pid), "--json",
                               "--drain-timeout", "5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env=environment())
     try:
@@ -180,7 +179,7 @@ def test_a_cell_under_way_keeps_the_kernels_part_out_even_when_the_server_takes_
     # The cell tells the server it is idle (as nothing in gpucleanup does during a cell): the server takes the
     # drain, and the kernel's part still leaves the caches to the cell.
     go, started = tmp_path / "go", tmp_path / "started"
-    msg_id = kernel.start("from gpucleanup.extension import get_extension\n"
+    msg_id = kernel.start("from gpucleanup.in_kernel.extension import get_extension\n"
                           "get_extension(get_ipython())._status('set_state', {'state': 'idle', 'since_ns': time.time_ns()})\n"
                           f"open({str(started)!r}, 'w').close()\nwhile not os.path.exists({str(go)!r}):\n"
                           "    time.sleep(0.01)\n" + CACHES)
@@ -269,7 +268,7 @@ def test_a_slow_finalizer_in_the_drain_runs_off_the_servers_thread_and_the_reply
     assert out == "True\n", out  # one line of its own: the wait's line is said once, before the cell runs
     assert kernel.state()["state"] == "idle"
     # The drain's record says what it did once it ended.
-    last = kernel.execute("from gpucleanup.extension import get_extension\n"
+    last = kernel.execute("from gpucleanup.in_kernel.extension import get_extension\n"
                           "_r = get_extension(get_ipython()).history.last(1)[0]\n"
                           "print(_r.get('source'), _r['devices'][0]['freed_bytes'])")
     assert last == f"outside {{'cupy': {GiB}, 'torch': {512 * MiB}}}\n", last
@@ -324,7 +323,7 @@ def test_a_park_asked_for_during_the_drains_finalizer_waits_for_it_then_parks(pa
     result = cli("drain", str(kernel.pid), "--json", "--drain-timeout", "1")
     assert json.loads(result.stdout)["result"]["kernel"]["running"] is True
     refused_before = kernel.status()["server"]["errors"]
-    park = subprocess.Popen([sys.executable, "-m", "gpucleanup.cli", "park", str(kernel.pid)], stdout=subprocess.PIPE,
+    park = subprocess.Popen([sys.executable, "-m", "gpucleanup.outside.cli", "park", str(kernel.pid)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=environment())
     try:
         # the park's begin is refused for the moment, and it asks again (each refusal counts as the server's error)
@@ -344,7 +343,7 @@ def test_a_park_asked_for_during_the_drains_finalizer_waits_for_it_then_parks(pa
 
 def test_a_cell_that_outwaits_the_drains_finalizer_runs_beside_it_and_stays_running(kernel, slow_finalizer, tmp_path):
     # A cell waits for the kernel's cleanup at most OUTSIDE_DRAIN_MARGIN_S from its start: none here, for speed.
-    kernel.execute("import gpucleanup.outside_drain as _od\n_od.OUTSIDE_DRAIN_MARGIN_S = 0.0")
+    kernel.execute("import gpucleanup.in_kernel.outside_drain as _od\n_od.OUTSIDE_DRAIN_MARGIN_S = 0.0")
     result = cli("drain", str(kernel.pid), "--json", "--drain-timeout", "0")
     assert json.loads(result.stdout)["result"]["kernel"]["running"] is True
     held = tmp_path / "held"
@@ -372,7 +371,7 @@ def test_a_cell_that_outwaits_the_drains_finalizer_runs_beside_it_and_stays_runn
 
 def test_a_cell_that_outwaited_the_drains_finalizer_and_ended_leaves_the_kernel_draining_until_it_ends(
         kernel, slow_finalizer):
-    kernel.execute("import gpucleanup.outside_drain as _od\n_od.OUTSIDE_DRAIN_MARGIN_S = 0.0")
+    kernel.execute("import gpucleanup.in_kernel.outside_drain as _od\n_od.OUTSIDE_DRAIN_MARGIN_S = 0.0")
     result = cli("drain", str(kernel.pid), "--json", "--drain-timeout", "0")
     assert json.loads(result.stdout)["result"]["kernel"]["running"] is True
     out = kernel.execute("print('ran')")
@@ -389,7 +388,7 @@ def test_a_cell_that_outwaited_the_drains_finalizer_and_ended_leaves_the_kernel_
 
 
 def test_jupyter_shuts_the_kernel_down_while_a_drains_reply_waits_for_a_finalizer(kernel, slow_finalizer):
-    drain = subprocess.Popen([sys.executable, "-m", "gpucleanup.cli", "drain", str(kernel.pid), "--drain-timeout",
+    drain = subprocess.Popen([sys.executable, "-m", "gpucleanup.outside.cli", "drain", str(kernel.pid), "--drain-timeout",
                               "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment())
     try:
         wait_until(slow_finalizer["started"].exists, "the finalizer never ran")
@@ -413,7 +412,7 @@ def test_jupyter_shuts_the_kernel_down_while_a_drains_reply_waits_for_a_finalize
 
 
 def test_the_library_gives_the_kernels_part_what_is_left_of_the_drains_time_limit(kernel):
-    kernel.execute("from gpucleanup.extension import get_extension\n"
+    kernel.execute("from gpucleanup.in_kernel.extension import get_extension\n"
                    "_outside = get_extension(get_ipython()).outside\n_run, _waits = _outside.run, []\n"
                    "_outside.run = lambda wait_s: (_waits.append(wait_s), _run(wait_s))[1]")
     for limit in ("5", "0"):
@@ -445,8 +444,8 @@ class _Endpoint:
 
 
 def _outside_drain(clean):
-    from gpucleanup.cell_state import CellState
-    from gpucleanup.outside_drain import OutsideDrain
+    from gpucleanup.in_kernel.cell_state import CellState
+    from gpucleanup.in_kernel.outside_drain import OutsideDrain
 
     said = []
     drain = OutsideDrain(_Native(), CellState(), clean, lambda: None, said.extend,

@@ -21,7 +21,7 @@ import pytest
 
 from conftest import FAKE_CUDA
 
-from gpucleanup import park
+from gpucleanup.park import steps as park
 
 TARGET = r"""
 import ctypes, sys
@@ -252,10 +252,10 @@ def test_park_refuses_when_host_memory_cannot_hold_the_device_state(target, env,
 
 
 def test_the_helper_refuses_bad_arguments_with_its_usage():
-    done = subprocess.run([sys.executable, "-m", "gpucleanup.park_step", "suspend", "12"], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "gpucleanup.park.native_step", "suspend", "12"], capture_output=True,
                           text=True)
     assert done.returncode == 2
-    assert done.stderr.strip() == ("usage: python -m gpucleanup.park_step {state,lock,checkpoint,restore,unlock,resume} PID "
+    assert done.stderr.strip() == ("usage: python -m gpucleanup.park.native_step {state,lock,checkpoint,restore,unlock,resume} PID "
                                    "[LOCK_TIMEOUT_MS]")
 
 
@@ -287,7 +287,7 @@ def test_a_process_on_more_than_one_gpu_is_refused_and_one_gpu_is_not():
 
 
 def test_a_cells_end_arms_the_idle_park_timer_only_when_asked_and_a_requested_park_without_endpoint_says_why():
-    from gpucleanup.parking import InKernel
+    from gpucleanup.park.kernel_side import InKernel
 
     said = []
     kernel = InKernel(lambda: None, said.extend)
@@ -305,9 +305,9 @@ def test_a_cells_end_arms_the_idle_park_timer_only_when_asked_and_a_requested_pa
     assert not kernel.requested and len(said) == 1 and "parking needs the status endpoint" in said[0]
 
 
-# ------------------------------------------------ the helper's arguments (gpucleanup.park_step.main)
+# ------------------------------------------------ the helper's arguments (gpucleanup.park.native_step.main)
 
-HELPER_USAGE = "usage: python -m gpucleanup.park_step {state,lock,checkpoint,restore,unlock,resume} PID [LOCK_TIMEOUT_MS]"
+HELPER_USAGE = "usage: python -m gpucleanup.park.native_step {state,lock,checkpoint,restore,unlock,resume} PID [LOCK_TIMEOUT_MS]"
 NOT_DIGITS = ("PID must be a decimal integer from 1 to 2147483647 in digits alone (no sign, space or exponent), "
               "got {!r}: pass the id of the process to act on")
 OUT_OF_RANGE = "PID must be from 1 to 2147483647, got {!r}: pass the id of the process to act on"
@@ -338,7 +338,7 @@ def no_native(monkeypatch):
      "got '-5': pass the lock's limit in milliseconds (0: no limit)"),
 ])
 def test_the_helper_refuses_a_pid_or_timeout_it_cannot_pass_exactly(args, sentence, no_native, capsys):
-    from gpucleanup.park_step import main
+    from gpucleanup.park.native_step import main
 
     assert main(args) == 2
     out, err = capsys.readouterr()
@@ -373,7 +373,7 @@ S = 1_000_000_000
 
 
 def test_a_resume_no_cell_said_is_one_sentence_with_its_size_times_and_cause():
-    from gpucleanup import resume_news
+    from gpucleanup.park import resume_news
 
     note = resume_news.after_resume({"usage": {"GPU-a": 1 << 30}, "parked_bytes": 3 << 29, "since_ns": 100 * S},
                                     0.94, resume_news.for_request("complete_request"), now_ns=(100 + 42 * 60) * S)
@@ -390,7 +390,7 @@ def test_a_resume_no_cell_said_is_one_sentence_with_its_size_times_and_cause():
 
 
 def test_a_resume_no_cell_said_is_taken_once_from_the_lock_file(tmp_path):
-    from gpucleanup import parking, resume_news
+    from gpucleanup.park import kernel_side as parking, resume_news
 
     lock = tmp_path / "4242-0123456789abcdef.park"
     assert resume_news.take(lock) is None  # no park ever: no file
@@ -410,7 +410,7 @@ SHELL = r"""
 import json, os, subprocess, sys
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
-from gpucleanup import extension
+from gpucleanup.in_kernel import extension
 
 ip = InteractiveShell.instance()
 
@@ -429,7 +429,7 @@ said["after completion"] = ext.parking.parked()
 said["next cell"] = cell("print(x + 1)")
 said["cell after"] = cell("print(x + 2)")
 cell("%gpumem --park")
-done = subprocess.run([sys.executable, "-m", "gpucleanup.cli", "resume", str(os.getpid())], capture_output=True,
+done = subprocess.run([sys.executable, "-m", "gpucleanup.outside.cli", "resume", str(os.getpid())], capture_output=True,
                       text=True, timeout=120)
 said["resume"] = [done.returncode, done.stdout + done.stderr]
 said["after outside resume"] = cell("print(x + 3)")

@@ -14,16 +14,17 @@ import json
 import os
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 
-from gpucleanup import discovery, status_client
+from gpucleanup.protocol import discovery, status_client
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernel_harness  # noqa: E402  (tests/kernel_harness.py)
+import support  # noqa: E402
+from support import wait_until  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = Path(os.environ.get("GPUCLEANUP_BUILD_DIR", ROOT / "build")).resolve()
@@ -54,13 +55,6 @@ def patch(checkpoints: Path, pid: int, change: dict) -> None:
         fh.write(json.dumps(data))
 
 
-def wait_until(predicate, what: str, limit: float = 60) -> None:
-    deadline = time.monotonic() + limit
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
-
-
 def environment() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "ipython_ext"), env.get("PYTHONPATH")]))
@@ -70,8 +64,7 @@ def environment() -> dict:
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gpucleanup.cli", *args], capture_output=True, text=True,
-                          env=environment(), timeout=timeout)
+    return support.cli(*args, env=environment(), timeout=timeout)
 
 
 class Kernel(kernel_harness.Kernel):
@@ -289,7 +282,7 @@ def test_a_silent_execute_resumes_a_parked_kernel_before_its_code(kernel, checkp
 
 def test_a_cell_started_while_a_park_is_under_way_waits_for_it_then_resumes(kernel, checkpoints):
     patch(checkpoints, kernel.pid, {"hang": ["cuCheckpointProcessCheckpoint"]})
-    parking = subprocess.Popen([sys.executable, "-m", "gpucleanup.cli", "park", str(kernel.pid)],
+    parking = subprocess.Popen([sys.executable, "-m", "gpucleanup.outside.cli", "park", str(kernel.pid)],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment())
     try:
         wait_until(lambda: record(checkpoints, kernel.pid)["state"] == "locked", "the park never locked the kernel")
@@ -331,8 +324,8 @@ def test_park_and_resume_of_a_dead_kernel_say_so(kernel, checkpoints):
 def test_park_goes_alone(line, message):
     from IPython.core.error import UsageError
 
-    from gpucleanup.extension import GPUCleanup
-    from gpucleanup.magics import parse_gpumem
+    from gpucleanup.in_kernel.extension import GPUCleanup
+    from gpucleanup.in_kernel.magics import parse_gpumem
 
     with pytest.raises(UsageError) as raised:
         parse_gpumem(GPUCleanup.gpumem, line)
@@ -379,7 +372,7 @@ def test_a_bad_park_after_idle_is_refused_and_changes_nothing(kernel):
 
 
 def test_the_park_lock_is_never_followed_through_a_link_and_waits_a_bounded_time(tmp_path):
-    from gpucleanup import parking
+    from gpucleanup.park import kernel_side as parking
 
     (tmp_path / "elsewhere").write_text("")
     (tmp_path / "1.park").symlink_to(tmp_path / "elsewhere")
@@ -400,7 +393,7 @@ def test_the_park_lock_is_never_followed_through_a_link_and_waits_a_bounded_time
 
 
 def test_a_refused_park_tells_the_kernels_state_it_failed(tmp_path, checkpoints):
-    from gpucleanup import park, parking
+    from gpucleanup.park import steps as park, kernel_side as parking
 
     steps = []
 
@@ -414,7 +407,7 @@ def test_a_refused_park_tells_the_kernels_state_it_failed(tmp_path, checkpoints)
 
 
 def test_the_kernels_state_refusing_a_park_stops_it_before_any_driver_step(tmp_path):
-    from gpucleanup import parking
+    from gpucleanup.park import kernel_side as parking
     from gpucleanup._native import NativeError
 
     asked = []
@@ -431,8 +424,8 @@ def test_the_kernels_state_refusing_a_park_stops_it_before_any_driver_step(tmp_p
 
 def _endpoint_in_this_process(tmp_path, monkeypatch):
     """A status endpoint of this process (the real library, no kernel) and a target that signs under its key."""
-    from gpucleanup import discovery
-    from gpucleanup.status_endpoint import StatusEndpoint
+    from gpucleanup.protocol import discovery
+    from gpucleanup.in_kernel.status_endpoint import StatusEndpoint
 
     runtime = tmp_path / "runtime"
     runtime.mkdir(mode=0o700)
@@ -450,7 +443,7 @@ def test_a_park_asked_for_during_the_kernels_own_release_asks_again_and_begins_o
         tmp_path, monkeypatch, remote):
     # gpucleanup's release once idle (a thread of its own) comes due about a second after a cell: a park asked
     # for then is told "ask again" (server.421 on the socket, server.510 in the process), and asks again.
-    from gpucleanup import park, parking, remote_park
+    from gpucleanup.park import steps as park, kernel_side as parking, from_outside as remote_park
 
     endpoint, target, key_file = _endpoint_in_this_process(tmp_path, monkeypatch)
     try:
@@ -478,7 +471,7 @@ def test_a_park_asked_for_during_the_kernels_own_release_asks_again_and_begins_o
 
 
 def test_a_park_still_told_to_ask_again_past_its_wait_says_why_and_changes_nothing(tmp_path, monkeypatch):
-    from gpucleanup import parking, remote_park
+    from gpucleanup.park import kernel_side as parking, from_outside as remote_park
 
     endpoint, target, key_file = _endpoint_in_this_process(tmp_path, monkeypatch)
     try:
@@ -497,7 +490,7 @@ def test_a_park_still_told_to_ask_again_past_its_wait_says_why_and_changes_nothi
 
 
 def test_a_park_that_waited_for_a_release_to_end_says_how_long(tmp_path, monkeypatch):
-    from gpucleanup import park, parking
+    from gpucleanup.park import steps as park, kernel_side as parking
     from gpucleanup._native import NativeError
     from gpucleanup.units import format_duration
 

@@ -26,7 +26,7 @@ import pytest
 from conftest import FAKE_CUDA
 from test_park import FAST, TARGET, patch, record
 
-from gpucleanup import park, parking, remote_park
+from gpucleanup.park import steps as park, kernel_side as parking, from_outside as remote_park
 
 HERE = pathlib.Path(__file__).resolve().parent
 STAND_IN_BIN = HERE / "stand_ins" / "bin"
@@ -105,7 +105,7 @@ def test_a_gpucleanup_planted_in_the_callers_directory_is_never_run_by_a_helper(
     script = textwrap.dedent(f'''
         import json, os, sys
         sys.path.insert(0, {str(PACKAGE)!r})
-        from gpucleanup import park
+        from gpucleanup.park import steps as park
         os.chdir({str(planted)!r})
         sys.path.insert(0, "")
         found = park.state({target.pid})
@@ -254,7 +254,7 @@ def test_a_step_under_way_is_named_and_neither_park_nor_resume_acts(target, env,
 PARKER = '''
 import json, pathlib, signal, sys
 sys.path.insert(0, {package!r})
-from gpucleanup import cli, park
+from gpucleanup.outside import cli; from gpucleanup.park import steps as park
 with cli._TermAsInterrupt():  # as gpucleanup park and resume take SIGTERM: as Ctrl-C
     for sig in (signal.SIGINT, signal.SIGTERM):  # say that the signal came, then act on it as installed
         def noted(number, frame, then=signal.getsignal(sig)):
@@ -474,7 +474,7 @@ def test_a_refusal_armed_for_a_request_that_never_ran_is_not_the_next_cells(fake
     from IPython.core.interactiveshell import InteractiveShell
     from IPython.utils.capture import capture_output
 
-    from gpucleanup import extension
+    from gpucleanup.in_kernel import extension
 
     fake_cuda.reset({"devices": [{"primary_active": True}]})
     ip = InteractiveShell.instance()
@@ -708,47 +708,51 @@ def test_a_thread_that_ends_before_the_next_cell_ends_is_told_though_the_watch_t
 
 
 class _PolicyWatch:
-    """The server's automatic park round (KernelWatch.park_idle) over one idle kernel whose states and park
+    """The server's automatic park (server.auto_park.AutoPark) over one idle kernel whose status replies and park
     outcomes a test gives, round by round."""
 
     def __init__(self, monkeypatch):
         import asyncio
-        import importlib
+        import logging
         import types
 
-        from gpucleanup import kernels
-
-        handlers = importlib.import_module("gpucleanup.server.handlers")  # the package exports a function of that name
+        from gpucleanup.outside import kernels
+        from gpucleanup.server.auto_park import AutoPark
 
         monkeypatch.setattr(kernels, "target_of", lambda kernel: "target")
         self.asyncio = asyncio
-        self.watch = handlers.KernelWatch.__new__(handlers.KernelWatch)
-        self.watch.settings = types.SimpleNamespace(park_idle_after_s=1.0)
-        kernel = types.SimpleNamespace(pid=4242, elsewhere=None, key_file="/run/kernel-4242.json")
-        found = types.SimpleNamespace(live=[kernel])
+        kernel = types.SimpleNamespace(pid=4242, kernel_id="k1", elsewhere=None, key_file="/run/kernel-4242.json")
         self.state = {}
         self.answers = []
         self.parks = 0
+        test = self
 
-        async def run(function, *args, **kwargs):
-            return found
+        class Watch:
+            runtime_dir = pathlib.Path("/nonexistent")
+            settings = types.SimpleNamespace(timeout=1.0)
+            stopped = False
 
-        async def collect(cards=None):
-            return {"kernels": [{"id": "k1", "pid": 4242, "gpucleanup": True, "state": dict(self.state)}]}
+            async def run(self, function, *args, **kwargs):
+                assert function is kernels.gather
+                view = types.SimpleNamespace(kernel=kernel, pid=kernel.pid, kernel_id=kernel.kernel_id,
+                                             elsewhere=None, status={"state": dict(test.state)})
+                return types.SimpleNamespace(kernels=[view])
 
-        async def park_(kernel_, target, action, automatic=False):
-            assert (action, automatic) == ("park", True)
-            self.parks += 1
-            answer = self.answers.pop(0)
-            if isinstance(answer, Exception):
-                raise answer
-            return answer
+            async def server_kernels(self):
+                return [{"kernel_id": "k1", "pid": 4242}]
 
-        self.watch.run, self.watch.collect, self.watch.park = run, collect, park_
-        monkeypatch.setattr(type(self.watch), "runtime_dir", property(lambda _: pathlib.Path("/nonexistent")))
+            async def park(self, kernel_, target, action, automatic=False):
+                assert (kernel_, action, automatic) == (kernel, "park", True)
+                test.parks += 1
+                answer = test.answers.pop(0)
+                if isinstance(answer, Exception):
+                    raise answer
+                return answer
+
+        self.auto = AutoPark(Watch(), 1.0, logging.getLogger("test"))
 
     def round(self):
-        return self.asyncio.run(self.watch.park_idle())
+        return self.asyncio.run(self.auto.round())
 
 
 def _blocked(text):
@@ -930,7 +934,7 @@ def test_park_checks_of_one_kernel_share_one_helper_until_a_park_of_it(monkeypat
 
     import importlib
 
-    from gpucleanup import remote_park
+    from gpucleanup.park import from_outside as remote_park
 
     handlers = importlib.import_module("gpucleanup.server.handlers")
 
@@ -1036,7 +1040,7 @@ def test_a_jax_kernel_is_not_parked_until_its_resume_is_proven_unless_let_throug
 
 
 def test_a_name_the_unproven_list_does_not_know_is_said_at_load():
-    from gpucleanup.load_notes import environment_notes
+    from gpucleanup.in_kernel.load_notes import environment_notes
 
     assert environment_notes({"GPUCLEANUP_PARK_UNPROVEN": "jax"}) == []
     assert environment_notes({"GPUCLEANUP_PARK_UNPROVEN": "jax,tensorflw"}) == [

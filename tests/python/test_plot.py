@@ -16,8 +16,9 @@ from IPython.utils.capture import capture_output
 
 import gpucleanup
 import gpucleanup.frameworks
-import gpucleanup.status_endpoint
-from gpucleanup import extension, plot, timeline
+import gpucleanup.in_kernel.status_endpoint
+from gpucleanup.in_kernel import extension
+from gpucleanup.records import plot, timeline
 from test_extension import (GiB, MiB, ROOT, StandInAdapter, StandInEndpoint, _fake_name, _run,  # noqa: F401
                             real, shell)
 
@@ -157,7 +158,7 @@ def test_png_leaves_pyplot_and_the_backend_alone():
     script = (
         "import sys, matplotlib\n"
         "backend = dict.__getitem__(matplotlib.rcParams, 'backend')\n"
-        "from gpucleanup import plot, timeline\n"
+        "from gpucleanup.records import plot, timeline\n"
         f"records = {_session()!r}\n"
         "data = plot.png(timeline.series(records))\n"
         "assert data[:4] == b'\\x89PNG'\n"
@@ -374,7 +375,7 @@ def fake_cupy(fake_cuda, monkeypatch):
     """The real libgpucleanup over the fake driver, with a CuPy-like adapter whose memory the fake counts."""
     cupy = FakeDriverCupy(fake_cuda)
     monkeypatch.setattr(gpucleanup.frameworks, "active", lambda: [cupy])
-    monkeypatch.setattr(gpucleanup.status_endpoint, "StatusEndpoint", lambda: StandInEndpoint())
+    monkeypatch.setattr(gpucleanup.in_kernel.status_endpoint, "StatusEndpoint", lambda: StandInEndpoint())
     return cupy
 
 
@@ -439,7 +440,7 @@ def test_drains_are_labelled_by_what_asked_for_them():
     assert plot.drains_label([cell, magic]) == "%gpumem --drain"
     assert plot.drains_label([cell, outside]) == "drain from outside"
     assert plot.drains_label([magic, outside]) == "%gpumem --drain or drain from outside"
-    from gpucleanup import timeline
+    from gpucleanup.records import timeline
 
     record = {"cell": None, "source": "outside", "time_ns": 1,
               "devices": [{"index": 0, "used_after_bytes": 1 << 30, "freed_bytes": {"cupy": 1 << 20}}]}

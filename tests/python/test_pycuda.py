@@ -22,9 +22,8 @@ from gpucleanup.frameworks import pycuda as pycuda_adapter
 from gpucleanup.frameworks.objects import find_gpu_objects, gpu_object_info
 from stand_ins import World, install_pycuda, install_tensorflow
 from stand_ins.pycuda import forget_pycuda_modules, write_pycuda_package
+from support import GiB, MiB  # noqa: E402
 
-MiB = 1 << 20
-GiB = 1 << 30
 
 
 @pytest.fixture(autouse=True)

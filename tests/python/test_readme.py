@@ -96,7 +96,7 @@ def test_the_first_example_is_one_notebook_of_one_recorded_h200_run():
 
 
 def test_the_gpumem_table_is_what_the_code_prints_from_the_h100_record():
-    from gpucleanup import report
+    from gpucleanup.records import report
 
     [(prompt, shown)] = EXAMPLES["gpumem-table"]
     assert prompt.endswith("%gpumem")
@@ -107,7 +107,7 @@ def test_the_gpumem_table_is_what_the_code_prints_from_the_h100_record():
 
 
 def test_the_vars_table_is_what_the_code_prints_for_one_array():
-    from gpucleanup import report
+    from gpucleanup.records import report
 
     [(prompt, shown)] = EXAMPLES["gpumem-vars"]
     assert prompt.endswith("%gpumem --vars")
@@ -117,7 +117,7 @@ def test_the_vars_table_is_what_the_code_prints_for_one_array():
 
 
 def test_the_sparklines_are_what_the_code_draws_from_the_h100_timeline():
-    from gpucleanup import plot
+    from gpucleanup.records import plot
 
     [(prompt, shown)] = EXAMPLES["plot-sparklines"]
     assert prompt.endswith("%gpumem --plot")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from gpucleanup.record import CellRecord, DeviceRecord, GcRecord, PinnedRecord
+from gpucleanup.records.record import CellRecord, DeviceRecord, GcRecord, PinnedRecord
 
 
 def _full_record() -> CellRecord:

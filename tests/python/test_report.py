@@ -6,10 +6,9 @@ import json
 
 import pytest
 
-from gpucleanup import report
+from gpucleanup.records import report
+from support import GiB, MiB  # noqa: E402
 
-GiB = 1 << 30
-MiB = 1 << 20
 
 
 @pytest.mark.parametrize(
@@ -278,7 +277,7 @@ def test_memory_report_lists_each_pycuda_pool_under_pycuda_and_says_which_is_not
 def test_a_library_that_cannot_be_loaded_is_said_once_and_not_called_the_driver():
     # %gpumem with GPUCLEANUP_LIBRARY pointing nowhere: the engine's status says it in the driver's entry alone,
     # and the report names gpucleanup's library, not the CUDA driver
-    from gpucleanup import after_cell
+    from gpucleanup.engine import after_cell
 
     message = ("[gpucleanup.python.103] GPUCLEANUP_LIBRARY '/nowhere.so' cannot be opened (No such file or "
                "directory): point GPUCLEANUP_LIBRARY at libgpucleanup.so, or unset it")

@@ -29,12 +29,13 @@ pytest.importorskip("jupyter_server")
 pytest.importorskip("jupyter_client")
 pytest.importorskip("ipykernel")
 
-from gpucleanup import discovery, kernels, status_client  # noqa: E402
+from gpucleanup.protocol import discovery
+from gpucleanup.outside import kernels
+from gpucleanup.protocol import status_client  # noqa: E402
+from support import GiB, MiB  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 LIBRARY = BUILD / "native" / "libgpucleanup.so"
-GiB = 1 << 30
-MiB = 1 << 20
 TIMEOUT = 60
 #: the server's GPUCleanupServer.timeout in these tests (it shows in the messages of kernels that do not answer)
 STATUS_TIMEOUT = 0.5
@@ -474,7 +475,7 @@ def test_settings_are_traits_with_documented_defaults_and_bounds():
 
 def test_importing_gpucleanup_does_not_import_jupyter_server():
     result = subprocess.run(
-        [sys.executable, "-c", "import sys, gpucleanup, gpucleanup.kernels, gpucleanup.extension; "
+        [sys.executable, "-c", "import sys, gpucleanup, gpucleanup.outside.kernels, gpucleanup.in_kernel.extension; "
                                "print(sorted(m for m in sys.modules if m.startswith(('jupyter_server', 'tornado'))))"],
         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT / "ipython_ext")), timeout=TIMEOUT,
     )
@@ -833,14 +834,14 @@ asyncio.set_event_loop(loop)
 data = loop.run_until_complete(watch.collect(frozenset()))
 pools = sorted({t.name.rsplit("_", 1)[0] for t in threading.enumerate() if t.name.startswith("gpucleanup-")})
 after_second = {"same_watch": app.web_app.settings["gpucleanup_watch"] is watch, "routes": len(routes(app)),
-                "first_routes": len(first), "timers": len(watch._timers),
-                "timer_running": [t.is_running() for t in watch._timers]}
-timers = list(watch._timers)
+                "first_routes": len(first), "timers": int(watch.auto_park is not None),
+                "timer_running": [watch.auto_park.started]}
+auto_park = watch.auto_park
 loop.run_until_complete(app._cleanup())
 for thread in [t for t in threading.enumerate() if t.name.startswith("gpucleanup-")]:
     thread.join(30)
 print(json.dumps({**after_second, "kernels": len(data["kernels"]), "pools_used": pools,
-                  "stopped": watch.stopped, "timers_running_after": [t.is_running() for t in timers],
+                  "stopped": watch.stopped, "timers_running_after": [auto_park.started],
                   "threads_after": [t.name for t in threading.enumerate() if t.name.startswith("gpucleanup-")],
                   "setting_after": "gpucleanup_watch" in app.web_app.settings,
                   "executor_shut": [watch._executor._shutdown, watch._drains._shutdown]}))

@@ -26,14 +26,13 @@ from gpucleanup.units import format_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import server_harness  # noqa: E402  (tests/server_harness.py)
+from support import MiB  # noqa: E402
 
 pytest.importorskip("jupyter_server")
 
 ROOT = Path(__file__).resolve().parents[2]
 LIBRARY = BUILD / "native" / "libgpucleanup.so"
 STAND_IN_BIN = ROOT / "tests" / "python" / "stand_ins" / "bin"
-MiB = 1 << 20
-GiB = 1 << 30
 N = 50
 UUID0 = "GPU-fa4ec0da-0000-4000-8000-000000000000"  # the fake driver's device 0 (tests/fake_cuda/scenario.cpp)
 UUID1 = "GPU-fa4ec0da-0000-4000-8000-000000000001"
@@ -244,7 +243,7 @@ def test_the_table_sorts_by_memory_held_by_idle_time_and_by_name(setup):
 
 def test_each_kernel_is_asked_once_per_refresh(setup):
     """The status server's own request counter: one list (the page's request) is one request per kernel."""
-    from gpucleanup import discovery, kernels, status_client
+    from gpucleanup.protocol import discovery; from gpucleanup.outside import kernels; from gpucleanup.protocol import status_client
 
     server, pids = setup["server"], setup["pids"]
     found = {k.pid: k for k in discovery.scan(server.runtime, clean=False).live}

@@ -34,7 +34,7 @@ from test_kernel import execute, kernel
 
 pytest.importorskip("jupyter_client")
 
-from gpucleanup import discovery  # noqa: E402
+from gpucleanup.protocol import discovery  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 GUARD = 120  # seconds: only there to turn a hang into a failure
@@ -53,7 +53,7 @@ def _env(runtime: Path) -> dict:
 
 def _ps(runtime: Path, *more: str) -> subprocess.CompletedProcess:
     """``gpucleanup ps --json`` (or the command given) here, on host A."""
-    return _run([sys.executable, "-m", "gpucleanup.cli", *(more or ("ps", "--json"))], env=_env(runtime))
+    return _run([sys.executable, "-m", "gpucleanup.outside.cli", *(more or ("ps", "--json"))], env=_env(runtime))
 
 
 def _run(argv, **kw) -> subprocess.CompletedProcess:
@@ -128,7 +128,7 @@ def _identity(paths) -> list:
 def _loaded(kc) -> dict:
     """Loads gpucleanup in kernel ``kc``; what its endpoint wrote: pid, instance, discovery record."""
     execute(kc, "%load_ext gpucleanup")
-    out = execute(kc, "import os, json; from gpucleanup import extension as _e\n"
+    out = execute(kc, "import os, json; from gpucleanup.in_kernel import extension as _e\n"
                       "_ep = _e._instances[get_ipython()]._endpoint\n"
                       "print(json.dumps({'pid': os.getpid(), 'instance': _ep.instance, 'info': _ep.info}))")
     assert out["error"] is None, out["error"]
@@ -146,27 +146,27 @@ def test_host_b_keeps_and_lists_host_a_live_kernel(tmp_path):
         assert mine["info"]["machine_id"] == discovery.machine_id()
 
         # host B's ps: host A's kernel listed as on another machine, not asked, nothing removed
-        seen = _on_host_b(prefix, runtime, sys.executable, "-m", "gpucleanup.cli", "ps", "--json")
+        seen = _on_host_b(prefix, runtime, sys.executable, "-m", "gpucleanup.outside.cli", "ps", "--json")
         assert seen.returncode == 0, seen.stderr
         (entry,) = json.loads(seen.stdout)
         assert (entry["pid"], entry["elsewhere"], entry["place"], entry["host"]) == (
             mine["pid"], True, "machine", discovery.host_name())
         assert entry["elsewhere_reason"] == f"on another machine, host {discovery.host_name()}"
         assert "status" not in entry and "error" not in entry
-        table = _on_host_b(prefix, runtime, sys.executable, "-m", "gpucleanup.cli", "ps")
+        table = _on_host_b(prefix, runtime, sys.executable, "-m", "gpucleanup.outside.cli", "ps")
         assert table.returncode == 0, table.stderr
         assert f"elsewhere (on another machine, host {discovery.host_name()})" in table.stdout
         # a Prometheus scrape on host B: counted as elsewhere, not asked, nothing removed
         if __import__("importlib").util.find_spec("prometheus_client") is not None:
             scrape = _on_host_b(prefix, runtime, sys.executable, "-c",
-                                "from prometheus_client import generate_latest; from gpucleanup import metrics; "
+                                "from prometheus_client import generate_latest; from gpucleanup.outside import metrics; "
                                 "print(generate_latest(metrics.make_registry()).decode())")
             assert scrape.returncode == 0, scrape.stderr
             assert "\ngpucleanup_kernels 0.0\n" in scrape.stdout and "\ngpucleanup_kernels_elsewhere 1.0\n" in scrape.stdout
             assert _identity(files) == before
         # drain, park or status from host B: refused, saying where to ask
         for command in ("status", "drain", "park"):
-            refused = _on_host_b(prefix, runtime, sys.executable, "-m", "gpucleanup.cli", command, str(mine["pid"]))
+            refused = _on_host_b(prefix, runtime, sys.executable, "-m", "gpucleanup.outside.cli", command, str(mine["pid"]))
             assert (refused.returncode, refused.stdout) == (1, ""), refused
             assert refused.stderr == (
                 f"gpucleanup: kernel {mine['pid']} is elsewhere (on another machine, host {discovery.host_name()}): "
@@ -179,7 +179,7 @@ def test_host_b_keeps_and_lists_host_a_live_kernel(tmp_path):
             theirs = _loaded(b)
             assert theirs["info"]["boot_id"] == HOST_B_BOOT and theirs["info"]["host"] == "hostb"
             inside = execute(b, "import subprocess, sys, json\n"
-                                "r = subprocess.run([sys.executable, '-m', 'gpucleanup.cli', 'ps', '--json'], "
+                                "r = subprocess.run([sys.executable, '-m', 'gpucleanup.outside.cli', 'ps', '--json'], "
                                 "capture_output=True, text=True, timeout=60)\n"
                                 "print(json.dumps([[e['pid'], e['elsewhere'], e.get('place'), 'status' in e] "
                                 "for e in json.loads(r.stdout)]))")
@@ -211,7 +211,7 @@ def test_an_earlier_boot_of_this_machine_is_still_swept(tmp_path):
         files = _files(runtime, mine)
     # ended by the harness with SIGKILL (as by a power cut): its files stay
     assert all(os.path.lexists(p) for p in files)
-    seen = _on_host_b(rebooted, runtime, sys.executable, "-m", "gpucleanup.cli", "ps", "--json")
+    seen = _on_host_b(rebooted, runtime, sys.executable, "-m", "gpucleanup.outside.cli", "ps", "--json")
     assert (seen.returncode, seen.stdout) == (0, "[]\n"), seen.stderr
     assert [p for p in files if os.path.lexists(p)] == []
 
@@ -300,7 +300,7 @@ def test_two_containers_with_the_same_pid_keep_their_own_files(tmp_path):
 
         # the first kernel still finds itself, live and answering, from its own namespace
         inside = execute(one, "import subprocess, sys, json\n"
-                              "r = subprocess.run([sys.executable, '-m', 'gpucleanup.cli', 'ps', '--json'], "
+                              "r = subprocess.run([sys.executable, '-m', 'gpucleanup.outside.cli', 'ps', '--json'], "
                               "capture_output=True, text=True, timeout=60)\n"
                               "print(json.dumps([[e['pid'], e['elsewhere'], e['status']['kernel']['pid']] "
                               "for e in json.loads(r.stdout)]))")
@@ -359,7 +359,7 @@ def test_a_tcp_kernel_is_not_asked_from_another_network_namespace(tmp_path):
     with kernel(tmp_path, GPUCLEANUP_FAKE_CUDA_SCENARIO=SCENARIO, GPUCLEANUP_STATUS_TRANSPORT="tcp") as kc:
         mine = _loaded(kc)
         assert mine["info"]["transport"] == "tcp" and mine["info"]["endpoint"].startswith("tcp://127.0.0.1:")
-        seen = _run(["unshare", "--net", sys.executable, "-m", "gpucleanup.cli", "ps", "--json"], env=_env(runtime))
+        seen = _run(["unshare", "--net", sys.executable, "-m", "gpucleanup.outside.cli", "ps", "--json"], env=_env(runtime))
         assert seen.returncode == 0, seen.stderr
         (entry,) = json.loads(seen.stdout)
         assert (entry["pid"], entry["elsewhere"], entry["place"]) == (mine["pid"], True, "namespace")
@@ -370,6 +370,6 @@ def test_a_tcp_kernel_is_not_asked_from_another_network_namespace(tmp_path):
         (here,) = json.loads(_ps(runtime).stdout)
         assert here["elsewhere"] is False and here["status"]["kernel"]["pid"] == mine["pid"]
     # once it is gone, a reader in another network namespace proves it stale like any other
-    gone = _run(["unshare", "--net", sys.executable, "-m", "gpucleanup.cli", "ps", "--json"], env=_env(runtime))
+    gone = _run(["unshare", "--net", sys.executable, "-m", "gpucleanup.outside.cli", "ps", "--json"], env=_env(runtime))
     assert (gone.returncode, gone.stdout) == (0, "[]\n"), gone.stderr
     assert not os.path.exists(runtime / f"gpucleanup-{mine['instance']}.json")

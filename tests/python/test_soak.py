@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SOAK = ROOT / "tests" / "soak" / "soak.py"
 sys.path.insert(0, str(SOAK.parent))
 import soak  # noqa: E402  (tests/soak/soak.py)
+from support import MiB  # noqa: E402
 
-MiB = 1 << 20
 CELLS, RELOADS, KERNELS = 200, 20, 5
 
 

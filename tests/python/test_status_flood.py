@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import zmq
 
-from gpucleanup import status_client
-from gpucleanup.status_endpoint import StatusEndpoint
+from gpucleanup.protocol import status_client
+from gpucleanup.in_kernel.status_endpoint import StatusEndpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 NOFILE = 256
@@ -41,7 +41,7 @@ limit = LOWERED_LIMIT if hard == resource.RLIM_INFINITY else min(LOWERED_LIMIT, 
 resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
 
 from gpucleanup import _native
-from gpucleanup.status_endpoint import StatusEndpoint
+from gpucleanup.in_kernel.status_endpoint import StatusEndpoint
 
 warnings = []
 
@@ -282,7 +282,7 @@ def test_limits_reach_server_start_and_refusals_are_logged_once(runtime, caplog)
 def test_endpoint_defaults_and_the_trait():
     from traitlets import TraitError
 
-    from gpucleanup.config import GPUCleanupOptions
+    from gpucleanup.in_kernel.config import GPUCleanupOptions
 
     ep = StatusEndpoint()
     assert (ep.max_peers, ep.peer_idle_timeout_s) == (64, 10.0)

@@ -1,6 +1,6 @@
 """The status server through the library (_native.server_*) and the kernel-side StatusEndpoint.
 
-The client is gpucleanup.status_client, in this process; the fake CUDA driver
+The client is gpucleanup.protocol.status_client, in this process; the fake CUDA driver
 answers the snapshot and drain hooks.
 """
 
@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 import zmq
 
-from gpucleanup import _native, discovery, status_client
-from gpucleanup.status_endpoint import StatusEndpoint
+from gpucleanup import _native
+from gpucleanup.protocol import discovery, status_client
+from gpucleanup.in_kernel.status_endpoint import StatusEndpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -15,8 +15,10 @@ from IPython.utils.capture import capture_output
 from conftest import BUILD
 import gpucleanup
 import gpucleanup.frameworks
-import gpucleanup.status_endpoint
-from gpucleanup import extension, report, tracing
+import gpucleanup.in_kernel.status_endpoint
+from gpucleanup.in_kernel import extension
+from gpucleanup.records import report
+from gpucleanup.in_kernel import tracing
 from test_extension import MiB, StandInEndpoint, _lines, shell  # noqa: F401
 
 FAKE_CUPTI = BUILD / "tests" / "fake_cupti" / "libcupti.so"
@@ -37,7 +39,7 @@ def cupti(monkeypatch, fake_cuda):
     lib.fake_cupti_reset(0)
     monkeypatch.setenv("GPUCLEANUP_CUPTI", str(FAKE_CUPTI))
     monkeypatch.setattr(gpucleanup.frameworks, "active", lambda: [])
-    monkeypatch.setattr(gpucleanup.status_endpoint, "StatusEndpoint", lambda: StandInEndpoint())
+    monkeypatch.setattr(gpucleanup.in_kernel.status_endpoint, "StatusEndpoint", lambda: StandInEndpoint())
     fake_cuda.reset({"devices": [{"primary_active": True}], "current_context": {"device": 0}})
     yield lib
     from gpucleanup import _native

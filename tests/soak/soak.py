@@ -313,7 +313,7 @@ def cell_failed(cell: kernel_harness.Cell) -> Optional[str]:
 
 def ask_status(runtime: Path, pid: int) -> Optional[dict]:
     """The kernel's status reply, from outside (as ``gpucleanup status`` asks), or None."""
-    from gpucleanup import kernels
+    from gpucleanup.outside import kernels
 
     for view in kernels.gather(runtime, timeout=REPLY_TIMEOUT).kernels:
         if view.pid == pid:
@@ -528,7 +528,7 @@ def part_reload(n: int, env: dict, runtime: Path, rss_limit: Optional[int], log)
             "problems": problems}
     kernel = Kernel(env).ready()
     pid = kernel.pid
-    from gpucleanup import discovery
+    from gpucleanup.protocol import discovery
 
     def present_now() -> bool:
         # each load writes files named from a new instance (<pid>-<random>): found by the pid, then by that name
@@ -725,7 +725,7 @@ def _mib(n: Optional[int]) -> str:
 
 
 def summary(result: dict) -> str:
-    from gpucleanup.report import Table
+    from gpucleanup.records.report import Table
 
     rows = []
     for name in ("cells", "baseline", "reload", "kernels"):
@@ -839,7 +839,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     sys.path.insert(0, str(package))
     for name in [m for m in sys.modules if m == "gpucleanup" or m.startswith("gpucleanup.")]:
         del sys.modules[name]
-    from gpucleanup import kernels, report  # noqa: F401  (from the copy, before anything runs)
+    from gpucleanup.outside import kernels; from gpucleanup.records import report  # noqa: F401  (from the copy, before anything runs)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUCLEANUP_FAKE_CUDA", "JPY_"))}
     env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(package), os.environ.get("PYTHONPATH")])),
                GPUCLEANUP_LIBRARY=str(library), GPUCLEANUP_LIBCUDA=str(fake),

@@ -21,7 +21,7 @@ Under the server's base URL, for a logged-in user (token, password or login cook
 ``GET api/gpucleanup/kernels/<id>``
     One entry (``id``: the kernel id, or ``pid-<pid>`` for a kernel without one); 404 if unknown.
 ``POST api/gpucleanup/kernels/<id>/park`` and ``.../resume``
-    The kernel's whole GPU memory, its context included, to host memory and back (``gpucleanup.parking``).
+    The kernel's whole GPU memory, its context included, to host memory and back (``gpucleanup.park.kernel_side``).
     200: ``ok``, the driver's ``state`` and one sentence; 409: refused (a cell or a drain is running,
     already parked, a restore known to fail, host memory too small); 504: no answer.
 ``POST api/gpucleanup/kernels/<id>/drain``
@@ -38,13 +38,14 @@ Settings (``jupyter_server_config.py``)::
     c.GPUCleanupServer.park_idle_after_s = 0 # park kernels idle this long (0: never)
 
 With ``prometheus_client`` installed, the server's own ``/metrics`` also carries every kernel's
-figures (``gpucleanup.metrics``).
+figures (``gpucleanup.outside.metrics``).
 
 The kernel side of gpucleanup never imports this package: jupyter_server is needed only here.
 """
 
 from __future__ import annotations
 
+from .auto_park import AutoPark
 from .handlers import GPUCleanupServer, KernelWatch, handlers
 
 __all__ = ["GPUCleanupServer", "_jupyter_server_extension_points", "_load_jupyter_server_extension"]
@@ -72,7 +73,8 @@ def _load_jupyter_server_extension(serverapp) -> None:
     _stop_with_the_server(serverapp, watch)
     _register_metrics(serverapp)
     if settings.park_idle_after_s > 0:
-        _park_idle_kernels(serverapp, watch, settings.park_idle_after_s)
+        watch.auto_park = AutoPark(watch, settings.park_idle_after_s, serverapp.log)
+        watch.auto_park.start()
     serverapp.log.info("gpucleanup: the page of the kernels' GPU memory is at %sgpucleanup", serverapp.base_url)
 
 
@@ -105,41 +107,14 @@ def _stop_with_the_server(serverapp, watch: KernelWatch) -> None:
     serverapp.cleanup_extensions = cleanup_extensions
 
 
-def _park_idle_kernels(serverapp, watch: KernelWatch, after_s: float) -> None:
-    """Every ``min(60 s, after_s / 4)`` (at least 1 s), one round of :meth:`KernelWatch.park_idle`; a round
-    still running when the next is due is not doubled. The timer stops with the server (KernelWatch.close)."""
-    from tornado.ioloop import PeriodicCallback
-
-    running = {"now": False}
-
-    async def round_() -> None:
-        if running["now"] or watch.stopped:
-            return
-        running["now"] = True
-        try:
-            for line in await watch.park_idle():
-                serverapp.log.info("gpucleanup: %s", line)
-        except Exception as exc:
-            if not watch.stopped:
-                serverapp.log.warning("gpucleanup: the automatic parking round failed: %s", exc)
-        finally:
-            running["now"] = False
-
-    period_ms = 1000 * max(1.0, min(60.0, after_s / 4))
-    timer = PeriodicCallback(round_, period_ms)
-    watch._timers.append(timer)
-    timer.start()
-    serverapp.log.info("gpucleanup: kernels idle for %g s are parked (GPUCleanupServer.park_idle_after_s)", after_s)
-
-
 def _register_metrics(serverapp) -> None:
     """Every kernel's figures in the server's own /metrics, when prometheus_client is installed."""
     try:
-        from .. import metrics
+        from ..outside import metrics
 
         register = getattr(metrics, "register_server_collector", None)
         if register is None:
-            serverapp.log.info("gpucleanup: this version of gpucleanup.metrics adds nothing to /metrics")
+            serverapp.log.info("gpucleanup: this version of gpucleanup.outside.metrics adds nothing to /metrics")
             return
         register(serverapp)
         serverapp.log.info("gpucleanup: the kernels' figures are on %smetrics", serverapp.base_url)

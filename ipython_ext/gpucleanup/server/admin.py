@@ -27,7 +27,8 @@ import os
 import time
 from typing import Dict, Iterable, List, Optional, Tuple
 
-from .. import kernels, park as park_steps, parking, remote_park
+from ..outside import kernels
+from ..park import steps as park_steps, kernel_side as parking, from_outside as remote_park
 
 __all__ = ["GpuView", "local_facts", "annotate", "park_preview", "owner_name", "SORTS"]
 

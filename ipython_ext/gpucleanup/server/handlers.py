@@ -24,7 +24,10 @@ from tornado import template, web
 from traitlets import Float, Int
 from traitlets.config import LoggingConfigurable
 
-from .. import discovery, kernels, park as park_steps, parking, remote_park, status_client
+from ..protocol import discovery
+from ..outside import kernels
+from ..park import steps as park_steps, kernel_side as parking, from_outside as remote_park
+from ..protocol import status_client
 from ..version import __version__
 from . import admin, model
 
@@ -95,7 +98,8 @@ class KernelWatch:
         #: park or a resume of that kernel forgets its entry
         self.park_checks: Dict[int, tuple] = {}
         self._stopped = False
-        self._timers: List[object] = []
+        #: the automatic park (GPUCleanupServer.park_idle_after_s > 0), stopped with the watch
+        self.auto_park = None
 
     def close(self) -> None:
         """The server stops: no new work, the automatic parking's timer stopped, both pools shut down (work
@@ -104,9 +108,8 @@ class KernelWatch:
         if self._stopped:
             return
         self._stopped = True
-        for timer in self._timers:
-            timer.stop()
-        self._timers.clear()
+        if self.auto_park is not None:
+            self.auto_park.stop()
         for pool in (self._executor, self._drains):
             pool.shutdown(wait=False, cancel_futures=True)
 
@@ -129,7 +132,7 @@ class KernelWatch:
             self._drains, partial(status_client.request, target, "drain", wait, timeout_s=drain_timeout))
 
     def park(self, kernel: discovery.Kernel, target: status_client.Target, action: str, automatic: bool = False):
-        """Park or resume ``kernel`` (gpucleanup.remote_park, each step in a helper process), on the drains'
+        """Park or resume ``kernel`` (gpucleanup.park.from_outside, each step in a helper process), on the drains'
         pool: a park moves the kernel's whole device memory and may take minutes. ``automatic``: the
         policy's park (``park_idle_after_s``), which a kernel refuses while a thread a cell started runs on."""
         lock = parking.lock_path(kernel.key_file, kernel.pid)
@@ -157,47 +160,6 @@ class KernelWatch:
             check = partial(remote_park.check_kernel, kernel.pid, target, self.settings.timeout, lock)
             shared = self.park_checks[kernel.pid] = (now, loop.run_in_executor(self._drains, check))
         return shared[1]
-
-    async def park_idle(self) -> List[str]:
-        """One round of the automatic parking (``park_idle_after_s``): every kernel with gpucleanup that
-        has been idle that long, one after the other; what each gave, as log lines. A kernel the park
-        refused is tried once per idle period: not again, and not logged again, until its idle-since time
-        changes (a cell ran) or what the kernel said keeps an automatic park away (``park_blocker``: a thread
-        of the notebook runs, the trace is on) changes, as when the thread ends with no cell to say it. A
-        refused or failed park leaves the idle-since time as it was (the status server's ``failed`` step puts
-        back the idle state ``begin`` found), so the memo, by kernel, idle-since time and blocker, holds for
-        as long as neither changes."""
-        after = self.settings.park_idle_after_s
-        said: List[str] = []
-        if after <= 0:
-            return said
-        # kernel id -> (the idle-since time (since_ns), the blocker said) of its last refused or failed park
-        refused: Dict[str, tuple] = getattr(self, "_park_refused", {})
-        self._park_refused = refused
-        found = await self.run(discovery.scan, self.runtime_dir, clean=False)
-        listed = (await self.collect(frozenset()))["kernels"]  # the states only: no kernel asked for its cells
-        for gone in set(refused) - {entry["id"] for entry in listed}:
-            del refused[gone]  # a kernel that exited: its id is never seen again
-        for entry in listed:
-            state = entry.get("state") or {}
-            if not entry.get("gpucleanup") or state.get("state") != "idle" or not isinstance(state.get("age_s"), (int, float)):
-                continue
-            memo = (state.get("since_ns"), state.get("park_blocker"))
-            if state["age_s"] < after or refused.get(entry["id"]) == memo:
-                continue
-            kernel = next((k for k in found.live if k.pid == entry.get("pid") and k.elsewhere is None), None)
-            if kernel is None or not kernel.key_file:
-                continue
-            try:
-                outcome = await self.park(kernel, kernels.target_of(kernel), "park", automatic=True)
-                said.append(f"kernel {entry['id']} idle {state['age_s']:.0f} s: {remote_park.outcome_text(outcome)}")
-                if not outcome.ok:
-                    refused[entry["id"]] = memo
-            except Exception as exc:  # refused, no answer, a key file that cannot be read: next time, if it changes
-                if getattr(exc, "error_id", None) not in parking.PASSING_REFUSALS:  # one that passes: next round
-                    refused[entry["id"]] = memo
-                said.append(f"kernel {entry['id']} idle {state['age_s']:.0f} s: not parked: {exc}")
-        return said
 
     async def server_kernels(self) -> List[dict]:
         """This server's kernels: id, notebook path (its session's), pid, execution state."""
@@ -462,7 +424,7 @@ def _target_of(kernel: discovery.Kernel, key: str) -> status_client.Target:
 
 class ParkHandler(_API):
     """``POST api/gpucleanup/kernels/<id>/park`` and ``.../resume``: the kernel's whole GPU memory, its
-    context included, to host memory and back (gpucleanup.remote_park; the same as ``gpucleanup park|resume``).
+    context included, to host memory and back (gpucleanup.park.from_outside; the same as ``gpucleanup park|resume``).
     200 with ``ok`` true, the driver's ``state`` and one sentence when it was done; 500 with the same body,
     ``ok`` false, when a driver step failed (the sentence says where the process is: ``gpucleanup park|resume``
     exit 6); 409 when refused and nothing was done (a cell or a drain is running, already parked, not parked,
@@ -542,7 +504,7 @@ class ParkIdleHandler(_API):
 
 class ParkCheckHandler(_API):
     """``GET api/gpucleanup/kernels/<id>/park-check``: whether the kernel can be parked now and, if not, every
-    reason (gpucleanup.remote_park.check_kernel, the same as ``gpucleanup park --check``); touches nothing. 200 with
+    reason (gpucleanup.park.from_outside.check_kernel, the same as ``gpucleanup park --check``); touches nothing. 200 with
     ``parkable``, ``reasons``, ``usage`` (bytes per GPU UUID), the kernel's and the driver's state, and one
     sentence in ``message``."""
 

@@ -2,7 +2,7 @@
 
 Pure functions of plain data (no tornado, no jupyter_server), so the shape is tested on its own. The
 handlers (``handlers.py``) collect the inputs: the kernels the Jupyter server runs (id, notebook path,
-execution state, pid) and :func:`gpucleanup.kernels.gather`'s views.
+execution state, pid) and :func:`gpucleanup.outside.kernels.gather`'s views.
 
 An entry (``GET /api/gpucleanup/kernels`` lists them)::
 
@@ -26,7 +26,8 @@ from __future__ import annotations
 import time
 from typing import Dict, Iterable, List, Optional
 
-from .. import kernels, report, timeline
+from ..outside import kernels
+from ..records import report, timeline
 
 __all__ = ["LAST_CELLS", "NOT_LOADED", "entry_id", "state_text", "compact_cell", "assemble", "drain_lines"]
 

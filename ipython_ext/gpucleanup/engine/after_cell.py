@@ -1,0 +1,270 @@
+"""The after-cell engine: what gpucleanup does to GPU memory after a cell, as plain steps.
+
+Like IPython's own ``autoreload`` (a ``ModuleReloader`` that knows nothing of the shell,
+and a hook of a few lines that delegates), this module imports nothing from IPython:
+the extension (``extension.py``) owns the lifecycle, the traits and ``%gpumem``, and
+hands each cell to :meth:`AfterCell.run`, which returns an :class:`~.record.Outcome`:
+a typed record and the lines to print, separately.
+
+The steps, each a method of :class:`~.cell_pass.CellPass` over one :class:`~.cell_pass.DeviceWork` per
+device in use (built once from the native pass's entry for it) and the frameworks' figures read
+once into :class:`~.figures.FrameworkFigures`:
+
+0. ``quiet``: once a cell has been proven idle, the next asks the library's quiet check
+   (``_native.quiet``: the same devices, free memory and pools as that pass left, nothing
+   queued) and reads each framework once (which frameworks are in use: as the last idle cell
+   found them while nothing was imported since, ``_adapters_in_use``); figures equal to the last
+   cleanup's with nothing new to give back (``nothing_new``) end the cell there, and leave
+   what that proof rested on (:class:`IdleProof`): the next cell that finds all of it as it was,
+   every framework's quiet token included, is proven idle without the comparisons. Anything else
+   runs the steps below.
+1. ``settle``: the driver pass (``_native.after_cell``, the only native protocol). On every
+   device already in use, wait (at most ``settle_timeout``) for queued work, then trim the
+   driver's pools once; busy devices are skipped. Past 2 s a progress line is written.
+2. ``collect``: garbage collection, only when it can release GPU memory; then each
+   framework's figures. ``unchanged``: nothing changed since the last cleanup (``same_devices``:
+   the same free memory and pools on every settled device; ``nothing_new``: the same framework
+   figures, nothing cached or queued): the steps below are skipped, no record is built, kept
+   or published.
+3. ``drain``: each framework adapter empties its caches on the settled devices.
+4. ``trim``: the driver's pools again, only if a framework gave memory back to them.
+5. ``snapshot``: device figures after the cleanup (the driver pass's own, or the trim's,
+   when nothing changed since it).
+6. ``release_pinned``: pinned host pools are released on a background thread, started
+   after the cell's last driver call (a pinned free makes concurrent driver calls wait).
+7. ``record`` and ``outcome``: the record, whether to speak (the show policy), and the lines, rendered by
+   the voice the caller handed in (``report.CellVoice``): the engine itself renders nothing.
+
+What lasts between cells lives in named homes, which :class:`AfterCell` (a facade) holds and hands to each
+:class:`~.cell_pass.CellPass`: the background releases (``releases.py``), the figures since the last pass
+(``since_last_pass.py``), the quiet check and its proof (``quiet_check.py``) and the framework reader
+(``figures.py``).
+
+When nothing in the process uses CUDA, a cell costs one native call and nothing else.
+Nothing here raises into the caller for a fault of a framework or of the driver: each
+becomes a note, said once per kind.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, List, Optional, Union
+
+from .cell_pass import Cell, CellHooks, CellPass, CtrlC, DeviceWork, Silent  # noqa: F401  (re-exported)
+from .figures import (FrameworkFigures, FrameworkReader, Held, LastPass, Stats, live_total,  # noqa: F401
+                      outside_every_pool, status_figures)
+from .quiet_check import IdleProof, QuietCheck  # noqa: F401
+from ..records.record import CellRecord, Outcome
+from .releases import IdleRelease, PinnedRelease, Release, Releases, adapter_note, guarded  # noqa: F401
+from .settings import Settings
+from .since_last_pass import GpuHolders, SinceLastPass  # noqa: F401
+
+__all__ = ["AfterCell", "Settings", "adapter_note"]
+
+
+class AfterCell:
+    """One cell's cleanup at a time (:meth:`run`), over the parts that last between cells.
+
+    ``native`` is ``gpucleanup._native`` (or a stand-in with its ``cuda_initialized``, ``after_cell``, ``quiet``,
+    ``trim`` and ``snapshot``, returning the same shapes); ``adapters`` a callable returning the framework adapters
+    in use (None: the real ones, ``gpucleanup.frameworks.active``); ``status`` a callable ``(method, payload)``
+    feeding the status endpoint; ``voice`` what renders the lines and the progress line (``report.CellVoice``;
+    None: nothing is said, the lines are empty).
+    """
+
+    def __init__(self, native: Any, adapters: Optional[Callable[[], Any]] = None,
+                 status: Optional[Callable[[str, dict], None]] = None, voice: Any = None):
+        self.native = native
+        self.frameworks = FrameworkReader(adapters)
+        self.releases = Releases(trim=lambda: self.native.trim())
+        self.since = SinceLastPass()
+        self.quiet = QuietCheck()
+        self.hooks = CellHooks(voice=voice if voice is not None else Silent())
+        if status is not None:
+            self.hooks.status = status
+
+    # ------------------------------------------------------------ the cell
+
+    def run(self, settings: Settings, cell: Optional[int] = None, namespace: Optional[dict] = None,
+            forced: bool = False, after_forced: Optional[CellRecord] = None,
+            hidden: Union[None, List[dict], Callable[[], List[dict]]] = None) -> Optional[Outcome]:
+        """The cleanup after one cell (a :class:`CellPass`); None when nothing in the process uses CUDA.
+
+        ``forced`` (``%gpumem --drain``) always returns lines. ``after_forced`` is the
+        record of a ``%gpumem --drain`` earlier in the same cell: this cleanup then says
+        and keeps only what it adds to it (one line and one record per cell). ``hidden``:
+        the cell's holders no variable names, or a callable asked for them once a device is in use.
+        """
+        self.releases.cell_starts()  # a release still waiting is re-armed, or replaced by this cleanup's
+        try:
+            return CellPass(self.native, self.frameworks, settings, Cell(cell, namespace, forced, after_forced, hidden),
+                            self.since, self.quiet, self.releases, self.hooks).run()
+        finally:
+            self.releases.cell_ends()
+
+    def memory_status(self, settings: Settings) -> dict:
+        """The process's GPU memory as data with exact bytes (what %gpumem shows); see :func:`memory_status`."""
+        return memory_status(self.native, self.frameworks, self.since, settings)
+
+    def baseline(self, probe: dict) -> None:
+        self.since.baseline(probe)
+
+    # ------------------------------------------------------------ the releases between cells
+
+    def cell_starts(self, source: Optional[str] = None) -> Optional[IdleRelease]:
+        return self.releases.cell_starts(source)
+
+    def held(self) -> Optional[IdleRelease]:
+        return self.releases.held()
+
+    def cell_ends(self) -> None:
+        self.releases.cell_ends()
+
+    def stop(self) -> None:
+        """Unload or exit: nothing waits any more to run later."""
+        self.releases.stop()
+
+    def adapter_lock(self, name: str):
+        return self.releases.adapter_lock(name)
+
+    @property
+    def idle_job(self) -> Optional[IdleRelease]:
+        return self.releases.idle_job
+
+    @property
+    def pinned_job(self) -> Optional[PinnedRelease]:
+        return self.releases.pinned_job
+
+    @property
+    def unraisables(self) -> Any:
+        return self.releases.unraisables
+
+    @property
+    def exiting(self) -> bool:
+        return self.releases.exiting
+
+    @exiting.setter
+    def exiting(self, value: bool) -> None:
+        self.releases.exiting = value
+
+    @property
+    def background(self) -> Callable[[bool], bool]:
+        """The status server's hook, around a release on a thread of its own (:class:`~.releases.Releases`)."""
+        return self.releases.background
+
+    @background.setter
+    def background(self, hook: Callable[[bool], bool]) -> None:
+        self.releases.background = hook
+
+    # ------------------------------------------------------------ what the face reads and sets
+
+    def note_once(self, kind: str) -> bool:
+        """True the first time ``kind`` is seen in this session."""
+        return self.hooks.said.first(kind)
+
+    def stats(self, adapters: list, devices: List[int], notes: list, by_token: bool = False) -> Stats:
+        return self.frameworks.stats(adapters, devices, notes, by_token)
+
+    @property
+    def skipped(self) -> int:
+        """Idle cells whose cleanup was skipped: nothing had changed since the last."""
+        return self.since.skipped
+
+    @property
+    def last_driver_state(self) -> Optional[str]:
+        return self.since.driver_state
+
+    @last_driver_state.setter
+    def last_driver_state(self, state: Optional[str]) -> None:
+        self.since.driver_state = state
+
+    @property
+    def holders(self) -> GpuHolders:
+        return self.since.holders
+
+    @holders.setter
+    def holders(self, holders: GpuHolders) -> None:
+        self.since.holders = holders
+
+    @property
+    def ctrl_c(self) -> CtrlC:
+        return self.hooks.ctrl_c
+
+    @property
+    def traced(self) -> Optional[Callable[[int], List[dict]]]:
+        """The allocation trace's entries of a cell (``Tracer.cell_entries``), None: no trace."""
+        return self.hooks.traced
+
+    @traced.setter
+    def traced(self, fn: Optional[Callable[[int], List[dict]]]) -> None:
+        self.hooks.traced = fn
+
+    @property
+    def tracing(self) -> Callable[[], bool]:
+        """Whether the allocation trace runs now: while it does, no cell is skipped as idle."""
+        return self.hooks.tracing
+
+    @tracing.setter
+    def tracing(self, fn: Callable[[], bool]) -> None:
+        self.hooks.tracing = fn
+
+
+def memory_status(native: Any, frameworks: FrameworkReader, since: SinceLastPass, settings: Settings) -> dict:
+    """The process's GPU memory as data with exact bytes (what %gpumem shows): per device in
+    use the driver's figures, each framework's live and cached bytes, the driver pools and what
+    is outside every pool; the pinned pools; notes. Reads only: frees nothing, initialises nothing."""
+    notes: List[tuple] = []
+    out: dict = {"kind": "gpumem", "time_ns": time.time_ns(), "devices": [], "pinned": {}}
+    try:
+        snap = native.snapshot()
+    except Exception as exc:
+        out["driver"] = {"state": "unusable", "message": str(exc)}
+        out["notes"] = []  # the driver's sentence says it, once
+        return out
+    driver = snap.get("driver") or {}
+    out["driver"] = driver
+    in_use = [d for d in snap.get("devices") or [] if d.get("in_use")]
+    adapters = frameworks.adapters(settings.frameworks, notes) if driver.get("state") == "ready" and in_use else []
+    indices = [int(d["index"]) for d in in_use if not since.is_unusable(int(d["index"]))]
+    stats = frameworks.stats(adapters, indices, notes) if adapters else {}
+    out["frameworks"] = {}
+    for adapter in adapters:
+        desc, note = guarded(adapter, "describe")
+        out["frameworks"][adapter.name] = desc if isinstance(desc, str) else None
+        if note:
+            notes.append(note)
+    for dev in in_use:
+        i = int(dev["index"])
+        fws = {name: status_figures(s, i) for name, s in stats.items() if i in s.devices}
+        pools = [
+            {"which": p.get("which"), "reserved_bytes": p.get("reserved_bytes"), "used_bytes": p.get("used_bytes")}
+            for p in dev.get("pools") or []
+        ]
+        used = dev.get("used_bytes")
+        pools_bytes = sum(int(p["reserved_bytes"] or 0) for p in pools)
+        outside = None if used is None else outside_every_pool(used, stats, i, pools_bytes)
+        out["devices"].append(
+            {
+                "index": i,
+                "name": dev.get("name"),
+                "state": "unusable" if since.is_unusable(i) else dev.get("state"),
+                "total_bytes": dev.get("total_bytes"),
+                "used_bytes": used,
+                "free_bytes": dev.get("free_bytes"),
+                "frameworks": fws,
+                "pools": pools,
+                "known_bytes": sum(e["live_bytes"] + e["cached_bytes"] + e.get("reserved_bytes", 0)
+                                   for e in fws.values()) + pools_bytes,
+                "outside_bytes": outside,
+                "outside_since_load_bytes": since.outside_since_load(i),
+                "message": (dev.get("error") or {}).get("message"),
+            }
+        )
+    out["pinned"] = {name: s.pinned.as_dict() for name, s in stats.items() if s.pinned is not None}
+    out["reserved_fix"] = {name: s.fix for name, s in stats.items() if s.fix and not s.releases}
+    # pools of the user's own making, per framework (PyCUDA's DeviceMemoryPool and PageLockedMemoryPool)
+    out["framework_pools"] = {name: s.pools for name, s in stats.items() if s.pools}
+    for s in stats.values():
+        notes.extend((f"stats-note:{n}", n) for n in s.notes)
+    out["notes"] = [text for _, text in notes]
+    return out

@@ -1,0 +1,97 @@
+"""A resume that no cell has said yet, kept for the kernel's next cell to say once.
+
+The resume a cell makes before it runs is said at once, under that cell (``resumed ... (parked 42 min)``).
+A resume made any other way has no cell to be said under: from outside the kernel (``gpucleanup resume``, the
+page's Resume), or for a request that is no cell (a completion, an inspection, a widget's comm message, a
+variable inspector's silent execute: what a frontend sends as soon as a notebook is opened again). Whoever
+resumes writes it in the kernel's park lock file (:mod:`gpucleanup.park.kernel_side`: private to the user, beside the
+key, written under the lock), and the kernel's next cell says it and clears it::
+
+    gpucleanup · resumed 1.5 GiB from host memory in 0.9 s (parked 42 min), 5 min before this cell, for a completion
+
+Reading it costs a cell one ``stat`` of that file while there is nothing to say (an empty or absent file).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Optional
+
+from ..units import format_bytes, format_duration
+
+__all__ = ["FROM_OUTSIDE", "for_request", "after_resume", "sentence", "take"]
+
+#: how a resume made through the kernel's status endpoint by another process is said
+FROM_OUTSIDE = "from outside the kernel (gpucleanup resume or the page)"
+
+_REQUESTS = {
+    "execute_request": "for a silent execute (a variable inspector's poll)",
+    "comm_open": "for a comm message (a widget)",
+    "comm_msg": "for a comm message (a widget)",
+    "comm_close": "for a comm message (a widget)",
+    "inspect_request": "for an inspection",
+    "complete_request": "for a completion",
+}
+
+
+def for_request(msg_type: str) -> str:
+    """How a resume made for a request of type ``msg_type`` (one the kernel's request guard resumes for) is said."""
+    return _REQUESTS.get(msg_type, f"for a {msg_type}")
+
+
+def after_resume(park_note: dict, seconds: float, by: str, now_ns: Optional[int] = None) -> dict:
+    """The lock file's note after a resume made ``by`` someone no cell will hear: what the park's own note said
+    (``parked_bytes``, ``since_ns``: when the park ended) and the resume's time."""
+    parked_bytes = park_note.get("parked_bytes")
+    parked_ns = park_note.get("since_ns")
+    return {"resumed": {
+        "by": by,
+        "bytes": parked_bytes if isinstance(parked_bytes, int) and parked_bytes > 0 else None,
+        "parked_ns": parked_ns if isinstance(parked_ns, int) and parked_ns > 0 else None,
+        "resumed_ns": time.time_ns() if now_ns is None else now_ns,
+        "seconds": round(float(seconds), 3),
+    }}
+
+
+def sentence(news: dict, now_ns: Optional[int] = None) -> Optional[str]:
+    """``resumed 1.5 GiB from host memory in 0.9 s (parked 42 min), 5 min before this cell, for a completion``;
+    None when ``news`` is not a resume's note."""
+    if not isinstance(news, dict) or not isinstance(news.get("resumed_ns"), int):
+        return None
+    now_ns = time.time_ns() if now_ns is None else now_ns
+    size = news.get("bytes")
+    text = f"resumed {format_bytes(size)}" if isinstance(size, int) and size > 0 else "resumed its GPU memory"
+    seconds = news.get("seconds")
+    if isinstance(seconds, (int, float)):
+        text += f" from host memory in {seconds:.1f} s"
+    parked_ns = news.get("parked_ns")
+    if isinstance(parked_ns, int) and 0 < parked_ns <= news["resumed_ns"]:
+        text += f" (parked {format_duration((news['resumed_ns'] - parked_ns) / 1e9)})"
+    text += f", {format_duration(max(0.0, (now_ns - news['resumed_ns']) / 1e9))} before this cell"
+    by = news.get("by")
+    return text + (f", {by}" if isinstance(by, str) and by else "")
+
+
+def take(lock_file: Optional[os.PathLike]) -> Optional[str]:
+    """The sentence of a resume no cell has said yet, cleared as it is taken (so said once); None when there is
+    none, or when the lock is held elsewhere this moment (it is said by a later cell). Never raises."""
+    if lock_file is None:
+        return None
+    try:
+        if os.stat(lock_file).st_size == 0:
+            return None
+    except OSError:
+        return None
+    from .lock import LockBusy, ParkLock
+    from .steps import ParkRefused
+
+    try:
+        with ParkLock(lock_file, 0.2) as lock:
+            news = lock.read_note().get("resumed")
+            if not isinstance(news, dict):
+                return None  # a park's own note: the kernel's state says parked, and its cell resumes it
+            lock.write_note(None)
+    except (LockBusy, ParkRefused, OSError):
+        return None
+    return sentence(news)

@@ -1,0 +1,879 @@
+"""Park a process: all of its GPU memory, context included, into host memory and back.
+
+The CUDA driver's checkpoint calls do the work (share/FACTS.md §10); this module is the
+state machine around them, after the CUDA checkpoint utility and CRIU: every step (lock,
+checkpoint, restore, unlock, and each look at the state) runs in a helper process of its own
+(:mod:`gpucleanup.park.native_step`, whose ``cuInit`` is its own) with a time limit, and every
+outcome names the state the process is left in and what to do next:
+
+- a lock that does not come in time leaves the process running;
+- a failed (or hung) checkpoint unlocks it again: it runs as before;
+- a failed restore leaves it parked, its memory safe in host memory, and says how to retry;
+- a step that outruns its limit is killed and reported, and the state is read again by a
+  fresh helper, so nothing is ever half-parked silently.
+
+Nothing here runs in the parked process, and no driver call is made by the calling process
+either: this module only starts helpers and reads their JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
+
+from ..say import printable
+from ..units import format_bytes
+
+__all__ = ["Limits", "Step", "Outcome", "ParkRefused", "Gpu", "step", "state", "park", "resume", "refusals",
+           "host_memory_refusal", "cgroup_memory", "cgroup_memory_refusal", "unrestorable_refusal", "room_refusal",
+           "process_gpu_usage", "gpus", "compute_apps", "RESUME_MARGIN"]
+
+#: The process states of the driver (CUprocessState), as the helper names them; the last two are named by
+#: newer drivers while a checkpoint or a restore is under way.
+RUNNING, LOCKED, CHECKPOINTED, FAILED = "running", "locked", "checkpointed", "failed"
+CHECKPOINTING, RESTORING = "checkpointing", "restoring"
+UNDER_WAY = (CHECKPOINTING, RESTORING)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """How long each step may take, in seconds, before its helper is killed.
+
+    The checkpoint and the restore move the process's whole device memory (measured: about
+    2.5 GB/s to park and 7 GB/s to restore, share/FACTS.md §10): their defaults leave room for
+    the largest GPUs. The lock is also bounded by the driver itself (``lock_timeout_s``), so
+    that a process busy in a CUDA call is left running rather than waited for.
+    """
+
+    state_s: float = 30.0
+    lock_s: float = 30.0
+    lock_timeout_s: float = 10.0
+    checkpoint_s: float = 300.0
+    restore_s: float = 300.0
+    unlock_s: float = 30.0
+
+    def of(self, name: str) -> float:
+        return float(getattr(self, f"{name}_s"))
+
+
+@dataclass
+class Step:
+    """One helper's step: what the driver answered and the state after it."""
+
+    name: str
+    ok: bool
+    result: Optional[str] = None          # CUDA_SUCCESS or the error's name
+    state_before: Optional[str] = None
+    state: Optional[str] = None           # null: the driver could not say (not a CUDA process, gone)
+    seconds: float = 0.0                  # the helper's whole run, start-up included
+    hung: bool = False                    # outran its limit and was killed
+    refused: Optional[str] = None         # no step could be run: the library's sentence
+    restore_map: Optional[int] = None     # restore: how many GPUs its identity map named (0: none passed)
+    interrupted: bool = False             # Ctrl-C or SIGTERM came while it ran: it was let finish
+    hold: Optional[dict] = None           # restore: whether the process's other threads were held meanwhile
+    driver_version: Optional[int] = None  # cuDriverGetVersion in the helper (13000: CUDA 13.0)
+    restore_layout_known: Optional[bool] = None  # the driver's restore arguments are laid out as this build's
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Outcome:
+    """What a park or a resume did: ``ok``, the state the process is in now, one sentence."""
+
+    action: str                      # "park" or "resume"
+    pid: int
+    ok: bool
+    state: Optional[str]
+    message: str
+    steps: List[Step] = field(default_factory=list)
+    seconds: float = 0.0
+    changed: bool = False            # the process was parked (park) or brought back (resume)
+    parked_bytes: Optional[int] = None  # its device memory before the park (nvidia-smi), when known
+    waited_s: float = 0.0            # a kernel's park: how long it waited for a release or a drain under way to end
+    usage: Optional[Dict[str, int]] = None  # park: its device memory per GPU UUID before the park (nvidia-smi)
+    interrupted: bool = False        # Ctrl-C or SIGTERM came during a step; the message says where it left things
+
+    def as_dict(self) -> dict:
+        out = {k: v for k, v in self.__dict__.items() if k != "steps"}
+        out["steps"] = [s.as_dict() for s in self.steps]
+        return out
+
+
+class ParkRefused(Exception):
+    """Nothing was done: the sentence says why and what to do."""
+
+
+# ------------------------------------------------------------------ one step
+
+
+#: Where the helper runs: a directory no other user can write, so that nothing found there is imported.
+HELPER_CWD = "/"
+
+
+def helper_command(name: str, pid: int, extra: Optional[List[str]] = None, python: Optional[str] = None) -> List[str]:
+    """The command line of one park helper, which runs gpucleanup's own code and nothing else.
+
+    Python's isolated mode (``-I``: no current directory or script directory on ``sys.path``, no
+    ``PYTHON*`` variables, no user site) and the package's own parent directory put first, by its
+    installed path: a ``gpucleanup`` package or module planted in the caller's working directory
+    (a shared notebook folder, a world-writable directory root runs ``gpucleanup park`` from) is
+    never imported, and the helper runs from :data:`HELPER_CWD`.
+    """
+    home = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # above gpucleanup/park/
+    code = (f"import sys; sys.path.insert(0, {home!r}); from gpucleanup.park.native_step import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    return [python or sys.executable, "-I", "-c", code, name, str(int(pid))] + list(extra or [])
+
+
+def helper_env(env: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """The helper's environment: the caller's (or ``env``) without ``CUDA_VISIBLE_DEVICES``, so that the
+    helper sees every GPU of the machine, which the restore's GPU map must name (share/FACTS.md §10)."""
+    out = dict(os.environ if env is None else env)
+    out.pop("CUDA_VISIBLE_DEVICES", None)
+    return out
+
+
+#: Lets a helper hold the kernel's threads (called with the helper's pid as it starts): the kernel names it as
+#: its tracer (prctl PR_SET_PTRACER), which Yama's ptrace_scope 1 asks for. None: nobody is asked.
+Allow = Optional[Callable[[int], None]]
+
+
+def _call(name: str, pid: int, limit: float, env: Optional[Dict[str, str]], extra: Optional[List[str]] = None,
+          python: Optional[str] = None, on_start: Allow = None) -> Tuple[Optional[dict], Step]:
+    """Runs helper step ``name`` to its end or ``limit``: its JSON reply (None when it gave none) and the
+    :class:`Step` made of it (or of its silence: hung, or no answer)."""
+    started = time.monotonic()
+    returncode, stdout, stderr, hung, interrupted = _run_helper(helper_command(name, pid, extra, python),
+                                                                helper_env(env), limit, on_start)
+    seconds = time.monotonic() - started
+    if hung:
+        return None, Step(name, False, hung=True, seconds=seconds, interrupted=interrupted)
+    try:
+        reply = json.loads(stdout.decode("utf-8", "replace").strip().splitlines()[-1])
+        if not isinstance(reply, dict):
+            raise ValueError("not an object")
+    except (ValueError, IndexError):
+        why = stderr.decode("utf-8", "replace").strip().splitlines()
+        detail = why[-1] if why else f"exit status {returncode}"
+        return None, Step(name, False, refused=f"[gpucleanup.park.610] the park helper gave no answer "
+                          f"({detail[:300]})", seconds=seconds, interrupted=interrupted)
+    return reply, Step(name, bool(reply.get("ok")), result=reply.get("result"), state_before=reply.get("state_before"),
+                       state=reply.get("state"), seconds=seconds, refused=reply.get("refused"),
+                       restore_map=reply.get("restore_map"), interrupted=interrupted,
+                       driver_version=reply.get("driver_version"),
+                       restore_layout_known=reply.get("restore_layout_known"))
+
+
+def step(pid: int, name: str, limits: Limits = Limits(), python: Optional[str] = None,
+         env: Optional[Dict[str, str]] = None) -> Step:
+    """Runs one step in a fresh helper process, killed past ``limits``; never raises for the driver's answer."""
+    extra = [str(int(limits.lock_timeout_s * 1000))] if name == "lock" else []
+    return _call(name, pid, limits.of(name), env, extra, python)[1]
+
+
+def restore_held(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = None,
+                 allow: Allow = None) -> Tuple[Step, Optional[Step]]:
+    """The restore and, when it worked, the unlock, in one helper that holds every other thread of process
+    ``pid`` meanwhile (ptrace), all but the driver's own restore thread: a restore runs alone (DESIGN rule 12;
+    a JAX thread that called the driver mid-restore made the driver raise SIGSEGV in it, share/FACTS.md §11).
+    ``allow`` is called with the helper's pid as it starts, so that the kernel can name it as its tracer.
+    Returns the restore's step (``hold``: what was held) and the unlock's (None when it was not tried)."""
+    reply, restored = _call("resume", pid, limits.restore_s + limits.unlock_s, env, on_start=allow)
+    restored.name = "restore"
+    if reply is None or restored.refused:
+        return restored, None
+    restored.hold = reply.get("hold") if isinstance(reply.get("hold"), dict) else None
+    if restored.ok:
+        restored.state = LOCKED  # the state after the restore alone; the helper's "state" is after its unlock
+    unlock = reply.get("unlock") if isinstance(reply.get("unlock"), dict) else {}
+    if unlock.get("result") is None:
+        return restored, None
+    return restored, Step("unlock", bool(unlock.get("ok")), result=unlock.get("result"), state_before=LOCKED,
+                          state=reply.get("state"), interrupted=restored.interrupted)
+
+
+def _run_helper(args: List[str], env: Dict[str, str], limit: float,
+                on_start: Allow = None) -> Tuple[int, bytes, bytes, bool, bool]:
+    """Runs a helper to its end or its limit: ``(returncode, stdout, stderr, hung, interrupted)``.
+
+    The helper has a session of its own, so a Ctrl-C typed at the terminal (which signals the whole
+    foreground process group) never stops a driver call half-way; a Ctrl-C or SIGTERM that reaches the
+    caller is noted and the step is let finish within its limit, so the caller can stop at a state it
+    can name (a helper killed mid-checkpoint left the driver locked while its kernel said idle).
+    """
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            env=env, cwd=HELPER_CWD, start_new_session=True)
+    if on_start is not None:
+        try:
+            on_start(proc.pid)
+        except Exception:
+            pass  # the helper then restores without the permission: its hold says why it could not
+    deadline = time.monotonic() + limit
+    interrupted = False
+    while True:
+        try:
+            stdout, stderr = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            return proc.returncode, stdout or b"", stderr or b"", False, interrupted
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            return proc.returncode, b"", b"", True, interrupted
+        except KeyboardInterrupt:
+            if not interrupted:  # said at once: a checkpoint of many GiB takes minutes
+                step_name = args[4] if len(args) > 4 else "step"
+                print(f"gpucleanup: interrupted: the driver's {step_name} under way is let finish (at most "
+                      f"{max(0.0, deadline - time.monotonic()):.0f} s more), then it stops where the kernel's state "
+                      "can be named", file=sys.stderr, flush=True)
+            interrupted = True
+
+
+def state(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = None) -> Step:
+    """The process's state as the driver sees it, from a helper (``.state``; None if it cannot say)."""
+    return step(pid, "state", limits, env=env)
+
+
+# ------------------------------------------------------------------ host memory: the machine's and the cgroup's
+
+
+_MARGIN_FRACTION = 0.05
+_MARGIN_MIN = 1 << 30
+_CGROUP_MARGIN_MIN = 256 << 20
+
+
+def host_memory_refusal(parked_bytes: Optional[int], meminfo: str = "/proc/meminfo") -> Optional[str]:
+    """A sentence when host memory cannot hold ``parked_bytes`` (MemAvailable less a margin), else None.
+
+    The checkpoint copies the whole device state into the parked process's host memory; the
+    margin (5% of MemTotal, at least 1 GiB) keeps the machine out of swap and away from the
+    OOM killer, which would take the parked kernel with its data.
+    """
+    if not parked_bytes:
+        return None
+    fields: Dict[str, int] = {}
+    try:
+        with open(meminfo, encoding="ascii") as fh:
+            for line in fh:
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts and parts[0].isdigit():
+                    fields[key] = int(parts[0]) * 1024
+    except OSError:
+        return None
+    if "MemAvailable" not in fields:
+        return None
+    margin = max(_MARGIN_MIN, int(fields.get("MemTotal", 0) * _MARGIN_FRACTION))
+    if parked_bytes + margin <= fields["MemAvailable"]:
+        return None
+    return (f"[gpucleanup.park.621] host memory cannot hold this kernel's GPU memory: parking needs "
+            f"{format_bytes(parked_bytes)} plus a margin of {format_bytes(margin)}, and only "
+            f"{format_bytes(fields['MemAvailable'])} is available: free host memory (or park a smaller kernel)")
+
+
+class CgroupMemory(NamedTuple):
+    """The tightest memory limit over a process's cgroup and its ancestors: where it is set, the limit,
+    what is charged there now, and what is left (``limit - usage``)."""
+
+    path: str
+    limit: int
+    usage: int
+
+    @property
+    def room(self) -> int:
+        return max(0, self.limit - self.usage)
+
+
+def _read_int(path: str) -> Optional[int]:
+    try:
+        with open(path, encoding="ascii") as fh:
+            text = fh.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def cgroup_memory(pid: int, proc: str = "/proc", root: str = "/sys/fs/cgroup") -> Optional[CgroupMemory]:
+    """The memory limit that binds process ``pid`` (cgroup v2 ``memory.max``/``memory.current``, or v1
+    ``memory.limit_in_bytes``/``memory.usage_in_bytes``), the tightest over its cgroup and every ancestor
+    (a pod's limit is often set a level above the container's own cgroup); None when none is set or none
+    can be read. Read from files alone: the process is not touched.
+
+    A container or a JupyterHub pod with a memory limit kills the kernel when its own park copies more
+    into it than the limit leaves, while the machine's ``MemAvailable`` still says yes (share/FACTS.md §10).
+    """
+    try:
+        with open(f"{proc}/{int(pid)}/cgroup", encoding="utf-8", errors="replace") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return None
+    candidates: List[Tuple[str, str, str, str]] = []  # (directory, limit file, usage file, the hierarchy's root)
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, relative = parts
+        relative = relative.strip()
+        if not relative.startswith("/") or "/.." in relative:
+            continue
+        if hierarchy == "0" and controllers == "":
+            candidates.append((os.path.join(root, relative.lstrip("/")), "memory.max", "memory.current", root))
+        elif "memory" in controllers.split(","):
+            v1 = os.path.join(root, "memory")
+            candidates.append((os.path.join(v1, relative.lstrip("/")), "memory.limit_in_bytes",
+                               "memory.usage_in_bytes", v1))
+    tightest: Optional[CgroupMemory] = None
+    for directory, limit_file, usage_file, top in candidates:
+        here, stop = os.path.normpath(directory), os.path.normpath(top)
+        while True:  # the cgroup, then each ancestor up to the hierarchy's root
+            limit, usage = _read_int(os.path.join(here, limit_file)), _read_int(os.path.join(here, usage_file))
+            if limit is not None and usage is not None and limit < (1 << 62):  # v1 says "none" with about 2^63
+                found = CgroupMemory(here, limit, usage)
+                if tightest is None or found.room < tightest.room:
+                    tightest = found
+            if len(here) <= len(stop):
+                break
+            here = os.path.dirname(here)
+    return tightest
+
+
+def cgroup_memory_refusal(parked_bytes: Optional[int], memory: Optional[CgroupMemory]) -> Optional[str]:
+    """A sentence when the process's cgroup cannot take ``parked_bytes`` more (with a margin of 5% of its
+    limit, at least 256 MiB), else None."""
+    if not parked_bytes or memory is None:
+        return None
+    margin = max(_CGROUP_MARGIN_MIN, int(memory.limit * _MARGIN_FRACTION))
+    if parked_bytes + margin <= memory.room:
+        return None
+    return (f"[gpucleanup.park.628] this kernel's memory limit cannot hold its GPU memory: a park copies "
+            f"{format_bytes(parked_bytes)} into the kernel's own memory, and its cgroup ({printable(memory.path)}: limit "
+            f"{format_bytes(memory.limit)}, {format_bytes(memory.usage)} in use) leaves "
+            f"{format_bytes(memory.room)}, less a margin of {format_bytes(margin)}: the out-of-memory killer would "
+            "end the kernel; raise the container's memory limit, or free GPU memory first")
+
+
+# ------------------------------------------------------------------ what nvidia-smi sees
+
+
+class Gpu(NamedTuple):
+    index: int
+    uuid: str
+    free: int
+    total: int
+
+
+def _smi(query: List[str], timeout: float) -> Optional[List[List[str]]]:
+    try:
+        done = subprocess.run(["nvidia-smi", *query, "--format=csv,noheader,nounits"], capture_output=True,
+                              timeout=timeout, stdin=subprocess.DEVNULL, cwd=HELPER_CWD)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0:
+        return None
+    return [[p.strip() for p in line.split(",")] for line in done.stdout.decode("ascii", "replace").splitlines()
+            if line.strip()]
+
+
+def gpus(timeout: float = 10.0) -> Optional[List[Gpu]]:
+    """Every GPU nvidia-smi sees (index, UUID, free and total bytes); None when it cannot say."""
+    rows = _smi(["--query-gpu=index,uuid,memory.free,memory.total"], timeout)
+    if rows is None:
+        return None
+    out = [Gpu(int(r[0]), r[1], int(r[2]) << 20, int(r[3]) << 20) for r in rows
+           if len(r) == 4 and r[0].isdigit() and r[2].isdigit() and r[3].isdigit()]
+    return out or None
+
+
+def compute_apps(timeout: float = 10.0) -> Optional[List[Tuple[int, str, int]]]:
+    """Every process nvidia-smi lists on a GPU: ``(pid, GPU UUID, bytes)``; None when it cannot say. Pids
+    are the host's: a process of another PID namespace shows with a pid this one may not know."""
+    rows = _smi(["--query-compute-apps=pid,gpu_uuid,used_memory"], timeout)
+    if rows is None:
+        return None
+    return [(int(r[0]), r[1], int(r[2]) << 20) for r in rows if len(r) == 3 and r[0].isdigit() and r[2].isdigit()]
+
+
+def process_gpu_usage(pid: int, timeout: float = 10.0,
+                      apps: Optional[List[Tuple[int, str, int]]] = None) -> Optional[Dict[str, int]]:
+    """The process's device memory per GPU (UUID -> bytes) from ``nvidia-smi --query-compute-apps``;
+    ``{}`` when it holds none, None when nvidia-smi cannot say (absent, failed, or the pid unknown here)."""
+    apps = compute_apps(timeout) if apps is None else apps
+    if apps is None:
+        return None
+    usage: Dict[str, int] = {}
+    for app_pid, uuid, used in apps:
+        if app_pid == pid:
+            usage[uuid] = usage.get(uuid, 0) + used
+    return usage if usage or os.path.exists(f"/proc/{pid}") else None
+
+
+def process_gpu_bytes(pid: int, timeout: float = 10.0) -> Optional[int]:
+    """The process's device memory on every GPU (nvidia-smi), else None."""
+    usage = process_gpu_usage(pid, timeout)
+    return None if usage is None else sum(usage.values())
+
+
+def _gpu_label(uuid: str, view: Optional[List[Gpu]]) -> str:
+    for gpu in view or ():
+        if gpu.uuid == uuid:
+            return f"GPU{gpu.index}"
+    return uuid[:12]
+
+
+def _owner(pid: int) -> str:
+    try:
+        import pwd
+
+        return pwd.getpwuid(os.stat(f"/proc/{pid}").st_uid).pw_name
+    except (OSError, KeyError, ImportError):
+        return ""
+
+
+def unrestorable_refusal(pid: int, usage: Optional[Dict[str, int]], view: Optional[List[Gpu]] = None) -> Optional[str]:
+    """A sentence for a process that a restore is known not to bring back whole, else None.
+
+    Measured on two H200s (share/FACTS.md §10): a process that has used two GPUs together (one cross-GPU
+    copy in PyTorch, which turns peer access on) is checkpointed, but its restore fails with
+    CUDA_ERROR_INVALID_VALUE, with no GPU map as with the identity map of every GPU, and the process is
+    lost; one with memory on two GPUs that never used them together comes back, but its first cross-GPU
+    copy after the resume fails (``invalid resource handle``). Whether peer access was ever turned on cannot
+    be read from outside the process, so every process with device memory on more than one GPU is refused.
+    """
+    if not usage or len(usage) < 2:
+        return None
+    held = ", ".join(f"{_gpu_label(uuid, view)} {format_bytes(n)}" for uuid, n in sorted(
+        usage.items(), key=lambda item: _gpu_label(item[0], view)))
+    return (f"[gpucleanup.park.627] process {pid} uses {len(usage)} GPUs ({held}): it is not parked, because the "
+            "driver cannot restore a process that has used two GPUs together (a cross-GPU copy or peer access: its "
+            "restore fails and the process is lost) and one that has not loses its first cross-GPU copy after the "
+            "resume; give each kernel one GPU (CUDA_VISIBLE_DEVICES) to make it parkable")
+
+
+#: Free memory a resume asks for beyond what the process held on a GPU before its park (measured: a restore
+#: with 256 MiB to spare brought 5.6 GiB back, share/FACTS.md §10).
+RESUME_MARGIN = 256 << 20
+
+
+def room_refusal(pid: int, need: Optional[Dict[str, int]], view: Optional[List[Gpu]],
+                 apps: Optional[List[Tuple[int, str, int]]] = None) -> Optional[str]:
+    """A sentence when a GPU lacks room for the resume of ``pid``: ``need`` is what it held per GPU UUID
+    before its park, ``view`` what nvidia-smi sees now; None when there is room or nothing to compare.
+
+    A restore without room fails with CUDA_ERROR_OUT_OF_MEMORY, and the next restore, once memory was
+    free again, failed with CUDA_ERROR_OPERATING_SYSTEM and lost the process (measured on an H200,
+    share/FACTS.md §10): so no restore is tried without room.
+    """
+    if not need or not view:
+        return None
+    by_uuid = {gpu.uuid: gpu for gpu in view}
+    short = []
+    for uuid, wanted in sorted(need.items()):
+        gpu = by_uuid.get(uuid)
+        if gpu is None:
+            return (f"[gpucleanup.park.633] the GPU process {pid} was parked from ({uuid}) is not on this machine "
+                    "now: it stays parked with nothing lost; bring that GPU back, then resume it")
+        if gpu.free < wanted + RESUME_MARGIN:
+            others = sorted(((used, app) for app, on, used in (apps or ()) if on == uuid and app != pid),
+                            reverse=True)[:3]
+            held = ", ".join(f"pid {app}" + (f" ({owner})" if (owner := _owner(app)) else "") + f" {format_bytes(used)}"
+                             for used, app in others)
+            short.append(f"GPU{gpu.index} lacks {format_bytes(wanted + RESUME_MARGIN - gpu.free)} for the resume (it "
+                         f"needs {format_bytes(wanted)} and a margin of {format_bytes(RESUME_MARGIN)}; "
+                         f"{format_bytes(gpu.free)} is free" + (f"; held by {held}" if held else "") + ")")
+    if not short:
+        return None
+    return (f"[gpucleanup.park.630] {'; '.join(short)}: process {pid} stays parked with nothing lost (a restore "
+            f"without room can lose it, so none was tried); resume it once the memory is free: {_resume_hint(pid)}")
+
+
+# ------------------------------------------------------------------ park and resume
+
+
+def _resume_hint(pid: int) -> str:
+    return f"python -m gpucleanup.park resume {pid}"
+
+
+def _refusal_for_state(pid: int, found: Step, usage: Optional[Dict[str, int]] = None) -> str:
+    if found.refused:
+        return found.refused
+    if found.hung:
+        return (f"[gpucleanup.park.611] the driver did not say within {found.seconds:.0f} s what state process "
+                f"{pid} is in: nothing was done; check the GPU with nvidia-smi")
+    if found.state is None and usage:
+        return (f"[gpucleanup.park.634] the driver cannot checkpoint process {pid} ({found.result}), although it "
+                f"holds {format_bytes(sum(usage.values()))} of GPU memory: nothing was done; it runs as before (a "
+                "process in another container's driver namespace, or one whose CUDA the driver cannot checkpoint)")
+    if found.state is None:
+        return (f"[gpucleanup.park.612] process {pid} is not a CUDA process the driver can park "
+                f"({found.result}): it has not used the GPU, or it has exited")
+    if found.state == CHECKPOINTED:
+        return f"[gpucleanup.park.613] process {pid} is already parked: resume it with {_resume_hint(pid)}"
+    if found.state == LOCKED:
+        return (f"[gpucleanup.park.614] process {pid} is locked by an earlier step that did not finish: "
+                f"bring it back with {_resume_hint(pid)}")
+    if found.state in UNDER_WAY:
+        return (f"[gpucleanup.park.632] the driver reports process {pid} as {found.state}: a park or a resume of it "
+                "is under way; ask again when it has ended")
+    if found.state == FAILED:
+        return (f"[gpucleanup.park.615] the driver reports process {pid} as failed: it cannot be parked; "
+                "save what you can and restart it")
+    return (f"[gpucleanup.park.635] the driver reports process {pid} in a state gpucleanup does not know "
+            f"({found.state}): nothing was done; check it with nvidia-smi")
+
+
+def layout_refusal(found: Optional[Step], view=None) -> Optional[str]:
+    """A sentence when the driver lays out the restore's arguments unlike this build (CUDA 12.9 to 13.0) on a
+    machine of several GPUs: the restore would go without the GPU map every GPU must be named in (share/FACTS.md
+    §10, §12), so the process could not come back. One GPU restores without a map. ``view``: the GPUs, or a
+    callable that gives them (asked only when the layout is unknown)."""
+    if found is None or found.restore_layout_known is not False:
+        return None
+    listed = view() if callable(view) else view
+    if not listed or len(listed) < 2:
+        return None
+    version = found.driver_version
+    named = f"CUDA {version // 1000}.{version % 1000 // 10}" if isinstance(version, int) else "an unknown CUDA"
+    return (f"[gpucleanup.park.650] the driver ({named}) lays out the restore's arguments unlike this gpucleanup "
+            f"(built for CUDA 12.9 to 13.0), and this machine has {len(listed)} GPUs, whose restore needs a GPU map in "
+            "them: nothing was done; update gpucleanup for this driver to park here")
+
+
+_MPS_SEEN: Dict[str, Tuple[float, Optional[str]]] = {}  # proc -> (when looked, what was found)
+
+
+def mps_server(proc: str = "/proc", max_age_s: float = 5.0) -> Optional[str]:
+    """``process N, nvidia-cuda-mps-server`` when an MPS server or control daemon runs here, else None; one
+    look at every process's name, kept ``max_age_s`` seconds (the page asks for every kernel at each refresh)."""
+    seen = _MPS_SEEN.get(proc)
+    if seen is not None and time.monotonic() - seen[0] < max_age_s:
+        return seen[1]
+    found = None
+    try:
+        names = os.listdir(proc)
+    except OSError:
+        names = []
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"{proc}/{name}/comm", encoding="utf-8", errors="replace") as fh:
+                comm = fh.read().strip()
+        except OSError:
+            continue
+        if comm.startswith("nvidia-cuda-mps"):
+            found = f"process {name}, {printable(comm)}"
+            break
+    _MPS_SEEN[proc] = (time.monotonic(), found)
+    return found
+
+
+#: frameworks whose resume is not yet shown safe on a GPU, and how their GPU backend shows in /proc/PID/maps
+UNPROVEN = {"jax": ("xla_cuda_plugin", "/jaxlib/cuda/")}
+
+
+def unproven_opt_in(environ: Optional[List[bytes]] = None) -> set:
+    """The frameworks ``GPUCLEANUP_PARK_UNPROVEN`` (comma-separated) lets be parked all the same: set for the
+    process that parks (the command, the server) or for the kernel itself."""
+    names = set()
+    for value in [os.environ.get("GPUCLEANUP_PARK_UNPROVEN", "")] + [
+            v.split(b"=", 1)[1].decode("utf-8", "replace") for v in environ or ()
+            if v.startswith(b"GPUCLEANUP_PARK_UNPROVEN=")]:
+        names.update(n.strip() for n in value.split(",") if n.strip())
+    return names
+
+
+def unproven_refusal(pid: int, proc: str = "/proc", environ: Optional[List[bytes]] = None) -> Optional[str]:
+    """Why a kernel whose framework's resume is not yet proven is not parked (None: none is in use, or it was
+    let through): JAX on the GPU lost 2 of 8 kernels in their resume on an H100 (share/FACTS.md §11), and the
+    restore's thread hold that should end this has not yet been shown on a GPU (README, "Parking a kernel")."""
+    try:
+        with open(f"{proc}/{int(pid)}/maps", encoding="utf-8", errors="replace") as fh:
+            maps = fh.read()
+    except OSError:
+        return None
+    allowed = unproven_opt_in(environ)
+    for name, marks in UNPROVEN.items():
+        if name in allowed or not any(mark in maps for mark in marks):
+            continue
+        return (f"[gpucleanup.park.651] process {pid} runs {'JAX' if name == 'jax' else name} on the GPU, whose "
+                "resume lost kernels on an H100 and is not yet shown safe with the restore's thread hold: it is "
+                f"not parked; GPUCLEANUP_PARK_UNPROVEN={name} (for the kernel, or for the command or server that "
+                "parks) parks it all the same")
+    return None
+
+
+def unsupported_refusals(pid: int, proc: str = "/proc", tracing: bool = False) -> List[str]:
+    """Sentences for what the driver's checkpoint does not support (share/FACTS.md §11), read from files alone
+    (and ``tracing``, which only the kernel knows): CUPTI in use, a MIG device among those the process may use
+    (``MIG-`` in its ``CUDA_VISIBLE_DEVICES``), and an MPS server on the machine (its clients go through it).
+
+    CUPTI in use means gpucleanup's own ``%gpumem --trace`` on (``tracing``: its subscriber holds CUPTI) or a tool
+    injected into the process through ``CUDA_INJECTION64_PATH`` (Nsight Systems, Nsight Compute,
+    compute-sanitizer). The library merely loaded is not refused: JAX's XLA plugin and PyTorch's profiler load
+    libcupti at import without subscribing; such JAX kernels were parked and resumed on the project's GPU runs
+    (tests/bench/results/h100-park-loop-jax-64cf67d-2026-11-27.log), and a refusal for the mapping alone refused
+    every one of them (tests/bench/results/h100-park-hold-cupti-refused-2026-12-06.log)."""
+    out: List[str] = []
+    try:
+        with open(f"{proc}/{int(pid)}/environ", "rb") as fh:
+            environ = fh.read().split(b"\0")
+    except OSError:
+        environ = []
+    unproven = unproven_refusal(pid, proc, environ)
+    if unproven:
+        out.append(unproven)
+    injected = next((v.split(b"=", 1)[1] for v in environ if v.startswith(b"CUDA_INJECTION64_PATH=")), b"")
+    if tracing:
+        out.append("[gpucleanup.park.647] %gpumem --trace is on in this kernel: its CUPTI subscriber is something "
+                   "the driver's checkpoint does not support, so it is not parked; %gpumem --trace off, then park")
+    elif injected:
+        out.append(f"[gpucleanup.park.647] process {pid} runs under a CUDA tool injected through "
+                   f"CUDA_INJECTION64_PATH={printable(injected.decode('utf-8', 'replace'))[:160]} (a profiler or "
+                   "compute-sanitizer, through CUPTI), which the driver's checkpoint does not support: it is not "
+                   "parked; restart the kernel without the tool to make it parkable")
+    visible = next((v.split(b"=", 1)[1] for v in environ if v.startswith(b"CUDA_VISIBLE_DEVICES=")), b"")
+    if b"MIG-" in visible:
+        out.append(f"[gpucleanup.park.648] process {pid} runs on a MIG device (CUDA_VISIBLE_DEVICES names "
+                   f"{printable(visible.decode('utf-8', 'replace'))[:120]}), which the driver's checkpoint does not "
+                   "support: it is not parked")
+    server = mps_server(proc)
+    if server:
+        out.append(f"[gpucleanup.park.649] an MPS server runs on this machine ({server}), and the driver's checkpoint "
+                   "does not support MPS clients: nothing is parked while it runs")
+    return out
+
+
+def refusals(pid: int, found: Optional[Step], usage: Optional[Dict[str, int]], view: Optional[List[Gpu]] = None,
+             parked_bytes: Optional[int] = None, meminfo: str = "/proc/meminfo", proc: str = "/proc",
+             cgroup_root: str = "/sys/fs/cgroup", tracing: bool = False) -> List[str]:
+    """Why process ``pid`` cannot be parked now, each reason one sentence (empty: it can), from what is known
+    without touching it: the driver's state (``found``, a ``state`` step), the GPUs it uses, host memory and
+    its cgroup's limit, and whether the kernel's own trace is on (``tracing``). The one decision every way of parking goes through, and what ``park --check`` says."""
+    out: List[str] = []
+    if found is not None and (found.refused or found.hung or found.state != RUNNING):
+        out.append(_refusal_for_state(pid, found, usage))
+    size = parked_bytes if parked_bytes is not None else (sum(usage.values()) if usage else None)
+    for reason in (unrestorable_refusal(pid, usage, view), host_memory_refusal(size, meminfo),
+                   cgroup_memory_refusal(size, cgroup_memory(pid, proc, cgroup_root))):
+        if reason:
+            out.append(reason)
+    out.extend(unsupported_refusals(pid, proc, tracing))
+    return out
+
+
+def park(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = None,
+         parked_bytes: Optional[int] = None, tracing: bool = False) -> Outcome:
+    """Lock, then checkpoint process ``pid``; on any failure leave it running (or say exactly where it is).
+
+    Raises :class:`ParkRefused` when nothing was done: the first of :func:`refusals` (the process is not
+    running, the driver has no checkpoint calls, it uses several GPUs, host or cgroup memory cannot hold its
+    device memory, ...). Otherwise returns an :class:`Outcome` whose ``state`` is ``checkpointed`` when the
+    park worked. ``parked_bytes``: the process's device memory when the caller knows it; else it is read
+    from ``nvidia-smi`` where there is one. A Ctrl-C or SIGTERM lets the step under way finish, then stops:
+    after the lock it unlocks (the process runs as before), after the checkpoint the process stays parked.
+    """
+    started = time.monotonic()
+    steps: List[Step] = []
+    apps = compute_apps()
+    usage = process_gpu_usage(pid, apps=apps)
+    if parked_bytes is None and usage is not None:
+        parked_bytes = sum(usage.values())
+
+    def outcome(ok: bool, now: Optional[str], message: str, changed: bool = False) -> Outcome:
+        return Outcome("park", pid, ok, now, message, steps, time.monotonic() - started, changed, parked_bytes,
+                       usage=usage, interrupted=any(s.interrupted for s in steps))
+
+    found = state(pid, limits, env)
+    steps.append(found)
+    reasons = refusals(pid, found, usage, gpus() if usage and len(usage) > 1 else None, parked_bytes,
+                       tracing=tracing)
+    layout = layout_refusal(found, gpus) if not reasons else None
+    if reasons or layout:
+        raise ParkRefused(reasons[0] if reasons else layout)
+    if found.interrupted:
+        raise ParkRefused("[gpucleanup.park.631] interrupted (Ctrl-C or SIGTERM) before the lock: nothing was done, "
+                          f"process {pid} runs as before")
+
+    locked = step(pid, "lock", limits, env=env)
+    steps.append(locked)
+    if locked.refused:
+        raise ParkRefused(locked.refused)
+    if locked.ok and locked.interrupted:
+        return _unlock_back(pid, limits, env, steps, outcome, "interrupted (Ctrl-C or SIGTERM) during the lock")
+    if not locked.ok:
+        now = locked.state if not locked.hung else _state_after_hang(pid, limits, env, steps)
+        if now == LOCKED:  # a hung lock that took after all: give the process back
+            return _unlock_back(pid, limits, env, steps, outcome, f"the lock step outran its limit of "
+                                f"{limits.lock_s:.0f} s")
+        if locked.result == "CUDA_ERROR_NOT_READY":
+            why = (f"[gpucleanup.park.616] process {pid} did not stop its GPU work within "
+                   f"{limits.lock_timeout_s:.0f} s: it was not parked and runs as before; park it when it is idle")
+        elif locked.hung:
+            why = (f"[gpucleanup.park.617] the lock step outran its limit of {limits.lock_s:.0f} s and was stopped: "
+                   f"process {pid} is {now or 'in a state the driver did not report'}")
+        else:
+            why = (f"[gpucleanup.park.618] the driver refused to lock process {pid} ({locked.result}): it was not "
+                   f"parked and is {now or 'in a state the driver did not report'}")
+        return outcome(False, now, why)
+
+    checkpointed = step(pid, "checkpoint", limits, env=env)
+    steps.append(checkpointed)
+    now = checkpointed.state if not checkpointed.hung else _state_after_hang(pid, limits, env, steps)
+    if checkpointed.ok or now == CHECKPOINTED:
+        if checkpointed.interrupted:
+            return outcome(True, CHECKPOINTED, f"parked process {pid}: the interrupt (Ctrl-C or SIGTERM) came during "
+                           f"the checkpoint, which was let finish; resume it with {_resume_hint(pid)}", changed=True)
+        return outcome(True, CHECKPOINTED, f"parked process {pid}", changed=True)
+    if now == LOCKED:
+        what = (f"outran its limit of {limits.checkpoint_s:.0f} s" if checkpointed.hung
+                else f"failed with {checkpointed.result}")
+        return _unlock_back(pid, limits, env, steps, outcome, f"the checkpoint {what}")
+    return outcome(False, now, f"[gpucleanup.park.619] the checkpoint of process {pid} "
+                   f"{'outran its limit' if checkpointed.hung else 'failed with ' + str(checkpointed.result)} and "
+                   f"left it {now or 'in a state the driver did not report'}: "
+                   + ("try " + _resume_hint(pid) if now in (LOCKED, CHECKPOINTED) else
+                      "its GPU state may be lost; save what you can and restart it"))
+
+
+def _state_after_hang(pid: int, limits: Limits, env: Optional[Dict[str, str]], steps: List[Step]) -> Optional[str]:
+    again = state(pid, limits, env)
+    steps.append(again)
+    return again.state
+
+
+def _unlock_back(pid, limits, env, steps, outcome, what: str) -> Outcome:
+    unlocked = step(pid, "unlock", limits, env=env)
+    steps.append(unlocked)
+    now = unlocked.state if not unlocked.hung else _state_after_hang(pid, limits, env, steps)
+    if now == RUNNING:
+        return outcome(False, RUNNING, f"[gpucleanup.park.620] {what}: process {pid} was unlocked and runs as "
+                       "before, nothing was parked")
+    return outcome(False, now, f"[gpucleanup.park.622] {what}, and unlocking it again "
+                   f"{'outran its limit' if unlocked.hung else 'failed with ' + str(unlocked.result)}: process "
+                   f"{pid} is {now or 'in a state the driver did not report'}; try {_resume_hint(pid)}")
+
+
+def resume(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = None,
+           need: Optional[Dict[str, int]] = None, allow: Allow = None) -> Outcome:
+    """Bring process ``pid`` back from whatever state a park left it in (restore, then unlock).
+
+    Driven by the driver's own state, not by what was recorded: a checkpointed process is
+    restored and unlocked, a locked one unlocked, a running one left alone (``changed`` False).
+    ``need``: what it held per GPU UUID before its park (kept by the park); a GPU that lacks room for it
+    now is said and no restore is tried. A failed restore leaves it parked, its memory still in host
+    memory, and says how to retry. A Ctrl-C or SIGTERM lets the step under way finish. The restore and its
+    unlock run with the process's other threads held (:func:`restore_held`); ``allow`` names the helper to
+    the kernel first.
+    """
+    started = time.monotonic()
+    steps: List[Step] = []
+
+    def outcome(ok: bool, now: Optional[str], message: str, changed: bool = False) -> Outcome:
+        return Outcome("resume", pid, ok, now, message, steps, time.monotonic() - started, changed,
+                       interrupted=any(s.interrupted for s in steps))
+
+    found = state(pid, limits, env)
+    steps.append(found)
+    if found.refused:
+        raise ParkRefused(found.refused)
+    if found.hung or found.state is None or found.state == FAILED:
+        return outcome(False, found.state, _refusal_for_state(pid, found) if found.state != FAILED else
+                       f"[gpucleanup.park.623] the driver reports process {pid} as failed: it cannot be resumed; "
+                       "its GPU state is lost, restart it")
+    if found.state == RUNNING:
+        return outcome(True, RUNNING, f"process {pid} is not parked: nothing to resume")
+    if found.state not in (CHECKPOINTED, LOCKED):  # under way, or a state this gpucleanup does not know
+        return outcome(False, found.state, _refusal_for_state(pid, found))
+    if found.state == CHECKPOINTED:
+        if need:
+            apps = compute_apps()
+            lacking = room_refusal(pid, need, gpus(), apps)
+            if lacking:
+                return outcome(False, CHECKPOINTED, lacking)
+        restored, unlocked = restore_held(pid, limits, env, allow)
+        steps.append(restored)
+        if restored.refused:  # the helper ran no driver call: the process is as it was
+            return outcome(False, CHECKPOINTED, restored.refused)
+        now = restored.state if not restored.hung else _state_after_hang(pid, limits, env, steps)
+        if not (restored.ok or now == LOCKED):
+            what = (f"outran its limit of {limits.restore_s:.0f} s" if restored.hung
+                    else f"failed with {restored.result}")
+            if now == CHECKPOINTED:
+                return outcome(False, now, f"[gpucleanup.park.624] the restore of process {pid} {what}: it stays "
+                               f"parked, its GPU memory safe in host memory; retry with {_resume_hint(pid)}")
+            return outcome(False, now, f"[gpucleanup.park.625] the restore of process {pid} {what} and left it "
+                           f"{now or 'in a state the driver did not report'}: its GPU state may be lost; save "
+                           "what you can and restart it")
+        if unlocked is not None:
+            steps.append(unlocked)
+            if unlocked.ok or unlocked.state == RUNNING:
+                return outcome(True, RUNNING, f"resumed process {pid}", changed=True)
+        # restored but not unlocked (or the unlock not tried): one unlock of its own, as from a park left locked
+    unlocked = step(pid, "unlock", limits, env=env)
+    steps.append(unlocked)
+    now = unlocked.state if not unlocked.hung else _state_after_hang(pid, limits, env, steps)
+    if unlocked.ok or now == RUNNING:
+        return outcome(True, RUNNING, f"resumed process {pid}", changed=True)
+    return outcome(False, now, f"[gpucleanup.park.626] process {pid} was restored but unlocking it "
+                   f"{'outran its limit' if unlocked.hung else 'failed with ' + str(unlocked.result)}: it is "
+                   f"{now or 'in a state the driver did not report'}; retry with {_resume_hint(pid)}")
+
+
+def lost(outcome: Outcome) -> bool:
+    """Whether a resume left the process where no later resume can bring it back: the driver says it failed,
+    or, after a restore or an unlock was tried, in a state that is neither parked, locked nor running (a restore
+    that fails can leave a process whose unlock fails for good, share/FACTS.md §11)."""
+    if outcome.action != "resume" or outcome.ok:
+        return False
+    if outcome.state == FAILED:
+        return True
+    tried = any(s.name in ("restore", "unlock") for s in outcome.steps)
+    return tried and outcome.state not in (CHECKPOINTED, LOCKED, RUNNING) + UNDER_WAY
+
+
+MAX_PID = (1 << 31) - 1  # the driver takes an int: a larger number would wrap onto another process
+
+
+def pid_argument(text: str) -> int:
+    """An argparse type: a process id, 1 to 2^31-1, written in decimal digits alone."""
+    import argparse
+
+    if not text.isdigit() or not 1 <= int(text) <= MAX_PID:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a process id (a whole number from 1 to {MAX_PID})")
+    return int(text)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m gpucleanup.park {state,resume} PID``: what a park left behind, and bringing it back.
+
+    Prints the outcome's sentence (``--json``: the whole outcome); exit status 0 when the process
+    runs (or was resumed), 1 when it is still parked or in another state, 2 for bad arguments.
+    Parking itself is not offered here: a kernel is parked through gpucleanup's kernel commands,
+    which keep its own hooks away from the driver meanwhile.
+    """
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m gpucleanup.park", description=main.__doc__.splitlines()[0])
+    parser.add_argument("action", choices=("state", "resume"))
+    parser.add_argument("pid", type=pid_argument)
+    parser.add_argument("--json", action="store_true", help="print the whole outcome as JSON")
+    args = parser.parse_args(argv)
+    if args.action == "state":
+        found = state(args.pid)
+        text = found.refused or (f"process {args.pid} is {found.state}" if found.state else
+                                 _refusal_for_state(args.pid, found))
+        print(json.dumps(found.as_dict()) if args.json else text)
+        return 0 if found.state == RUNNING else 1
+    try:
+        outcome = resume(args.pid)
+    except ParkRefused as refused:
+        print(json.dumps({"ok": False, "message": str(refused)}) if args.json else str(refused))
+        return 1
+    print(json.dumps(outcome.as_dict()) if args.json else outcome.message)
+    return 0 if outcome.ok else 1
+
