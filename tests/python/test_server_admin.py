@@ -408,3 +408,24 @@ def test_without_nvidia_smi_the_driver_pools_used_bytes_are_held_and_never_count
     # nvidia-smi's figure, where there is one, stays what is held
     [held] = admin._held({"pid": 7, "devices": [device]}, {7: {"GPU-a": 900 * MiB}}, parked=False)
     assert (held["bytes"], held["source"]) == (900 * MiB, "nvidia-smi")
+
+
+def test_without_nvidia_smi_a_gpu_whose_kernels_are_parked_says_why_its_use_is_unknown():
+    # before: the page's GPU block said "used ?" with no reason while the kernel was parked
+    import importlib
+
+    admin = importlib.import_module("gpucleanup.server.admin")
+    device = {"index": 0, "uuid": "GPU-a", "name": "Fake H100", "used_bytes": 3 * 1024 * MiB,
+              "total_bytes": 80 * 1024 * MiB, "live_bytes": {}, "cached_bytes": {}}
+
+    def listing(state):
+        entry = {"id": "k1", "pid": 7, "gpucleanup": True, "state": state, "devices": [dict(device)]}
+        [gpu] = admin.annotate({"kernels": [entry]}, admin.GpuView(), {})["gpus"]
+        return gpu
+
+    running = listing({"state": "idle", "since_ns": 1})
+    assert (running["used_bytes"], running["used_source"], running["used_unknown"]) == (
+        3 * 1024 * MiB, "kernel snapshot", None)
+    parked = listing({"state": "parked", "bytes": 2 * 1024 * MiB, "since_ns": 1})
+    assert (parked["used_bytes"], parked["rest_bytes"], parked["parked_bytes"]) == (None, None, 2 * 1024 * MiB)
+    assert parked["used_unknown"].startswith("not known while parked: without nvidia-smi")

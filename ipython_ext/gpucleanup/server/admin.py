@@ -204,7 +204,7 @@ def annotate(data: dict, view: GpuView, facts: Dict[int, dict], root_dir: Option
             row = gpus[key] = {"gpu": key, "index": index, "uuid": uuid, "name": name, "total_bytes": None,
                                "used_bytes": None, "used_source": None, "held_bytes": 0, "live_bytes": 0,
                                "cached_bytes": 0, "outside_bytes": 0, "unsplit_bytes": 0, "parked_bytes": 0,
-                               "rest_bytes": None, "kernels": 0}
+                               "rest_bytes": None, "kernels": 0, "used_unknown": None}
         row["index"] = row["index"] if row["index"] is not None else index
         row["name"] = row["name"] or name
         return row
@@ -253,8 +253,15 @@ def annotate(data: dict, view: GpuView, facts: Dict[int, dict], root_dir: Option
             else:
                 parked_elsewhere += parked["bytes"]
     for row in gpus.values():
+        row["used_unknown"] = None
         if isinstance(row["used_bytes"], int):
             row["rest_bytes"] = max(0, row["used_bytes"] - row["held_bytes"])
+        elif row["parked_bytes"] > 0:
+            # no nvidia-smi, and a parked kernel makes no driver call: nobody here can say the device's figure
+            row["used_unknown"] = ("not known while parked: without nvidia-smi only a kernel's own snapshot says the "
+                                   "device's use, and the kernels with gpucleanup on it are parked")
+        else:
+            row["used_unknown"] = "not known: no nvidia-smi here, and no running kernel with gpucleanup reported it"
     data["gpus"] = sorted(gpus.values(), key=lambda r: (r["index"] is None, r["index"] or 0, r["gpu"]))
     data["parked_gpu_unknown_bytes"] = parked_elsewhere
     data["gpu_source"] = "nvidia-smi" if view.gpus is not None else "kernels"

@@ -311,11 +311,12 @@
   }
 
   function gpuBlock(gpu) {
-    const used = gpu.used_bytes === null || gpu.used_bytes === undefined ? "used ?" :
-      `${formatPair(gpu.used_bytes, gpu.total_bytes)} used`;
+    const known = gpu.used_bytes !== null && gpu.used_bytes !== undefined;
+    const used = known ? `${formatPair(gpu.used_bytes, gpu.total_bytes)} used` : "used: unknown";
+    const why = known ? (gpu.used_source ? ` (${gpu.used_source})` : null) : (gpu.used_unknown ? ` (${gpu.used_unknown})` : null);
     const block = el("section", "gpu",
       el("h2", "gpu-name", gpuTitle(gpu)),
-      el("div", "gpu-used", used, gpu.used_source ? el("span", "muted", ` (${gpu.used_source})`) : null),
+      el("div", "gpu-used", used, why ? el("span", "muted", why) : null),
       stack(gpu));
     block.dataset.gpu = gpu.gpu;
     const kernelsWord = gpu.kernels === 1 ? "1 kernel" : `${gpu.kernels} kernels`;
