@@ -184,3 +184,20 @@ def test_a_users_own_listening_process_passes_the_check(tmp_path):
     finally:
         server.kill()
         server.wait()
+
+
+def test_an_address_is_written_as_proc_net_tcp_writes_it_for_both_families_and_both_spellings():
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        with open("/proc/self/net/tcp", encoding="ascii") as fh:
+            listening = {line.split()[1] for line in list(fh)[1:] if line.split()[3] == "0A"}
+        assert discovery.proc_net_address("127.0.0.1", port) in listening
+    finally:
+        listener.close()
+    little = sys.byteorder == "little"
+    assert discovery.proc_net_address("[::1]", 8888) == discovery.proc_net_address("::1", 8888) == (
+        "000000000000000000000000" + ("01000000" if little else "00000001") + ":22B8")
+    assert discovery.proc_net_address("localhost", 1) is None  # a name is never resolved

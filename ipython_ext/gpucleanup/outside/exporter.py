@@ -36,7 +36,6 @@ import selectors
 import socket
 import stat
 import struct
-import sys
 import threading
 import time
 from collections import OrderedDict
@@ -210,13 +209,6 @@ def _pending_cap() -> int:
     return max(8, min(MAX_PENDING, soft // 4))
 
 
-def _tcp_text(address, family) -> str:
-    """An address as ``/proc/net/tcp{,6}`` prints it: each 32-bit word in host byte order, then the port."""
-    packed = socket.inet_pton(family, address[0])
-    words = [int.from_bytes(packed[i:i + 4], sys.byteorder) for i in range(0, len(packed), 4)]
-    return "".join(f"{w:08X}" for w in words) + f":{address[1]:04X}"
-
-
 # sock_diag (linux/sock_diag.h, linux/inet_diag.h): one exact lookup of a TCP socket by its four-tuple, answered
 # by the kernel from its hash tables, where /proc/net/tcp prints every socket of the namespace each time
 _NETLINK_SOCK_DIAG = 4
@@ -293,7 +285,7 @@ def _proc_peer_uids(socks: Iterable[socket.socket]) -> Dict[socket.socket, int]:
     for sock in socks:
         try:
             local, peer = sock.getsockname(), sock.getpeername()
-            wanted[(_tcp_text(peer, sock.family), _tcp_text(local, sock.family))] = sock
+            wanted[(discovery.proc_net_address(peer[0], peer[1]), discovery.proc_net_address(local[0], local[1]))] = sock
         except (OSError, ValueError):
             continue
     found: Dict[socket.socket, int] = {}

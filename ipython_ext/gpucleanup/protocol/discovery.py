@@ -75,7 +75,7 @@ import re
 import secrets
 import socket
 import stat
-import struct
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -958,15 +958,16 @@ def _process_uid(pid: int, proc: str) -> Optional[int]:
     return None
 
 
-def _hex_address(host: str) -> Optional[str]:
-    """How /proc/net/tcp{,6} write a loopback address: each 32-bit word in this machine's byte order, in hex."""
+def proc_net_address(host: str, port: int) -> Optional[str]:
+    """``host:port`` as /proc/net/tcp{,6} write it: each 32-bit word of the address in this machine's byte order,
+    in hex, then the port (``[::1]`` and ``::1`` alike); None for a host that is no numeric address."""
+    bare = host.strip("[]")
     try:
-        if host.startswith("["):
-            packed = socket.inet_pton(socket.AF_INET6, host.strip("[]"))
-            return "".join(f"{word:08X}" for word in struct.unpack("=4I", packed))
-        return f"{struct.unpack('=I', socket.inet_aton(host))[0]:08X}"
-    except (OSError, ValueError, struct.error):
+        packed = socket.inet_pton(socket.AF_INET6 if ":" in bare else socket.AF_INET, bare)
+    except (OSError, ValueError):
         return None
+    words = [int.from_bytes(packed[i:i + 4], sys.byteorder) for i in range(0, len(packed), 4)]
+    return "".join(f"{w:08X}" for w in words) + f":{port:04X}"
 
 
 def _listening_inode(endpoint: str, pid: int, proc: str) -> Optional[int]:
@@ -975,7 +976,7 @@ def _listening_inode(endpoint: str, pid: int, proc: str) -> Optional[int]:
     try:
         if tcp:
             host, port = tcp.group(1), int(tcp.group(2))
-            want = f"{_hex_address(host)}:{port:04X}"
+            want = proc_net_address(host, port)
             table = "tcp6" if host.startswith("[") else "tcp"
             with open(f"{proc}/{pid}/net/{table}", encoding="ascii", errors="replace") as fh:
                 next(fh, None)
