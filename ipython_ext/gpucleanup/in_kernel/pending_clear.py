@@ -88,6 +88,8 @@ class PendingClear:
         self._set(False)
 
     def _set(self, pending: bool) -> None:
+        if not pending and not self.pending and not self._watched:
+            return  # every cell's start and every display without a clear: nothing to change, no lock taken
         with self._lock:
             self.pending = pending
             if pending and not self._watched:
@@ -150,6 +152,7 @@ class PendingClear:
         is pending and the cell shows no result of its own (an ``Out[N]`` would take the clear first). The
         streams are let go either way: the cell has ended."""
         held = self.pending and getattr(result, "result", None) is None
-        with self._lock:
-            self._unwatch_streams()
+        if self._watched:
+            with self._lock:
+                self._unwatch_streams()
         return held
