@@ -74,7 +74,8 @@ def run(scenario: str, rounds: int, block: int) -> dict:
             result = shell.run_cell(code, store_history=True)
             if not result.success:
                 raise SystemExit(f"bench_idle_proof: {scenario}: {code!r} failed: {result.error_in_exec!r}")
-    from gpucleanup.engine import after_cell; from gpucleanup.in_kernel import extension
+    from gpucleanup.engine import after_cell
+    from gpucleanup.in_kernel import extension
 
     ext = extension.get_extension(shell)
     engine = ext.engine

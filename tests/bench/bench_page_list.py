@@ -70,7 +70,9 @@ def main() -> int:
         if not path.exists():
             parser.error(f"{path} is missing: build with -DGPUCLEANUP_BUILD_TESTS=ON first")
 
-    from gpucleanup.protocol import discovery; from gpucleanup.outside import kernels; from gpucleanup.protocol import status_client
+    from gpucleanup.protocol import discovery
+    from gpucleanup.outside import kernels
+    from gpucleanup.protocol import status_client
 
     with tempfile.TemporaryDirectory(prefix="bench-page-") as tmp:
         base = Path(tmp)

@@ -41,7 +41,8 @@ def main() -> int:
     import torch
     from cuda.bindings import driver as cu
 
-    from gpucleanup import _native; from gpucleanup.in_kernel import tracing
+    from gpucleanup import _native
+    from gpucleanup.in_kernel import tracing
 
     x = torch.ones(1, device="cuda")
     torch.cuda.synchronize()

@@ -30,7 +30,8 @@ from pathlib import Path
 
 import pytest
 
-from gpucleanup.outside import cli as cli_module; from gpucleanup.protocol import discovery
+from gpucleanup.outside import cli as cli_module
+from gpucleanup.protocol import discovery
 from gpucleanup.in_kernel.status_endpoint import StatusEndpoint
 import support  # noqa: E402
 
@@ -866,7 +867,8 @@ def test_a_cells_running_and_idle_go_in_one_call_that_answers_the_park_state(ker
 
 
 def test_a_library_older_than_the_one_call_gets_the_two_calls_it_stands_for(kernel, monkeypatch):
-    from gpucleanup import _native; from gpucleanup.protocol import status_client
+    from gpucleanup import _native
+    from gpucleanup.protocol import status_client
 
     info = json.loads(kernel.discovery_path.read_text())
     target = status_client.Target(info["endpoint"], Path(info["key_file"]).read_bytes())
@@ -917,7 +919,8 @@ def test_the_kernels_own_background_work_and_a_park_keep_out_of_each_others_way(
 
 
 def test_the_status_server_takes_the_per_cell_states_without_json(kernel):
-    from gpucleanup import _native; from gpucleanup.protocol import status_client
+    from gpucleanup import _native
+    from gpucleanup.protocol import status_client
 
     info = json.loads(kernel.discovery_path.read_text())
     target = status_client.Target(info["endpoint"], Path(info["key_file"]).read_bytes())

@@ -38,7 +38,9 @@ from conftest import BUILD, FAKE_CUDA
 import gpucleanup
 import gpucleanup.frameworks
 import gpucleanup.in_kernel.status_endpoint
-from gpucleanup.protocol import discovery; from gpucleanup.in_kernel import extension; from gpucleanup.protocol import status_client
+from gpucleanup.protocol import discovery
+from gpucleanup.in_kernel import extension
+from gpucleanup.protocol import status_client
 from gpucleanup.engine.cell_pass import CellPass
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -561,7 +563,8 @@ def shell(runtime, fake_cuda, monkeypatch):
 def _gpu0() -> str:
     """GPU0 as the lines name it. The native library keeps the first name it read for the process's
     life (a real GPU does not change its name): an earlier test in this process may have set it."""
-    from gpucleanup import _native; from gpucleanup.records import report
+    from gpucleanup import _native
+    from gpucleanup.records import report
 
     return "GPU0 " + report.short_device_name(_native.snapshot()["devices"][0]["name"])
 

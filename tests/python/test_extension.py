@@ -25,7 +25,8 @@ import uuid
 
 import pytest
 
-from gpucleanup.engine import after_cell; from gpucleanup.in_kernel import extension
+from gpucleanup.engine import after_cell
+from gpucleanup.in_kernel import extension
 from support import GiB, MiB  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -1137,7 +1138,8 @@ def real(monkeypatch):
 def _fake_name(index=0):
     """The device name as the native library reports it: it keeps the first name it read for the
     process's life (a real GPU does not change its name), so an earlier test's scenario may have set it."""
-    from gpucleanup import _native; from gpucleanup.records import report
+    from gpucleanup import _native
+    from gpucleanup.records import report
 
     return report.short_device_name(_native.snapshot()["devices"][index]["name"])
 

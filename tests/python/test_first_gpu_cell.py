@@ -17,7 +17,9 @@ import gpucleanup
 import gpucleanup._native  # noqa: F401  (the package attribute a stand-in replaces)
 import gpucleanup.frameworks
 import gpucleanup.in_kernel.status_endpoint
-from gpucleanup.engine import after_cell; from gpucleanup.in_kernel import extension; from gpucleanup.records import report
+from gpucleanup.engine import after_cell
+from gpucleanup.in_kernel import extension
+from gpucleanup.records import report
 from support import GiB, MiB  # noqa: E402
 
 TOTAL = 80 * GiB
@@ -28,7 +30,8 @@ def _lines(lines):
 
 
 def _name():
-    from gpucleanup import _native; from gpucleanup.records import report
+    from gpucleanup import _native
+    from gpucleanup.records import report
 
     return report.short_device_name(_native.snapshot()["devices"][0]["name"])
 

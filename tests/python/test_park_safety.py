@@ -254,7 +254,8 @@ def test_a_step_under_way_is_named_and_neither_park_nor_resume_acts(target, env,
 PARKER = '''
 import json, pathlib, signal, sys
 sys.path.insert(0, {package!r})
-from gpucleanup.outside import cli; from gpucleanup.park import steps as park
+from gpucleanup.outside import cli
+from gpucleanup.park import steps as park
 with cli._TermAsInterrupt():  # as gpucleanup park and resume take SIGTERM: as Ctrl-C
     for sig in (signal.SIGINT, signal.SIGTERM):  # say that the signal came, then act on it as installed
         def noted(number, frame, then=signal.getsignal(sig)):

@@ -243,7 +243,9 @@ def test_the_table_sorts_by_memory_held_by_idle_time_and_by_name(setup):
 
 def test_each_kernel_is_asked_once_per_refresh(setup):
     """The status server's own request counter: one list (the page's request) is one request per kernel."""
-    from gpucleanup.protocol import discovery; from gpucleanup.outside import kernels; from gpucleanup.protocol import status_client
+    from gpucleanup.protocol import discovery
+    from gpucleanup.outside import kernels
+    from gpucleanup.protocol import status_client
 
     server, pids = setup["server"], setup["pids"]
     found = {k.pid: k for k in discovery.scan(server.runtime, clean=False).live}

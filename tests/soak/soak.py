@@ -839,7 +839,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     sys.path.insert(0, str(package))
     for name in [m for m in sys.modules if m == "gpucleanup" or m.startswith("gpucleanup.")]:
         del sys.modules[name]
-    from gpucleanup.outside import kernels; from gpucleanup.records import report  # noqa: F401  (from the copy, before anything runs)
+    from gpucleanup.outside import kernels
+    from gpucleanup.records import report  # noqa: F401  (from the copy, before anything runs)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUCLEANUP_FAKE_CUDA", "JPY_"))}
     env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(package), os.environ.get("PYTHONPATH")])),
                GPUCLEANUP_LIBRARY=str(library), GPUCLEANUP_LIBCUDA=str(fake),
