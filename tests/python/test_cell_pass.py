@@ -918,7 +918,7 @@ def test_several_devices_one_record_and_line_each_and_an_idle_one_untouched(fake
 
 
 def test_a_busy_device_is_skipped_and_its_frameworks_are_left_alone(fake_cuda):
-    from test_extension import _settled
+    from shell_stand_ins import _settled
 
     fake_cuda.reset({"devices": [{"total_bytes": TOTAL, "free_bytes": TOTAL - GiB, "primary_active": True,
                                   "sync_seconds": -1}]})

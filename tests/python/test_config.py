@@ -11,7 +11,7 @@ import gpucleanup._native
 import gpucleanup.frameworks
 import gpucleanup.in_kernel.status_endpoint
 from gpucleanup.in_kernel import config, extension
-from test_extension import StandInEndpoint, StandInNative, shell  # noqa: F401  (fixture)
+from shell_stand_ins import StandInEndpoint, StandInNative, shell  # noqa: F401  (fixture)
 
 
 @pytest.fixture

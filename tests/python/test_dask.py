@@ -24,7 +24,8 @@ import gpucleanup.dask.plugin as gdask  # noqa: E402
 import gpucleanup.frameworks  # noqa: E402
 import gpucleanup.in_kernel.status_endpoint  # noqa: E402
 from gpucleanup.records import report  # noqa: E402
-from test_extension import GiB, StandInEndpoint, shell  # noqa: E402,F401
+from shell_stand_ins import StandInEndpoint, shell  # noqa: E402,F401  (fixture)
+from support import GiB  # noqa: E402
 
 # the functions below run in the workers: pickled by value (the workers cannot import this file)
 import cloudpickle  # noqa: E402

@@ -12,7 +12,8 @@ from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 from gpucleanup.in_kernel import extension, holders
-from test_extension import MiB, _lines, shell  # noqa: F401
+from shell_stand_ins import _lines, shell  # noqa: F401  (fixture)
+from support import MiB
 from test_magics import _Device, _fake_cupy_ndarray, stand_in  # noqa: F401
 
 NDARRAY = _fake_cupy_ndarray()

@@ -48,7 +48,7 @@ import gpucleanup.in_kernel.status_endpoint
 from gpucleanup.in_kernel import config, extension, magics
 from gpucleanup.protocol import status_client
 from gpucleanup.in_kernel.status_endpoint import StatusEndpoint
-from test_extension import StandInEndpoint, shell  # noqa: F401  (fixture)
+from shell_stand_ins import StandInEndpoint, shell  # noqa: F401  (fixture)
 from support import GiB  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -294,7 +294,7 @@ def test_the_sweep_covers_every_config_trait():
 
 @pytest.fixture
 def stand_in_loaded(shell, monkeypatch):  # noqa: F811
-    from test_extension import StandInNative
+    from shell_stand_ins import StandInNative
 
     monkeypatch.setattr(gpucleanup, "_native", StandInNative())
     monkeypatch.setattr(gpucleanup.frameworks, "active", lambda: [])

@@ -15,7 +15,8 @@ import gpucleanup.frameworks
 import gpucleanup.in_kernel.status_endpoint
 from gpucleanup.in_kernel import extension, magics
 from gpucleanup.frameworks import objects
-from test_extension import GiB, MiB, StandInAdapter, StandInEndpoint, StandInNative, _lines, shell  # noqa: F401
+from shell_stand_ins import StandInAdapter, StandInEndpoint, StandInNative, _lines, shell  # noqa: F401  (fixture)
+from support import GiB, MiB
 
 
 @pytest.fixture
@@ -274,7 +275,7 @@ def test_gpumem_with_the_fake_driver(shell, fake_cuda, monkeypatch):  # noqa: F8
     assert dev["pools"] == [{"which": "default", "reserved_bytes": GiB, "used_bytes": 256 * MiB}]
     assert dev["outside_bytes"] == 512 * MiB  # the fake's context
     _, cap = _display(shell, "")
-    from test_extension import _fake_name
+    from shell_stand_ins import _fake_name
 
     assert cap.outputs[0].data["text/plain"].splitlines()[0] == f"GPU0 {_fake_name()} — 1.5/80.0 GiB used"
     assert fake_cuda.counter("contexts_created") == 0

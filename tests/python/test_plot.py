@@ -19,8 +19,8 @@ import gpucleanup.frameworks
 import gpucleanup.in_kernel.status_endpoint
 from gpucleanup.in_kernel import extension
 from gpucleanup.records import plot, timeline
-from test_extension import (GiB, MiB, ROOT, StandInAdapter, StandInEndpoint, _fake_name, _run,  # noqa: F401
-                            real, shell)
+from shell_stand_ins import StandInAdapter, StandInEndpoint, _fake_name, _run, real, shell  # noqa: F401  (fixtures)
+from support import ROOT, GiB, MiB
 
 SVG_NS = "{http://www.w3.org/2000/svg}"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -19,7 +19,8 @@ import gpucleanup.in_kernel.status_endpoint
 from gpucleanup.in_kernel import extension
 from gpucleanup.records import report
 from gpucleanup.in_kernel import tracing
-from test_extension import MiB, StandInEndpoint, _lines, shell  # noqa: F401
+from shell_stand_ins import StandInEndpoint, _lines, shell  # noqa: F401  (fixture)
+from support import MiB
 
 FAKE_CUPTI = BUILD / "tests" / "fake_cupti" / "libcupti.so"
 MULTIPLE_SUBSCRIBERS = 39  # CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED
