@@ -70,7 +70,7 @@ def _scrape(exporter) -> list:
 @pytest.fixture
 def scraped(runtime, fake_cuda):
     """{metric name: every label name its samples carry} over two scrapes of a real exporter: a kernel that
-    cleaned two cells on GPU0, idle, then parked."""
+    cleaned two cells on GPU0 (pinned host memory freed too), idle, then parked."""
     fake_cuda.reset({"devices": [{"name": "Fake H100", "primary_active": True, "total_bytes": 80 * GiB,
                                   "free_bytes": 70 * GiB}]})
     ep = StatusEndpoint()
@@ -83,7 +83,8 @@ def scraped(runtime, fake_cuda):
             record = {"cell": cell, "devices": [{"index": 0, "settle": {"status": "done", "waited_s": 0.01},
                                                  "freed_bytes": {"cupy": GiB}, "live_bytes": {"cupy": live},
                                                  "cached_bytes": {"cupy": GiB}, "outside_bytes": 0}],
-                      "pinned": {"freed_bytes": {}, "background": [], "pending": False, "pools": {}}, "idle": []}
+                      "pinned": {"freed_bytes": {"cupy": GiB // 16}, "background": [], "pending": False, "pools": {}},
+                      "idle": []}
             totals.add(record)
             ep.publish(dict(record, totals=totals.as_dict()))
         ep.set_state({"state": "idle", "since_ns": time.time_ns()})
@@ -129,3 +130,17 @@ def test_every_query_names_only_metrics_and_labels_of_a_real_scrape(scraped):
         assert labels | legend <= have, f"{title}: labels {sorted((labels | legend) - have)} not on {sorted(metrics)}"
         checked += 1
     assert checked >= 10
+
+
+def test_the_readmes_table_names_every_series_of_a_real_scrape_and_no_other(scraped):
+    readme = (DASHBOARD.parents[2] / "README.md").read_text()
+    table = readme[readme.index("Every series (labels as above"):readme.index("A kernel that does not answer shows")]
+    named = set(re.findall(r"`(gpucleanup_[a-z_]+)", table))
+    families = set()
+    for name in scraped:
+        base = re.sub(r"_(bucket|sum|count|created)$", "", name)
+        if base + "_total" not in scraped:  # a counter's _created goes with its _total
+            families.add(base)
+    assert families - named == set()
+    # the one series a scrape of answering kernels never carries: the error of a kernel that did not answer
+    assert named - families == {"gpucleanup_kernel_error"}

@@ -1,54 +1,9 @@
-"""Prometheus metrics of every kernel's GPU memory: a collector, jupyter_server's ``/metrics``, an exporter.
+"""Prometheus metrics of every kernel's GPU memory: a collector, jupyter_server's ``/metrics``, the exporter's registry.
 
-:class:`KernelCollector` asks every kernel with gpucleanup on this machine (``kernels.gather``, all at
-once, each at most ``timeout`` seconds) when it is scraped, and exports per kernel and device. Labels:
-``kernel_id``, ``notebook`` (empty when unknown), ``pid``, ``user`` (the name of the kernel process's
-owner, its uid when the name is not known: always there, so that a dashboard's ``sum by (user)`` works
-alike on a one-user and a shared machine); device series add ``device`` (the CUDA index)
-and ``uuid`` (the device's UUID from the kernel's snapshot, empty when unknown); per-framework series add
-``framework`` (``driver`` is the CUDA driver's own pools).
-
-Gauges, as of the kernel's last cleanup (its ``last_record``) or its live snapshot:
-
-- ``gpucleanup_device_live_bytes{framework}``, ``gpucleanup_device_cached_bytes{framework}``: held by live
-  arrays and tensors / kept by the framework's cache (last cleanup);
-- ``gpucleanup_device_outside_bytes``: device memory no framework and no driver pool accounts for (the CUDA
-  context, raw allocations, other processes on the GPU; last cleanup);
-- ``gpucleanup_device_used_bytes``, ``gpucleanup_device_total_bytes``: the device as the driver sees it
-  (device-wide, every process: kernels on one GPU report the same figure; live snapshot);
-- ``gpucleanup_driver_pool_reserved_bytes``, ``gpucleanup_driver_pool_used_bytes``: the kernel's CUDA
-  memory pools (live snapshot);
-- ``gpucleanup_kernel_state{state}``: 1 for the kernel's state, 0 for the others (idle, running, draining,
-  waiting, parking, parked, unknown); ``gpucleanup_kernel_state_age_seconds``: how long it has been in it;
-  ``gpucleanup_kernel_idle_seconds``: how long since its last cell ended (0 while a cell runs; see :func:`idle_seconds`);
-  ``gpucleanup_kernel_parked`` (1 while parked) and ``gpucleanup_kernel_parked_bytes`` (what it holds in host memory);
-- ``gpucleanup_device_parked_bytes{device, uuid}``: per GPU, what the kernels parked from it hold in host memory
-  (a parked kernel has no per-device series: it holds nothing on the GPU);
-- ``gpucleanup_kernel_up``: 1 when the kernel answered, 0 when not; a kernel that did not answer has
-  ``gpucleanup_kernel_error{kind}`` 1 (kind: no_answer, refused, bad_key) and no other series;
-- ``gpucleanup_kernels``: kernels found in this PID namespace; ``gpucleanup_kernels_elsewhere``: kernels
-  of other machines, PID namespaces (containers) or network namespaces, listed by their discovery files and never
-  asked;
-- ``gpucleanup_scrape_duration_seconds``, ``gpucleanup_scrape_ok`` (0: the runtime directory could not be
-  scanned; the error is logged on the ``gpucleanup`` logger), ``gpucleanup_collected_timestamp_seconds``
-  (when the kernels were asked: jupyter_server's ``/metrics`` shows the collection the previous scrape
-  started, never asking a kernel on the server's event loop; its first scrape waits, bounded, for one).
-
-Counters, cumulative since the kernel's extension loaded (``last_record.totals``, ``gpucleanup.records.totals``;
-a reload of the extension is a counter reset, with a new ``_created``):
-
-- ``gpucleanup_freed_bytes_total{device, uuid, framework}``: bytes freed on each device;
-- ``gpucleanup_pinned_freed_bytes_total{framework}``: pinned (page-locked) host memory freed;
-- ``gpucleanup_cells_cleaned_total``: cleanups recorded (cells that used the GPU, ``%gpumem --drain``);
-- ``gpucleanup_drains_from_outside_total``: drains asked for from outside the kernel (not cells);
-- ``gpucleanup_wait_seconds`` (histogram): how long each cleanup waited for queued GPU work to settle.
-
-Where they are served: :func:`register_server_collector` (jupyter_server's own ``/metrics``) and
-``gpucleanup.outside.exporter`` (``gpucleanup exporter``, hosts without a Jupyter server).
-
-``prometheus_client`` is an optional dependency (``pip install gpucleanup[server]``): this module imports
-without it; using it without it raises :class:`MetricsUnavailable` (the exporter: ``ExporterError``),
-which says how to install it.
+:class:`KernelCollector` asks every kernel with gpucleanup on this machine (``kernels.gather``, all at once, each
+at most ``timeout`` seconds) when it is scraped; README "Prometheus and Grafana" lists every series and label.
+``prometheus_client`` is optional (``pip install gpucleanup[server]``): this module imports without it, and using
+it without it raises :class:`MetricsUnavailable`, which says how to install it.
 """
 
 from __future__ import annotations

@@ -1,69 +1,9 @@
-"""Discovery files: how the ``gpucleanup`` command finds every kernel on the machine.
+"""Discovery files: how the ``gpucleanup`` command, the exporter and the server find every kernel on the machine.
 
-Each kernel with the extension loaded writes one JSON file,
-``<jupyter runtime dir>/gpucleanup-<pid>-<id>.json`` (mode 0600), and removes it
-when the extension is unloaded or the process exits. ``<pid>-<id>`` is the
-file's *instance*: the pid and 8 random hex digits, so that two kernels with
-the same pid (two containers, two PID namespaces or two machines sharing one
-home directory) never share a name. Its key and ipc sockets are named from the
-same instance: ``<runtime dir>/gpucleanup/<pid>-<id>.key``, ``<pid>-<id>.sock``
-and ``<pid>-<id>.sock.pub``. Files of gpucleanup 0.1 are named from the pid
-alone (``gpucleanup-<pid>.json``, ``<pid>.key``): they are still read, judged
-and removed by the same rules.
-
-A reader uses the key at ``<runtime dir>/gpucleanup/<instance>.key`` only, the
-instance being the one in the discovery file's name; a file whose ``key_file``
-names any other path is refused, and the key must belong to the discovery
-file's owner (root reading a user's runtime directory never reads a file of
-its own there).
-
-The files are read as untrusted input (another container sharing the home
-directory, an older or newer gpucleanup, a hostile neighbour): only regular
-files of at most 64 KiB are opened (``O_NOFOLLOW | O_NONBLOCK``, then
-``fstat``), every field is checked for type and range, and a bad file is
-reported and skipped without affecting the others.
-
-Which kernel a file belongs to is decided by :func:`classify`, on what the
-file records of its writer (``boot_id``, ``machine_id``, ``host``, ``pid_ns``,
-``pid``, ``proc_start_ticks``) against the reader's own:
-
-``stale``
-    provably the file of a process that has exited, on this machine: written
-    during another boot *of this machine* (the same ``machine_id`` and
-    ``host``, another ``boot_id``), or during this boot, in this PID
-    namespace, by a pid that is gone, a zombie, or now a process with another
-    start time (``/proc/<pid>/stat`` field 22 ≠ ``proc_start_ticks``). The
-    boot id is the running Linux kernel's (random at each boot, the same in
-    every container on it): the same boot id is the same machine. The command
-    line removes such a file, and the key and socket files that the naming
-    scheme derives from the instance in its *name*; never a path read from a
-    file's contents.
-``elsewhere``
-    not judged here, listed as such and never touched nor asked:
-    another machine (another boot id, and another or an unknown machine id or
-    host name: a home directory shared over NFS by the nodes of a cluster),
-    another PID namespace of this boot (``pid_ns`` differs from
-    ``readlink /proc/self/ns/pid``: its pid means nothing here), a live
-    kernel on loopback TCP in another network namespace (``net_ns``: its
-    127.0.0.1 is not this one's), a PID namespace or boot unknown on either side (written, or read, where
-    ``/proc`` cannot be read), or a process that exists but cannot be
-    inspected (``/proc/<pid>/stat`` unreadable). Unknown is never "stale".
-    :attr:`Kernel.place` says which: ``machine``, ``namespace`` or ``unknown``.
-``live``
-    the same process still runs here.
-
-The file's fields (all written by :func:`describe`):
-
-``discovery`` (1), ``instance``, ``pid``, ``proc_start_ticks``, ``pid_ns``, ``net_ns``,
-``boot_id``, ``machine_id``, ``host``, ``kernel_id``, ``connection_file``,
-``notebook``, ``notebook_root``, ``endpoint``, ``pub_endpoint``, ``transport``
-("ipc" or "tcp"), ``key_file``, ``signature_scheme`` ("hmac-sha256"),
-``protocol`` (1), ``started_ns``, ``version``.
-
-``notebook`` is written as the page of the Jupyter Server that started the
-kernel names it: relative to that server's root directory (``notebook_root``,
-absolute) when the kernel finds its server, absolute otherwise
-(:mod:`gpucleanup.protocol.notebook_path`).
+Each kernel with the extension loaded writes one (:func:`describe`, :func:`write`); a reader judges every file it
+finds as live, stale or elsewhere (:func:`classify`) and reads it as untrusted input (:func:`scan`). The format,
+the names derived from a file's instance, and the rules for judging, reading and removing are share/protocol.md,
+"Finding a kernel"; a kernel judged elsewhere is never asked nor touched.
 """
 
 from __future__ import annotations
