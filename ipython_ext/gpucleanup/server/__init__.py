@@ -1,46 +1,9 @@
-"""gpucleanup in Jupyter Server: the page ``/gpucleanup`` and its REST API.
+"""gpucleanup in Jupyter Server: the page ``/gpucleanup``, its REST API and every kernel's figures in ``/metrics``.
 
-Installed with the package (``pip install gpucleanup[server]``), the extension is enabled by the file
-``etc/jupyter/jupyter_server_config.d/gpucleanup.json`` the wheel puts in the environment; from a
-source tree, start the server with ``--ServerApp.jpserver_extensions='{"gpucleanup.server": true}'``.
-Under the server's base URL, for a logged-in user (token, password or login cookie):
-
-``GET gpucleanup``
-    The page, the admin's view (``admin.py``): a block per GPU (used of total; held by kernels with
-    gpucleanup, split into live, cached and outside every pool; parked in host memory; the rest), the
-    kernels as rows of a table (by memory held, idle time or name), each row's card (devices, last cells,
-    timeline), Drain, Park/Resume and Can park? per row, and "park the kernels idle for more than N min";
-    refreshed every ``refresh_s``.
-``GET api/gpucleanup/kernels`` (``?sort=held|idle|name``, ``?cards=ID,ID``)
-    ``{"time_ns", "runtime_dir", "kernels": [...], "gpus": [...], "skipped": [...]}``: one entry per kernel
-    the server runs, joined with every kernel that has a gpucleanup discovery file (see ``model.py``,
-    ``admin.py``). With ``cards``, only those kernels' last cells are asked for: one request per kernel.
-``GET api/gpucleanup/park-idle?min_idle_s=N`` and ``POST`` (``{"min_idle_s", "ids"}``)
-    Which kernels idle that long a park would take and what it would give back; then those parks, one
-    after the other, each result.
-``GET api/gpucleanup/kernels/<id>``
-    One entry (``id``: the kernel id, or ``pid-<pid>`` for a kernel without one); 404 if unknown.
-``POST api/gpucleanup/kernels/<id>/park`` and ``.../resume``
-    The kernel's whole GPU memory, its context included, to host memory and back (``gpucleanup.park.kernel_side``).
-    200: ``ok``, the driver's ``state`` and one sentence; 409: refused (a cell or a drain is running,
-    already parked, a restore known to fail, host memory too small); 504: no answer.
-``POST api/gpucleanup/kernels/<id>/drain``
-    A signed drain through the kernel's status endpoint, body ``{"timeout_s": 0 to 60}`` (optional).
-    200: the result; 409: the kernel refused (a cell is running, a drain is running) or has no
-    gpucleanup; 504: no answer. Subject to the server's XSRF check, as every POST.
-
-Settings (``jupyter_server_config.py``)::
-
-    c.GPUCleanupServer.timeout = 1.0        # seconds per kernel's status reply
-    c.GPUCleanupServer.history = 50         # cells per kernel for the timeline
-    c.GPUCleanupServer.refresh_s = 2.0      # the page's refresh period
-    c.GPUCleanupServer.drain_timeout = 10.0 # a drain's wait for queued GPU work, by default
-    c.GPUCleanupServer.park_idle_after_s = 0 # park kernels idle this long (0: never)
-
-With ``prometheus_client`` installed, the server's own ``/metrics`` also carries every kernel's
-figures (``gpucleanup.outside.metrics``).
-
-The kernel side of gpucleanup never imports this package: jupyter_server is needed only here.
+The handlers and their routes are :mod:`.handlers`'s (each says its request and answers), the entries they list
+:mod:`.model`'s and :mod:`.admin`'s, the automatic park :mod:`.auto_park`'s; README "In the browser" tells the page,
+the API and the ``GPUCleanupServer`` settings. The kernel side of gpucleanup never imports this package:
+jupyter_server is needed only here.
 """
 
 from __future__ import annotations
