@@ -32,7 +32,6 @@ from .allocation_trace import AllocationTrace
 from .cell_state import CellState, a_cell_runs_code
 from .config import GPUCleanupOptions
 from ..dask.workers import DaskWorkers
-from ..frameworks.objects import find_gpu_objects
 from ..records.history import History
 from .load_notes import LoadNotes, environment_notes
 from .magics import gpumem_arguments, parse_gpumem, with_settings
@@ -769,14 +768,15 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             if args.history is not None:
                 data["history"] = self.history.last(args.history)
             if args.vars is not None:
-                data["vars"] = self._vars()[: args.vars] if args.vars else self._vars()
+                kept = holders.kept_objects(self.shell)
+                data["vars"] = kept[: args.vars] if args.vars else kept
             return report.JSONReport(data)
         shown = False
         if args.history is not None:
             display(report.history_report(self.history.last(args.history)))
             shown = True
         if args.vars is not None:
-            display(report.vars_report(self._vars(), args.vars))
+            display(report.vars_report(holders.kept_objects(self.shell), args.vars))
             shown = True
         if wants_table and not shown:
             display(report.memory_report(self.status()))
@@ -813,38 +813,13 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             return "no GPU on this machine"
         return "the native library could not be loaded"
 
-    def _vars(self) -> List[dict]:
-        """GPU objects the kernel keeps: through variables, the output cache and the last traceback."""
-        found = find_gpu_objects(self.shell.user_ns)
-        for entry in found:
-            entry["held_by"] = "variable"
-        found += holders.output_cache_objects(self.shell)
-        error = holders.last_exception(self.shell)
-        result = getattr(self.shell, "last_execution_result", None)
-        cell = getattr(result, "execution_count", None) if getattr(result, "error_in_exec", None) is error else None
-        found += holders.traceback_objects(error, cell, self.shell.user_ns)
-        return sorted(found, key=lambda f: -int(f.get("bytes") or 0))
-
     def _release(self, what: str) -> None:
         """``%gpumem --release out|traceback|NAME``: let go of GPU objects the kernel keeps, then clean up."""
-        if what == "out":
-            dropped = holders.release_output_cache(self.shell)
-            said = (f"released {', '.join(dropped)} from the output cache" if dropped
-                    else "no output-cache entry holds a GPU array or tensor")
-        elif what == "traceback":
-            error = holders.last_exception(self.shell)
-            held = holders.traceback_objects(error, None, self.shell.user_ns)
-            frames = holders.release_traceback(error) if error is not None else 0
-            said = (f"cleared {count_of(frames, 'frame')} of the last traceback ({count_of(len(held), 'GPU object')}, "
-                    f"{report.format_bytes(sum(int(f.get('bytes') or 0) for f in held))}); %debug no longer shows "
-                    "their variables" if error is not None else "there is no last traceback")
-        else:
-            refused = holders.variable_refusal(self.shell, what)
-            if refused is not None:
-                raise UsageError(f"%gpumem --release: {refused}: pass out, traceback or the name of a variable that "
-                                 "holds GPU memory (see %gpumem --vars)")
-            self.shell.del_var(what, by_name=False)
-            said = f"deleted {what} and every reference IPython kept to it (as %xdel)"
+        try:
+            said = holders.release(self.shell, what)
+        except ValueError as exc:
+            raise UsageError(f"%gpumem --release: {exc}: pass out, traceback or the name of a variable that "
+                             "holds GPU memory (see %gpumem --vars)") from None
         print(say(said))
         outcome = self.cleanup(forced=True)
         if outcome is not None:

@@ -20,6 +20,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 from ..frameworks import ADAPTERS
 from ..frameworks.objects import find_gpu_objects
+from ..units import count_of, format_bytes
 
 __all__ = [
     "held_after_cell",
@@ -250,3 +251,39 @@ def variable_refusal(shell: Any, name: str) -> Optional[str]:
         return (f"{name} is {type(value).__name__} {shown}, which holds no GPU memory (deleting it by identity "
                 "would delete every other name bound to the same object)")
     return None
+
+
+def kept_objects(shell: Any) -> List[dict]:
+    """The GPU objects the kernel keeps (``%gpumem --vars``): through variables, the output cache and the last
+    traceback, most memory first."""
+    found = find_gpu_objects(shell.user_ns)
+    for entry in found:
+        entry["held_by"] = "variable"
+    found += output_cache_objects(shell)
+    error = last_exception(shell)
+    result = getattr(shell, "last_execution_result", None)
+    cell = getattr(result, "execution_count", None) if getattr(result, "error_in_exec", None) is error else None
+    found += traceback_objects(error, cell, shell.user_ns)
+    return sorted(found, key=lambda f: -int(f.get("bytes") or 0))
+
+
+def release(shell: Any, what: str) -> str:
+    """``%gpumem --release out|traceback|NAME``: lets go of what the kernel keeps there; the sentence that says
+    what was let go. Raises ValueError, with why, for a name that is no variable holding GPU memory."""
+    if what == "out":
+        dropped = release_output_cache(shell)
+        return (f"released {', '.join(dropped)} from the output cache" if dropped
+                else "no output-cache entry holds a GPU array or tensor")
+    if what == "traceback":
+        error = last_exception(shell)
+        if error is None:
+            return "there is no last traceback"
+        held = traceback_objects(error, None, shell.user_ns)
+        frames = release_traceback(error)
+        return (f"cleared {count_of(frames, 'frame')} of the last traceback ({count_of(len(held), 'GPU object')}, "
+                f"{format_bytes(sum(int(f.get('bytes') or 0) for f in held))}); %debug no longer shows their variables")
+    refused = variable_refusal(shell, what)
+    if refused is not None:
+        raise ValueError(refused)
+    shell.del_var(what, by_name=False)
+    return f"deleted {what} and every reference IPython kept to it (as %xdel)"
