@@ -35,6 +35,7 @@ import pytest
 
 import fault_matrix as fm
 from conftest import BUILD, FAKE_CUDA, FakeCuda
+from support import MiB
 
 pytest_plugins = ["fault_matrix"]
 
@@ -506,7 +507,7 @@ class ScriptedFramework:
     cached in its pinned pool; the adapter's own verbs (guards, locks, notes, wording) run as they are."""
 
     def __init__(self):
-        self.cached, self.pinned = 256 * fm.MiB, 64 * fm.MiB
+        self.cached, self.pinned = 256 * MiB, 64 * MiB
 
     def hooks(self) -> dict:
         def _stats(devices, result):
@@ -529,7 +530,7 @@ class ScriptedFramework:
                 "_drain_pinned": _drain_pinned, "modules": ()}
 
     def refill(self):
-        self.cached, self.pinned = 128 * fm.MiB, 32 * fm.MiB
+        self.cached, self.pinned = 128 * MiB, 32 * MiB
 
 
 class Faulty:
