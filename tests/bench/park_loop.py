@@ -104,10 +104,15 @@ class Session:
             pass
 
 
-def one_run(session: Session, pause: float, resume: str) -> dict:
+def one_run(session: Session, pause: float, resume: str, parked_s: float = 0.0) -> dict:
     kernel = session.kernel
     out: dict = {}
-    cell = kernel.execute("print(step())", 300, watch=True)
+    try:
+        cell = kernel.execute("print(step())", 300, watch=True)
+    except kernel_harness.KernelDied:  # a park that failed may still have parked it (its answer came too late)
+        return {"outcome": "lost", "before_park": True, "exit": kernel.exit_status(), "tail": session.tail()}
+    except queue.Empty:
+        return {"outcome": "hung", "before_park": True, "tail": session.tail()}
     if cell.error_line:
         return {"outcome": "error", "why": cell.error_line}
     if pause:
@@ -122,6 +127,11 @@ def one_run(session: Session, pause: float, resume: str) -> dict:
         out["parked_bytes"] = json.loads(parked.stdout).get("parked_bytes")
     except ValueError:
         pass
+    if parked_s:
+        time.sleep(parked_s)
+    # the process's state before any resume: None while it runs (a kernel that died while parked, before any
+    # resume was asked for, was not lost by the resume)
+    out["exit_before_resume"] = kernel.exit_status()
     started = time.monotonic()
     if resume == "outside":
         resumed = cli(session.env, "resume", str(kernel.pid), "--json")
@@ -154,6 +164,7 @@ def main() -> int:
     parser.add_argument("--framework", choices=sorted(FILL), default="jax")
     parser.add_argument("--runs", type=int, default=50)
     parser.add_argument("--pause", type=float, default=0.0, help="seconds idle between the cell and the park")
+    parser.add_argument("--parked", type=float, default=0.0, help="seconds parked before the resume")
     parser.add_argument("--resume", choices=("cell", "outside"), default="cell")
     parser.add_argument("--hold", choices=("on", "off"), default="on")
     parser.add_argument("--mib", type=int, default=512, help="device memory the kernel fills, MiB")
@@ -162,14 +173,14 @@ def main() -> int:
     args = parser.parse_args()
     end = time.monotonic() + args.budget
     runs = []
-    label = f"{args.framework} pause {args.pause:g}s resume {args.resume} hold {args.hold}"
+    label = f"{args.framework} pause {args.pause:g}s parked {args.parked:g}s resume {args.resume} hold {args.hold}"
     with tempfile.TemporaryDirectory(prefix="gpucleanup-park-loop-") as tmp:
         session = Session(Path(tmp), args.framework, args.hold, args.mib * (1 << 20) // 4)
         try:
             for run in range(1, args.runs + 1):
                 if time.monotonic() >= end:
                     break
-                result = one_run(session, args.pause, args.resume)
+                result = one_run(session, args.pause, args.resume, args.parked)
                 result["run"] = run
                 runs.append(result)
                 brief = {k: v for k, v in result.items() if k not in ("tail",)}

@@ -572,7 +572,7 @@ def mps_server(proc: str = "/proc", max_age_s: float = 5.0) -> Optional[str]:
     return found
 
 
-#: frameworks whose resume is not yet shown safe on a GPU, and how their GPU backend shows in /proc/PID/maps
+#: frameworks whose park is not safe on a GPU, and how their GPU backend shows in /proc/PID/maps
 UNPROVEN = {"jax": ("xla_cuda_plugin", "/jaxlib/cuda/")}
 
 
@@ -588,9 +588,9 @@ def unproven_opt_in(environ: Optional[List[bytes]] = None) -> set:
 
 
 def unproven_refusal(pid: int, proc: str = "/proc", environ: Optional[List[bytes]] = None) -> Optional[str]:
-    """Why a kernel whose framework's resume is not yet proven is not parked (None: none is in use, or it was
-    let through): JAX on the GPU lost 2 of 8 kernels in their resume on an H100 (share/FACTS.md §11), and the
-    restore's thread hold that should end this has not yet been shown on a GPU (README, "Parking a kernel")."""
+    """Why a kernel whose framework's park is not safe is not parked (None: none is in use, or it was let
+    through): JAX on the GPU lost 11 of 76 kernels parked and resumed on an H100 with the restore's thread hold on
+    (8 of 30 without it), an XLA thread faulting in the driver's ``cuStreamQuery`` (share/FACTS.md §11)."""
     try:
         with open(f"{proc}/{int(pid)}/maps", encoding="utf-8", errors="replace") as fh:
             maps = fh.read()
@@ -601,8 +601,8 @@ def unproven_refusal(pid: int, proc: str = "/proc", environ: Optional[List[bytes
         if name in allowed or not any(mark in maps for mark in marks):
             continue
         return (f"[gpucleanup.park.651] process {pid} runs {'JAX' if name == 'jax' else name} on the GPU, whose "
-                "resume lost kernels on an H100 and is not yet shown safe with the restore's thread hold: it is "
-                f"not parked; GPUCLEANUP_PARK_UNPROVEN={name} (for the kernel, or for the command or server that "
+                "park lost kernels on an H100 even with every other thread held during the restore: it is not "
+                f"parked; GPUCLEANUP_PARK_UNPROVEN={name} (for the kernel, or for the command or server that "
                 "parks) parks it all the same")
     return None
 
