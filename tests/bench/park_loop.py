@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import queue
-import re
 import subprocess
 import sys
 import tempfile
