@@ -51,7 +51,8 @@ class GpuItem extends Widget {
     this.node.dataset.kind = 'none';
   }
 
-  render(said) {
+  render(said, kernel) {
+    this.node.dataset.kernel = said ? kernel : '';  // which kernel the figures are of
     this.node.textContent = said ? said.text : '';
     this.node.title = said ? said.title : '';
     this.node.dataset.kind = said ? said.kind : 'none';
@@ -69,10 +70,10 @@ const plugin = {
     const settings = app.serviceManager.serverSettings;
     const activeStateChanged = new Signal(item);  // the status bar shows the item while isActive() says so
     let shown = null;
-    const say = (said) => {
+    const say = (said, kernel) => {
       const was = shown !== null;
       shown = said;
-      item.render(said);
+      item.render(said, kernel);
       if (was !== (said !== null)) activeStateChanged.emit(undefined);
     };
     const kernelId = () => {
@@ -95,7 +96,7 @@ const plugin = {
       } catch (err) {
         said = null;  // no gpucleanup server extension, or the server went away: nothing to say
       }
-      if (kernelId() === id) say(said);
+      if (kernelId() === id) say(said, id);
     };
     statusBar.registerStatusItem(plugin.id, {
       item,

@@ -75,7 +75,8 @@ class GpuItem extends _lumino_widgets__WEBPACK_IMPORTED_MODULE_1__.Widget {
     this.node.dataset.kind = 'none';
   }
 
-  render(said) {
+  render(said, kernel) {
+    this.node.dataset.kernel = said ? kernel : '';  // which kernel the figures are of
     this.node.textContent = said ? said.text : '';
     this.node.title = said ? said.title : '';
     this.node.dataset.kind = said ? said.kind : 'none';
@@ -93,10 +94,10 @@ const plugin = {
     const settings = app.serviceManager.serverSettings;
     const activeStateChanged = new _lumino_signaling__WEBPACK_IMPORTED_MODULE_0__.Signal(item);  // the status bar shows the item while isActive() says so
     let shown = null;
-    const say = (said) => {
+    const say = (said, kernel) => {
       const was = shown !== null;
       shown = said;
-      item.render(said);
+      item.render(said, kernel);
       if (was !== (said !== null)) activeStateChanged.emit(undefined);
     };
     const kernelId = () => {
@@ -119,7 +120,7 @@ const plugin = {
       } catch (err) {
         said = null;  // no gpucleanup server extension, or the server went away: nothing to say
       }
-      if (kernelId() === id) say(said);
+      if (kernelId() === id) say(said, id);
     };
     statusBar.registerStatusItem(plugin.id, {
       item,

@@ -118,7 +118,7 @@ __webpack_require__.d(exports, {
 /******/ 		// This function allow to reference async chunks
 /******/ 		__webpack_require__.u = (chunkId) => {
 /******/ 			// return url for filenames based on template
-/******/ 			return "" + chunkId + "." + "2347ddc98160bf28b569" + ".js";
+/******/ 			return "" + chunkId + "." + "edf2f0a74d33d272c986" + ".js";
 /******/ 		};
 /******/ 	})();
 /******/ 	
