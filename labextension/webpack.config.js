@@ -6,7 +6,7 @@ const { ModuleFederationPlugin } = require('webpack').container;
 // the major versions JupyterLab 4.0 to 4.6 share (its own packages 4, services 7, coreutils 6, Lumino 2)
 const shared = {};
 const versions = {
-  '@jupyterlab/application': '^4.0.0', '@jupyterlab/notebook': '^4.0.0', '@jupyterlab/statusbar': '^4.0.0',
+  '@jupyterlab/application': '^4.0.0', '@jupyterlab/apputils': '^4.0.0', '@jupyterlab/notebook': '^4.0.0', '@jupyterlab/statusbar': '^4.0.0',
   '@jupyterlab/services': '^7.0.0', '@jupyterlab/coreutils': '^6.0.0', '@lumino/signaling': '^2.0.0',
   '@lumino/widgets': '^2.0.0',
 };

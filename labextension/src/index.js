@@ -1,6 +1,7 @@
 // gpucleanup in JupyterLab: the GPU memory and park state of the notebook in focus, in the status bar.
 // One request per refresh (GET api/gpucleanup/kernels/<kernel id>), at most every 2 s and none while the tab is
 // hidden; the server answers it without counting it as activity, as it does for its own page.
+import { Dialog, showDialog } from '@jupyterlab/apputils';
 import { Signal } from '@lumino/signaling';
 import { Widget } from '@lumino/widgets';
 import { IStatusBar } from '@jupyterlab/statusbar';
@@ -60,6 +61,51 @@ class GpuItem extends Widget {
   }
 }
 
+
+// The item's panel: the kernel's figures per GPU, and Park / Resume / Drain through the server's REST API (the
+// server's token, XSRF check and authorizer, as for its page).
+function panelBody(entry) {
+  const node = document.createElement('div');
+  node.className = 'gpucleanup-panel';
+  const line = (text) => {
+    const div = document.createElement('div');
+    div.textContent = text;
+    node.appendChild(div);
+  };
+  const state = (entry.state && entry.state.state) || 'unknown';
+  line(`state: ${state}${entry.notebook ? ` · ${entry.notebook}` : ''}`);
+  if (entry.parked && entry.parked.bytes) line(`parked in host memory: ${formatBytes(entry.parked.bytes)}`);
+  for (const held of entry.held || []) {
+    const outside = held.outside_bytes === null || held.outside_bytes === undefined ? '' :
+      ` · outside every pool ${formatBytes(held.outside_bytes)}`;
+    line(`GPU${held.index}: held ${formatBytes(held.bytes)} · live ${formatBytes(held.live_bytes)} · ` +
+         `cached ${formatBytes(held.cached_bytes)}${outside}`);
+  }
+  return new Widget({ node });
+}
+
+async function openPanel(settings, kernel) {
+  const base = URLExt.join(settings.baseUrl, 'api/gpucleanup/kernels', encodeURIComponent(kernel));
+  const response = await ServerConnection.makeRequest(base, {}, settings);
+  if (!response.ok) return null;
+  const entry = await response.json();
+  const parked = entry.parked !== null && entry.parked !== undefined;
+  const action = parked ? 'resume' : 'park';
+  const result = await showDialog({
+    title: 'gpucleanup',
+    body: panelBody(entry),
+    buttons: [Dialog.cancelButton({ label: 'Close' }), Dialog.createButton({ label: 'Drain', accept: true }),
+              Dialog.okButton({ label: parked ? 'Resume' : 'Park' })],
+  });
+  if (!result.button.accept) return null;
+  const what = result.button.label === 'Drain' ? 'drain' : action;
+  const done = await ServerConnection.makeRequest(URLExt.join(base, what), { method: 'POST', body: '{}' }, settings);
+  const answer = await done.json().catch(() => ({}));
+  await showDialog({ title: 'gpucleanup', body: answer.message || `${what}: HTTP ${done.status}`,
+                     buttons: [Dialog.okButton({ label: 'OK' })] });
+  return what;
+}
+
 const plugin = {
   id: 'gpucleanup:status-item',
   description: 'The GPU memory and park state of the notebook in focus, from gpucleanup.',
@@ -98,6 +144,11 @@ const plugin = {
       }
       if (kernelId() === id) say(said, id);
     };
+    item.node.style.cursor = 'pointer';
+    item.node.addEventListener('click', () => {
+      const kernel = item.node.dataset.kernel;
+      if (kernel) void openPanel(settings, kernel).then(() => refresh());
+    });
     statusBar.registerStatusItem(plugin.id, {
       item,
       align: 'left',

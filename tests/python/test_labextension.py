@@ -56,46 +56,100 @@ def _expected(entry: dict) -> str:
     return " · ".join(parts)
 
 
-@pytest.mark.skipif(not (CHROMIUM.exists() and CHROMEDRIVER.exists()), reason="needs chromium and chromium-driver")
-def test_the_status_item_shows_the_figures_of_the_kernel_in_focus(tmp_path):
-    pytest.importorskip("jupyterlab")
-    webdriver = pytest.importorskip("selenium.webdriver")
-    from selenium.webdriver.chrome.service import Service
-    from selenium.webdriver.support.ui import WebDriverWait
+class Lab:
+    """A real Jupyter server with JupyterLab, every kernel loading gpucleanup at start (the README's set-up), on the
+    fake driver with a checkpoint directory, and headless Chromium logged in on ``fit.ipynb``."""
 
-    from test_server import TIMEOUT, Server
+    def __init__(self, tmp_path: Path):
+        webdriver = pytest.importorskip("selenium.webdriver")
+        from selenium.webdriver.chrome.service import Service
 
-    srv = Server(tmp_path / "srv")
-    browser = None
-    try:
-        # every kernel the server starts loads gpucleanup, as the README's set-up does
+        from test_server import Server
+
+        checkpoints = tmp_path / "checkpoints"
+        checkpoints.mkdir()
+        self.srv = Server(tmp_path / "srv", extra_env={"GPUCLEANUP_FAKE_CUDA_CHECKPOINT_DIR": str(checkpoints)})
+        self.browser = None
         profile = tmp_path / "srv" / "ipython" / "profile_default"
         profile.mkdir(parents=True)
         (profile / "ipython_kernel_config.py").write_text("c.InteractiveShellApp.extensions = ['gpucleanup']\n")
         kernelspec = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
-        (srv.root / "fit.ipynb").write_text(json.dumps({"cells": [], "metadata": {"kernelspec": kernelspec},
-                                                         "nbformat": 4, "nbformat_minor": 5}))
+        (self.srv.root / "fit.ipynb").write_text(json.dumps({"cells": [], "metadata": {"kernelspec": kernelspec},
+                                                              "nbformat": 4, "nbformat_minor": 5}))
         options = webdriver.ChromeOptions()
         options.binary_location = str(CHROMIUM)
         for argument in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                          "--window-size=1400,900"):
             options.add_argument(argument)
         env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "ASAN_OPTIONS", "UBSAN_OPTIONS")}
-        browser = webdriver.Chrome(options=options, service=Service(str(CHROMEDRIVER), env=env))
-        browser.get(f"{srv.url}/lab/tree/fit.ipynb?token={srv.token}")
+        self.browser = webdriver.Chrome(options=options, service=Service(str(CHROMEDRIVER), env=env))
+        self.browser.get(f"{self.srv.url}/lab/tree/fit.ipynb?token={self.srv.token}")
 
+    def wait(self, condition, what: str):
+        from selenium.webdriver.support.ui import WebDriverWait
+
+        from test_server import TIMEOUT
+
+        return WebDriverWait(self.browser, TIMEOUT, poll_frequency=0.1).until(condition, message=what)
+
+    def item(self, text_starts: str = ""):
+        """The status item once it shows figures (starting with ``text_starts``) of a kernel it names."""
         def shown(driver):
             items = driver.find_elements("css selector", ".gpucleanup-status")
-            return items[0] if items and items[0].text and items[0].get_attribute("data-kernel") else False
+            ok = items and items[0].text.startswith(text_starts) and items[0].text and items[0].get_attribute(
+                "data-kernel")
+            return items[0] if ok else False
 
-        item = WebDriverWait(browser, TIMEOUT, poll_frequency=0.1).until(shown, message="no gpucleanup status item")
-        kernel_id = item.get_attribute("data-kernel")
-        entry = srv.entry(kernel_id)
-        assert entry["gpucleanup"] and entry["held_bytes"] > 0, entry
-        assert item.text == _expected(entry)
-    finally:
-        if browser is not None:
+        return self.wait(shown, f"no gpucleanup status item saying {text_starts!r}...")
+
+    def press(self, label: str) -> None:
+        """The button ``label`` of the dialog on top."""
+        def button(driver):
+            found = [b for b in driver.find_elements("css selector", ".jp-Dialog .jp-Dialog-button")
+                     if b.text.strip() == label]
+            return found[-1] if found else False
+
+        self.wait(button, f"no dialog button {label!r}").click()
+
+    def close(self) -> None:
+        if self.browser is not None:
             if os.environ.get("GPUCLEANUP_LAB_SCREENSHOT"):
-                browser.save_screenshot(os.environ["GPUCLEANUP_LAB_SCREENSHOT"])
-            browser.quit()
-        srv.stop()
+                self.browser.save_screenshot(os.environ["GPUCLEANUP_LAB_SCREENSHOT"])
+            self.browser.quit()
+        self.srv.stop()
+
+
+needs_browser = pytest.mark.skipif(not (CHROMIUM.exists() and CHROMEDRIVER.exists()),
+                                   reason="needs chromium and chromium-driver")
+
+
+@pytest.fixture
+def lab(tmp_path):
+    pytest.importorskip("jupyterlab")
+    lab = Lab(tmp_path)
+    yield lab
+    lab.close()
+
+
+@needs_browser
+def test_the_status_item_shows_the_figures_of_the_kernel_in_focus(lab):
+    item = lab.item()
+    entry = lab.srv.entry(item.get_attribute("data-kernel"))
+    assert entry["gpucleanup"] and entry["held_bytes"] > 0, entry
+    assert item.text == _expected(entry)
+
+
+@needs_browser
+def test_the_items_panel_parks_and_resumes_the_kernel_and_the_item_follows(lab):
+    kernel_id = lab.item("GPU0 ").get_attribute("data-kernel")
+    lab.item().click()
+    lab.press("Park")
+    lab.press("OK")  # the server's sentence: parked ... in host memory
+    # the fake driver has no nvidia-smi beside it: the park measures no bytes, and the item says none
+    assert lab.item("GPU parked").get_attribute("data-kernel") == kernel_id
+    assert lab.srv.entry(kernel_id)["state"]["state"] == "parked"
+    lab.item().click()
+    lab.press("Resume")
+    lab.press("OK")
+    lab.item("GPU0 ")
+    assert lab.srv.entry(kernel_id)["state"]["state"] == "idle"

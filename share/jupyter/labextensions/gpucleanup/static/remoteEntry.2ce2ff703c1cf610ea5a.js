@@ -118,7 +118,7 @@ __webpack_require__.d(exports, {
 /******/ 		// This function allow to reference async chunks
 /******/ 		__webpack_require__.u = (chunkId) => {
 /******/ 			// return url for filenames based on template
-/******/ 			return "" + chunkId + "." + "edf2f0a74d33d272c986" + ".js";
+/******/ 			return "" + chunkId + "." + "29789e80af157025b5fb" + ".js";
 /******/ 		};
 /******/ 	})();
 /******/ 	
@@ -394,6 +394,7 @@ __webpack_require__.d(exports, {
 /******/ 		});
 /******/ 		var installedModules = {};
 /******/ 		var moduleToHandlerMapping = {
+/******/ 			501: () => (loadSingletonVersionCheck("default", "@jupyterlab/apputils", [1,4,0,0])),
 /******/ 			901: () => (loadSingletonVersionCheck("default", "@lumino/signaling", [1,2,0,0])),
 /******/ 			144: () => (loadSingletonVersionCheck("default", "@lumino/widgets", [1,2,0,0])),
 /******/ 			653: () => (loadSingletonVersionCheck("default", "@jupyterlab/statusbar", [1,4,0,0])),
@@ -404,6 +405,7 @@ __webpack_require__.d(exports, {
 /******/ 		// no consumes in initial chunks
 /******/ 		var chunkMapping = {
 /******/ 			"138": [
+/******/ 				501,
 /******/ 				901,
 /******/ 				144,
 /******/ 				653,
