@@ -3,6 +3,7 @@
 # share/jupyter/labextensions/gpucleanup/ (committed; the wheel ships it), with Debian's webpack and Node only:
 # no npm registry, no @jupyterlab package on disk (every one is taken from JupyterLab's share scope at run time).
 # Installs what it needs (as root): Debian's nodejs 18 and webpack 5.75 (share/FACTS.md, JupyterLab extension).
+# --install-only: installs them and builds nothing (scripts/setup.sh: the stale-build test needs webpack).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 say() { echo "build_labextension: $*"; }
@@ -11,6 +12,7 @@ if ! command -v webpack >/dev/null || ! node -e 'require("webpack")' 2>/dev/null
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --allow-downgrades "nodejs=18.*" webpack >/dev/null
 fi
+[ "${1:-}" != --install-only ] || exit 0
 out=share/jupyter/labextensions/gpucleanup
 rm -rf "$out"
 mkdir -p "$out/static"
