@@ -46,6 +46,12 @@ if [ ${#missing[@]} -gt 0 ]; then
   say "Debian packages installed in $((SECONDS - step)) s"
 fi
 
+# The JupyterLab extension's stale-build test rebuilds it with Debian's webpack (scripts/build_labextension.sh)
+if ! command -v webpack >/dev/null || ! node -e 'require("webpack")' 2>/dev/null; then
+  if [ "$(id -u)" = 0 ]; then bash scripts/build_labextension.sh --install-only; else
+    say "webpack is missing: the JupyterLab extension's stale-build test will be skipped (run scripts/build_labextension.sh as root)"; fi
+fi
+
 cuda_home=${CUDA_HOME:-/usr/local/cuda}
 if [ ! -f "$cuda_home/include/cudaTypedefs.h" ]; then
   echo "setup: the CUDA Toolkit headers (cuda.h, cudaTypedefs.h) were not found under $cuda_home:" >&2

@@ -1,0 +1,155 @@
+"""gpucleanup's JupyterLab extension: built from its sources, installed with the package, and shown by a real
+JupyterLab (from PyPI) in headless Chromium against kernels on the fake CUDA driver."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpucleanup.units import format_bytes
+from support import ROOT
+
+BUILT = ROOT / "share" / "jupyter" / "labextensions" / "gpucleanup"
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+
+
+def _files(directory: Path) -> dict:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_the_committed_build_is_what_the_sources_build(tmp_path):
+    # scripts/build_labextension.sh installs Debian's webpack; scripts/setup.sh runs it where it is missing
+    if shutil.which("webpack") is None:
+        pytest.skip("needs Debian's webpack (bash scripts/build_labextension.sh installs it)")
+    out = tmp_path / "static"
+    done = subprocess.run(["webpack", "--config", str(ROOT / "labextension" / "webpack.config.js")],
+                          env=dict(os.environ, NODE_PATH="/usr/share/nodejs", GPUCLEANUP_LAB_OUT=str(out)),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert _files(out) == _files(BUILT / "static"), "stale: run bash scripts/build_labextension.sh and commit"
+    meta = json.loads((BUILT / "package.json").read_text())
+    assert meta["jupyterlab"]["_build"]["load"] == "static/" + next(n for n in _files(out) if n.startswith("remoteEntry"))
+
+
+def test_jupyterlab_lists_the_installed_extension_enabled():
+    pytest.importorskip("jupyterlab")
+    done = subprocess.run([sys.executable, "-m", "jupyter", "labextension", "list"], capture_output=True, text=True,
+                          timeout=120)
+    listed = [line for line in (done.stdout + done.stderr).splitlines() if line.strip().startswith("gpucleanup ")]
+    assert len(listed) == 1 and "enabled" in listed[0] and "OK" in listed[0], done.stdout + done.stderr
+
+
+def _expected(entry: dict) -> str:
+    """The item's text for an entry of the server's API, by the rule the extension follows (src/index.js)."""
+    parts = []
+    for held in entry["held"]:
+        if held["bytes"] > 0:
+            cached = f" ({format_bytes(held['cached_bytes']).split()[0]} cached)" if held["cached_bytes"] > 0 else ""
+            parts.append(f"GPU{held['index']} {format_bytes(held['bytes'])}{cached}")
+    return " · ".join(parts)
+
+
+class Lab:
+    """A real Jupyter server with JupyterLab, every kernel loading gpucleanup at start (the README's set-up), on the
+    fake driver with a checkpoint directory, and headless Chromium logged in on ``fit.ipynb``."""
+
+    def __init__(self, tmp_path: Path):
+        webdriver = pytest.importorskip("selenium.webdriver")
+        from selenium.webdriver.chrome.service import Service
+
+        from test_server import Server
+
+        checkpoints = tmp_path / "checkpoints"
+        checkpoints.mkdir()
+        self.srv = Server(tmp_path / "srv", extra_env={"GPUCLEANUP_FAKE_CUDA_CHECKPOINT_DIR": str(checkpoints)})
+        self.browser = None
+        profile = tmp_path / "srv" / "ipython" / "profile_default"
+        profile.mkdir(parents=True)
+        (profile / "ipython_kernel_config.py").write_text("c.InteractiveShellApp.extensions = ['gpucleanup']\n")
+        kernelspec = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
+        (self.srv.root / "fit.ipynb").write_text(json.dumps({"cells": [], "metadata": {"kernelspec": kernelspec},
+                                                              "nbformat": 4, "nbformat_minor": 5}))
+        options = webdriver.ChromeOptions()
+        options.binary_location = str(CHROMIUM)
+        for argument in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                         "--window-size=1400,900"):
+            options.add_argument(argument)
+        env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "ASAN_OPTIONS", "UBSAN_OPTIONS")}
+        self.browser = webdriver.Chrome(options=options, service=Service(str(CHROMEDRIVER), env=env))
+        self.browser.get(f"{self.srv.url}/lab/tree/fit.ipynb?token={self.srv.token}")
+
+    def wait(self, condition, what: str):
+        from selenium.webdriver.support.ui import WebDriverWait
+
+        from test_server import TIMEOUT
+
+        return WebDriverWait(self.browser, TIMEOUT, poll_frequency=0.1).until(condition, message=what)
+
+    def item(self, text_starts: str = ""):
+        """The status item once it shows figures (starting with ``text_starts``) of a kernel it names."""
+        def shown(driver):
+            items = driver.find_elements("css selector", ".gpucleanup-status")
+            ok = items and items[0].text.startswith(text_starts) and items[0].text and items[0].get_attribute(
+                "data-kernel")
+            return items[0] if ok else False
+
+        return self.wait(shown, f"no gpucleanup status item saying {text_starts!r}...")
+
+    def press(self, label: str) -> None:
+        """The button ``label`` of the dialog on top."""
+        def button(driver):
+            found = [b for b in driver.find_elements("css selector", ".jp-Dialog .jp-Dialog-button")
+                     if b.text.strip() == label]
+            return found[-1] if found else False
+
+        self.wait(button, f"no dialog button {label!r}").click()
+
+    def close(self) -> None:
+        if self.browser is not None:
+            if os.environ.get("GPUCLEANUP_LAB_SCREENSHOT"):
+                self.browser.save_screenshot(os.environ["GPUCLEANUP_LAB_SCREENSHOT"])
+            self.browser.quit()
+        self.srv.stop()
+
+
+needs_browser = pytest.mark.skipif(not (CHROMIUM.exists() and CHROMEDRIVER.exists()),
+                                   reason="needs chromium and chromium-driver")
+
+
+@pytest.fixture
+def lab(tmp_path):
+    pytest.importorskip("jupyterlab")
+    lab = Lab(tmp_path)
+    yield lab
+    lab.close()
+
+
+@needs_browser
+def test_the_status_item_shows_the_figures_of_the_kernel_in_focus(lab):
+    item = lab.item()
+    entry = lab.srv.entry(item.get_attribute("data-kernel"))
+    assert entry["gpucleanup"] and entry["held_bytes"] > 0, entry
+    assert item.text == _expected(entry)
+
+
+@needs_browser
+def test_the_items_panel_parks_and_resumes_the_kernel_and_the_item_follows(lab):
+    kernel_id = lab.item("GPU0 ").get_attribute("data-kernel")
+    lab.item().click()
+    lab.press("Park")
+    lab.press("OK")  # the server's sentence: parked ... in host memory
+    # the fake driver has no nvidia-smi beside it: the park measures no bytes, and the item says none
+    assert lab.item("GPU parked").get_attribute("data-kernel") == kernel_id
+    assert lab.srv.entry(kernel_id)["state"]["state"] == "parked"
+    lab.item().click()
+    lab.press("Resume")
+    lab.press("OK")
+    lab.item("GPU0 ")
+    assert lab.srv.entry(kernel_id)["state"]["state"] == "idle"
