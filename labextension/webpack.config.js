@@ -9,6 +9,7 @@ const versions = {
   '@jupyterlab/application': '^4.0.0', '@jupyterlab/apputils': '^4.0.0', '@jupyterlab/notebook': '^4.0.0', '@jupyterlab/statusbar': '^4.0.0',
   '@jupyterlab/services': '^7.0.0', '@jupyterlab/coreutils': '^6.0.0', '@lumino/signaling': '^2.0.0',
   '@lumino/widgets': '^2.0.0',
+  '@jupyterlab/running': '^4.0.0', '@jupyterlab/settingregistry': '^4.0.0', '@jupyterlab/ui-components': '^4.0.0',
 };
 for (const [name, requiredVersion] of Object.entries(versions)) {
   shared[name] = { singleton: true, import: false, requiredVersion };

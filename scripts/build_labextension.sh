@@ -18,6 +18,9 @@ rm -rf "$out"
 mkdir -p "$out/static"
 NODE_PATH=/usr/share/nodejs GPUCLEANUP_LAB_OUT="$PWD/$out/static" webpack --config labextension/webpack.config.js >/dev/null
 entry=$(cd "$out/static" && ls remoteEntry.*.js)
+# the settings' schema, where JupyterLab reads a prebuilt extension's: schemas/<package name>/<plugin>.json
+mkdir -p "$out/schemas/gpucleanup"
+cp labextension/schema/*.json "$out/schemas/gpucleanup/"
 python3 - "$out" "$entry" <<'PY'
 import json, pathlib, sys
 out, entry = pathlib.Path(sys.argv[1]), sys.argv[2]

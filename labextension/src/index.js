@@ -1,15 +1,23 @@
-// gpucleanup in JupyterLab: the GPU memory and park state of the notebook in focus, in the status bar.
-// One request per refresh (GET api/gpucleanup/kernels/<kernel id>), at most every 2 s and none while the tab is
-// hidden; the server answers it without counting it as activity, as it does for its own page.
-import { Dialog, showDialog } from '@jupyterlab/apputils';
+// gpucleanup in JupyterLab: the GPU memory and park state of the notebook in focus in the status bar, every
+// kernel's in a section of the Running panel, and the page /gpucleanup in a main-area tab.
+// One request per refresh for all of them (GET api/gpucleanup/kernels, no cards), every refreshSeconds (2 s by
+// default) and none while the tab is hidden; the server answers it without counting it as activity, as it does
+// for its own page.
+import { Dialog, ICommandPalette, MainAreaWidget, showDialog } from '@jupyterlab/apputils';
 import { Signal } from '@lumino/signaling';
 import { Widget } from '@lumino/widgets';
 import { IStatusBar } from '@jupyterlab/statusbar';
 import { INotebookTracker } from '@jupyterlab/notebook';
+import { IRunningSessionManagers } from '@jupyterlab/running';
+import { ISettingRegistry } from '@jupyterlab/settingregistry';
 import { ServerConnection } from '@jupyterlab/services';
 import { URLExt } from '@jupyterlab/coreutils';
+import { LabIcon } from '@jupyterlab/ui-components';
 
-const REFRESH_MS = 2000;
+const PLUGIN_ID = 'gpucleanup:status-item';
+const OPEN_PAGE = 'gpucleanup:open-page';
+// the settings' defaults (schema/status-item.json says the same)
+const DEFAULTS = { refreshSeconds: 2, showCached: true, hideWithoutGpu: true };
 const UNITS = [['TiB', 2 ** 40], ['GiB', 2 ** 30], ['MiB', 2 ** 20], ['KiB', 2 ** 10]];
 
 // the units of the line under each cell and of %gpumem (gpucleanup/units.py)
@@ -23,8 +31,20 @@ export function formatBytes(n) {
   return `${n < 0 ? '-' : ''}${text} ${unit}`;
 }
 
-// What the item says for one kernel entry of the server's API; null: nothing to show (no gpucleanup, no GPU used).
-export function describe(entry) {
+export function formatDuration(seconds) {
+  if (seconds === null || seconds === undefined) return '?';
+  const s = Math.max(0, seconds);
+  if (s < 1) return `${Math.round(s * 1000)} ms`;
+  if (s < 60) return `${s < 10 ? s.toFixed(1) : s.toFixed(0)} s`;
+  const whole = Math.round(s);
+  const minutes = Math.floor(whole / 60);
+  if (minutes < 60) return whole % 60 ? `${minutes} min ${whole % 60} s` : `${minutes} min`;
+  return minutes % 60 ? `${Math.floor(minutes / 60)} h ${minutes % 60} min` : `${Math.floor(minutes / 60)} h`;
+}
+
+// What the item says for one kernel entry of the server's API; null: nothing to show (no gpucleanup, or no GPU
+// used while hideWithoutGpu is on). showCached off leaves out the "(x cached)" part.
+export function describe(entry, options = DEFAULTS) {
   if (!entry || !entry.gpucleanup) return null;
   const state = (entry.state && entry.state.state) || 'unknown';
   if (entry.parked && (state === 'parked' || state === 'parking')) {
@@ -33,9 +53,13 @@ export function describe(entry) {
              title: 'gpucleanup: this kernel\'s GPU memory is in host memory; its next cell brings it back' };
   }
   const held = (entry.held || []).filter((h) => h.bytes > 0);
-  if (!held.length) return null;
+  if (!held.length) {
+    return options.hideWithoutGpu ? null : { text: 'GPU none', kind: 'idle',
+      title: 'gpucleanup: this kernel holds no GPU memory' };
+  }
   const parts = held.map((h) => {
-    const cached = h.cached_bytes > 0 ? ` (${formatBytes(h.cached_bytes).replace(/ [KMGT]?i?B$/, '')} cached)` : '';
+    const cached = options.showCached && h.cached_bytes > 0 ?
+      ` (${formatBytes(h.cached_bytes).replace(/ [KMGT]?i?B$/, '')} cached)` : '';
     return `GPU${h.index === null || h.index === undefined ? '?' : h.index} ${formatBytes(h.bytes)}${cached}`;
   });
   const busy = ['draining', 'waiting', 'running'].includes(state) ? ` · ${state}` : '';
@@ -49,6 +73,7 @@ class GpuItem extends Widget {
     this.addClass('gpucleanup-status');
     this.addClass('jp-StatusBar-TextItem');
     this.node.style.padding = '0 5px';
+    this.node.style.cursor = 'pointer';
     this.node.dataset.kind = 'none';
   }
 
@@ -61,19 +86,79 @@ class GpuItem extends Widget {
   }
 }
 
+// Every kernel the server knows, asked for once per refresh for the status item and the Running section alike.
+class Kernels {
+  constructor(serverSettings) {
+    this.serverSettings = serverSettings;
+    this.options = { ...DEFAULTS };
+    this.entries = [];
+    this.changed = new Signal(this);
+    this._timer = null;
+    this._asking = false;
+  }
 
-// The item's panel: the kernel's figures per GPU, and Park / Resume / Drain through the server's REST API (the
-// server's token, XSRF check and authorizer, as for its page).
-function panelBody(entry) {
+  get url() {
+    return URLExt.join(this.serverSettings.baseUrl, 'api/gpucleanup/kernels');
+  }
+
+  start() {
+    if (this._timer !== null) clearInterval(this._timer);
+    this._timer = setInterval(() => void this.refresh(), this.options.refreshSeconds * 1000);
+    void this.refresh();
+  }
+
+  async refresh() {
+    if (document.visibilityState === 'hidden' || this._asking) return;
+    this._asking = true;
+    let entries = [];
+    try {
+      const response = await ServerConnection.makeRequest(`${this.url}?sort=held&cards=`, {}, this.serverSettings);
+      entries = response.ok ? ((await response.json()).kernels || []) : [];
+    } catch (err) {
+      entries = [];  // no gpucleanup server extension, or the server went away: nothing to say
+    } finally {
+      this._asking = false;
+    }
+    this.entries = entries;
+    this.changed.emit(entries);
+  }
+
+  find(kernelId) {
+    return this.entries.find((e) => e.kernel_id === kernelId || e.id === kernelId) || null;
+  }
+
+  async act(entryId, what) {
+    const url = URLExt.join(this.url, encodeURIComponent(entryId), what);
+    const done = await ServerConnection.makeRequest(url, { method: 'POST', body: '{}' }, this.serverSettings);
+    const answer = await done.json().catch(() => ({}));
+    void this.refresh();
+    return answer.message || `${what}: HTTP ${done.status}`;
+  }
+
+  async get(entryId, what = '') {
+    const url = URLExt.join(this.url, encodeURIComponent(entryId), what);
+    const response = await ServerConnection.makeRequest(url, {}, this.serverSettings);
+    return response.ok ? response.json() : null;
+  }
+}
+
+// The item's panel: the kernel's figures per GPU, idle since, what `park --check` says, and Park / Resume / Drain
+// through the server's REST API (the server's token, XSRF check and authorizer, as for its page), and the page.
+function panelBody(entry, check) {
   const node = document.createElement('div');
   node.className = 'gpucleanup-panel';
-  const line = (text) => {
+  const line = (text, className) => {
     const div = document.createElement('div');
     div.textContent = text;
+    if (className) div.className = className;
     node.appendChild(div);
   };
   const state = (entry.state && entry.state.state) || 'unknown';
   line(`state: ${state}${entry.notebook ? ` · ${entry.notebook}` : ''}`);
+  if (entry.idle_since_ns !== null && entry.idle_since_ns !== undefined) {
+    const since = new Date(entry.idle_since_ns / 1e6).toLocaleTimeString([], { hour12: false });
+    line(`idle for ${formatDuration(entry.idle_s)} (since ${since})`, 'gpucleanup-idle');
+  }
   if (entry.parked && entry.parked.bytes) line(`parked in host memory: ${formatBytes(entry.parked.bytes)}`);
   for (const held of entry.held || []) {
     const outside = held.outside_bytes === null || held.outside_bytes === undefined ? '' :
@@ -81,85 +166,169 @@ function panelBody(entry) {
     line(`GPU${held.index}: held ${formatBytes(held.bytes)} · live ${formatBytes(held.live_bytes)} · ` +
          `cached ${formatBytes(held.cached_bytes)}${outside}`);
   }
+  if (check) line(`park check: ${check.message}`, 'gpucleanup-check');
   return new Widget({ node });
 }
 
-async function openPanel(settings, kernel) {
-  const base = URLExt.join(settings.baseUrl, 'api/gpucleanup/kernels', encodeURIComponent(kernel));
-  const response = await ServerConnection.makeRequest(base, {}, settings);
-  if (!response.ok) return null;
-  const entry = await response.json();
+async function openPanel(app, kernels, entryId) {
+  const entry = await kernels.get(entryId);
+  if (!entry) return;
   const parked = entry.parked !== null && entry.parked !== undefined;
-  const action = parked ? 'resume' : 'park';
+  const check = parked ? null : await kernels.get(entryId, 'park-check').catch(() => null);
   const result = await showDialog({
     title: 'gpucleanup',
-    body: panelBody(entry),
-    buttons: [Dialog.cancelButton({ label: 'Close' }), Dialog.createButton({ label: 'Drain', accept: true }),
+    body: panelBody(entry, check),
+    buttons: [Dialog.cancelButton({ label: 'Close' }), Dialog.createButton({ label: 'Open page', accept: true }),
+              Dialog.createButton({ label: 'Drain', accept: true }),
               Dialog.okButton({ label: parked ? 'Resume' : 'Park' })],
   });
-  if (!result.button.accept) return null;
-  const what = result.button.label === 'Drain' ? 'drain' : action;
-  const done = await ServerConnection.makeRequest(URLExt.join(base, what), { method: 'POST', body: '{}' }, settings);
-  const answer = await done.json().catch(() => ({}));
-  await showDialog({ title: 'gpucleanup', body: answer.message || `${what}: HTTP ${done.status}`,
-                     buttons: [Dialog.okButton({ label: 'OK' })] });
-  return what;
+  if (!result.button.accept) return;
+  if (result.button.label === 'Open page') {
+    await app.commands.execute(OPEN_PAGE);
+    return;
+  }
+  const what = result.button.label === 'Drain' ? 'drain' : (parked ? 'resume' : 'park');
+  const message = await kernels.act(entryId, what);
+  await showDialog({ title: 'gpucleanup', body: message, buttons: [Dialog.okButton({ label: 'OK' })] });
+}
+
+// The page /gpucleanup in a main-area tab (the same origin: JupyterLab's login holds for it).
+function pageWidget(serverSettings) {
+  const frame = document.createElement('iframe');
+  frame.src = URLExt.join(serverSettings.baseUrl, 'gpucleanup');
+  frame.style.border = '0';
+  frame.style.width = '100%';
+  frame.style.height = '100%';
+  const content = new Widget({ node: frame });
+  content.addClass('gpucleanup-page');
+  const widget = new MainAreaWidget({ content });
+  widget.id = 'gpucleanup-page';
+  widget.title.label = 'GPU memory';
+  widget.title.closable = true;
+  return widget;
+}
+
+const parkIcon = new LabIcon({
+  name: 'gpucleanup:park',
+  svgstr: '<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 24 24" width="16"><g class="jp-icon3" ' +
+          'fill="#616161"><rect x="6" y="5" width="4" height="14"/><rect x="14" y="5" width="4" height="14"/></g></svg>',
+});
+const gpuIcon = new LabIcon({
+  name: 'gpucleanup:gpu',
+  svgstr: '<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 24 24" width="16"><g class="jp-icon3" ' +
+          'fill="#616161"><path d="M3 7h18v10H3zM5 9v6h14V9zM6 18h2v2H6zm4 0h2v2h-2zm4 0h2v2h-2z"/></g></svg>',
+});
+
+// The Running panel's section: every kernel with gpucleanup, the most GPU memory first (the server's sort=held),
+// its figures beside the notebook's name; the item's button parks it; "Park all idle" parks every idle one.
+function runningManager(app, kernels) {
+  const runningChanged = new Signal(kernels);
+  kernels.changed.connect(() => runningChanged.emit(undefined));
+  const listed = () => kernels.entries.filter((e) => e.gpucleanup);
+  const item = (entry) => {
+    const said = describe(entry, { ...kernels.options, hideWithoutGpu: false });
+    const parked = said && said.kind === 'parked';
+    return {
+      className: 'gpucleanup-running-item',
+      context: entry.id,
+      icon: () => gpuIcon,
+      label: () => entry.notebook || entry.id,
+      labelTitle: () => `${entry.notebook || ''} (kernel ${entry.id}): ${said ? said.title : ''}`,
+      detail: () => (said ? said.text : ''),
+      open: () => { if (entry.notebook) void app.commands.execute('docmanager:open', { path: entry.notebook }); },
+      shutdown: parked ? undefined : () => void kernels.act(entry.id, 'park').then(
+        (message) => showDialog({ title: 'gpucleanup', body: message, buttons: [Dialog.okButton({ label: 'OK' })] })),
+    };
+  };
+  return {
+    name: 'GPU memory',
+    running: () => listed().map(item),
+    refreshRunning: () => void kernels.refresh(),
+    runningChanged,
+    shutdownLabel: 'Park',
+    shutdownItemIcon: parkIcon,
+    shutdownAllLabel: 'Park all idle',
+    shutdownAllConfirmationText: 'Park every idle kernel listed here? Each one\'s GPU memory goes to host memory ' +
+      'and comes back at its next cell; a kernel that cannot be parked is left as it is.',
+    shutdownAll: () => {
+      const idle = listed().filter((e) => e.state && e.state.state === 'idle' && !e.parked);
+      void Promise.all(idle.map((e) => kernels.act(e.id, 'park').catch(() => null)));
+    },
+  };
 }
 
 const plugin = {
-  id: 'gpucleanup:status-item',
-  description: 'The GPU memory and park state of the notebook in focus, from gpucleanup.',
+  id: PLUGIN_ID,
+  description: 'The GPU memory and park state of the notebook in focus, and of every kernel, from gpucleanup.',
   autoStart: true,
   requires: [IStatusBar, INotebookTracker],
-  activate: (app, statusBar, tracker) => {
+  optional: [ISettingRegistry, IRunningSessionManagers, ICommandPalette],
+  activate: (app, statusBar, tracker, settingRegistry, runningManagers, palette) => {
+    const serverSettings = app.serviceManager.serverSettings;
+    const kernels = new Kernels(serverSettings);
     const item = new GpuItem();
-    const settings = app.serviceManager.serverSettings;
     const activeStateChanged = new Signal(item);  // the status bar shows the item while isActive() says so
     let shown = null;
-    const say = (said, kernel) => {
-      const was = shown !== null;
-      shown = said;
-      item.render(said, kernel);
-      if (was !== (said !== null)) activeStateChanged.emit(undefined);
-    };
     const kernelId = () => {
       const widget = tracker.currentWidget;
       const kernel = widget && widget.sessionContext.session && widget.sessionContext.session.kernel;
       return kernel ? kernel.id : null;
     };
-    const refresh = async () => {
-      if (document.visibilityState === 'hidden') return;
+    const render = () => {
       const id = kernelId();
-      if (!id) {
-        say(null);
-        return;
-      }
-      const url = URLExt.join(settings.baseUrl, 'api/gpucleanup/kernels', encodeURIComponent(id));
-      let said = null;
-      try {
-        const response = await ServerConnection.makeRequest(url, {}, settings);
-        said = response.ok ? describe(await response.json()) : null;
-      } catch (err) {
-        said = null;  // no gpucleanup server extension, or the server went away: nothing to say
-      }
-      if (kernelId() === id) say(said, id);
+      const entry = id ? kernels.find(id) : null;
+      const said = entry ? describe(entry, kernels.options) : null;
+      const was = shown !== null;
+      shown = said;
+      item.render(said, entry ? entry.id : '');
+      if (was !== (said !== null)) activeStateChanged.emit(undefined);
     };
-    item.node.style.cursor = 'pointer';
-    item.node.addEventListener('click', () => {
-      const kernel = item.node.dataset.kernel;
-      if (kernel) void openPanel(settings, kernel).then(() => refresh());
+    kernels.changed.connect(render);
+
+    app.commands.addCommand(OPEN_PAGE, {
+      label: 'GPU memory: open the gpucleanup page',
+      execute: () => {
+        const widget = pageWidget(serverSettings);
+        app.shell.add(widget, 'main');
+        app.shell.activateById(widget.id);
+        return widget;
+      },
     });
-    statusBar.registerStatusItem(plugin.id, {
+    if (palette) palette.addItem({ command: OPEN_PAGE, category: 'gpucleanup' });
+
+    item.node.addEventListener('click', () => {
+      const entryId = item.node.dataset.kernel;
+      if (entryId) void openPanel(app, kernels, entryId).then(() => kernels.refresh());
+    });
+    statusBar.registerStatusItem(PLUGIN_ID, {
       item,
       align: 'left',
       rank: 4,
       isActive: () => shown !== null,
       activeStateChanged,
     });
-    tracker.currentChanged.connect(() => void refresh());
-    document.addEventListener('visibilitychange', () => void refresh());
-    setInterval(() => void refresh(), REFRESH_MS);
-    void refresh();
+    if (runningManagers) runningManagers.add(runningManager(app, kernels));
+    tracker.currentChanged.connect(() => { render(); void kernels.refresh(); });
+    document.addEventListener('visibilitychange', () => void kernels.refresh());
+
+    const apply = (settings) => {
+      const read = settings ? settings.composite : {};
+      const seconds = Number(read.refreshSeconds);
+      kernels.options = {
+        refreshSeconds: Number.isFinite(seconds) ? Math.min(60, Math.max(1, seconds)) : DEFAULTS.refreshSeconds,
+        showCached: read.showCached === undefined ? DEFAULTS.showCached : !!read.showCached,
+        hideWithoutGpu: read.hideWithoutGpu === undefined ? DEFAULTS.hideWithoutGpu : !!read.hideWithoutGpu,
+      };
+      kernels.start();
+    };
+    if (settingRegistry) {
+      settingRegistry.load(PLUGIN_ID).then((settings) => {
+        settings.changed.connect(() => apply(settings));
+        apply(settings);
+      }, () => apply(null));  // no schema reached the registry: the defaults
+    } else {
+      apply(null);
+    }
   },
 };
 

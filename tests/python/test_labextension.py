@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -34,6 +35,7 @@ def test_the_committed_build_is_what_the_sources_build(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert _files(out) == _files(BUILT / "static"), "stale: run bash scripts/build_labextension.sh and commit"
+    assert _files(ROOT / "labextension" / "schema") == _files(BUILT / "schemas" / "gpucleanup"), "stale schema"
     meta = json.loads((BUILT / "package.json").read_text())
     assert meta["jupyterlab"]["_build"]["load"] == "static/" + next(n for n in _files(out) if n.startswith("remoteEntry"))
 
@@ -46,12 +48,13 @@ def test_jupyterlab_lists_the_installed_extension_enabled():
     assert len(listed) == 1 and "enabled" in listed[0] and "OK" in listed[0], done.stdout + done.stderr
 
 
-def _expected(entry: dict) -> str:
+def _expected(entry: dict, show_cached: bool = True) -> str:
     """The item's text for an entry of the server's API, by the rule the extension follows (src/index.js)."""
     parts = []
     for held in entry["held"]:
         if held["bytes"] > 0:
-            cached = f" ({format_bytes(held['cached_bytes']).split()[0]} cached)" if held["cached_bytes"] > 0 else ""
+            cached = (f" ({format_bytes(held['cached_bytes']).split()[0]} cached)"
+                      if show_cached and held["cached_bytes"] > 0 else "")
             parts.append(f"GPU{held['index']} {format_bytes(held['bytes'])}{cached}")
     return " · ".join(parts)
 
@@ -60,7 +63,7 @@ class Lab:
     """A real Jupyter server with JupyterLab, every kernel loading gpucleanup at start (the README's set-up), on the
     fake driver with a checkpoint directory, and headless Chromium logged in on ``fit.ipynb``."""
 
-    def __init__(self, tmp_path: Path):
+    def __init__(self, tmp_path: Path, settings: Optional[dict] = None):
         webdriver = pytest.importorskip("selenium.webdriver")
         from selenium.webdriver.chrome.service import Service
 
@@ -68,7 +71,13 @@ class Lab:
 
         checkpoints = tmp_path / "checkpoints"
         checkpoints.mkdir()
-        self.srv = Server(tmp_path / "srv", extra_env={"GPUCLEANUP_FAKE_CUDA_CHECKPOINT_DIR": str(checkpoints)})
+        # the user's settings for the extension (JupyterLab's user-settings folder, one per test)
+        user_settings = tmp_path / "lab-user-settings"
+        (user_settings / "gpucleanup").mkdir(parents=True)
+        if settings is not None:
+            (user_settings / "gpucleanup" / "status-item.jupyterlab-settings").write_text(json.dumps(settings))
+        self.srv = Server(tmp_path / "srv", extra_env={"GPUCLEANUP_FAKE_CUDA_CHECKPOINT_DIR": str(checkpoints),
+                                                       "JUPYTERLAB_SETTINGS_DIR": str(user_settings)})
         self.browser = None
         profile = tmp_path / "srv" / "ipython" / "profile_default"
         profile.mkdir(parents=True)
@@ -153,3 +162,56 @@ def test_the_items_panel_parks_and_resumes_the_kernel_and_the_item_follows(lab):
     lab.press("OK")
     lab.item("GPU0 ")
     assert lab.srv.entry(kernel_id)["state"]["state"] == "idle"
+
+
+@needs_browser
+def test_the_items_panel_says_idle_time_and_park_check_and_opens_the_page_in_a_tab(lab):
+    kernel_id = lab.item("GPU0 ").get_attribute("data-kernel")
+    lab.item().click()
+    idle = lab.wait(lambda d: d.find_elements("css selector", ".jp-Dialog .gpucleanup-idle"), "no idle line")[0]
+    assert idle.text.startswith("idle for ") and "(since " in idle.text
+    check = lab.wait(lambda d: d.find_elements("css selector", ".jp-Dialog .gpucleanup-check"), "no check line")[0]
+    said = lab.srv.api("GET", f"/api/gpucleanup/kernels/{kernel_id}/park-check")
+    assert check.text == f"park check: {said['message']}"
+    lab.press("Open page")
+    frame = lab.wait(lambda d: d.find_elements("css selector", ".gpucleanup-page"), "no page tab")[0]
+    assert frame.tag_name == "iframe" and frame.get_attribute("src").endswith("/gpucleanup")
+    lab.browser.switch_to.frame(frame)
+    try:  # the page itself, logged in through JupyterLab's cookie, lists the kernel
+        lab.wait(lambda d: kernel_id in d.page_source, "the page in the tab does not list the kernel")
+    finally:
+        lab.browser.switch_to.default_content()
+
+
+@needs_browser
+def test_the_running_panel_lists_the_kernel_with_its_figures_and_parks_it(lab):
+    kernel_id = lab.item("GPU0 ").get_attribute("data-kernel")
+    lab.wait(lambda d: d.find_elements("css selector", "[data-id='jp-running-sessions']"), "no Running tab")[0].click()
+
+    def row(driver):
+        rows = driver.find_elements("css selector", ".gpucleanup-running-item")
+        return rows[0] if len(rows) == 1 and rows[0].get_attribute("data-context") == kernel_id else False
+
+    listed = lab.wait(row, "no gpucleanup row for the kernel in the Running panel")
+    entry = lab.srv.entry(kernel_id)
+    assert listed.find_element("css selector", ".jp-RunningSessions-itemLabel").text == "fit.ipynb"
+    assert listed.find_element("css selector", ".jp-RunningSessions-itemDetail").text == _expected(entry)
+    # the item's button shows on hover only: clicked as the hover would let it be
+    lab.browser.execute_script("arguments[0].click()",
+                               listed.find_element("css selector", ".jp-RunningSessions-itemShutdown"))
+    lab.press("OK")  # the server's sentence: parked ...
+    assert lab.srv.entry(kernel_id)["state"]["state"] == "parked"
+    lab.wait(lambda d: (lambda r: r and r.find_element("css selector", ".jp-RunningSessions-itemDetail").text
+                        == "GPU parked")(row(d)), "the Running panel's row does not say parked")
+
+
+@needs_browser
+def test_the_users_settings_leave_out_the_cached_figure(tmp_path):
+    pytest.importorskip("jupyterlab")
+    lab = Lab(tmp_path, settings={"showCached": False, "refreshSeconds": 1})
+    try:
+        item = lab.item("GPU0 ")
+        entry = lab.srv.entry(item.get_attribute("data-kernel"))
+        assert "cached" not in item.text and item.text == _expected(entry, show_cached=False)
+    finally:
+        lab.close()

@@ -118,7 +118,7 @@ __webpack_require__.d(exports, {
 /******/ 		// This function allow to reference async chunks
 /******/ 		__webpack_require__.u = (chunkId) => {
 /******/ 			// return url for filenames based on template
-/******/ 			return "" + chunkId + "." + "29789e80af157025b5fb" + ".js";
+/******/ 			return "" + chunkId + "." + "cd9e061e4f03085f91c8" + ".js";
 /******/ 		};
 /******/ 	})();
 /******/ 	
@@ -399,8 +399,11 @@ __webpack_require__.d(exports, {
 /******/ 			144: () => (loadSingletonVersionCheck("default", "@lumino/widgets", [1,2,0,0])),
 /******/ 			653: () => (loadSingletonVersionCheck("default", "@jupyterlab/statusbar", [1,4,0,0])),
 /******/ 			897: () => (loadSingletonVersionCheck("default", "@jupyterlab/notebook", [1,4,0,0])),
+/******/ 			595: () => (loadSingletonVersionCheck("default", "@jupyterlab/running", [1,4,0,0])),
+/******/ 			629: () => (loadSingletonVersionCheck("default", "@jupyterlab/settingregistry", [1,4,0,0])),
 /******/ 			67: () => (loadSingletonVersionCheck("default", "@jupyterlab/services", [1,7,0,0])),
-/******/ 			406: () => (loadSingletonVersionCheck("default", "@jupyterlab/coreutils", [1,6,0,0]))
+/******/ 			406: () => (loadSingletonVersionCheck("default", "@jupyterlab/coreutils", [1,6,0,0])),
+/******/ 			844: () => (loadSingletonVersionCheck("default", "@jupyterlab/ui-components", [1,4,0,0]))
 /******/ 		};
 /******/ 		// no consumes in initial chunks
 /******/ 		var chunkMapping = {
@@ -410,8 +413,11 @@ __webpack_require__.d(exports, {
 /******/ 				144,
 /******/ 				653,
 /******/ 				897,
+/******/ 				595,
+/******/ 				629,
 /******/ 				67,
-/******/ 				406
+/******/ 				406,
+/******/ 				844
 /******/ 			]
 /******/ 		};
 /******/ 		__webpack_require__.f.consumes = (chunkId, promises) => {
