@@ -196,9 +196,11 @@ def test_the_running_panel_lists_the_kernel_with_its_figures_and_parks_it(lab):
     entry = lab.srv.entry(kernel_id)
     assert listed.find_element("css selector", ".jp-RunningSessions-itemLabel").text == "fit.ipynb"
     assert listed.find_element("css selector", ".jp-RunningSessions-itemDetail").text == _expected(entry)
-    # the item's button shows on hover only: clicked as the hover would let it be
-    lab.browser.execute_script("arguments[0].click()",
-                               listed.find_element("css selector", ".jp-RunningSessions-itemShutdown"))
+    # the item's button shows while the pointer is over the item (JupyterLab 4.0 acts on its mouse-down)
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    button = listed.find_element("css selector", ".jp-RunningSessions-itemShutdown")
+    ActionChains(lab.browser).move_to_element(listed).move_to_element(button).click().perform()
     lab.press("OK")  # the server's sentence: parked ...
     assert lab.srv.entry(kernel_id)["state"]["state"] == "parked"
     lab.wait(lambda d: (lambda r: r and r.find_element("css selector", ".jp-RunningSessions-itemDetail").text
