@@ -1027,9 +1027,9 @@ def test_a_jax_kernel_is_not_parked_until_its_resume_is_proven_unless_let_throug
     park._MPS_SEEN.clear()
     refused = park.refusals(520, None, {}, proc=str(proc))
     assert refused == [
-        "[gpucleanup.park.651] process 520 runs JAX on the GPU, whose park lost kernels on an H100 even with every "
-        "other thread held during the restore: it is not parked; GPUCLEANUP_PARK_UNPROVEN=jax (for the kernel, or "
-        "for the command or server that parks) parks it all the same"]
+        "[gpucleanup.park.651] process 520 runs JAX on the GPU, whose kernels died while parked on an H100 (a thread "
+        "of it calls the driver while the process is checkpointed): it is not parked; GPUCLEANUP_PARK_UNPROVEN=jax "
+        "(for the kernel, or for the command or server that parks) parks it all the same"]
     assert park.refusals(530, None, {}, proc=str(proc)) == []
     # let through by the kernel's own environment, or by the parking process's
     (proc / "520" / "environ").write_bytes(b"CUDA_VISIBLE_DEVICES=0\0GPUCLEANUP_PARK_UNPROVEN=torch, jax\0")

@@ -589,8 +589,8 @@ def unproven_opt_in(environ: Optional[List[bytes]] = None) -> set:
 
 def unproven_refusal(pid: int, proc: str = "/proc", environ: Optional[List[bytes]] = None) -> Optional[str]:
     """Why a kernel whose framework's park is not safe is not parked (None: none is in use, or it was let
-    through): JAX on the GPU lost 11 of 76 kernels parked and resumed on an H100 with the restore's thread hold on
-    (8 of 30 without it), an XLA thread faulting in the driver's ``cuStreamQuery`` (share/FACTS.md §11)."""
+    through): on an H100 every JAX kernel left parked for 6 s died while parked (11 of 11), an XLA thread faulting
+    in the driver's ``cuStreamQuery`` while the process was checkpointed (share/FACTS.md §11)."""
     try:
         with open(f"{proc}/{int(pid)}/maps", encoding="utf-8", errors="replace") as fh:
             maps = fh.read()
@@ -601,9 +601,9 @@ def unproven_refusal(pid: int, proc: str = "/proc", environ: Optional[List[bytes
         if name in allowed or not any(mark in maps for mark in marks):
             continue
         return (f"[gpucleanup.park.651] process {pid} runs {'JAX' if name == 'jax' else name} on the GPU, whose "
-                "park lost kernels on an H100 even with every other thread held during the restore: it is not "
-                f"parked; GPUCLEANUP_PARK_UNPROVEN={name} (for the kernel, or for the command or server that "
-                "parks) parks it all the same")
+                "kernels died while parked on an H100 (a thread of it calls the driver while the process is "
+                f"checkpointed): it is not parked; GPUCLEANUP_PARK_UNPROVEN={name} (for the kernel, or for the "
+                "command or server that parks) parks it all the same")
     return None
 
 
