@@ -122,8 +122,8 @@ if [[ $stages == *" park-hold "* ]]; then
   # one kernel (gpucleanup loaded by the kernel's config file) parked from outside and resumed again and again
   # (tests/bench/park_loop.py), arm after arm: PARK_HOLD_ARMS is a list of framework:runs:pause:resume:hold[:parked]
   # (pause: seconds idle before the park; resume: cell or outside; hold: on, or off for the control arm without
-  # the hold; parked: seconds parked before the resume, default 0), each bounded by PARK_HOLD_ARM_S seconds (default 300); each arm's runs in park-hold-<n>.json, every
-  # line in park-hold.log
+  # the hold; parked: seconds parked before the resume, default 0), each bounded by PARK_HOLD_ARM_S seconds
+  # (default 300); each arm's runs in park-hold-<n>.json, every line in park-hold.log
   if command -v cc >/dev/null && cc -shared -fPIC -O1 -o /tmp/crash_backtrace.so tests/gpu/native/crash_backtrace.c; then
     export GPUCLEANUP_TEST_CRASH_BACKTRACE=/tmp/crash_backtrace.so
   fi
