@@ -235,7 +235,13 @@ function runningManager(app, kernels) {
       label: () => entry.notebook || entry.id,
       labelTitle: () => `${entry.notebook || ''} (kernel ${entry.id}): ${said ? said.title : ''}`,
       detail: () => (said ? said.text : ''),
-      open: () => { if (entry.notebook) void app.commands.execute('docmanager:open', { path: entry.notebook }); },
+      // the notebook opens for this server's own kernels only: another process's discovery file names any path
+      open: () => {
+        const ours = Array.from(app.serviceManager.kernels.running(), (k) => k.id);
+        if (entry.notebook && ours.includes(entry.kernel_id)) {
+          void app.commands.execute('docmanager:open', { path: entry.notebook });
+        }
+      },
       shutdown: parked ? undefined : () => void kernels.act(entry.id, 'park').then(
         (message) => showDialog({ title: 'gpucleanup', body: message, buttons: [Dialog.okButton({ label: 'OK' })] })),
     };

@@ -194,7 +194,11 @@ def test_the_running_panel_lists_the_kernel_with_its_figures_and_parks_it(lab):
 
     listed = lab.wait(row, "no gpucleanup row for the kernel in the Running panel")
     entry = lab.srv.entry(kernel_id)
-    assert listed.find_element("css selector", ".jp-RunningSessions-itemLabel").text == "fit.ipynb"
+    label = listed.find_element("css selector", ".jp-RunningSessions-itemLabel")
+    assert label.text == "fit.ipynb"
+    label.click()  # this server's kernel: its notebook opens (it is open already: its tab stays the one)
+    assert [t.text for t in lab.browser.find_elements("css selector", ".lm-DockPanel-tabBar .lm-TabBar-tabLabel")
+            ] == ["fit.ipynb"]
     assert listed.find_element("css selector", ".jp-RunningSessions-itemDetail").text == _expected(entry)
     # the item's button shows while the pointer is over the item (JupyterLab 4.0 acts on its mouse-down)
     from selenium.webdriver.common.action_chains import ActionChains

@@ -118,7 +118,7 @@ __webpack_require__.d(exports, {
 /******/ 		// This function allow to reference async chunks
 /******/ 		__webpack_require__.u = (chunkId) => {
 /******/ 			// return url for filenames based on template
-/******/ 			return "" + chunkId + "." + "cd9e061e4f03085f91c8" + ".js";
+/******/ 			return "" + chunkId + "." + "c9117e36689c4dce2abc" + ".js";
 /******/ 		};
 /******/ 	})();
 /******/ 	
