@@ -83,8 +83,9 @@ class Lab:
         profile.mkdir(parents=True)
         (profile / "ipython_kernel_config.py").write_text("c.InteractiveShellApp.extensions = ['gpucleanup']\n")
         kernelspec = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
-        (self.srv.root / "fit.ipynb").write_text(json.dumps({"cells": [], "metadata": {"kernelspec": kernelspec},
-                                                              "nbformat": 4, "nbformat_minor": 5}))
+        for name in ("fit.ipynb", "eval.ipynb"):
+            (self.srv.root / name).write_text(json.dumps({"cells": [], "metadata": {"kernelspec": kernelspec},
+                                                          "nbformat": 4, "nbformat_minor": 5}))
         options = webdriver.ChromeOptions()
         options.binary_location = str(CHROMIUM)
         for argument in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
@@ -146,6 +147,27 @@ def test_the_status_item_shows_the_figures_of_the_kernel_in_focus(lab):
     entry = lab.srv.entry(item.get_attribute("data-kernel"))
     assert entry["gpucleanup"] and entry["held_bytes"] > 0, entry
     assert item.text == _expected(entry)
+
+
+@needs_browser
+def test_the_item_follows_the_notebook_in_focus(lab):
+    first = lab.item("GPU0 ").get_attribute("data-kernel")
+    lab.browser.get(f"{lab.srv.url}/lab/tree/eval.ipynb")  # a second notebook, its own kernel, in focus
+
+    def shows(other_than=None, equal_to=None):
+        def check(driver):
+            items = driver.find_elements("css selector", ".gpucleanup-status")
+            kernel = items[0].get_attribute("data-kernel") if items and items[0].text.startswith("GPU0 ") else ""
+            ok = kernel and (kernel != other_than if other_than else kernel == equal_to)
+            return kernel if ok else False
+        return check
+
+    second = lab.wait(shows(other_than=first), "the item did not switch to the second notebook's kernel")
+    assert lab.srv.entry(second)["notebook"] == "eval.ipynb"
+    tab = next(t for t in lab.browser.find_elements("css selector", ".lm-DockPanel-tabBar .lm-TabBar-tab")
+               if t.text.strip() == "fit.ipynb")
+    tab.click()
+    assert lab.wait(shows(equal_to=first), "the item did not switch back to the first notebook's kernel") == first
 
 
 @needs_browser
