@@ -80,6 +80,7 @@ class Server:
             IPYTHONDIR=str(base / "ipython"),
         )
         env.update(extra_env or {})
+        self.env = env  # what the server and its kernels run with (a CLI beside them needs the same)
         argv = [
             sys.executable, "-m", "jupyter_server", "--no-browser",
             f"--IdentityProvider.token={self.token}", "--ServerApp.ip=127.0.0.1", f"--port={self.port}",

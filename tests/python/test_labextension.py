@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,10 @@ import pytest
 
 from gpucleanup.units import format_bytes
 from support import ROOT
+from test_server import STAND_IN_CUPY, GiB
+
+sys.path.insert(0, str(ROOT / "tests"))
+from lab_item import item_text  # noqa: E402  (tests/lab_item.py)
 
 BUILT = ROOT / "share" / "jupyter" / "labextensions" / "gpucleanup"
 CHROMIUM = Path("/usr/bin/chromium")
@@ -50,20 +55,46 @@ def test_jupyterlab_lists_the_installed_extension_enabled():
 
 def _expected(entry: dict, show_cached: bool = True) -> str:
     """The item's text for an entry of the server's API, by the rule the extension follows (src/index.js)."""
-    parts = []
-    for held in entry["held"]:
-        if held["bytes"] > 0:
-            cached = (f" ({format_bytes(held['cached_bytes']).split()[0]} cached)"
-                      if show_cached and held["cached_bytes"] > 0 else "")
-            parts.append(f"GPU{held['index']} {format_bytes(held['bytes'])}{cached}")
-    return " · ".join(parts)
+    return item_text(entry, show_cached)
+
+
+def _held_by_gpumem(report: dict) -> dict:
+    """``%gpumem --json``'s devices as the server's ``held`` rows, without nvidia-smi: what the kernel's frameworks
+    hold live (at least what its driver pools have in use) plus what they and the driver pools keep cached."""
+    rows = []
+    for dev in report["devices"]:
+        frameworks = dev["frameworks"].values()
+        pool_used = sum(pool["used_bytes"] for pool in dev["pools"])
+        live = max(sum(fw.get("live_bytes") or 0 for fw in frameworks), pool_used)
+        cached = sum(fw.get("cached_bytes") or 0 for fw in frameworks) + sum(
+            pool["reserved_bytes"] - pool["used_bytes"] for pool in dev["pools"])
+        rows.append({"index": dev["index"], "bytes": live + cached, "cached_bytes": cached})
+    return {"held": rows}
+
+
+REPLAY = """
+(() => {
+  const recorded = %s;
+  const real = window.fetch.bind(window);
+  window.fetch = async (input, init) => {
+    const url = typeof input === 'string' ? input : input.url;
+    if (!url.includes('/api/gpucleanup/kernels?')) return real(input, init);
+    const answer = await (await real(input, init)).json();
+    const own = (answer.kernels || []).find((e) => e.notebook === 'fit.ipynb');
+    answer.kernels = own ? [Object.assign({}, recorded, {id: own.id, kernel_id: own.kernel_id, notebook: own.notebook})] : [];
+    return new Response(JSON.stringify(answer), {status: 200, headers: {'Content-Type': 'application/json'}});
+  };
+})();
+"""
 
 
 class Lab:
     """A real Jupyter server with JupyterLab, every kernel loading gpucleanup at start (the README's set-up), on the
-    fake driver with a checkpoint directory, and headless Chromium logged in on ``fit.ipynb``."""
+    fake driver with a checkpoint directory, and headless Chromium logged in on ``fit.ipynb`` (``page``: ``lab``,
+    or ``notebooks`` for Notebook 7). ``plain.ipynb``'s kernel, of the kernelspec ``plain``, has no gpucleanup."""
 
-    def __init__(self, tmp_path: Path, settings: Optional[dict] = None):
+    def __init__(self, tmp_path: Path, settings: Optional[dict] = None, page: str = "lab",
+                 replay: Optional[dict] = None):
         webdriver = pytest.importorskip("selenium.webdriver")
         from selenium.webdriver.chrome.service import Service
 
@@ -83,8 +114,16 @@ class Lab:
         profile.mkdir(parents=True)
         (profile / "ipython_kernel_config.py").write_text("c.InteractiveShellApp.extensions = ['gpucleanup']\n")
         kernelspec = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
-        for name in ("fit.ipynb", "eval.ipynb"):
-            (self.srv.root / name).write_text(json.dumps({"cells": [], "metadata": {"kernelspec": kernelspec},
+        # a kernelspec whose kernels read another IPython directory: no config file loads gpucleanup there
+        plain = {"name": "plain", "display_name": "Python 3 (no gpucleanup)", "language": "python"}
+        (tmp_path / "srv" / "data" / "kernels" / "plain").mkdir(parents=True)
+        (tmp_path / "srv" / "ipython-plain").mkdir()
+        (tmp_path / "srv" / "data" / "kernels" / "plain" / "kernel.json").write_text(json.dumps({
+            "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+            "display_name": plain["display_name"], "language": "python",
+            "env": {"IPYTHONDIR": str(tmp_path / "srv" / "ipython-plain")}}))
+        for name, spec in (("fit.ipynb", kernelspec), ("eval.ipynb", kernelspec), ("plain.ipynb", plain)):
+            (self.srv.root / name).write_text(json.dumps({"cells": [], "metadata": {"kernelspec": spec},
                                                           "nbformat": 4, "nbformat_minor": 5}))
         options = webdriver.ChromeOptions()
         options.binary_location = str(CHROMIUM)
@@ -93,14 +132,57 @@ class Lab:
             options.add_argument(argument)
         env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "ASAN_OPTIONS", "UBSAN_OPTIONS")}
         self.browser = webdriver.Chrome(options=options, service=Service(str(CHROMEDRIVER), env=env))
-        self.browser.get(f"{self.srv.url}/lab/tree/fit.ipynb?token={self.srv.token}")
+        if replay is not None:
+            # every answer to the extension's list request carries ``replay`` (an entry the GPU machine's server
+            # gave) in place of the kernels, under the id of fit.ipynb's kernel here; set before the page loads
+            self.browser.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {"source": REPLAY % json.dumps(replay)})
+        self.page = "lab/tree" if page == "lab" else page
+        self.browser.get(f"{self.srv.url}/{self.page}/fit.ipynb?token={self.srv.token}")
+
+    def open(self, notebook: str) -> None:
+        """``notebook`` in the browser's window, in focus (JupyterLab: a tab of its own beside the others)."""
+        self.browser.get(f"{self.srv.url}/{self.page}/{notebook}")
+
+    def run_cell(self, code: str) -> str:
+        """Types ``code`` into the notebook's active cell, runs it with Shift+Enter and waits for its prompt
+        number; returns the text of its execute result ('' where none)."""
+        from selenium.webdriver.common.keys import Keys
+
+        def active(driver):
+            cells = driver.find_elements("css selector", ".jp-Notebook .jp-Cell.jp-mod-active")
+            return cells[-1] if cells and cells[-1].find_elements("css selector", ".cm-content") else False
+
+        cell = self.wait(active, "no active cell with an editor")
+        editor = cell.find_element("css selector", ".cm-content")
+        editor.click()
+        editor.send_keys(code)
+        editor.send_keys(Keys.SHIFT, Keys.ENTER)
+
+        def ran(driver):
+            prompt = cell.find_element("css selector", ".jp-InputArea-prompt").get_attribute("textContent")
+            return re.fullmatch(r"\s*\[\d+\]:\s*", prompt) is not None
+
+        self.wait(ran, f"the cell {code!r} did not finish")
+        return "".join(out.get_attribute("textContent") for out in cell.find_elements(
+            "css selector", ".jp-OutputArea-executeResult .jp-OutputArea-output"))
+
+    def ps(self) -> dict:
+        """``gpucleanup ps --json`` beside the server, by kernel id."""
+        done = subprocess.run([sys.executable, "-m", "gpucleanup", "ps", "--json"], env=self.srv.env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return {entry["kernel_id"]: entry for entry in json.loads(done.stdout)}
 
     def wait(self, condition, what: str):
         from selenium.webdriver.support.ui import WebDriverWait
 
         from test_server import TIMEOUT
 
-        return WebDriverWait(self.browser, TIMEOUT, poll_frequency=0.1).until(condition, message=what)
+        from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+
+        # an element JupyterLab drew again between the look and the use: looked at again on the next poll
+        return WebDriverWait(self.browser, TIMEOUT, poll_frequency=0.1, ignored_exceptions=(
+            NoSuchElementException, StaleElementReferenceException)).until(condition, message=what)
 
     def item(self, text_starts: str = ""):
         """The status item once it shows figures (starting with ``text_starts``) of a kernel it names."""
@@ -147,6 +229,41 @@ def test_the_status_item_shows_the_figures_of_the_kernel_in_focus(lab):
     entry = lab.srv.entry(item.get_attribute("data-kernel"))
     assert entry["gpucleanup"] and entry["held_bytes"] > 0, entry
     assert item.text == _expected(entry)
+    # the same figures as the kernel's own %gpumem --json, run as a cell of the notebook in the browser
+    report = json.loads(lab.run_cell("%gpumem --json"))
+    assert [dev["index"] for dev in report["devices"]] == [0], report
+    assert _held_by_gpumem(report)["held"][0]["bytes"] == report["devices"][0]["known_bytes"] > 0
+    assert lab.item("GPU0 ").text == _expected(_held_by_gpumem(report)), json.dumps(report["devices"])
+
+
+@needs_browser
+def test_no_item_for_a_kernel_without_gpucleanup(lab):
+    lab.item("GPU0 ")
+    lab.open("plain.ipynb")  # its kernel has no gpucleanup: the server lists it, with nothing to say
+
+    def plain_listed_and_item_hidden(driver):
+        entries = [e for e in lab.srv.kernels() if e.get("notebook") == "plain.ipynb"]
+        items = driver.find_elements("css selector", ".gpucleanup-status")
+        # data-listed: how many kernels the extension's last refresh listed (fit, eval is not open, plain)
+        return (entries and items and items[0].get_attribute("data-listed") == "2"
+                and not items[0].is_displayed() and items[0].text == "" and entries[0])
+
+    entry = lab.wait(plain_listed_and_item_hidden, "the item still shows, or the plain kernel is not listed")
+    assert entry["gpucleanup"] is False and entry.get("held", []) == []
+    assert lab.run_cell("'gpucleanup' in get_ipython().extension_manager.loaded") == "False"
+
+
+@needs_browser
+def test_notebook_7_shows_the_item_at_the_top_of_the_notebooks_page(tmp_path):
+    pytest.importorskip("notebook")
+    lab = Lab(tmp_path, page="notebooks")
+    try:
+        item = lab.item("GPU0 ")
+        top = lab.browser.find_elements("css selector", "#top-panel .gpucleanup-status")
+        assert top and top[0].get_attribute("data-kernel") == item.get_attribute("data-kernel")
+        assert item.text == _expected(lab.srv.entry(item.get_attribute("data-kernel")))
+    finally:
+        lab.close()
 
 
 @needs_browser
@@ -164,9 +281,15 @@ def test_the_item_follows_the_notebook_in_focus(lab):
 
     second = lab.wait(shows(other_than=first), "the item did not switch to the second notebook's kernel")
     assert lab.srv.entry(second)["notebook"] == "eval.ipynb"
-    tab = next(t for t in lab.browser.find_elements("css selector", ".lm-DockPanel-tabBar .lm-TabBar-tab")
-               if t.text.strip() == "fit.ipynb")
-    tab.click()
+
+    def click_tab(driver):
+        tabs = [t for t in driver.find_elements("css selector", ".lm-DockPanel-tabBar .lm-TabBar-tab")
+                if t.text.strip() == "fit.ipynb"]
+        if tabs:
+            tabs[0].click()
+        return bool(tabs)
+
+    lab.wait(click_tab, "no tab of fit.ipynb")
     assert lab.wait(shows(equal_to=first), "the item did not switch back to the first notebook's kernel") == first
 
 
@@ -179,11 +302,26 @@ def test_the_items_panel_parks_and_resumes_the_kernel_and_the_item_follows(lab):
     # the fake driver has no nvidia-smi beside it: the park measures no bytes, and the item says none
     assert lab.item("GPU parked").get_attribute("data-kernel") == kernel_id
     assert lab.srv.entry(kernel_id)["state"]["state"] == "parked"
+    own = lab.srv.entry(kernel_id)["kernel_id"]
+    assert lab.ps()[own]["status"]["state"]["state"] == "parked"
     lab.item().click()
     lab.press("Resume")
     lab.press("OK")
     lab.item("GPU0 ")
     assert lab.srv.entry(kernel_id)["state"]["state"] == "idle"
+    # parked again through the item, then a cell of the notebook resumes it and takes 3 GiB with a stand-in CuPy,
+    # live, 1 GiB cached (what the fake driver's pool held is drained after each cell): the item follows
+    lab.item().click()
+    lab.press("Park")
+    lab.press("OK")
+    lab.item("GPU parked")
+    (lab.srv.root / "stand_in_cupy.py").write_text(STAND_IN_CUPY)
+    lab.run_cell("%run stand_in_cupy.py")
+    entry = lab.srv.wait_for(kernel_id, lambda e: e["state"]["state"] == "idle" and e["held_bytes"] == 4 * GiB,
+                             "the kernel is not idle with the stand-in CuPy's 3 GiB live, 1 GiB cached")
+    assert lab.item("GPU0 4.0 GiB").get_attribute("data-kernel") == kernel_id
+    assert lab.item().text == _expected(entry) == "GPU0 4.0 GiB (1.0 cached)"
+    assert lab.ps()[own]["status"]["state"]["state"] == "idle"
 
 
 @needs_browser
@@ -241,5 +379,39 @@ def test_the_users_settings_leave_out_the_cached_figure(tmp_path):
         item = lab.item("GPU0 ")
         entry = lab.srv.entry(item.get_attribute("data-kernel"))
         assert "cached" not in item.text and item.text == _expected(entry, show_cached=False)
+    finally:
+        lab.close()
+
+
+RESULTS = ROOT / "tests" / "bench" / "results"
+
+
+@needs_browser
+@pytest.mark.parametrize("state", ["idle", "parked"])
+def test_the_item_draws_what_the_gpu_machines_server_answered(tmp_path, state):
+    """The answers of a real server on the GPU machine (tests/gpu/test_lab_item_gpu.py, kept in
+    tests/bench/results/), drawn by the extension here: the GPU machine has no browser."""
+    pytest.importorskip("jupyterlab")
+    recorded = sorted(RESULTS.glob(f"*-lab-item-{state}-*.json"))
+    if not recorded:
+        pytest.skip("no answer from the GPU machine is kept (scripts/gpu_run.sh lab, then tests/bench/results/)")
+    saved = json.loads(recorded[-1].read_text())
+    (entry,) = [e for e in saved["answer"]["kernels"] if e["notebook"] == "fit.ipynb"]
+    lab = Lab(tmp_path, replay=entry)
+    try:
+        if state == "idle":
+            (held,) = entry["held"]
+            smi = saved["nvidia_smi"][held["uuid"]]
+            # what nvidia-smi said of the kernel's process gives the same text as the server's figure
+            assert item_text({"held": [dict(held, bytes=smi)]}) == item_text(entry)
+            item = lab.item("GPU0 ")
+            assert item.text == item_text(entry)
+        else:
+            assert entry["held_bytes"] == 0 and saved["nvidia_smi"] == {}
+            item = lab.item("GPU parked")
+            assert item.text == f"GPU parked {format_bytes(entry['parked']['bytes'])}"
+            assert item.value_of_css_property("font-style") == "italic"
+        if os.environ.get("GPUCLEANUP_LAB_RESULTS"):  # scripts/lab_results.sh: the screenshot kept beside it
+            lab.browser.save_screenshot(str(recorded[-1].with_suffix(".png")))
     finally:
         lab.close()

@@ -118,7 +118,7 @@ __webpack_require__.d(exports, {
 /******/ 		// This function allow to reference async chunks
 /******/ 		__webpack_require__.u = (chunkId) => {
 /******/ 			// return url for filenames based on template
-/******/ 			return "" + chunkId + "." + "c9117e36689c4dce2abc" + ".js";
+/******/ 			return "" + chunkId + "." + "0597b5e4078c80600b62" + ".js";
 /******/ 		};
 /******/ 	})();
 /******/ 	

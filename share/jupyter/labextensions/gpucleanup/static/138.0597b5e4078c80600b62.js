@@ -32,7 +32,8 @@ __webpack_require__.r(__webpack_exports__);
 /* harmony import */ var _jupyterlab_ui_components__WEBPACK_IMPORTED_MODULE_9__ = __webpack_require__(844);
 /* harmony import */ var _jupyterlab_ui_components__WEBPACK_IMPORTED_MODULE_9___default = /*#__PURE__*/__webpack_require__.n(_jupyterlab_ui_components__WEBPACK_IMPORTED_MODULE_9__);
 // gpucleanup in JupyterLab: the GPU memory and park state of the notebook in focus in the status bar, every
-// kernel's in a section of the Running panel, and the page /gpucleanup in a main-area tab.
+// kernel's in a section of the Running panel, and the page /gpucleanup in a main-area tab. Notebook 7 has no
+// status bar: there the item goes to the top of the notebook's page, beside the kernel's name.
 // One request per refresh for all of them (GET api/gpucleanup/kernels, no cards), every refreshSeconds (2 s by
 // default) and none while the tab is hidden; the server answers it without counting it as activity, as it does
 // for its own page.
@@ -300,8 +301,9 @@ const plugin = {
   id: PLUGIN_ID,
   description: 'The GPU memory and park state of the notebook in focus, and of every kernel, from gpucleanup.',
   autoStart: true,
-  requires: [_jupyterlab_statusbar__WEBPACK_IMPORTED_MODULE_3__.IStatusBar, _jupyterlab_notebook__WEBPACK_IMPORTED_MODULE_4__.INotebookTracker],
-  optional: [_jupyterlab_settingregistry__WEBPACK_IMPORTED_MODULE_6__.ISettingRegistry, _jupyterlab_running__WEBPACK_IMPORTED_MODULE_5__.IRunningSessionManagers, _jupyterlab_apputils__WEBPACK_IMPORTED_MODULE_0__.ICommandPalette],
+  requires: [],
+  // every one optional: JupyterLab has them all; Notebook 7 has no status bar, and its tree page no notebooks
+  optional: [_jupyterlab_statusbar__WEBPACK_IMPORTED_MODULE_3__.IStatusBar, _jupyterlab_notebook__WEBPACK_IMPORTED_MODULE_4__.INotebookTracker, _jupyterlab_settingregistry__WEBPACK_IMPORTED_MODULE_6__.ISettingRegistry, _jupyterlab_running__WEBPACK_IMPORTED_MODULE_5__.IRunningSessionManagers, _jupyterlab_apputils__WEBPACK_IMPORTED_MODULE_0__.ICommandPalette],
   activate: (app, statusBar, tracker, settingRegistry, runningManagers, palette) => {
     const serverSettings = app.serviceManager.serverSettings;
     const kernels = new Kernels(serverSettings);
@@ -309,7 +311,7 @@ const plugin = {
     const activeStateChanged = new _lumino_signaling__WEBPACK_IMPORTED_MODULE_1__.Signal(item);  // the status bar shows the item while isActive() says so
     let shown = null;
     const kernelId = () => {
-      const widget = tracker.currentWidget;
+      const widget = tracker && tracker.currentWidget;
       const kernel = widget && widget.sessionContext.session && widget.sessionContext.session.kernel;
       return kernel ? kernel.id : null;
     };
@@ -320,6 +322,8 @@ const plugin = {
       const was = shown !== null;
       shown = said;
       item.render(said, entry ? entry.id : '');
+      item.node.dataset.listed = String(kernels.entries.length);  // how many kernels the last refresh listed
+      item.setHidden(said === null);  // where the status bar shows it, it follows isActive() below as well
       if (was !== (said !== null)) activeStateChanged.emit(undefined);
     };
     kernels.changed.connect(render);
@@ -339,15 +343,21 @@ const plugin = {
       const entryId = item.node.dataset.kernel;
       if (entryId) void openPanel(app, kernels, entryId).then(() => kernels.refresh());
     });
-    statusBar.registerStatusItem(PLUGIN_ID, {
-      item,
-      align: 'left',
-      rank: 4,
-      isActive: () => shown !== null,
-      activeStateChanged,
-    });
+    if (tracker && statusBar) {
+      statusBar.registerStatusItem(PLUGIN_ID, {
+        item,
+        align: 'left',
+        rank: 4,
+        isActive: () => shown !== null,
+        activeStateChanged,
+      });
+    } else if (tracker) {
+      item.addClass('gpucleanup-top');  // Notebook 7: its top area, left of the kernel's logo (rank 10010)
+      item.node.style.alignSelf = 'center';
+      app.shell.add(item, 'top', { rank: 10000 });
+    }
     if (runningManagers) runningManagers.add(runningManager(app, kernels));
-    tracker.currentChanged.connect(() => { render(); void kernels.refresh(); });
+    if (tracker) tracker.currentChanged.connect(() => { render(); void kernels.refresh(); });
     document.addEventListener('visibilitychange', () => void kernels.refresh());
 
     const apply = (settings) => {
