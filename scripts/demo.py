@@ -10,7 +10,8 @@ After the tour, the same scripted device can be explored by hand:
   --shell   an IPython shell with gpucleanup loaded (%gpumem, --vars, --plot, --park, --release)
   --server  Jupyter Server with gpucleanup's page (/gpucleanup) and its REST API, and one kernel
             with gpucleanup loaded; runs until Ctrl-C, then stops the server and its kernel
-            (--lab is the same; JupyterLab's /lab is there when jupyterlab is installed)
+  --lab     the same, with JupyterLab (the test set-up installs it): the notebook of that kernel at /lab,
+            gpucleanup's item in the status bar and its section in the Running panel
 
 Every mode on the fake driver gets a checkpoint directory of its own (the fake's
 checkpoint calls keep their state there, so parking works), removed at the end.
@@ -335,7 +336,11 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def server(fake_driver: pathlib.Path, port: Optional[int]) -> int:
+def server(fake_driver: pathlib.Path, port: Optional[int], lab: bool = False) -> int:
+    if lab and importlib.util.find_spec("jupyterlab") is None:
+        print("demo: --lab needs JupyterLab in this environment (bash scripts/setup.sh installs it with the tests' "
+              "packages), or use --server", file=sys.stderr)
+        return 2
     print("Starting Jupyter Server with gpucleanup's page, on the fake CUDA driver of the test suite "
           f"(one scripted device, {FAKE_SCENARIO['devices'][0]['name']}) ...", flush=True)
     with fake_device(fake_driver) as fake, \
@@ -363,9 +368,12 @@ def server(fake_driver: pathlib.Path, port: Optional[int]) -> int:
                    f"{pathlib.Path(sys.executable).parent / 'gpucleanup'}")
             print(f"\nJupyter Server is running (pid {srv.proc.pid}), with one kernel (pid {entry.get('pid')}) "
                   "that has gpucleanup loaded and can be parked:")
+            if lab:
+                print(f"  lab:    {srv.url}/lab/tree/tour.ipynb?token={srv.token}   (the notebook of that kernel; "
+                      "gpucleanup's item in the status bar, its section in the Running panel)")
             print(f"  page:   {srv.url}/gpucleanup?token={srv.token}   (Park, Resume, Drain buttons)")
             print(f"  API:    {srv.url}/api/gpucleanup/kernels?token={srv.token}")
-            if importlib.util.find_spec("jupyterlab") is not None:
+            if not lab and importlib.util.find_spec("jupyterlab") is not None:
                 print(f"  lab:    {srv.url}/lab/tree/tour.ipynb?token={srv.token}   (the notebook of that kernel)")
             print(f"  CLI:    {cli} ps   (or park / resume {kernel['id']}; in another terminal)")
             print("The notebook directory and the checkpoint directory are temporary and go with the server.")
@@ -395,23 +403,25 @@ def main(argv: Optional[list] = None) -> int:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--shell", action="store_true",
                       help="an IPython shell with gpucleanup loaded on the fake driver's scripted device")
-    mode.add_argument("--server", "--lab", action="store_true",
+    mode.add_argument("--server", action="store_true",
                       help="Jupyter Server with gpucleanup's page and a kernel on the scripted device, until Ctrl-C")
+    mode.add_argument("--lab", action="store_true",
+                      help="the same, the kernel's notebook in JupyterLab with gpucleanup's status item")
     parser.add_argument("--port", type=int, default=None,
                         help="the server's port (default: 8888, or the next free one)")
     parser.add_argument("--fake-driver", type=pathlib.Path, default=ROOT / "build" / "tests" / "fake_cuda" / "libcuda.so.1")
     args = parser.parse_args(argv)
-    if (args.shell or args.server) and args.notebooks:
-        parser.error("--shell and --server run no notebook: give one or the other")
-    if args.port is not None and not args.server:
-        parser.error("--port goes with --server")
+    if (args.shell or args.server or args.lab) and args.notebooks:
+        parser.error("--shell, --server and --lab run no notebook: give one or the other")
+    if args.port is not None and not (args.server or args.lab):
+        parser.error("--port goes with --server or --lab")
     missing = [str(nb) for nb in args.notebooks if not nb.is_file()]
     if missing:
         parser.error(f"no such notebook: {', '.join(missing)}")
     if args.shell:
         return shell(args.fake_driver)
-    if args.server:
-        return server(args.fake_driver, args.port)
+    if args.server or args.lab:
+        return server(args.fake_driver, args.port, lab=args.lab)
     return tour(list(args.notebooks), args.fake_driver)
 
 

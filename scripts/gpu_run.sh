@@ -6,8 +6,9 @@
 # Results land in $OUT (or ./gpu-out): machine.log, gpu-tests.log, facts.log, bench.json, bench.log, demo.log,
 # for the stage trace: trace-tests.log, trace-bench.json, trace-bench.log; for dask: dask-tests.log, dask-bench.*;
 # for server: server-tests.log and server/ (the page's data, /metrics, the plots);
+# for lab: lab-tests.log and lab/ (the answers the JupyterLab item draws);
 # and for the stage kernels: kernels.json, kernels.log, kernel-calls.json, kernel-calls.log.
-# Usage: scripts/gpu_run.sh [STAGE ...]   stages: tests facts bench demo kernels kernels-focus per-cell paired paired-stages paired-ab stages trace dask server reliability memcheck park park-kernels park-loop park-hold park-bench-kernels
+# Usage: scripts/gpu_run.sh [STAGE ...]   stages: tests facts bench demo kernels kernels-focus per-cell paired paired-stages paired-ab stages trace dask server lab reliability memcheck park park-kernels park-loop park-hold park-bench-kernels
 #        (default: tests facts bench demo)
 # The stage stages (tests/bench/profile_cell.py --stages --primitives, in-process, about a minute) writes
 # stages.log: where the per-cell time goes, step by step, with CUDA unused and PyTorch or CuPy idle; and
@@ -69,6 +70,12 @@ if [[ $stages == *" server "* ]]; then
   # CuPy kernels and a process without gpucleanup, then the bulk park's preview against what it gave back
   GPUCLEANUP_ARTIFACTS="$out/server" python3 -m pytest tests/gpu/test_server_gpu.py tests/gpu/test_page_totals_gpu.py \
     -v -s -p no:cacheprovider 2>&1 | tee "$out/server-tests.log"
+fi
+if [[ $stages == *" lab "* ]]; then
+  # the JupyterLab status item's figures for a CuPy notebook against nvidia-smi, parked and resumed
+  # (tests/gpu/test_lab_item_gpu.py); the server's answers come back in $OUT/lab/ for the browser here
+  GPUCLEANUP_ARTIFACTS="$out/lab" timeout 300 python3 -m pytest tests/gpu/test_lab_item_gpu.py -v -s \
+    -p no:cacheprovider 2>&1 | tee "$out/lab-tests.log"
 fi
 if [[ $stages == *" park "* ]]; then
   # parking: CuPy, PyTorch and JAX (one visible GPU) processes parked to 0 MiB and resumed with every byte equal,

@@ -20,6 +20,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -132,14 +133,12 @@ def api(url: str, token: str, method: str = "GET", path: str = "/api/gpucleanup/
         return response.status, json.loads(response.read())
 
 
-def test_the_server_lists_its_kernel_parks_it_and_stops_everything_on_ctrl_c(demo_env, tmp_path):
-    port = free_port()
-    proc = subprocess.Popen(demo("--server", "--port", str(port)), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=demo_env, cwd=tmp_path)
+def reader(proc: subprocess.Popen, seen: list) -> Callable[[str], str]:
+    """``read_until(prefix)``: the demo's output line by line (each kept in ``seen``) until one starts with
+    ``prefix``; fails when the demo ends first or no such line comes within the timeout."""
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout] + [lines.put(None)],
                      daemon=True).start()
-    seen: list = []
 
     def read_until(prefix: str) -> str:
         deadline = time.monotonic() + TIMEOUT
@@ -149,6 +148,16 @@ def test_the_server_lists_its_kernel_parks_it_and_stops_everything_on_ctrl_c(dem
             seen.append(line)
             if line.startswith(prefix):
                 return line
+
+    return read_until
+
+
+def test_the_server_lists_its_kernel_parks_it_and_stops_everything_on_ctrl_c(demo_env, tmp_path):
+    port = free_port()
+    proc = subprocess.Popen(demo("--server", "--port", str(port)), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=demo_env, cwd=tmp_path)
+    seen: list = []
+    read_until = reader(proc, seen)
 
     pids: list = []
     try:
@@ -191,3 +200,32 @@ def test_the_server_lists_its_kernel_parks_it_and_stops_everything_on_ctrl_c(dem
         for pid in pids:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_the_lab_demo_serves_jupyterlab_with_gpucleanups_extension_on_the_kernels_notebook(demo_env, tmp_path):
+    pytest.importorskip("jupyterlab")
+    proc = subprocess.Popen(demo("--lab"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=demo_env,
+                            cwd=tmp_path)
+    seen: list = []
+    read_until = reader(proc, seen)
+
+    try:
+        lab = read_until("  lab:    ")
+        match = re.search(r"(http://127\.0\.0\.1:\d+)/lab/tree/tour\.ipynb\?token=([0-9a-f]+) ", lab)
+        assert match, lab
+        read_until("Ctrl-C stops the server and its kernel.")
+        with urllib.request.urlopen(match[0].strip(), timeout=TIMEOUT) as response:
+            assert response.status == 200
+            html = response.read().decode()
+        config = json.loads(re.search(r'<script id="jupyter-config-data" type="application/json">(.*?)</script>',
+                                      html, re.DOTALL)[1])
+        assert "gpucleanup" in [ext["name"] for ext in config["federated_extensions"]]
+        status, listing = api(match[1], match[2])
+        assert status == 200 and [k["notebook"] for k in listing["kernels"]] == ["tour.ipynb"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=TIMEOUT) == 0, "".join(seen)
+        assert leftovers(demo_env) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -254,14 +254,29 @@ def test_no_item_for_a_kernel_without_gpucleanup(lab):
 
 
 @needs_browser
-def test_notebook_7_shows_the_item_at_the_top_of_the_notebooks_page(tmp_path):
+def test_notebook_7_shows_the_item_at_the_top_of_the_notebooks_page_and_the_kernel_under_running(tmp_path):
     pytest.importorskip("notebook")
     lab = Lab(tmp_path, page="notebooks")
     try:
         item = lab.item("GPU0 ")
         top = lab.browser.find_elements("css selector", "#top-panel .gpucleanup-status")
         assert top and top[0].get_attribute("data-kernel") == item.get_attribute("data-kernel")
-        assert item.text == _expected(lab.srv.entry(item.get_attribute("data-kernel")))
+        kernel_id = item.get_attribute("data-kernel")
+        assert item.text == _expected(lab.srv.entry(kernel_id))
+        # the tree page's Running tab lists the kernel in gpucleanup's section
+        lab.browser.get(f"{lab.srv.url}/tree")
+
+        def running_tab(driver):
+            tabs = [t for t in driver.find_elements("css selector", ".lm-TabBar-tab") if t.text.strip() == "Running"]
+            if tabs:
+                tabs[0].click()
+            return bool(tabs)
+
+        lab.wait(running_tab, "no Running tab on the tree page")
+        row = lab.wait(lambda d: d.find_elements("css selector", ".gpucleanup-running-item"), "no gpucleanup row")[0]
+        assert row.get_attribute("data-context") == kernel_id
+        assert row.find_element("css selector", ".jp-RunningSessions-itemDetail").text == _expected(
+            lab.srv.entry(kernel_id))
     finally:
         lab.close()
 
