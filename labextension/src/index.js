@@ -319,7 +319,7 @@ const plugin = {
         activeStateChanged,
       });
     } else if (tracker) {
-      item.addClass('gpucleanup-top');  // Notebook 7: its top area, left of the kernel's logo (rank 10010)
+      item.addClass('gpucleanup-top');  // Notebook 7: its top area, at the right beside the kernel's logo
       item.node.style.alignSelf = 'center';
       app.shell.add(item, 'top', { rank: 10000 });
     }

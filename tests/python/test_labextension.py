@@ -426,7 +426,7 @@ def test_the_item_draws_what_the_gpu_machines_server_answered(tmp_path, state):
             item = lab.item("GPU parked")
             assert item.text == f"GPU parked {format_bytes(entry['parked']['bytes'])}"
             assert item.value_of_css_property("font-style") == "italic"
-        if os.environ.get("GPUCLEANUP_LAB_RESULTS"):  # scripts/lab_results.sh: the screenshot kept beside it
+        if os.environ.get("GPUCLEANUP_LAB_RESULTS"):  # =1: the screenshot kept beside the answer, to commit
             lab.browser.save_screenshot(str(recorded[-1].with_suffix(".png")))
     finally:
         lab.close()

@@ -118,7 +118,7 @@ __webpack_require__.d(exports, {
 /******/ 		// This function allow to reference async chunks
 /******/ 		__webpack_require__.u = (chunkId) => {
 /******/ 			// return url for filenames based on template
-/******/ 			return "" + chunkId + "." + "0597b5e4078c80600b62" + ".js";
+/******/ 			return "" + chunkId + "." + "ea85a496365adb5f8ceb" + ".js";
 /******/ 		};
 /******/ 	})();
 /******/ 	
