@@ -143,6 +143,17 @@ class Lab:
         """``notebook`` in the browser's window, in focus (JupyterLab: a tab of its own beside the others)."""
         self.browser.get(f"{self.srv.url}/{self.page}/{notebook}")
 
+    def open_beside(self, notebook: str) -> None:
+        """``notebook`` opened from JupyterLab's file browser (a double click), in a tab beside the open ones."""
+        from selenium.webdriver.common.action_chains import ActionChains
+
+        def entry(driver):
+            found = [e for e in driver.find_elements("css selector", ".jp-DirListing-item")
+                     if e.find_element("css selector", ".jp-DirListing-itemText").text.strip() == notebook]
+            return found[0] if found else False
+
+        ActionChains(self.browser).double_click(self.wait(entry, f"{notebook} is not in the file browser")).perform()
+
     def run_cell(self, code: str) -> str:
         """Types ``code`` into the notebook's active cell, runs it with Shift+Enter and waits for its prompt
         number; returns the text of its execute result ('' where none)."""
@@ -284,7 +295,7 @@ def test_notebook_7_shows_the_item_at_the_top_of_the_notebooks_page_and_the_kern
 @needs_browser
 def test_the_item_follows_the_notebook_in_focus(lab):
     first = lab.item("GPU0 ").get_attribute("data-kernel")
-    lab.browser.get(f"{lab.srv.url}/lab/tree/eval.ipynb")  # a second notebook, its own kernel, in focus
+    lab.open_beside("eval.ipynb")  # a second notebook, its own kernel, in focus
 
     def shows(other_than=None, equal_to=None):
         def check(driver):
