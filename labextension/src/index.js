@@ -83,7 +83,9 @@ class GpuItem extends Widget {
     this.node.textContent = said ? said.text : '';
     this.node.title = said ? said.title : '';
     this.node.dataset.kind = said ? said.kind : 'none';
+    // a look of its own while parked (italics) and while the kernel is busy (running, draining, waiting)
     this.node.style.fontStyle = said && said.kind === 'parked' ? 'italic' : '';
+    this.node.style.color = said && said.kind === 'busy' ? 'var(--jp-warn-color1)' : '';
   }
 }
 

@@ -154,9 +154,8 @@ class Lab:
 
         ActionChains(self.browser).double_click(self.wait(entry, f"{notebook} is not in the file browser")).perform()
 
-    def run_cell(self, code: str) -> str:
-        """Types ``code`` into the notebook's active cell, runs it with Shift+Enter and waits for its prompt
-        number; returns the text of its execute result ('' where none)."""
+    def start_cell(self, code: str):
+        """Types ``code`` into the notebook's active cell and runs it with Shift+Enter; returns the cell."""
         from selenium.webdriver.common.keys import Keys
 
         def active(driver):
@@ -168,6 +167,12 @@ class Lab:
         editor.click()
         editor.send_keys(code)
         editor.send_keys(Keys.SHIFT, Keys.ENTER)
+        return cell
+
+    def run_cell(self, code: str) -> str:
+        """:meth:`start_cell`, then waits for the cell's prompt number; returns the text of its execute result
+        ('' where none)."""
+        cell = self.start_cell(code)
 
         def ran(driver):
             prompt = cell.find_element("css selector", ".jp-InputArea-prompt").get_attribute("textContent")
@@ -245,6 +250,25 @@ def test_the_status_item_shows_the_figures_of_the_kernel_in_focus(lab):
     assert [dev["index"] for dev in report["devices"]] == [0], report
     assert _held_by_gpumem(report)["held"][0]["bytes"] == report["devices"][0]["known_bytes"] > 0
     assert lab.item("GPU0 ").text == _expected(_held_by_gpumem(report)), json.dumps(report["devices"])
+
+
+@needs_browser
+def test_the_item_looks_apart_while_its_kernel_runs_a_cell(lab):
+    kernel_id = lab.item("GPU0 ").get_attribute("data-kernel")
+    # a stand-in CuPy keeps 4 GiB after every cell (what the fake driver's pool held is drained after a cell)
+    (lab.srv.root / "stand_in_cupy.py").write_text(STAND_IN_CUPY)
+    lab.run_cell("%run stand_in_cupy.py")
+    idle_color = lab.item("GPU0 4.0 GiB").value_of_css_property("color")
+    go = lab.srv.root / "go"
+    lab.start_cell(f"import os, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.05)")
+    busy = lab.wait(lambda d: (lambda i: i if i.text.endswith(" · running") else False)(lab.item("GPU0 ")),
+                    "the item does not say running while the cell runs")
+    assert busy.get_attribute("data-kind") == "busy" and busy.get_attribute("data-kernel") == kernel_id
+    assert busy.value_of_css_property("color") != idle_color
+    go.write_text("")
+    idle = lab.wait(lambda d: (lambda i: i if not i.text.endswith(" · running") else False)(lab.item("GPU0 ")),
+                    "the item still says running after the cell")
+    assert idle.get_attribute("data-kind") == "idle" and idle.value_of_css_property("color") == idle_color
 
 
 @needs_browser

@@ -118,7 +118,7 @@ __webpack_require__.d(exports, {
 /******/ 		// This function allow to reference async chunks
 /******/ 		__webpack_require__.u = (chunkId) => {
 /******/ 			// return url for filenames based on template
-/******/ 			return "" + chunkId + "." + "ea85a496365adb5f8ceb" + ".js";
+/******/ 			return "" + chunkId + "." + "1dcfa01af36c8568ce1f" + ".js";
 /******/ 		};
 /******/ 	})();
 /******/ 	
