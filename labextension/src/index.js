@@ -1,6 +1,6 @@
 // gpucleanup in JupyterLab: the GPU memory and park state of the notebook in focus in the status bar, every
 // kernel's in a section of the Running panel, and the page /gpucleanup in a main-area tab. Notebook 7 has no
-// status bar: there the item goes to the top of the notebook's page, beside the kernel's name.
+// status bar: there the item goes to the top of the notebook's page, beside the kernel's logo.
 // One request per refresh for all of them (GET api/gpucleanup/kernels, no cards), every refreshSeconds (2 s by
 // default) and none while the tab is hidden; the server answers it without counting it as activity, as it does
 // for its own page.
@@ -14,34 +14,13 @@ import { ISettingRegistry } from '@jupyterlab/settingregistry';
 import { ServerConnection } from '@jupyterlab/services';
 import { URLExt } from '@jupyterlab/coreutils';
 import { LabIcon } from '@jupyterlab/ui-components';
+// the units of the line under each cell and of %gpumem, shared with the page /gpucleanup
+import { formatBytes, formatDuration } from '../../ipython_ext/gpucleanup/server/static/units.js';
 
 const PLUGIN_ID = 'gpucleanup:status-item';
 const OPEN_PAGE = 'gpucleanup:open-page';
 // the settings' defaults (schema/status-item.json says the same)
 const DEFAULTS = { refreshSeconds: 2, showCached: true, hideWithoutGpu: true };
-const UNITS = [['TiB', 2 ** 40], ['GiB', 2 ** 30], ['MiB', 2 ** 20], ['KiB', 2 ** 10]];
-
-// the units of the line under each cell and of %gpumem (gpucleanup/units.py)
-export function formatBytes(n) {
-  if (n === null || n === undefined) return '?';
-  const abs = Math.abs(n);
-  const [unit, size] = UNITS.find(([, s]) => abs >= s) || ['B', 1];
-  const value = abs / size;
-  const text = unit === 'B' ? String(Math.trunc(value)) : (unit === 'GiB' || unit === 'TiB' || value < 10)
-    ? value.toFixed(1) : value.toFixed(0);
-  return `${n < 0 ? '-' : ''}${text} ${unit}`;
-}
-
-export function formatDuration(seconds) {
-  if (seconds === null || seconds === undefined) return '?';
-  const s = Math.max(0, seconds);
-  if (s < 1) return `${Math.round(s * 1000)} ms`;
-  if (s < 60) return `${s < 10 ? s.toFixed(1) : s.toFixed(0)} s`;
-  const whole = Math.round(s);
-  const minutes = Math.floor(whole / 60);
-  if (minutes < 60) return whole % 60 ? `${minutes} min ${whole % 60} s` : `${minutes} min`;
-  return minutes % 60 ? `${Math.floor(minutes / 60)} h ${minutes % 60} min` : `${Math.floor(minutes / 60)} h`;
-}
 
 // What the item says for one kernel entry of the server's API; null: nothing to show (no gpucleanup, or no GPU
 // used while hideWithoutGpu is on). showCached off leaves out the "(x cached)" part.

@@ -145,7 +145,7 @@ def test_the_page_and_its_files_are_served_to_a_logged_in_user(server):
     assert page.status == 200
     assert page.headers["Content-Type"] == "text/html; charset=UTF-8"
     text = page.body.decode()
-    assert '<script src="/gpucleanup/static/page.js?v=' in text
+    assert '<script type="module" src="/gpucleanup/static/page.js?v=' in text
     assert 'data-refresh-s="2"' in text
     assert "script-src 'self'" in page.headers["Content-Security-Policy"]
     assert server.cookie("_xsrf"), "the page sets the _xsrf cookie its Drain button sends back"
@@ -153,6 +153,13 @@ def test_the_page_and_its_files_are_served_to_a_logged_in_user(server):
                             headers={"Referer": f"{server.url}/gpucleanup"})
     assert script.status == 200
     assert b"api/gpucleanup/kernels" in script.body
+    # the units the page shares with the JupyterLab extension: a module beside it, behind the same login
+    assert script.body.startswith(b"// ") and b'from "./units.js";' in script.body
+    units = server.request("GET", "/gpucleanup/static/units.js", cookies=True,
+                           headers={"Referer": f"{server.url}/gpucleanup"})
+    assert units.status == 200 and b"export function formatBytes(n)" in units.body
+    assert "javascript" in units.headers["Content-Type"]
+    assert server.request("GET", "/gpucleanup/static/units.js").status == 302
 
 
 # ---------------------------------------------------------------- the list

@@ -6,7 +6,7 @@
 // (?sort=, ?cards= the open cards, whose last cells alone are asked for), refreshed every refresh_s seconds
 // while the page is visible. Plain DOM, no framework, no network beyond this server. Every text from the
 // server goes through textContent or createTextNode: notebook names are user data.
-"use strict";
+import { formatBytes, formatDuration, formatPair } from "./units.js";
 
 (function () {
   const body = document.body;
@@ -50,47 +50,6 @@
     const node = document.createElementNS(SVG_NS, tag);
     for (const [name, value] of Object.entries(attributes || {})) node.setAttribute(name, String(value));
     return node;
-  }
-
-  // The units of gpucleanup.report.format_bytes: 6.0 GiB, 512 MiB, 1.5 MiB, 8 B.
-  const UNITS = [["TiB", 2 ** 40], ["GiB", 2 ** 30], ["MiB", 2 ** 20], ["KiB", 2 ** 10]];
-
-  function unitFor(n) {
-    for (const [unit, size] of UNITS) if (n >= size) return [unit, size];
-    return ["B", 1];
-  }
-
-  function number(value, unit) {
-    if (unit === "B") return String(Math.trunc(value));
-    if (unit === "GiB" || unit === "TiB") return value.toFixed(1);
-    return value >= 10 ? value.toFixed(0) : value.toFixed(1);
-  }
-
-  function formatBytes(n) {
-    if (n === null || n === undefined) return "?";
-    const sign = n < 0 ? "-" : "";
-    const [unit, size] = unitFor(Math.abs(n));
-    return `${sign}${number(Math.abs(n) / size, unit)} ${unit}`;
-  }
-
-  // used/total in the unit of the total: 2.7/79.6 GiB
-  function formatPair(used, total) {
-    if (total === null || total === undefined) return formatBytes(used);
-    if (used === null || used === undefined) return `?/${formatBytes(total)}`;
-    const [unit, size] = unitFor(Math.abs(total));
-    if (unit === "B") return `${used}/${total} B`;
-    return `${number(used / size, unit)}/${formatBytes(total)}`;
-  }
-
-  function formatDuration(seconds) {
-    if (seconds === null || seconds === undefined) return "?";
-    const s = Math.max(0, seconds);
-    if (s < 1) return `${Math.round(s * 1000)} ms`;
-    if (s < 10) return `${s.toFixed(1)} s`;
-    if (s < 60) return `${s.toFixed(0)} s`;
-    const whole = Math.round(s);
-    const minutes = Math.floor(whole / 60), rest = whole % 60;
-    return rest ? `${minutes} min ${rest} s` : `${minutes} min`;
   }
 
   function sum(perFramework) {

@@ -1,39 +1,85 @@
 "use strict";
-(self["webpackChunkgpucleanup"] = self["webpackChunkgpucleanup"] || []).push([[138],{
+(self["webpackChunkgpucleanup"] = self["webpackChunkgpucleanup"] || []).push([[90],{
 
-/***/ 138:
+/***/ 90:
 /***/ ((__unused_webpack_module, __webpack_exports__, __webpack_require__) => {
 
+// ESM COMPAT FLAG
 __webpack_require__.r(__webpack_exports__);
-/* harmony export */ __webpack_require__.d(__webpack_exports__, {
-/* harmony export */   "default": () => (__WEBPACK_DEFAULT_EXPORT__),
-/* harmony export */   "describe": () => (/* binding */ describe),
-/* harmony export */   "formatBytes": () => (/* binding */ formatBytes),
-/* harmony export */   "formatDuration": () => (/* binding */ formatDuration)
-/* harmony export */ });
-/* harmony import */ var _jupyterlab_apputils__WEBPACK_IMPORTED_MODULE_0__ = __webpack_require__(501);
-/* harmony import */ var _jupyterlab_apputils__WEBPACK_IMPORTED_MODULE_0___default = /*#__PURE__*/__webpack_require__.n(_jupyterlab_apputils__WEBPACK_IMPORTED_MODULE_0__);
-/* harmony import */ var _lumino_signaling__WEBPACK_IMPORTED_MODULE_1__ = __webpack_require__(901);
-/* harmony import */ var _lumino_signaling__WEBPACK_IMPORTED_MODULE_1___default = /*#__PURE__*/__webpack_require__.n(_lumino_signaling__WEBPACK_IMPORTED_MODULE_1__);
-/* harmony import */ var _lumino_widgets__WEBPACK_IMPORTED_MODULE_2__ = __webpack_require__(144);
-/* harmony import */ var _lumino_widgets__WEBPACK_IMPORTED_MODULE_2___default = /*#__PURE__*/__webpack_require__.n(_lumino_widgets__WEBPACK_IMPORTED_MODULE_2__);
-/* harmony import */ var _jupyterlab_statusbar__WEBPACK_IMPORTED_MODULE_3__ = __webpack_require__(653);
-/* harmony import */ var _jupyterlab_statusbar__WEBPACK_IMPORTED_MODULE_3___default = /*#__PURE__*/__webpack_require__.n(_jupyterlab_statusbar__WEBPACK_IMPORTED_MODULE_3__);
-/* harmony import */ var _jupyterlab_notebook__WEBPACK_IMPORTED_MODULE_4__ = __webpack_require__(897);
-/* harmony import */ var _jupyterlab_notebook__WEBPACK_IMPORTED_MODULE_4___default = /*#__PURE__*/__webpack_require__.n(_jupyterlab_notebook__WEBPACK_IMPORTED_MODULE_4__);
-/* harmony import */ var _jupyterlab_running__WEBPACK_IMPORTED_MODULE_5__ = __webpack_require__(595);
-/* harmony import */ var _jupyterlab_running__WEBPACK_IMPORTED_MODULE_5___default = /*#__PURE__*/__webpack_require__.n(_jupyterlab_running__WEBPACK_IMPORTED_MODULE_5__);
-/* harmony import */ var _jupyterlab_settingregistry__WEBPACK_IMPORTED_MODULE_6__ = __webpack_require__(629);
-/* harmony import */ var _jupyterlab_settingregistry__WEBPACK_IMPORTED_MODULE_6___default = /*#__PURE__*/__webpack_require__.n(_jupyterlab_settingregistry__WEBPACK_IMPORTED_MODULE_6__);
-/* harmony import */ var _jupyterlab_services__WEBPACK_IMPORTED_MODULE_7__ = __webpack_require__(67);
-/* harmony import */ var _jupyterlab_services__WEBPACK_IMPORTED_MODULE_7___default = /*#__PURE__*/__webpack_require__.n(_jupyterlab_services__WEBPACK_IMPORTED_MODULE_7__);
-/* harmony import */ var _jupyterlab_coreutils__WEBPACK_IMPORTED_MODULE_8__ = __webpack_require__(406);
-/* harmony import */ var _jupyterlab_coreutils__WEBPACK_IMPORTED_MODULE_8___default = /*#__PURE__*/__webpack_require__.n(_jupyterlab_coreutils__WEBPACK_IMPORTED_MODULE_8__);
-/* harmony import */ var _jupyterlab_ui_components__WEBPACK_IMPORTED_MODULE_9__ = __webpack_require__(844);
-/* harmony import */ var _jupyterlab_ui_components__WEBPACK_IMPORTED_MODULE_9___default = /*#__PURE__*/__webpack_require__.n(_jupyterlab_ui_components__WEBPACK_IMPORTED_MODULE_9__);
+
+// EXPORTS
+__webpack_require__.d(__webpack_exports__, {
+  "default": () => (/* binding */ src),
+  "describe": () => (/* binding */ describe)
+});
+
+// EXTERNAL MODULE: consume shared module (default) @jupyterlab/apputils@^4.0.0 (singleton)
+var apputils_4_0_singleton_ = __webpack_require__(501);
+// EXTERNAL MODULE: consume shared module (default) @lumino/signaling@^2.0.0 (singleton)
+var signaling_2_0_singleton_ = __webpack_require__(901);
+// EXTERNAL MODULE: consume shared module (default) @lumino/widgets@^2.0.0 (singleton)
+var widgets_2_0_singleton_ = __webpack_require__(144);
+// EXTERNAL MODULE: consume shared module (default) @jupyterlab/statusbar@^4.0.0 (singleton)
+var statusbar_4_0_singleton_ = __webpack_require__(653);
+// EXTERNAL MODULE: consume shared module (default) @jupyterlab/notebook@^4.0.0 (singleton)
+var notebook_4_0_singleton_ = __webpack_require__(897);
+// EXTERNAL MODULE: consume shared module (default) @jupyterlab/running@^4.0.0 (singleton)
+var running_4_0_singleton_ = __webpack_require__(595);
+// EXTERNAL MODULE: consume shared module (default) @jupyterlab/settingregistry@^4.0.0 (singleton)
+var settingregistry_4_0_singleton_ = __webpack_require__(629);
+// EXTERNAL MODULE: consume shared module (default) @jupyterlab/services@^7.0.0 (singleton)
+var services_7_0_singleton_ = __webpack_require__(67);
+// EXTERNAL MODULE: consume shared module (default) @jupyterlab/coreutils@^6.0.0 (singleton)
+var coreutils_6_0_singleton_ = __webpack_require__(406);
+// EXTERNAL MODULE: consume shared module (default) @jupyterlab/ui-components@^4.0.0 (singleton)
+var ui_components_4_0_singleton_ = __webpack_require__(844);
+;// CONCATENATED MODULE: ../ipython_ext/gpucleanup/server/static/units.js
+// The units of gpucleanup/units.py (format_bytes, format_duration), for the page and the JupyterLab extension
+// alike (labextension/ imports this file): 6.0 GiB, 512 MiB, 1.5 MiB, 8 B; 0.4 s, 31 s, 2 min 5 s.
+const UNITS = [["TiB", 2 ** 40], ["GiB", 2 ** 30], ["MiB", 2 ** 20], ["KiB", 2 ** 10]];
+
+function unitFor(n) {
+  for (const [unit, size] of UNITS) if (n >= size) return [unit, size];
+  return ["B", 1];
+}
+
+function number(value, unit) {
+  if (unit === "B") return String(Math.trunc(value));
+  if (unit === "GiB" || unit === "TiB") return value.toFixed(1);
+  return value >= 10 ? value.toFixed(0) : value.toFixed(1);
+}
+
+function formatBytes(n) {
+  if (n === null || n === undefined) return "?";
+  const sign = n < 0 ? "-" : "";
+  const [unit, size] = unitFor(Math.abs(n));
+  return `${sign}${number(Math.abs(n) / size, unit)} ${unit}`;
+}
+
+// used/total in the unit of the total: 2.7/79.6 GiB
+function formatPair(used, total) {
+  if (total === null || total === undefined) return formatBytes(used);
+  if (used === null || used === undefined) return `?/${formatBytes(total)}`;
+  const [unit, size] = unitFor(Math.abs(total));
+  if (unit === "B") return `${used}/${total} B`;
+  return `${number(used / size, unit)}/${formatBytes(total)}`;
+}
+
+function formatDuration(seconds) {
+  if (seconds === null || seconds === undefined) return "?";
+  const s = Math.max(0, seconds);
+  if (s < 1) return `${Math.round(s * 1000)} ms`;
+  if (s < 10) return `${s.toFixed(1)} s`;
+  if (s < 60) return `${s.toFixed(0)} s`;
+  const whole = Math.round(s);
+  const minutes = Math.floor(whole / 60), rest = whole % 60;
+  return rest ? `${minutes} min ${rest} s` : `${minutes} min`;
+}
+
+;// CONCATENATED MODULE: ./src/index.js
 // gpucleanup in JupyterLab: the GPU memory and park state of the notebook in focus in the status bar, every
 // kernel's in a section of the Running panel, and the page /gpucleanup in a main-area tab. Notebook 7 has no
-// status bar: there the item goes to the top of the notebook's page, beside the kernel's name.
+// status bar: there the item goes to the top of the notebook's page, beside the kernel's logo.
 // One request per refresh for all of them (GET api/gpucleanup/kernels, no cards), every refreshSeconds (2 s by
 // default) and none while the tab is hidden; the server answers it without counting it as activity, as it does
 // for its own page.
@@ -47,34 +93,13 @@ __webpack_require__.r(__webpack_exports__);
 
 
 
+// the units of the line under each cell and of %gpumem, shared with the page /gpucleanup
+
 
 const PLUGIN_ID = 'gpucleanup:status-item';
 const OPEN_PAGE = 'gpucleanup:open-page';
 // the settings' defaults (schema/status-item.json says the same)
 const DEFAULTS = { refreshSeconds: 2, showCached: true, hideWithoutGpu: true };
-const UNITS = [['TiB', 2 ** 40], ['GiB', 2 ** 30], ['MiB', 2 ** 20], ['KiB', 2 ** 10]];
-
-// the units of the line under each cell and of %gpumem (gpucleanup/units.py)
-function formatBytes(n) {
-  if (n === null || n === undefined) return '?';
-  const abs = Math.abs(n);
-  const [unit, size] = UNITS.find(([, s]) => abs >= s) || ['B', 1];
-  const value = abs / size;
-  const text = unit === 'B' ? String(Math.trunc(value)) : (unit === 'GiB' || unit === 'TiB' || value < 10)
-    ? value.toFixed(1) : value.toFixed(0);
-  return `${n < 0 ? '-' : ''}${text} ${unit}`;
-}
-
-function formatDuration(seconds) {
-  if (seconds === null || seconds === undefined) return '?';
-  const s = Math.max(0, seconds);
-  if (s < 1) return `${Math.round(s * 1000)} ms`;
-  if (s < 60) return `${s < 10 ? s.toFixed(1) : s.toFixed(0)} s`;
-  const whole = Math.round(s);
-  const minutes = Math.floor(whole / 60);
-  if (minutes < 60) return whole % 60 ? `${minutes} min ${whole % 60} s` : `${minutes} min`;
-  return minutes % 60 ? `${Math.floor(minutes / 60)} h ${minutes % 60} min` : `${Math.floor(minutes / 60)} h`;
-}
 
 // What the item says for one kernel entry of the server's API; null: nothing to show (no gpucleanup, or no GPU
 // used while hideWithoutGpu is on). showCached off leaves out the "(x cached)" part.
@@ -101,7 +126,7 @@ function describe(entry, options = DEFAULTS) {
            title: 'gpucleanup: GPU memory this kernel holds (cached: what its frameworks keep for reuse)' };
 }
 
-class GpuItem extends _lumino_widgets__WEBPACK_IMPORTED_MODULE_2__.Widget {
+class GpuItem extends widgets_2_0_singleton_.Widget {
   constructor() {
     super();
     this.addClass('gpucleanup-status');
@@ -128,13 +153,13 @@ class Kernels {
     this.serverSettings = serverSettings;
     this.options = { ...DEFAULTS };
     this.entries = [];
-    this.changed = new _lumino_signaling__WEBPACK_IMPORTED_MODULE_1__.Signal(this);
+    this.changed = new signaling_2_0_singleton_.Signal(this);
     this._timer = null;
     this._asking = false;
   }
 
   get url() {
-    return _jupyterlab_coreutils__WEBPACK_IMPORTED_MODULE_8__.URLExt.join(this.serverSettings.baseUrl, 'api/gpucleanup/kernels');
+    return coreutils_6_0_singleton_.URLExt.join(this.serverSettings.baseUrl, 'api/gpucleanup/kernels');
   }
 
   start() {
@@ -148,7 +173,7 @@ class Kernels {
     this._asking = true;
     let entries = [];
     try {
-      const response = await _jupyterlab_services__WEBPACK_IMPORTED_MODULE_7__.ServerConnection.makeRequest(`${this.url}?sort=held&cards=`, {}, this.serverSettings);
+      const response = await services_7_0_singleton_.ServerConnection.makeRequest(`${this.url}?sort=held&cards=`, {}, this.serverSettings);
       entries = response.ok ? ((await response.json()).kernels || []) : [];
     } catch (err) {
       entries = [];  // no gpucleanup server extension, or the server went away: nothing to say
@@ -164,16 +189,16 @@ class Kernels {
   }
 
   async act(entryId, what) {
-    const url = _jupyterlab_coreutils__WEBPACK_IMPORTED_MODULE_8__.URLExt.join(this.url, encodeURIComponent(entryId), what);
-    const done = await _jupyterlab_services__WEBPACK_IMPORTED_MODULE_7__.ServerConnection.makeRequest(url, { method: 'POST', body: '{}' }, this.serverSettings);
+    const url = coreutils_6_0_singleton_.URLExt.join(this.url, encodeURIComponent(entryId), what);
+    const done = await services_7_0_singleton_.ServerConnection.makeRequest(url, { method: 'POST', body: '{}' }, this.serverSettings);
     const answer = await done.json().catch(() => ({}));
     void this.refresh();
     return answer.message || `${what}: HTTP ${done.status}`;
   }
 
   async get(entryId, what = '') {
-    const url = _jupyterlab_coreutils__WEBPACK_IMPORTED_MODULE_8__.URLExt.join(this.url, encodeURIComponent(entryId), what);
-    const response = await _jupyterlab_services__WEBPACK_IMPORTED_MODULE_7__.ServerConnection.makeRequest(url, {}, this.serverSettings);
+    const url = coreutils_6_0_singleton_.URLExt.join(this.url, encodeURIComponent(entryId), what);
+    const response = await services_7_0_singleton_.ServerConnection.makeRequest(url, {}, this.serverSettings);
     return response.ok ? response.json() : null;
   }
 }
@@ -203,7 +228,7 @@ function panelBody(entry, check) {
          `cached ${formatBytes(held.cached_bytes)}${outside}`);
   }
   if (check) line(`park check: ${check.message}`, 'gpucleanup-check');
-  return new _lumino_widgets__WEBPACK_IMPORTED_MODULE_2__.Widget({ node });
+  return new widgets_2_0_singleton_.Widget({ node });
 }
 
 async function openPanel(app, kernels, entryId) {
@@ -211,12 +236,12 @@ async function openPanel(app, kernels, entryId) {
   if (!entry) return;
   const parked = entry.parked !== null && entry.parked !== undefined;
   const check = parked ? null : await kernels.get(entryId, 'park-check').catch(() => null);
-  const result = await (0,_jupyterlab_apputils__WEBPACK_IMPORTED_MODULE_0__.showDialog)({
+  const result = await (0,apputils_4_0_singleton_.showDialog)({
     title: 'gpucleanup',
     body: panelBody(entry, check),
-    buttons: [_jupyterlab_apputils__WEBPACK_IMPORTED_MODULE_0__.Dialog.cancelButton({ label: 'Close' }), _jupyterlab_apputils__WEBPACK_IMPORTED_MODULE_0__.Dialog.createButton({ label: 'Open page', accept: true }),
-              _jupyterlab_apputils__WEBPACK_IMPORTED_MODULE_0__.Dialog.createButton({ label: 'Drain', accept: true }),
-              _jupyterlab_apputils__WEBPACK_IMPORTED_MODULE_0__.Dialog.okButton({ label: parked ? 'Resume' : 'Park' })],
+    buttons: [apputils_4_0_singleton_.Dialog.cancelButton({ label: 'Close' }), apputils_4_0_singleton_.Dialog.createButton({ label: 'Open page', accept: true }),
+              apputils_4_0_singleton_.Dialog.createButton({ label: 'Drain', accept: true }),
+              apputils_4_0_singleton_.Dialog.okButton({ label: parked ? 'Resume' : 'Park' })],
   });
   if (!result.button.accept) return;
   if (result.button.label === 'Open page') {
@@ -225,31 +250,31 @@ async function openPanel(app, kernels, entryId) {
   }
   const what = result.button.label === 'Drain' ? 'drain' : (parked ? 'resume' : 'park');
   const message = await kernels.act(entryId, what);
-  await (0,_jupyterlab_apputils__WEBPACK_IMPORTED_MODULE_0__.showDialog)({ title: 'gpucleanup', body: message, buttons: [_jupyterlab_apputils__WEBPACK_IMPORTED_MODULE_0__.Dialog.okButton({ label: 'OK' })] });
+  await (0,apputils_4_0_singleton_.showDialog)({ title: 'gpucleanup', body: message, buttons: [apputils_4_0_singleton_.Dialog.okButton({ label: 'OK' })] });
 }
 
 // The page /gpucleanup in a main-area tab (the same origin: JupyterLab's login holds for it).
 function pageWidget(serverSettings) {
   const frame = document.createElement('iframe');
-  frame.src = _jupyterlab_coreutils__WEBPACK_IMPORTED_MODULE_8__.URLExt.join(serverSettings.baseUrl, 'gpucleanup');
+  frame.src = coreutils_6_0_singleton_.URLExt.join(serverSettings.baseUrl, 'gpucleanup');
   frame.style.border = '0';
   frame.style.width = '100%';
   frame.style.height = '100%';
-  const content = new _lumino_widgets__WEBPACK_IMPORTED_MODULE_2__.Widget({ node: frame });
+  const content = new widgets_2_0_singleton_.Widget({ node: frame });
   content.addClass('gpucleanup-page');
-  const widget = new _jupyterlab_apputils__WEBPACK_IMPORTED_MODULE_0__.MainAreaWidget({ content });
+  const widget = new apputils_4_0_singleton_.MainAreaWidget({ content });
   widget.id = 'gpucleanup-page';
   widget.title.label = 'GPU memory';
   widget.title.closable = true;
   return widget;
 }
 
-const parkIcon = new _jupyterlab_ui_components__WEBPACK_IMPORTED_MODULE_9__.LabIcon({
+const parkIcon = new ui_components_4_0_singleton_.LabIcon({
   name: 'gpucleanup:park',
   svgstr: '<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 24 24" width="16"><g class="jp-icon3" ' +
           'fill="#616161"><rect x="6" y="5" width="4" height="14"/><rect x="14" y="5" width="4" height="14"/></g></svg>',
 });
-const gpuIcon = new _jupyterlab_ui_components__WEBPACK_IMPORTED_MODULE_9__.LabIcon({
+const gpuIcon = new ui_components_4_0_singleton_.LabIcon({
   name: 'gpucleanup:gpu',
   svgstr: '<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 24 24" width="16"><g class="jp-icon3" ' +
           'fill="#616161"><path d="M3 7h18v10H3zM5 9v6h14V9zM6 18h2v2H6zm4 0h2v2h-2zm4 0h2v2h-2z"/></g></svg>',
@@ -258,7 +283,7 @@ const gpuIcon = new _jupyterlab_ui_components__WEBPACK_IMPORTED_MODULE_9__.LabIc
 // The Running panel's section: every kernel with gpucleanup, the most GPU memory first (the server's sort=held),
 // its figures beside the notebook's name; the item's button parks it; "Park all idle" parks every idle one.
 function runningManager(app, kernels) {
-  const runningChanged = new _lumino_signaling__WEBPACK_IMPORTED_MODULE_1__.Signal(kernels);
+  const runningChanged = new signaling_2_0_singleton_.Signal(kernels);
   kernels.changed.connect(() => runningChanged.emit(undefined));
   const listed = () => kernels.entries.filter((e) => e.gpucleanup);
   const item = (entry) => {
@@ -279,7 +304,7 @@ function runningManager(app, kernels) {
         }
       },
       shutdown: parked ? undefined : () => void kernels.act(entry.id, 'park').then(
-        (message) => (0,_jupyterlab_apputils__WEBPACK_IMPORTED_MODULE_0__.showDialog)({ title: 'gpucleanup', body: message, buttons: [_jupyterlab_apputils__WEBPACK_IMPORTED_MODULE_0__.Dialog.okButton({ label: 'OK' })] })),
+        (message) => (0,apputils_4_0_singleton_.showDialog)({ title: 'gpucleanup', body: message, buttons: [apputils_4_0_singleton_.Dialog.okButton({ label: 'OK' })] })),
     };
   };
   return {
@@ -299,18 +324,18 @@ function runningManager(app, kernels) {
   };
 }
 
-const plugin = {
+const src_plugin = {
   id: PLUGIN_ID,
   description: 'The GPU memory and park state of the notebook in focus, and of every kernel, from gpucleanup.',
   autoStart: true,
   requires: [],
   // every one optional: JupyterLab has them all; Notebook 7 has no status bar, and its tree page no notebooks
-  optional: [_jupyterlab_statusbar__WEBPACK_IMPORTED_MODULE_3__.IStatusBar, _jupyterlab_notebook__WEBPACK_IMPORTED_MODULE_4__.INotebookTracker, _jupyterlab_settingregistry__WEBPACK_IMPORTED_MODULE_6__.ISettingRegistry, _jupyterlab_running__WEBPACK_IMPORTED_MODULE_5__.IRunningSessionManagers, _jupyterlab_apputils__WEBPACK_IMPORTED_MODULE_0__.ICommandPalette],
+  optional: [statusbar_4_0_singleton_.IStatusBar, notebook_4_0_singleton_.INotebookTracker, settingregistry_4_0_singleton_.ISettingRegistry, running_4_0_singleton_.IRunningSessionManagers, apputils_4_0_singleton_.ICommandPalette],
   activate: (app, statusBar, tracker, settingRegistry, runningManagers, palette) => {
     const serverSettings = app.serviceManager.serverSettings;
     const kernels = new Kernels(serverSettings);
     const item = new GpuItem();
-    const activeStateChanged = new _lumino_signaling__WEBPACK_IMPORTED_MODULE_1__.Signal(item);  // the status bar shows the item while isActive() says so
+    const activeStateChanged = new signaling_2_0_singleton_.Signal(item);  // the status bar shows the item while isActive() says so
     let shown = null;
     const kernelId = () => {
       const widget = tracker && tracker.currentWidget;
@@ -383,7 +408,7 @@ const plugin = {
   },
 };
 
-/* harmony default export */ const __WEBPACK_DEFAULT_EXPORT__ = ([plugin]);
+/* harmony default export */ const src = ([src_plugin]);
 
 
 /***/ })

@@ -8,10 +8,10 @@ var _JUPYTERLAB;
 
 var moduleMap = {
 	"./index": () => {
-		return __webpack_require__.e(138).then(() => (() => ((__webpack_require__(138)))));
+		return __webpack_require__.e(90).then(() => (() => ((__webpack_require__(90)))));
 	},
 	"./extension": () => {
-		return __webpack_require__.e(138).then(() => (() => ((__webpack_require__(138)))));
+		return __webpack_require__.e(90).then(() => (() => ((__webpack_require__(90)))));
 	}
 };
 var get = (module, getScope) => {
@@ -76,18 +76,6 @@ __webpack_require__.d(exports, {
 /******/ 	__webpack_require__.c = __webpack_module_cache__;
 /******/ 	
 /************************************************************************/
-/******/ 	/* webpack/runtime/compat get default export */
-/******/ 	(() => {
-/******/ 		// getDefaultExport function for compatibility with non-harmony modules
-/******/ 		__webpack_require__.n = (module) => {
-/******/ 			var getter = module && module.__esModule ?
-/******/ 				() => (module['default']) :
-/******/ 				() => (module);
-/******/ 			__webpack_require__.d(getter, { a: getter });
-/******/ 			return getter;
-/******/ 		};
-/******/ 	})();
-/******/ 	
 /******/ 	/* webpack/runtime/define property getters */
 /******/ 	(() => {
 /******/ 		// define getter functions for harmony exports
@@ -118,7 +106,7 @@ __webpack_require__.d(exports, {
 /******/ 		// This function allow to reference async chunks
 /******/ 		__webpack_require__.u = (chunkId) => {
 /******/ 			// return url for filenames based on template
-/******/ 			return "" + chunkId + "." + "1dcfa01af36c8568ce1f" + ".js";
+/******/ 			return "" + chunkId + "." + "312c354dfd8fe9263ad6" + ".js";
 /******/ 		};
 /******/ 	})();
 /******/ 	
@@ -407,7 +395,7 @@ __webpack_require__.d(exports, {
 /******/ 		};
 /******/ 		// no consumes in initial chunks
 /******/ 		var chunkMapping = {
-/******/ 			"138": [
+/******/ 			"90": [
 /******/ 				501,
 /******/ 				901,
 /******/ 				144,
