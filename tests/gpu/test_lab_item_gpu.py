@@ -104,10 +104,10 @@ def test_the_status_items_figures_are_nvidia_smis_and_follow_a_park(tmp_path):
         smi_parked = smi_used(pid)
         save("lab-item-parked.json", parked, smi_parked)
         (entry_parked,) = [e for e in parked["kernels"] if e["notebook"] == "fit.ipynb"]
-        print(f"FIGURE parked: {entry_parked['parked']}; nvidia-smi lists the process: {bool(smi_parked)}")
+        print(f"FIGURE parked: {entry_parked['parked']}; nvidia-smi for the process: {smi_parked}")
         assert entry_parked["parked"] and entry_parked["state"]["state"] == "parked"
         assert abs(entry_parked["parked"]["bytes"] - held["bytes"]) <= SMI_TOLERANCE
-        assert entry_parked["held_bytes"] == 0 and smi_parked == {}
+        assert entry_parked["held_bytes"] == 0 and sum(smi_parked.values()) == 0  # unlisted, or listed at 0 MiB
 
         out = nb.run("print(float(kept[:4].sum()))")  # a cell resumes it, the array intact
         assert out.startswith("gpucleanup · resumed ") and "4.0" in out.splitlines(), out

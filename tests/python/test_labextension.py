@@ -16,7 +16,7 @@ import pytest
 
 from gpucleanup.units import format_bytes
 from support import ROOT
-from test_server import STAND_IN_CUPY, GiB
+from test_server import STAND_IN_CUPY, GiB, MiB
 
 sys.path.insert(0, str(ROOT / "tests"))
 from lab_item import item_text  # noqa: E402  (tests/lab_item.py)
@@ -457,11 +457,26 @@ def test_the_item_draws_what_the_gpu_machines_server_answered(tmp_path, state):
             item = lab.item("GPU0 ")
             assert item.text == item_text(entry)
         else:
-            assert entry["held_bytes"] == 0 and saved["nvidia_smi"] == {}
+            assert entry["held_bytes"] == 0 and sum(saved["nvidia_smi"].values()) == 0
             item = lab.item("GPU parked")
             assert item.text == f"GPU parked {format_bytes(entry['parked']['bytes'])}"
             assert item.value_of_css_property("font-style") == "italic"
         if os.environ.get("GPUCLEANUP_LAB_RESULTS"):  # =1: the screenshot kept beside the answer, to commit
             lab.browser.save_screenshot(str(recorded[-1].with_suffix(".png")))
+    finally:
+        lab.close()
+
+
+@needs_browser
+def test_the_item_keeps_the_cached_figures_unit_where_it_is_not_the_held_ones(tmp_path):
+    pytest.importorskip("jupyterlab")
+    uuid = "GPU-00000000-0000-4000-8000-000000000001"
+    held = {"gpu": uuid, "index": 0, "uuid": uuid, "bytes": 3 * GiB + 512 * MiB, "live_bytes": 3 * GiB,
+            "cached_bytes": 512 * MiB, "outside_bytes": 0, "source": "nvidia-smi"}
+    entry = {"id": "k", "kernel_id": "k", "notebook": "fit.ipynb", "gpucleanup": True, "parked": None,
+             "state": {"state": "idle"}, "held": [held], "held_bytes": held["bytes"]}
+    lab = Lab(tmp_path, replay=entry)  # an answer as a server on a GPU machine gives it
+    try:
+        assert lab.item("GPU0 ").text == item_text(entry) == "GPU0 3.5 GiB (512 MiB cached)"
     finally:
         lab.close()

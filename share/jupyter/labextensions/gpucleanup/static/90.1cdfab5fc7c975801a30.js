@@ -117,8 +117,12 @@ function describe(entry, options = DEFAULTS) {
       title: 'gpucleanup: this kernel holds no GPU memory' };
   }
   const parts = held.map((h) => {
+    // the cached figure without its unit where it is the held figure's (2.1 GiB (1.6 cached)), with it where
+    // not (3.5 GiB (512 MiB cached))
+    const said = formatBytes(h.cached_bytes);
+    const sameUnit = said.split(' ')[1] === formatBytes(h.bytes).split(' ')[1];
     const cached = options.showCached && h.cached_bytes > 0 ?
-      ` (${formatBytes(h.cached_bytes).replace(/ [KMGT]?i?B$/, '')} cached)` : '';
+      ` (${sameUnit ? said.split(' ')[0] : said} cached)` : '';
     return `GPU${h.index === null || h.index === undefined ? '?' : h.index} ${formatBytes(h.bytes)}${cached}`;
   });
   const busy = ['draining', 'waiting', 'running'].includes(state) ? ` · ${state}` : '';
