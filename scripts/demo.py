@@ -368,13 +368,11 @@ def server(fake_driver: pathlib.Path, port: Optional[int], lab: bool = False) ->
                    f"{pathlib.Path(sys.executable).parent / 'gpucleanup'}")
             print(f"\nJupyter Server is running (pid {srv.proc.pid}), with one kernel (pid {entry.get('pid')}) "
                   "that has gpucleanup loaded and can be parked:")
-            if lab:
+            if lab or importlib.util.find_spec("jupyterlab") is not None:  # --lab: checked above, said first
                 print(f"  lab:    {srv.url}/lab/tree/tour.ipynb?token={srv.token}   (the notebook of that kernel; "
                       "gpucleanup's item in the status bar, its section in the Running panel)")
             print(f"  page:   {srv.url}/gpucleanup?token={srv.token}   (Park, Resume, Drain buttons)")
             print(f"  API:    {srv.url}/api/gpucleanup/kernels?token={srv.token}")
-            if not lab and importlib.util.find_spec("jupyterlab") is not None:
-                print(f"  lab:    {srv.url}/lab/tree/tour.ipynb?token={srv.token}   (the notebook of that kernel)")
             print(f"  CLI:    {cli} ps   (or park / resume {kernel['id']}; in another terminal)")
             print("The notebook directory and the checkpoint directory are temporary and go with the server.")
             print("Ctrl-C stops the server and its kernel.", flush=True)

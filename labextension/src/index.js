@@ -40,11 +40,11 @@ export function describe(entry, options = DEFAULTS) {
   const parts = held.map((h) => {
     // the cached figure without its unit where it is the held figure's (2.1 GiB (1.6 cached)), with it where
     // not (3.5 GiB (512 MiB cached))
-    const said = formatBytes(h.cached_bytes);
-    const sameUnit = said.split(' ')[1] === formatBytes(h.bytes).split(' ')[1];
+    const heldText = formatBytes(h.bytes);
+    const [number, unit] = formatBytes(h.cached_bytes).split(' ');
     const cached = options.showCached && h.cached_bytes > 0 ?
-      ` (${sameUnit ? said.split(' ')[0] : said} cached)` : '';
-    return `GPU${h.index === null || h.index === undefined ? '?' : h.index} ${formatBytes(h.bytes)}${cached}`;
+      ` (${unit === heldText.split(' ')[1] ? number : `${number} ${unit}`} cached)` : '';
+    return `GPU${h.index === null || h.index === undefined ? '?' : h.index} ${heldText}${cached}`;
   });
   const busy = ['draining', 'waiting', 'running'].includes(state) ? ` · ${state}` : '';
   return { text: parts.join(' · ') + busy, kind: busy ? 'busy' : 'idle',

@@ -106,7 +106,7 @@ __webpack_require__.d(exports, {
 /******/ 		// This function allow to reference async chunks
 /******/ 		__webpack_require__.u = (chunkId) => {
 /******/ 			// return url for filenames based on template
-/******/ 			return "" + chunkId + "." + "1cdfab5fc7c975801a30" + ".js";
+/******/ 			return "" + chunkId + "." + "cf1636115fea896e2ff3" + ".js";
 /******/ 		};
 /******/ 	})();
 /******/ 	
