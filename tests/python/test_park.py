@@ -406,6 +406,45 @@ def test_a_resume_no_cell_said_is_taken_once_from_the_lock_file(tmp_path):
     assert lock.stat().st_size == 0 and resume_news.take(lock) is None  # said once
 
 
+def test_a_refused_parks_memo_is_read_from_outside_said_with_its_age_and_ended_by_the_next_cell(tmp_path):
+    from gpucleanup.park import from_outside, kernel_side as parking, lock as park_lock, resume_news
+
+    lock = tmp_path / "4242-0123456789abcdef.park"
+    with parking.ParkLock(lock, 1.0) as held:
+        held.write_note(resume_news.after_resume({"since_ns": 10 * S}, 0.31, resume_news.FROM_OUTSIDE, now_ns=22 * S))
+        held.write_note(dict(held.read_note(), refused={"result": "CUDA_ERROR_NOT_SUPPORTED", "since_ns": 100 * S}))
+    memo = park_lock.refused_memo(park_lock.peek_note(lock, owners={os.geteuid()}))
+    assert memo == {"result": "CUDA_ERROR_NOT_SUPPORTED", "since_ns": 100 * S}
+    assert park.refused_again_refusal(4242, memo, now_ns=(100 + 185) * S).startswith(
+        "[gpucleanup.park.652] the driver refused to checkpoint process 4242 3 min 5 s ago (CUDA_ERROR_NOT_SUPPORTED: "
+        "the process holds memory the driver's checkpoint does not support, such as CUDA managed memory")
+    assert " moments ago " in park.refused_again_refusal(4242, memo, now_ns=100 * S + 10)
+    # this process stands in for the kernel: its own files
+    assert from_outside.refused_before(os.getpid(), lock).startswith("[gpucleanup.park.652]")
+    assert park_lock.peek_note(lock, owners={os.geteuid() + 1}) == {}  # another user's file is not read
+    for malformed in ({"refused": "yes"}, {"refused": {"result": 801, "since_ns": 1}},
+                      {"refused": {"result": "CUDA_ERROR_NOT_SUPPORTED", "since_ns": 0}}):
+        assert park_lock.refused_memo(malformed) is None
+    # the next cell's look says the resume no cell said, and ends the memo with it
+    said = resume_news.take(lock)
+    assert said is not None and said.startswith("resumed its GPU memory from host memory in 0.3 s (parked 12 s)")
+    assert lock.stat().st_size == 0 and from_outside.refused_before(os.getpid(), lock) is None
+    with parking.ParkLock(lock, 1.0) as held:  # the memo alone: taken silently
+        held.write_note({"refused": {"result": "CUDA_ERROR_NOT_SUPPORTED", "since_ns": 100 * S}})
+    assert resume_news.take(lock) is None and lock.stat().st_size == 0
+
+
+def test_only_a_lasting_checkpoint_refusal_of_a_process_that_runs_again_is_remembered():
+    def outcome(result, state=park.RUNNING, ok=False):
+        return park.Outcome("park", 4242, ok, state, "", [park.Step("lock", True, "CUDA_SUCCESS"),
+                                                        park.Step("checkpoint", ok, result)])
+
+    assert park.lasting_refusal(outcome("CUDA_ERROR_NOT_SUPPORTED")) == "CUDA_ERROR_NOT_SUPPORTED"
+    assert park.lasting_refusal(outcome("CUDA_ERROR_OUT_OF_MEMORY")) is None  # may pass: tried again
+    assert park.lasting_refusal(outcome("CUDA_ERROR_NOT_SUPPORTED", state=park.LOCKED)) is None  # not running
+    assert park.lasting_refusal(outcome("CUDA_SUCCESS", state=park.CHECKPOINTED, ok=True)) is None
+
+
 SHELL = r"""
 import json, os, subprocess, sys
 from IPython.core.interactiveshell import InteractiveShell

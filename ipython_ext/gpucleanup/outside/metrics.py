@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import math
 import os
@@ -430,14 +429,9 @@ def _park_note(view: kernels.KernelView) -> dict:
     key_file = getattr(view.kernel, "key_file", None)
     if not key_file:
         return {}
-    try:
-        from ..park.lock import lock_path
+    from ..park.lock import lock_path, peek_note
 
-        data, _ = discovery.read_bounded(lock_path(key_file, view.pid), owners={os.geteuid()})
-        note = json.loads(data.decode("utf-8")) if data else {}
-    except (OSError, ValueError, ImportError):
-        return {}
-    return note if isinstance(note, dict) else {}
+    return peek_note(lock_path(key_file, view.pid), owners={os.geteuid()})
 
 
 def _parked_per_device(view: kernels.KernelView, reply: dict, parked_bytes: int) -> Dict[Tuple[str, str], int]:

@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Optional
 
 from . import steps as park_steps, kernel_side as parking, resume_news
+from .lock import peek_note, refused_memo
 from ..protocol import status_client
 
-__all__ = ["remote_record", "owner_refusal", "process_uid", "park_from_outside", "check_kernel",
+__all__ = ["remote_record", "owner_refusal", "refused_before", "process_uid", "park_from_outside", "check_kernel",
            "resume_from_outside", "allow_from_outside", "not_parked_refusal", "outcome_text"]
 
 
@@ -80,6 +81,14 @@ def owner_refusal(pid: int, lock_file: os.PathLike, proc: str = "/proc") -> Opti
     return None
 
 
+def refused_before(pid: int, lock_file: os.PathLike) -> Optional[str]:
+    """``park.652`` when the driver refused the kernel's last park for what it holds and no cell has run since (the
+    lock file's memo, read without taking the lock, as a file of the process's own user), else None."""
+    uid = process_uid(pid)
+    memo = refused_memo(peek_note(lock_file, owners={uid})) if uid is not None else None
+    return park_steps.refused_again_refusal(pid, memo) if memo is not None else None
+
+
 def park_from_outside(pid: int, target, timeout: float, lock_file: os.PathLike,
                       automatic: bool = False) -> park_steps.Outcome:
     """``gpucleanup park``, the page's Park and the server's automatic park (``automatic``):
@@ -95,7 +104,8 @@ def check_kernel(pid: int, target, timeout: float, lock_file: os.PathLike) -> di
     """``gpucleanup park --check``: whether kernel ``pid`` can be parked now and, if not, every reason, from
     what can be read without touching it: who owns it, its state (a cell or a drain running, parked already),
     the driver's state of the process (a helper's read-only look: a driver without checkpoint calls says so
-    there), the GPUs it uses (nvidia-smi), host memory and its cgroup's limit. Returns ``{"parkable",
+    there), the GPUs it uses (nvidia-smi), host memory and its cgroup's limit, and whether the driver refused its
+    last park for what it holds (no cell has run since). Returns ``{"parkable",
     "reasons", "usage", "state", "driver_state"}``; never raises for what it finds."""
     out: dict = {"pid": pid, "parkable": False, "reasons": [], "usage": None, "state": None, "driver_state": None,
                  "blocker": None}
@@ -109,6 +119,9 @@ def check_kernel(pid: int, target, timeout: float, lock_file: os.PathLike) -> di
         state = {}
         out["reasons"].append(f"the kernel did not answer its status request ({exc}): a park would be refused")
     out["state"] = kernel_state = state.get("state")
+    refused = refused_before(pid, lock_file) if kernel_state not in ("parking", "parked") else None
+    if refused:
+        out["reasons"].append(refused)
     # a thread of the notebook's still runs: automatic and bulk parks leave the kernel alone; a person may park it
     out["blocker"] = state.get("park_blocker") if isinstance(state.get("park_blocker"), str) else None
     if kernel_state == "draining" and state.get("cell") is None:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from . import steps as park_steps, resume_news
-from .lock import LockBusy, LockUnusable, ParkLock, lock_path, parked_need, wait_limit
+from .lock import LockBusy, LockUnusable, ParkLock, lock_path, parked_need, refused_memo, wait_limit
 from ..say import say
 from ..units import format_bytes, format_duration
 
@@ -74,11 +74,15 @@ def park_kernel(pid: int, record: RecordStep, lock_file: os.PathLike,
     for at most ``begin_wait_s`` seconds: the release ends by itself, and a park must not fail for it.
 
     Raises :class:`~gpucleanup.park.steps.ParkRefused` with the sentence when nothing was done (the kernel
-    runs a cell, is parked already, cannot be parked), :class:`LockBusy` when another park or resume
+    runs a cell, is parked already, cannot be parked, or the driver refused its last park for what it holds and
+    no cell has run since: the lock file's memo), :class:`LockBusy` when another park or resume
     of it is under way. When the driver's steps fail and leave the process locked or checkpointed, its
     state is ``parked`` all the same: its next cell (or ``gpucleanup resume``) brings it back.
     """
     with ParkLock(lock_file, lock_timeout) as lock:
+        memo = refused_memo(lock.read_note())
+        if memo is not None:
+            raise park_steps.ParkRefused(park_steps.refused_again_refusal(pid, memo))
         waited_s = _begin(record, begin_wait_s)
         try:
             outcome = park_steps.park(pid, limits, env=env, tracing=tracing)
@@ -91,6 +95,9 @@ def park_kernel(pid: int, record: RecordStep, lock_file: os.PathLike,
                              "since_ns": time.time_ns()} if outcome.ok else None)
             record("parked", outcome.parked_bytes if outcome.ok else None)
         else:
+            result = park_steps.lasting_refusal(outcome)
+            if result is not None:  # refused for what it holds: no park is tried again before a cell has run
+                lock.write_note(dict(lock.read_note(), refused={"result": result, "since_ns": time.time_ns()}))
             record("failed", None)
         return outcome
 

@@ -117,6 +117,29 @@ class ParkLock:
             pass  # the note is advice for the resume's room check; the lock itself still holds
 
 
+def peek_note(path: os.PathLike, owners=None) -> dict:
+    """The lock file's note read without taking the lock (``park --check``, the page, ``/metrics``): a regular file
+    of one of ``owners`` (uids; None: any) only, and ``{}`` when absent, unsafe or being written (malformed)."""
+    from ..protocol import discovery
+
+    try:
+        data, _ = discovery.read_bounded(path, owners=owners)
+        note = json.loads(data.decode("utf-8")) if data else {}
+    except (OSError, ValueError):
+        return {}
+    return note if isinstance(note, dict) else {}
+
+
+def refused_memo(note: dict) -> Optional[dict]:
+    """The note's memo of a checkpoint the driver refused for what the process holds (``{"result", "since_ns"}``,
+    written by :func:`~gpucleanup.park.kernel_side.park_kernel`, cleared by the kernel's next cell); None if none."""
+    memo = note.get("refused")
+    if (isinstance(memo, dict) and isinstance(memo.get("result"), str) and isinstance(memo.get("since_ns"), int)
+            and memo["since_ns"] > 0):
+        return memo
+    return None
+
+
 def parked_need(note: dict) -> Optional[dict]:
     """The note's device memory per GPU UUID, as the resume's room check takes it; None when absent or malformed."""
     usage = note.get("usage")

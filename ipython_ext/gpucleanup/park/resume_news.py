@@ -9,7 +9,9 @@ key, written under the lock), and the kernel's next cell says it and clears it::
 
     gpucleanup · resumed 1.5 GiB from host memory in 0.9 s (parked 42 min), 5 min before this cell, for a completion
 
-Reading it costs a cell one ``stat`` of that file while there is nothing to say (an empty or absent file).
+The same look ends the memo a park the driver refused for what the kernel holds leaves there (no park is tried
+again before a cell has run: :func:`gpucleanup.park.kernel_side.park_kernel`). Reading it costs a cell one
+``stat`` of that file while there is nothing to say (an empty or absent file).
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ def sentence(news: dict, now_ns: Optional[int] = None) -> Optional[str]:
 
 def take(lock_file: Optional[os.PathLike]) -> Optional[str]:
     """The sentence of a resume no cell has said yet, cleared as it is taken (so said once); None when there is
-    none, or when the lock is held elsewhere this moment (it is said by a later cell). Never raises."""
+    none, or when the lock is held elsewhere this moment (it is said by a later cell). A cell starts here: a
+    refused park's memo is cleared too. Never raises."""
     if lock_file is None:
         return None
     try:
@@ -88,10 +91,12 @@ def take(lock_file: Optional[os.PathLike]) -> Optional[str]:
 
     try:
         with ParkLock(lock_file, 0.2) as lock:
-            news = lock.read_note().get("resumed")
-            if not isinstance(news, dict):
+            note = lock.read_note()
+            news = note.get("resumed")
+            if not isinstance(news, dict) and "refused" not in note:
                 return None  # a park's own note: the kernel's state says parked, and its cell resumes it
+            # said once; and a refused park's memo ends with the cell, which may free what the driver refused
             lock.write_note(None)
     except (LockBusy, ParkRefused, OSError):
         return None
-    return sentence(news)
+    return sentence(news) if isinstance(news, dict) else None

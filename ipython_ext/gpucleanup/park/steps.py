@@ -27,11 +27,12 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from ..say import printable
-from ..units import format_bytes
+from ..units import format_bytes, format_duration
 
 __all__ = ["Limits", "Step", "Outcome", "ParkRefused", "Gpu", "step", "state", "park", "resume", "refusals",
            "host_memory_refusal", "cgroup_memory", "cgroup_memory_refusal", "unrestorable_refusal", "room_refusal",
-           "process_gpu_usage", "gpus", "compute_apps", "RESUME_MARGIN"]
+           "process_gpu_usage", "gpus", "compute_apps", "RESUME_MARGIN", "LASTING_RESULTS", "lasting_refusal",
+           "refused_again_refusal"]
 
 #: The process states of the driver (CUprocessState), as the helper names them; the last two are named by
 #: newer drivers while a checkpoint or a restore is under way.
@@ -648,6 +649,34 @@ def unsupported_refusals(pid: int, proc: str = "/proc", tracing: bool = False) -
     return out
 
 
+#: What the driver's checkpoint answers for a process holding memory it cannot move, and answers again for as long
+#: as that memory is held: CUDA managed memory (measured on an H100: README "Parking a kernel").
+LASTING_RESULTS = ("CUDA_ERROR_NOT_SUPPORTED",)
+UNSUPPORTED_MEMORY = ("the process holds memory the driver's checkpoint does not support, such as CUDA managed memory: "
+                      "cudaMallocManaged, CuPy's malloc_managed, Numba's managed_array")
+
+
+def lasting_refusal(outcome: "Outcome") -> Optional[str]:
+    """The driver's answer when a park's checkpoint was refused for what the process holds and the process runs
+    again (unlocked): a park tried before the process changes would be refused the same way. None otherwise."""
+    if outcome.ok or outcome.action != "park" or outcome.state != RUNNING:
+        return None
+    return next((s.result for s in outcome.steps
+                 if s.name == "checkpoint" and not s.hung and s.result in LASTING_RESULTS), None)
+
+
+def refused_again_refusal(pid: int, memo: dict, now_ns: Optional[int] = None) -> str:
+    """A park not tried because the driver refused the last one for what the process holds (``memo``: the park
+    lock's note, ``{"result", "since_ns"}``) and no cell has run since."""
+    now_ns = time.time_ns() if now_ns is None else now_ns
+    elapsed = max(0.0, (now_ns - int(memo["since_ns"])) / 1e9)
+    ago = format_duration(elapsed) if elapsed >= 1 else "moments"
+    return (f"[gpucleanup.park.652] the driver refused to checkpoint process {pid} {ago} ago "
+            f"({printable(str(memo['result']))[:60]}: {UNSUPPORTED_MEMORY}), and no cell has run since: a park "
+            "would be refused again, so none is tried; free that memory in a cell (CuPy: delete the arrays, then "
+            "free_all_blocks() on the pool made with malloc_managed), and the next park tries again")
+
+
 def refusals(pid: int, found: Optional[Step], usage: Optional[Dict[str, int]], view: Optional[List[Gpu]] = None,
              parked_bytes: Optional[int] = None, meminfo: str = "/proc/meminfo", proc: str = "/proc",
              cgroup_root: str = "/sys/fs/cgroup", tracing: bool = False) -> List[str]:
@@ -731,7 +760,8 @@ def park(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = No
         return outcome(True, CHECKPOINTED, f"parked process {pid}", changed=True)
     if now == LOCKED:
         what = (f"outran its limit of {limits.checkpoint_s:.0f} s" if checkpointed.hung
-                else f"failed with {checkpointed.result}")
+                else f"failed with {checkpointed.result}"
+                + (f" ({UNSUPPORTED_MEMORY})" if checkpointed.result in LASTING_RESULTS else ""))
         return _unlock_back(pid, limits, env, steps, outcome, f"the checkpoint {what}")
     return outcome(False, now, f"[gpucleanup.park.619] the checkpoint of process {pid} "
                    f"{'outran its limit' if checkpointed.hung else 'failed with ' + str(checkpointed.result)} and "

@@ -81,10 +81,14 @@ def quick_check(kernel, state: Optional[dict], error: Optional[str], view: GpuVi
     if not kernel.key_file:
         out["reasons"].append("it has no key file: it cannot be parked from outside")
         return out
-    refusal = remote_park.owner_refusal(pid, parking.lock_path(kernel.key_file, pid))
+    lock = parking.lock_path(kernel.key_file, pid)
+    refusal = remote_park.owner_refusal(pid, lock)
     if refusal:
         out["reasons"].append(refusal)
         return out
+    refused = remote_park.refused_before(pid, lock) if (state or {}).get("state") not in ("parking", "parked") else None
+    if refused:
+        out["reasons"].append(refused)
     if error:
         out["reasons"].append(f"the kernel did not answer its status request ({error}): a park would be refused")
     said = _state_refusal(pid, state)
