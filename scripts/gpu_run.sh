@@ -8,7 +8,7 @@
 # for server: server-tests.log and server/ (the page's data, /metrics, the plots);
 # for lab: lab-tests.log and lab/ (the answers the JupyterLab item draws);
 # and for the stage kernels: kernels.json, kernels.log, kernel-calls.json, kernel-calls.log.
-# Usage: scripts/gpu_run.sh [STAGE ...]   stages: tests facts bench demo kernels kernels-focus per-cell paired paired-stages paired-ab stages trace dask server lab reliability memcheck park park-kernels park-loop park-hold park-bench-kernels
+# Usage: scripts/gpu_run.sh [STAGE ...]   stages: tests facts bench demo kernels kernels-focus per-cell paired paired-stages paired-ab stages trace dask server lab managed reliability memcheck park park-kernels park-loop park-hold park-bench-kernels
 #        (default: tests facts bench demo)
 # The stage stages (tests/bench/profile_cell.py --stages --primitives, in-process, about a minute) writes
 # stages.log: where the per-cell time goes, step by step, with CUDA unused and PyTorch or CuPy idle; and
@@ -76,6 +76,11 @@ if [[ $stages == *" lab "* ]]; then
   # (tests/gpu/test_lab_item_gpu.py); the server's answers come back in $OUT/lab/ for the browser here
   GPUCLEANUP_ARTIFACTS="$out/lab" timeout 300 python3 -m pytest tests/gpu/test_lab_item_gpu.py -v -s \
     -p no:cacheprovider 2>&1 | tee "$out/lab-tests.log"
+fi
+if [[ $stages == *" managed "* ]]; then
+  # CUDA managed memory seen from outside a process (its mappings of the driver's device files) and the driver's
+  # checkpoint of such a process (tests/gpu/probe_managed.py): one JSON line per framework in managed.jsonl
+  timeout 240 python3 tests/gpu/probe_managed.py 2>&1 | tee "$out/managed.jsonl"
 fi
 if [[ $stages == *" park "* ]]; then
   # parking: CuPy, PyTorch and JAX (one visible GPU) processes parked to 0 MiB and resumed with every byte equal,
