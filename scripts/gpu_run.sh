@@ -79,8 +79,11 @@ if [[ $stages == *" lab "* ]]; then
 fi
 if [[ $stages == *" managed "* ]]; then
   # CUDA managed memory seen from outside a process (its mappings of the driver's device files) and the driver's
-  # checkpoint of such a process (tests/gpu/probe_managed.py): one JSON line per framework in managed.jsonl
+  # checkpoint of such a process (tests/gpu/probe_managed.py): one JSON line per framework in managed.jsonl;
   timeout 240 python3 tests/gpu/probe_managed.py 2>&1 | tee "$out/managed.jsonl"
+  # then a CuPy kernel on a managed pool: the park refused and said, park --check after it, a cell that frees it
+  timeout 300 python3 -m pytest tests/gpu/test_park_kernel_gpu.py -k managed -v -s -p no:cacheprovider 2>&1 \
+    | tee "$out/managed-tests.log"
 fi
 if [[ $stages == *" park "* ]]; then
   # parking: CuPy, PyTorch and JAX (one visible GPU) processes parked to 0 MiB and resumed with every byte equal,

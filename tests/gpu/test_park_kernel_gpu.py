@@ -185,3 +185,44 @@ def test_a_parked_kernel_shuts_down_without_hanging(tmp_path):
         assert not (kernel.runtime / f"gpucleanup-{kernel.pid}.json").exists()  # ended by itself, files removed
     finally:
         kernel.stop()
+
+
+def test_a_kernel_holding_managed_memory_is_said_not_parkable_until_a_cell_frees_it(tmp_path):
+    # issue 50, case 6: CuPy's pool on malloc_managed; the driver's checkpoint refuses it (CUDA_ERROR_NOT_SUPPORTED)
+    require("cupy")
+    kernel = Kernel(tmp_path)
+    try:
+        kernel.run("%load_ext gpucleanup")
+        kernel.run("import cupy as cp\npool = cp.cuda.MemoryPool(cp.cuda.malloc_managed)\n"
+                   "cp.cuda.set_allocator(pool.malloc)\nm = cp.ones(1 << 28, dtype=cp.float32)\n"
+                   "cp.cuda.Device().synchronize()")
+        first_check = kernel.cli("park", "--check", str(kernel.pid))
+        failed = kernel.cli("park", str(kernel.pid))
+        print(f"FIGURE managed: park --check before any park: rc {first_check.returncode}: "
+              f"{first_check.stdout.strip()}")
+        print(f"FIGURE managed: park: rc {failed.returncode}: {failed.stderr.strip()}")
+        assert failed.returncode == 6, f"{failed.stdout}{failed.stderr}\n{kernel.diagnose()}"
+        assert "CUDA_ERROR_NOT_SUPPORTED (the process holds memory the driver's checkpoint does not support" \
+            in failed.stderr
+        check = kernel.cli("park", "--check", str(kernel.pid))
+        print(f"FIGURE managed: park --check after it: rc {check.returncode}: {check.stdout.strip()}")
+        assert check.returncode == 4 and "[gpucleanup.park.652]" in check.stdout, check
+        again = kernel.cli("park", str(kernel.pid))
+        assert again.returncode == 4 and "[gpucleanup.park.652]" in again.stderr, again
+        # the kernel runs as before; a cell that frees the managed memory ends the memo, and the park goes ahead
+        out = kernel.run("print(float(m.sum()))\ndel m\npool.free_all_blocks()\n"
+                         "cp.cuda.set_allocator(cp.get_default_memory_pool().malloc)\n"
+                         "x = cp.ones(1 << 26, dtype=cp.float32)\ncp.cuda.Device().synchronize()")
+        assert "268435456.0" in out, out
+        check = kernel.cli("park", "--check", str(kernel.pid))
+        print(f"FIGURE managed: park --check after the cell that freed it: rc {check.returncode}: "
+              f"{check.stdout.strip()}")
+        parked = kernel.cli("park", str(kernel.pid))
+        print(f"FIGURE managed: park after that cell: rc {parked.returncode}: {parked.stdout.strip()}"
+              f"{parked.stderr.strip()}")
+        assert parked.returncode == 0, parked
+        assert used_mib(kernel.pid) == 0
+        out = kernel.run("print(float(x.sum()))", timeout=RESUME_TIMEOUT)
+        assert out.splitlines()[0].startswith("gpucleanup · resumed ") and "67108864.0" in out, out
+    finally:
+        kernel.close()
