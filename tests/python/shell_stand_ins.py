@@ -224,6 +224,13 @@ class StandInAdapter:
 
 
 class StandInEndpoint:
+    """The status endpoint (gpucleanup.in_kernel.status_endpoint.StatusEndpoint) with every method the extension
+    and the park's kernel side call, recording what it is told in ``events``; no server, so nothing can park the
+    kernel. A test overrides what it needs (a park lock, a parked state, a refusal)."""
+
+    running = True
+    park_lock = None  # parking needs a served endpoint: "not parked: ... the status endpoint ..."
+
     def __init__(self):
         self.events = []
 
@@ -233,9 +240,28 @@ class StandInEndpoint:
     def set_state(self, state):
         self.events.append(("set_state", dict(state)))
 
+    def cell_state(self, state, cell=None, since_ns=None):
+        # the endpoint's per-cell form of set_state; None: the park state is not known here (parked() says it)
+        now = time.time_ns() if since_ns is None else since_ns
+        self.set_state({"state": state, "since_ns": now} if state == "idle"
+                       else {"state": state, "cell": cell, "since_ns": now})
+        return None
+
     def publish(self, record):
         json.dumps(record)  # what is published must be JSON
         self.events.append(("publish", record))
+
+    def background(self, begin, activity=False):
+        return True  # nothing can park this kernel: its own work on a thread may always run
+
+    def parked(self):
+        return 0
+
+    def park_blocker(self, why):
+        pass  # no automatic park to keep away
+
+    def park_step(self, step, parked_bytes=None, then=None):
+        raise RuntimeError("parking needs the status endpoint, which is off")
 
     def close(self):
         self.events.append(("close",))

@@ -23,6 +23,7 @@ import gpucleanup.in_kernel.status_endpoint
 from gpucleanup.engine import after_cell
 from gpucleanup.in_kernel import extension
 from gpucleanup.records import report
+from shell_stand_ins import StandInEndpoint  # noqa: E402
 from support import GiB, MiB  # noqa: E402
 
 TOTAL = 80 * GiB
@@ -810,8 +811,9 @@ def test_release_rerun_a_framework_that_fails_on_the_release_thread_is_said_by_t
 # ------------------------------------------------------------------ the idle cell in a shell
 
 
-class Endpoint:
+class Endpoint(StandInEndpoint):
     def __init__(self):
+        super().__init__()
         self.published = []
         self.states = []
 

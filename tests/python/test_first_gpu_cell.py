@@ -20,6 +20,7 @@ import gpucleanup.in_kernel.status_endpoint
 from gpucleanup.engine import after_cell
 from gpucleanup.in_kernel import extension
 from gpucleanup.records import report
+from shell_stand_ins import StandInEndpoint  # noqa: E402
 from support import GiB, MiB  # noqa: E402
 
 TOTAL = 80 * GiB
@@ -165,10 +166,11 @@ class ndarray:  # classified as a CuPy array by gpucleanup.frameworks.objects (m
         self.device = type("Device", (), {"id": 0})()
 
 
-class Endpoint:
+class Endpoint(StandInEndpoint):
     """The status endpoint, recording what is published."""
 
     def __init__(self):
+        super().__init__()
         self.published = []
 
     def start(self, shell):

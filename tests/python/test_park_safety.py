@@ -24,6 +24,7 @@ import time
 import pytest
 
 from conftest import FAKE_CUDA
+from shell_stand_ins import StandInEndpoint
 from test_park import FAST, TARGET, patch, record
 
 from gpucleanup.park import steps as park, kernel_side as parking, from_outside as remote_park
@@ -351,7 +352,7 @@ def test_a_thread_started_in_a_cell_that_runs_on_blocks_an_automatic_park_until_
 def test_the_kernel_tells_its_server_what_keeps_an_automatic_park_away_only_when_it_changes():
     said = []
 
-    class Endpoint:
+    class Endpoint(StandInEndpoint):
         def park_blocker(self, why):
             said.append(why)
 
@@ -433,7 +434,7 @@ def test_a_request_that_cannot_resume_the_kernel_is_refused_or_dropped_never_lef
 
 
 def test_a_kernel_still_parked_after_its_resume_refuses_the_cell_and_says_why(monkeypatch, tmp_path):
-    class Endpoint:
+    class Endpoint(StandInEndpoint):
         park_lock = tmp_path / "lock"
 
         def parked(self):
@@ -628,7 +629,7 @@ def test_a_thread_started_before_gpucleanup_loaded_blocks_an_automatic_park_too(
 
 
 def test_a_blocked_automatic_park_looks_again_and_parks_once_the_thread_ends(monkeypatch, tmp_path):
-    class Endpoint:
+    class Endpoint(StandInEndpoint):
         park_lock = tmp_path / "lock"
 
         def park_step(self, step, parked_bytes=None):
@@ -659,7 +660,7 @@ def test_a_blocked_automatic_park_looks_again_and_parks_once_the_thread_ends(mon
 def test_the_servers_memo_of_a_blocker_is_cleared_when_its_threads_end_without_a_cell(monkeypatch):
     said = []
 
-    class Endpoint:
+    class Endpoint(StandInEndpoint):
         def park_blocker(self, why):
             said.append(why)
 
@@ -684,7 +685,7 @@ def test_a_thread_that_ends_before_the_next_cell_ends_is_told_though_the_watch_t
     # count is what it was at the last cell's end. The next cell's end still tells the server the thread is gone.
     said = []
 
-    class Endpoint:
+    class Endpoint(StandInEndpoint):
         def park_blocker(self, why):
             said.append(why)
 
@@ -814,7 +815,7 @@ def test_a_task_an_existing_executor_worker_takes_is_told_to_the_server_though_n
 
     said = []
 
-    class Endpoint:
+    class Endpoint(StandInEndpoint):
         def park_blocker(self, why):
             said.append(why)
 
@@ -906,7 +907,7 @@ def test_libcupti_loaded_without_a_subscriber_is_parkable_and_the_kernels_own_tr
 def test_the_trace_keeps_automatic_parks_away_and_the_server_is_told_when_it_is_turned_on_and_off():
     told = []
 
-    class Endpoint:
+    class Endpoint(StandInEndpoint):
         def park_blocker(self, text):
             told.append(text)
 
@@ -972,7 +973,7 @@ def test_park_checks_of_one_kernel_share_one_helper_until_a_park_of_it(monkeypat
 def test_the_end_of_a_request_that_ran_code_tells_the_server_it_was_activity():
     told = []
 
-    class Endpoint:
+    class Endpoint(StandInEndpoint):
         def background(self, begin, activity=False):
             told.append((begin, activity))
             return True

@@ -410,18 +410,13 @@ class GPUCleanup(Magics, GPUCleanupOptions):
 
     def _cell_state(self, state: str, cell: Optional[int] = None) -> Optional[int]:
         """A cell's "running" (with its number) or "idle" for the status endpoint, twice per cell: through
-        the endpoint's ``cell_state`` (no dict to check, no JSON, the time taken by the library) where it
-        has one, which answers the park state in the same call (None: not known, ask :meth:`InKernel.parked`)."""
+        the endpoint's ``cell_state`` (no dict to check, no JSON, the time taken by the library), which answers
+        the park state in the same call (None: not known, ask :meth:`InKernel.parked`)."""
         endpoint = self._endpoint
         if endpoint is None:
             return None
-        say = getattr(endpoint, "cell_state", None)
-        if say is None:
-            self._status("set_state", {"state": state, "since_ns": time.time_ns()} if state == "idle"
-                         else {"state": state, "cell": cell, "since_ns": time.time_ns()})
-            return None
         try:
-            return say(state, cell)
+            return endpoint.cell_state(state, cell)
         except Exception as exc:
             self._warn_once_now("status:set_state", f"status endpoint failed ({type(exc).__name__}: {exc})")
             return None
@@ -430,8 +425,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         """A release on a thread of the engine's own begins or ends (AfterCell.background): said to the
         status endpoint, which refuses a park meanwhile; False while a park is under way."""
         endpoint = self._endpoint
-        say = getattr(endpoint, "background", None) if endpoint is not None else None
-        return True if say is None else bool(say(begin))
+        return True if endpoint is None else bool(endpoint.background(begin))
 
     def _status(self, method: str, payload: dict) -> None:
         endpoint = self._endpoint
@@ -670,7 +664,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         """``%gpumem --park``: said now, done by post_run_cell once the cell has ended."""
         if not self._hooks_registered:
             print(say(f"nothing to park: {self._why_no_hooks()}"))
-        elif getattr(self._endpoint, "park_lock", None) is None:
+        elif self._endpoint is None or self._endpoint.park_lock is None:
             print(say("not parked: parking needs the status endpoint, which is off "
                       "(%config GPUCleanup.status_server = True, with a private Jupyter runtime directory)"))
         else:

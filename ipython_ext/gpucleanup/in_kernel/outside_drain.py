@@ -89,7 +89,7 @@ class OutsideDrain:
         """A drain from outside runs this kernel's cleanup too (:meth:`run`), where the library has the hook; the
         library passes how long its reply may wait for it (the request's time limit left)."""
         setter = getattr(self.native, "set_drain_hook", None)
-        if setter is None or not getattr(endpoint, "running", False):
+        if setter is None or not endpoint.running:
             return
         ref = weakref.ref(self)  # the library's hook must not keep an unloaded extension alive
         with self._cv:

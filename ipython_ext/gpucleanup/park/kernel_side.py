@@ -300,7 +300,7 @@ class InKernel:
     def _park_when_idle(self, after_s: float, armed: int = 0) -> None:
         # On the timer's thread, the kernel idle: the server's "begin" refuses if a cell started meanwhile.
         endpoint = self._endpoint()
-        if getattr(endpoint, "park_lock", None) is None:
+        if endpoint is None or endpoint.park_lock is None:
             return
         blocker = self.automatic_park_blocker()
         if blocker:
@@ -329,9 +329,9 @@ class InKernel:
 
     def parked(self) -> bool:
         """Whether the kernel is parking or parked (its server's state); no driver call."""
-        asked = getattr(self._endpoint(), "parked", None)  # an endpoint without parking is never parked
+        endpoint = self._endpoint()  # none (off): never parked
         try:
-            return bool(asked is not None and asked())
+            return endpoint is not None and bool(endpoint.parked())
         except Exception:
             return False
 
@@ -366,9 +366,9 @@ class InKernel:
             blocker = self.automatic_park_blocker()
             if blocker == self._blocker_said:
                 return
-            say = getattr(self._endpoint(), "park_blocker", None)
-            if say is not None:
-                say(blocker)
+            endpoint = self._endpoint()
+            if endpoint is not None:
+                endpoint.park_blocker(blocker)
                 self._blocker_said = blocker
                 if blocker is not None:
                     self._follow_blocker()
@@ -403,7 +403,7 @@ class InKernel:
             return
         self.requested = False
         endpoint = self._endpoint()
-        if getattr(endpoint, "park_lock", None) is None:
+        if endpoint is None or endpoint.park_lock is None:
             self._say([say("not parked: parking needs the status endpoint, which is off "
                            "(%config GPUCleanup.status_server = True, with a private Jupyter runtime directory)")])
             return
@@ -460,10 +460,10 @@ class InKernel:
         """A request that is no cell begins (``begin``) or ends: the status server refuses a park's begin
         meanwhile, as during the kernel's own release (a passing refusal); False when the endpoint says parked.
         Its end is activity: an idle kernel's idle time, which automatic parks wait for, starts again."""
-        say = getattr(self._endpoint(), "background", None)
-        if say is None:
-            return True
-        return bool(say(True)) if begin else bool(say(False, activity=True))
+        endpoint = self._endpoint()
+        if endpoint is None:
+            return True  # off: nothing can park this kernel
+        return bool(endpoint.background(True)) if begin else bool(endpoint.background(False, activity=True))
 
     def resume_for_request(self, msg_type: str = "request") -> bool:
         """A request that runs code and is no cell (a silent execute, a comm message, an inspection) brings a
@@ -482,7 +482,7 @@ class InKernel:
         if endpoint is None:
             return None
         if self._lock_of is not endpoint or self._lock is None:
-            self._lock_of, self._lock = endpoint, getattr(endpoint, "park_lock", None)
+            self._lock_of, self._lock = endpoint, endpoint.park_lock
         return self._lock
 
     def _resume(self, then: Optional[dict], by: Optional[str]) -> str:
