@@ -902,25 +902,27 @@ def test_progress_line_is_closed_even_when_nothing_was_freed_stand_in(shell, sta
 def test_running_cell_number_follows_the_ipython_version(monkeypatch):
     import IPython
 
+    from gpucleanup.in_kernel import cell_state
+
     shell = types.SimpleNamespace(execution_count=8)
     stored = types.SimpleNamespace(store_history=True)
     unstored = types.SimpleNamespace(store_history=False)
 
     def on(version):  # the answer is kept for the process: forget it for each version tried
         monkeypatch.setattr(IPython, "version_info", version)
-        extension._counts_before_pre_run_cell.cache_clear()
+        cell_state._counts_before_pre_run_cell.cache_clear()
 
     try:
         on((8, 12, 3, ""))
-        assert extension.running_cell_number(shell, stored) == 8  # counted after the cell
+        assert cell_state.running_cell_number(shell, stored) == 8  # counted after the cell
         on((9, 7, 0, ""))
-        assert extension.running_cell_number(shell, stored) == 8
+        assert cell_state.running_cell_number(shell, stored) == 8
         on((9, 8, 0, ""))
-        assert extension.running_cell_number(shell, stored) == 7  # counted before pre_run_cell
-        assert extension.running_cell_number(shell, unstored) == 8  # a cell kept out of the history is not counted
-        assert extension.running_cell_number(types.SimpleNamespace(execution_count=None), stored) is None
+        assert cell_state.running_cell_number(shell, stored) == 7  # counted before pre_run_cell
+        assert cell_state.running_cell_number(shell, unstored) == 8  # a cell kept out of the history is not counted
+        assert cell_state.running_cell_number(types.SimpleNamespace(execution_count=None), stored) is None
     finally:
-        extension._counts_before_pre_run_cell.cache_clear()  # the real IPython's answer for the tests after
+        cell_state._counts_before_pre_run_cell.cache_clear()  # the real IPython's answer for the tests after
 
 
 def test_status_endpoint_keeps_as_many_records_as_the_history(shell, gpu, monkeypatch):

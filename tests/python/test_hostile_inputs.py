@@ -114,7 +114,7 @@ def loaded(shell, fake_cuda, monkeypatch):  # noqa: F811
     with capture_output():
         shell.run_cell("weights = [1.0, 2.0]\nzero = 0\nnothing = None\nname = 'model'", store_history=True)
     ext = extension.get_extension(shell)
-    assert len(ext.history) >= 1 and ext.enabled and ext._hooks_registered
+    assert len(ext.history) >= 1 and ext.enabled and ext.hooks_registered
     yield shell
     for name in ("weights", "zero", "other_zero", "nothing", "name"):
         shell.user_ns.pop(name, None)
@@ -128,7 +128,7 @@ def _snapshot(ip) -> dict:
         "history": [(r.get("cell"), r.get("forced")) for r in ext.history.last()],
         "trace": (ext.tracer.active, ext.tracer.library, ext.tracer.refused),
         "config": {name: getattr(ext, name) for name in ext.trait_names(config=True)},
-        "hooks": ext._hooks_registered,
+        "hooks": ext.hooks_registered,
         "user_ns": {k: id(v) for k, v in ip.user_ns.items() if not k.startswith("_")},
         "magic": getattr(ip.find_line_magic("gpumem"), "__self__", None) is ext,
     }

@@ -9,12 +9,13 @@ outside reads (``outside_drain.OutsideDrain``, whose condition shares :attr:`Cel
 
 from __future__ import annotations
 
+import functools
 import threading
-from typing import Optional
+from typing import Any, Optional
 
 from ..records.record import CellRecord
 
-__all__ = ["CellState", "a_cell_runs_code"]
+__all__ = ["CellState", "a_cell_runs_code", "running_cell_number"]
 
 
 class CellState:
@@ -73,3 +74,30 @@ def a_cell_runs_code() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+@functools.lru_cache(maxsize=None)
+def _counts_before_pre_run_cell() -> bool:
+    """Does this IPython count a cell before ``pre_run_cell`` (so the running cell is count - 1)?
+
+    IPython 9.8 moved ``execution_count += 1`` from the end of ``run_cell_async`` to
+    before the ``pre_run_cell`` event; 8.x and 9.0-9.7 count after the cell
+    (IPython/core/interactiveshell.py, ``run_cell_async``, in each release).
+    """
+    try:
+        import IPython
+
+        return tuple(IPython.version_info[:2]) >= (9, 8)
+    except Exception:
+        return True
+
+
+def running_cell_number(shell: Any, info: Any = None) -> Optional[int]:
+    """The number of the cell about to run, as ``pre_run_cell`` sees it, on every IPython."""
+    count = getattr(shell, "execution_count", None)
+    if not isinstance(count, int):
+        return None
+    stores = info is None or getattr(info, "store_history", True)
+    if stores and _counts_before_pre_run_cell():
+        count -= 1
+    return count

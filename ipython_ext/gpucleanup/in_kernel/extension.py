@@ -15,12 +15,11 @@ import contextlib
 import dataclasses
 import functools
 import gc
-import os
 import time
 import weakref
 from typing import Any, List, NamedTuple, Optional
 
-from IPython.core.error import InputRejected, UsageError
+from IPython.core.error import InputRejected
 from IPython.core.magic import Magics, line_magic, magics_class
 from traitlets import All, observe
 
@@ -29,9 +28,9 @@ from . import holders
 from ..records import report
 from ..engine.after_cell import AfterCell, Settings
 from .allocation_trace import AllocationTrace
-from .cell_state import CellState, a_cell_runs_code
+from .cell_state import CellState, a_cell_runs_code, running_cell_number
 from .config import GPUCleanupOptions
-from ..dask.workers import DaskWorkers
+from .gpumem_command import GpumemCommand
 from ..records.history import History
 from .load_notes import LoadNotes, environment_notes
 from .magics import gpumem_arguments, parse_gpumem, with_settings
@@ -47,33 +46,6 @@ from .tracing import Tracer
 __all__ = ["GPUCleanup", "load_ipython_extension", "unload_ipython_extension"]
 
 _MISSING = object()
-
-
-@functools.lru_cache(maxsize=None)
-def _counts_before_pre_run_cell() -> bool:
-    """Does this IPython count a cell before ``pre_run_cell`` (so the running cell is count - 1)?
-
-    IPython 9.8 moved ``execution_count += 1`` from the end of ``run_cell_async`` to
-    before the ``pre_run_cell`` event; 8.x and 9.0-9.7 count after the cell
-    (IPython/core/interactiveshell.py, ``run_cell_async``, in each release).
-    """
-    try:
-        import IPython
-
-        return tuple(IPython.version_info[:2]) >= (9, 8)
-    except Exception:
-        return True
-
-
-def running_cell_number(shell: Any, info: Any = None) -> Optional[int]:
-    """The number of the cell about to run, as ``pre_run_cell`` sees it, on every IPython."""
-    count = getattr(shell, "execution_count", None)
-    if not isinstance(count, int):
-        return None
-    stores = info is None or getattr(info, "store_history", True)
-    if stores and _counts_before_pre_run_cell():
-        count -= 1
-    return count
 
 
 class _HookTraits(NamedTuple):
@@ -217,6 +189,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         self.clears = PendingClear(shell)  # a clear_output(wait=True) the cell left pending holds the line back
         self._holding = False  # set while the end of a cell says nothing (a pending clear would wipe its output)
         self._request_guard = RequestGuard(self.parking, self._refuse_the_cell.arm)
+        self._gpumem = GpumemCommand(self)  # %gpumem's work, once its line is parsed
         self.engine.background = self._background
         # A drain from outside (gpucleanup drain, the page's Drain button) runs the kernel's cleanup on a thread
         # of its own only while no cell is under way; a cell that starts meanwhile waits for it (bounded).
@@ -226,6 +199,11 @@ class GPUCleanup(Magics, GPUCleanupOptions):
     @property
     def tracer(self) -> Tracer:
         return self.trace.tracer
+
+    @property
+    def hooks_registered(self) -> bool:
+        """Whether the cell hooks run (a driver, a GPU and the native library were there at load)."""
+        return self._hooks_registered
 
     def settings(self) -> Settings:
         """The traits as the engine reads them for one cell: built once and kept until a trait
@@ -658,18 +636,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             return "the kernel is parked"
         return None
 
-    # ------------------------------------------------------------ %gpumem
-
-    def _request_park(self) -> None:
-        """``%gpumem --park``: said now, done by post_run_cell once the cell has ended."""
-        if not self._hooks_registered:
-            print(say(f"nothing to park: {self._why_no_hooks()}"))
-        elif self._endpoint is None or self._endpoint.park_lock is None:
-            print(say("not parked: parking needs the status endpoint, which is off "
-                      "(%config GPUCleanup.status_server = True, with a private Jupyter runtime directory)"))
-        else:
-            self.parking.requested = True
-            print(say("this kernel is parked as soon as this cell has ended"))
+    # ------------------------------------------------------------ %gpumem (its work: gpumem_command)
 
     def status(self) -> dict:
         """What %gpumem shows, as data with exact bytes."""
@@ -702,102 +669,13 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         ``gpucleanup · GPU0 H100 · freed 6.0 GiB (cupy 5.5, torch 0.5) · device 2.7/79.6 GiB · 12 ms``.
 
         """
-        args = parse_gpumem(self.gpumem, line)
-        from IPython.display import display
-
-        if self.parking.parked():  # its resume failed: any driver call would wait for the restore
-            print(say("this kernel is parked (its GPU memory is in host memory): nothing is "
-                      f"asked of the driver until it is resumed (gpucleanup resume {os.getpid()} from a terminal)"))
-            return None
-        if args.park:
-            return self._request_park()
-
-        if (args.off or args.on) and not self._hooks_registered:
-            # no driver, no GPU or no native library at load: there is no cleanup to pause or resume
-            self.enabled = not args.off
-            print(say(f"no cleanup runs after cells in this kernel ({self._why_no_hooks()}): nothing to "
-                      + ("pause" if args.off else "resume")))
-        elif args.off:
-            self.enabled = False
-            print(say("automatic cleanup paused (%gpumem --on resumes it)"))
-        elif args.on:
-            self.enabled = True
-            print(say("automatic cleanup resumed"))
-        if args.dask is not None:
-            return DaskWorkers(self.status).gpumem(args.dask, args.drain, args.json, display)
-        if not self._hooks_registered and not args.json and self._say_nothing_here(args):
-            return None
-        if args.plot is not None:
-            from ..records import plot, timeline
-
-            records = self.history.last(args.plot if isinstance(args.plot, int) else None)  # no N: all kept
-            if args.json:
-                return report.JSONReport(timeline.series(records))
-            display(plot.TimelinePlot(records))  # no point yet: its text says so (no empty axes)
-            return None
-        if args.trace in ("on", "off"):
-            if args.trace == "on":
-                self.trace.start(automatic=False, cell=running_cell_number(self.shell))
-            else:
-                stopped = self.trace.stop()
-                print(say("allocation trace stopped (what it found stays in %gpumem --trace)"
-                          if stopped else "the allocation trace was not running"))
-            return None
-        if args.trace == "show":
-            if args.json:
-                return report.JSONReport(self.trace.report())
-            display(report.trace_report(self.trace.report()))
-            return None
-        if args.release is not None:
-            self._release(args.release)
-        elif args.drain:
-            outcome = self.cleanup(forced=True)
-            if outcome is not None:
-                for text in outcome.lines:
-                    print(text)
-                self.cells.forced = outcome.record
-        wants_table = not (args.off or args.on or args.drain or args.release is not None) or args.json
-        if args.json:
-            data = self.status() if (args.history is None and args.vars is None) or wants_table else {}
-            if args.history is not None:
-                data["history"] = self.history.last(args.history)
-            if args.vars is not None:
-                kept = holders.kept_objects(self.shell)
-                data["vars"] = kept[: args.vars] if args.vars else kept
-            return report.JSONReport(data)
-        shown = False
-        if args.history is not None:
-            display(report.history_report(self.history.last(args.history)))
-            shown = True
-        if args.vars is not None:
-            display(report.vars_report(holders.kept_objects(self.shell), args.vars))
-            shown = True
-        if wants_table and not shown:
-            display(report.memory_report(self.status()))
-        return None
-
-    def _say_nothing_here(self, args: Any) -> bool:
-        """Without a usable driver, a GPU or the native library, say so for what can never come (True if said).
-
-        "Run a cell that uses the GPU" would be advice nobody can follow on such a machine.
-        """
-        why = self._why_no_hooks()
-        if args.trace in ("on", "show"):
-            what = "allocation trace not started" if args.trace == "on" else "the allocation trace is off"
-            said = f"{what}: {why} in this kernel, so there are no GPU allocations to trace"
-        elif args.plot is not None:
-            said = f"nothing to plot: {why} in this kernel, so no cell is cleaned up or recorded"
-        elif args.history is not None:
-            said = f"no cell recorded: {why} in this kernel, so no cleanup runs after cells"
-        else:
-            return False
-        print(say(said))
-        return True
+        return self._gpumem.run(parse_gpumem(self.gpumem, line))
 
     def _driver_ready(self) -> bool:
         return self.engine.last_driver_state == "ready"
 
-    def _why_no_hooks(self) -> str:
+    def why_no_hooks(self) -> str:
+        """Why no cleanup runs after cells in this kernel (no driver, no GPU, no native library)."""
         state = self.engine.last_driver_state
         if state == "no_driver":
             return "no CUDA driver"
@@ -806,20 +684,6 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         if state == "ready":
             return "no GPU on this machine"
         return "the native library could not be loaded"
-
-    def _release(self, what: str) -> None:
-        """``%gpumem --release out|traceback|NAME``: let go of GPU objects the kernel keeps, then clean up."""
-        try:
-            said = holders.release(self.shell, what)
-        except ValueError as exc:
-            raise UsageError(f"%gpumem --release: {exc}: pass out, traceback or the name of a variable that "
-                             "holds GPU memory (see %gpumem --vars)") from None
-        print(say(said))
-        outcome = self.cleanup(forced=True)
-        if outcome is not None:
-            for text in outcome.lines:
-                print(text)
-            self.cells.forced = outcome.record
 
 
 # ---------------------------------------------------------------- entry points

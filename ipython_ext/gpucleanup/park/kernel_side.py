@@ -299,9 +299,9 @@ class InKernel:
 
     def _park_when_idle(self, after_s: float, armed: int = 0) -> None:
         # On the timer's thread, the kernel idle: the server's "begin" refuses if a cell started meanwhile.
-        endpoint = self._endpoint()
-        if endpoint is None or endpoint.park_lock is None:
+        if not self.can_park():
             return
+        endpoint = self._endpoint()
         blocker = self.automatic_park_blocker()
         if blocker:
             self._auto_note = f"not parked after {format_duration(after_s)} idle: {blocker}"
@@ -326,6 +326,12 @@ class InKernel:
         """What an automatic park had to say (a refusal, a failure), once."""
         note, self._auto_note = self._auto_note, None
         return note
+
+    def can_park(self) -> bool:
+        """Whether this kernel can be parked at all: its status endpoint serves (where the park is kept for the
+        next cell) and has a park lock."""
+        endpoint = self._endpoint()
+        return endpoint is not None and endpoint.park_lock is not None
 
     def parked(self) -> bool:
         """Whether the kernel is parking or parked (its server's state); no driver call."""
@@ -402,11 +408,11 @@ class InKernel:
         if not self.requested:
             return
         self.requested = False
-        endpoint = self._endpoint()
-        if endpoint is None or endpoint.park_lock is None:
+        if not self.can_park():
             self._say([say("not parked: parking needs the status endpoint, which is off "
                            "(%config GPUCleanup.status_server = True, with a private Jupyter runtime directory)")])
             return
+        endpoint = self._endpoint()
         pid = os.getpid()
 
         def run() -> str:
