@@ -32,7 +32,7 @@ from .cell_state import CellState, a_cell_runs_code, running_cell_number
 from .config import GPUCleanupOptions
 from .gpumem_command import GpumemCommand
 from ..records.history import History
-from .load_notes import LoadNotes, environment_notes
+from .load_notes import LoadNotes, environment_notes, no_cleanup_here, probe_failure
 from .magics import gpumem_arguments, parse_gpumem, with_settings
 from .outside_drain import OutsideDrain, gave_no_way as outside_drain_gave_no_way
 from ..park.kernel_side import InKernel, RequestGuard
@@ -253,29 +253,16 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         try:
             probe = self.native.probe()
         except Exception as exc:
-            if str(exc).startswith("[gpucleanup.driver."):
-                # the library loaded; the driver it found cannot be used (its message says why and what to do)
-                self.engine.last_driver_state = "unusable"
-                notes.say(f"{exc}: no cleanup after cells")
-                return
-            notes.say(f"gpucleanup's native library could not be loaded ({type(exc).__name__}: {exc}): "
-                      "nothing is cleaned after cells; reinstall gpucleanup")
+            # the library did not load, or the driver it found cannot be used (its message says why and what to do)
+            self.engine.last_driver_state, why = probe_failure(exc)
+            notes.say(why)
             return
-        driver = probe.get("driver") or {}
-        state = driver.get("state")
-        self.engine.last_driver_state = state
+        self.engine.last_driver_state = (probe.get("driver") or {}).get("state")
         with contextlib.suppress(Exception):  # the devices in use before the first cell: its baseline
             self.engine.baseline(probe)
-        if state == "no_driver":
-            where = report.printable(driver.get("path") or "libcuda.so.1")
-            notes.say(f"no CUDA driver found ({where}): nothing to clean, no cleanup after cells")
-            return
-        if state == "unusable":
-            where = report.printable(driver.get("path") or "libcuda.so.1")
-            notes.say(f"the CUDA driver {where} is unusable ({driver.get('message')}): no cleanup after cells")
-            return
-        if state == "ready" and not probe.get("devices"):
-            notes.say("no GPU on this machine: nothing to clean, no cleanup after cells")
+        why = no_cleanup_here(probe)
+        if why is not None:
+            notes.say(why)
             return
         self.shell.events.register("pre_run_cell", self.pre_run_cell)
         self.shell.events.register("post_run_cell", self.post_run_cell)

@@ -10,11 +10,11 @@ cell: it comes out with that cell's output, as a display output of gpucleanup's 
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional, Tuple
 
 from ..say import printable, say
 
-__all__ = ["LoadNotes"]
+__all__ = ["LoadNotes", "environment_notes", "no_cleanup_here", "probe_failure"]
 
 
 class LoadNotes:
@@ -112,3 +112,28 @@ def environment_notes(environ=None) -> List[str]:
             out.append(f"{name}={_shown(value)} is not a whole number of milliseconds from {low} to {high}: it is read "
                        f"as {default} (set one, or unset it)")
     return out
+
+
+def probe_failure(exc: BaseException) -> Tuple[Optional[str], str]:
+    """What load says when the native library's probe raised: ``(driver state, sentence)``. A
+    ``[gpucleanup.driver.*]`` error means the library loaded and the driver it found cannot be used (its message
+    says why and what to do); anything else, that the library itself could not be loaded."""
+    if str(exc).startswith("[gpucleanup.driver."):
+        return "unusable", f"{exc}: no cleanup after cells"
+    return None, (f"gpucleanup's native library could not be loaded ({type(exc).__name__}: {exc}): nothing is "
+                  "cleaned after cells; reinstall gpucleanup")
+
+
+def no_cleanup_here(probe: dict) -> Optional[str]:
+    """Why no cleanup can ever run after cells here, from the native library's probe (no driver, an unusable one,
+    no GPU); None where the cell hooks go in."""
+    driver = probe.get("driver") or {}
+    state = driver.get("state")
+    where = printable(driver.get("path") or "libcuda.so.1")
+    if state == "no_driver":
+        return f"no CUDA driver found ({where}): nothing to clean, no cleanup after cells"
+    if state == "unusable":
+        return f"the CUDA driver {where} is unusable ({driver.get('message')}): no cleanup after cells"
+    if state == "ready" and not probe.get("devices"):
+        return "no GPU on this machine: nothing to clean, no cleanup after cells"
+    return None
