@@ -61,8 +61,8 @@ SCENARIOS.update({
 STAGES = [
     ("gpucleanup.in_kernel.extension", "GPUCleanup.pre_run_cell"),
     ("gpucleanup.in_kernel.extension", "GPUCleanup.post_run_cell"),
-    ("gpucleanup.in_kernel.extension", "GPUCleanup._status"),
-    ("gpucleanup.in_kernel.extension", "GPUCleanup._cell_state"),
+    ("gpucleanup.in_kernel.endpoint_link", "EndpointLink.say"),
+    ("gpucleanup.in_kernel.endpoint_link", "EndpointLink.cell_state"),
     ("gpucleanup.in_kernel.extension", "GPUCleanup.settings"),
     ("gpucleanup.engine.after_cell", "AfterCell.run"),
     ("gpucleanup.engine.cell_pass", "CellPass.__init__"),

@@ -180,7 +180,7 @@ def test_a_cell_under_way_keeps_the_kernels_part_out_even_when_the_server_takes_
     # drain, and the kernel's part still leaves the caches to the cell.
     go, started = tmp_path / "go", tmp_path / "started"
     msg_id = kernel.start("from gpucleanup.in_kernel.extension import get_extension\n"
-                          "get_extension(get_ipython())._status('set_state', {'state': 'idle', 'since_ns': time.time_ns()})\n"
+                          "get_extension(get_ipython())._link.say('set_state', {'state': 'idle', 'since_ns': time.time_ns()})\n"
                           f"open({str(started)!r}, 'w').close()\nwhile not os.path.exists({str(go)!r}):\n"
                           "    time.sleep(0.01)\n" + CACHES)
     try:

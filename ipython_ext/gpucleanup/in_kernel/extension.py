@@ -33,6 +33,7 @@ from .config import GPUCleanupOptions
 from .gpumem_command import GpumemCommand
 from ..records.history import History
 from .load_notes import LoadNotes, environment_notes, no_cleanup_here, probe_failure
+from .endpoint_link import MISSING as _MISSING, EndpointLink
 from .magics import gpumem_arguments, parse_gpumem, with_settings
 from .outside_drain import OutsideDrain, gave_no_way as outside_drain_gave_no_way
 from ..park.kernel_side import InKernel, RequestGuard
@@ -44,8 +45,6 @@ from ..units import count_of
 from .tracing import Tracer
 
 __all__ = ["GPUCleanup", "load_ipython_extension", "unload_ipython_extension"]
-
-_MISSING = object()
 
 
 class _HookTraits(NamedTuple):
@@ -169,15 +168,14 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             adapters_fn = list
         else:
             adapters_fn = adapters
-        self.engine = AfterCell(native, adapters=adapters_fn, status=self._status, voice=report.CellVoice())
+        self._link = EndpointLink(status_endpoint, self._warn_once_now, quiet=lambda: self.outside.quiet())
+        self.engine = AfterCell(native, adapters=adapters_fn, status=self._link.say, voice=report.CellVoice())
         tracer = Tracer(native, shell)
         self.trace = AllocationTrace(tracer, self._driver_ready, self._warn_once_now)
         self.engine.traced = tracer.cell_entries
         self.engine.tracing = lambda: bool(tracer.active)
-        self._endpoint_factory = status_endpoint
         self.history = History(self.history_size)
         self.totals = Totals()  # cumulative since load: published beside each record (gpucleanup.outside.metrics)
-        self._endpoint = None
         self._hooks_registered = False
         self._magics_registered = False
         self._loaded = False
@@ -190,11 +188,11 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         self._holding = False  # set while the end of a cell says nothing (a pending clear would wipe its output)
         self._request_guard = RequestGuard(self.parking, self._refuse_the_cell.arm)
         self._gpumem = GpumemCommand(self)  # %gpumem's work, once its line is parsed
-        self.engine.background = self._background
+        self.engine.background = self._link.background
         # A drain from outside (gpucleanup drain, the page's Drain button) runs the kernel's cleanup on a thread
         # of its own only while no cell is under way; a cell that starts meanwhile waits for it (bounded).
         self.outside = OutsideDrain(native, self.cells, self._clean_for_outside, self._why_no_outside_drain,
-                                    self._say, self._warn_once_now, idle=lambda: self._cell_state("idle"))
+                                    self._say, self._warn_once_now, idle=lambda: self._link.cell_state("idle"))
 
     @property
     def tracer(self) -> Tracer:
@@ -327,79 +325,22 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         self._close_status_endpoint()
 
     def _start_status_endpoint(self) -> None:
-        if not self.status_server:
-            return
-        factory = self._endpoint_factory
-        if factory is _MISSING:
-            try:
-                from .status_endpoint import StatusEndpoint as factory
-            except ModuleNotFoundError as exc:
-                if exc.name and exc.name.endswith("status_endpoint"):
-                    return  # not built into this package: skip silently
-                self._warn_once_now("status:import", f"status endpoint unavailable ({exc})")
-                return
-            except Exception as exc:
-                self._warn_once_now("status:import", f"status endpoint unavailable ({type(exc).__name__}: {exc})")
-                return
-        if factory is None:
+        if not self.status_server or self._link.start(self.shell, self.history_size, self.status_max_peers) is None:
             return
         try:
-            try:
-                endpoint = factory(history_limit=self.history_size, max_peers=self.status_max_peers)
-            except TypeError:
-                endpoint = factory()  # a factory that takes no options
-            endpoint.start(self.shell)
-            self._endpoint = endpoint
-            self.outside.hook(endpoint)
+            self.outside.hook(self._link.endpoint)  # a drain from outside runs the kernel's cleanup too
         except Exception as exc:
             self._warn_once_now("status:start", f"status endpoint did not start ({type(exc).__name__}: {exc})")
-            return
-        # Loaded by %load_ext, the cell that loads it is running (its end sets "idle");
-        # loaded from the config at start-up, no cell runs: say "idle" now rather than
-        # leaving the endpoint without a state (and refusing drains) until a first cell.
-        # IPython keeps displayhook.exec_result set only while a cell executes.
-        now = time.time_ns()
-        running = getattr(getattr(self.shell, "displayhook", None), "exec_result", None)
-        if running is not None:
-            cell = getattr(running, "execution_count", None)
-            self._status("set_state", {"state": "running", "cell": cell, "since_ns": now})
-        else:
-            self._status("set_state", {"state": "idle", "since_ns": now})
 
     def _close_status_endpoint(self) -> None:
-        endpoint, self._endpoint = self._endpoint, None
         self.outside.unhook()  # first: a drain's reply under way stops waiting for a finalizer
-        if endpoint is not None:
-            with contextlib.suppress(Exception):
-                endpoint.close()  # the server's threads are joined: no drain of the library's runs after this
+        self._link.close()
 
-    def _cell_state(self, state: str, cell: Optional[int] = None) -> Optional[int]:
-        """A cell's "running" (with its number) or "idle" for the status endpoint, twice per cell: through
-        the endpoint's ``cell_state`` (no dict to check, no JSON, the time taken by the library), which answers
-        the park state in the same call (None: not known, ask :meth:`InKernel.parked`)."""
-        endpoint = self._endpoint
-        if endpoint is None:
-            return None
-        try:
-            return endpoint.cell_state(state, cell)
-        except Exception as exc:
-            self._warn_once_now("status:set_state", f"status endpoint failed ({type(exc).__name__}: {exc})")
-            return None
-
-    def _background(self, begin: bool) -> bool:
-        """A release on a thread of the engine's own begins or ends (AfterCell.background): said to the
-        status endpoint, which refuses a park meanwhile; False while a park is under way."""
-        endpoint = self._endpoint
-        return True if endpoint is None else bool(endpoint.background(begin))
-
-    def _status(self, method: str, payload: dict) -> None:
-        endpoint = self._endpoint
-        if endpoint is None or (method == "set_state" and self.outside.quiet()):  # a cell runs beside a drain
-            return
-        try:
-            getattr(endpoint, method)(payload)
-        except Exception as exc:
-            self._warn_once_now(f"status:{method}", f"status endpoint failed ({type(exc).__name__}: {exc})")
+    @property
+    def _endpoint(self) -> Any:
+        """The status endpoint while it serves, else None."""
+        link = self.__dict__.get("_link")
+        return link.endpoint if link is not None else None
 
     @observe("history_size", "status_max_peers")
     def _resize_history(self, change) -> None:
@@ -407,7 +348,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             self.history.resize(change["new"])
         # The native server's history bound and peer cap are fixed when it starts: restart
         # it so that the status endpoint keeps as many records as %gpumem --history.
-        if getattr(self, "_endpoint", None) is not None:
+        if self._endpoint is not None:
             self._close_status_endpoint()
             self._start_status_endpoint()
 
@@ -461,7 +402,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             # Said with the cleanup paused too (%gpumem --off): no park or drain may begin during a cell,
             # and a parked kernel is resumed first whatever the settings.
             number = running_cell_number(self.shell, info)
-            parked = self._cell_state("running", number)
+            parked = self._link.cell_state("running", number)
             # the state the resume takes in the same step, built only when the kernel may be parked
             running = None if parked == 0 else {"state": "running", "cell": number, "since_ns": time.time_ns()}
             # a refusal armed for a silent execute that never ran (ipykernel aborts queued requests after an
@@ -562,7 +503,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         for _ in range(3):
             try:
                 # "draining" instead while a drain's cleanup that this cell outwaited still runs: no park may begin
-                self.outside.say_after_cell(lambda: self._cell_state("idle"), lambda: self._status(
+                self.outside.say_after_cell(lambda: self._link.cell_state("idle"), lambda: self._link.say(
                     "set_state", {"state": "draining", "cell": None, "since_ns": time.time_ns()}))
                 return
             except KeyboardInterrupt:
@@ -605,14 +546,14 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             self.history.append(data)
             self.totals.add(data)
             # only the published copy carries the totals: the history and %gpumem --json stay per cell
-            self._status("publish", dict(data, totals=self.totals.as_dict()))
+            self._link.say("publish", dict(data, totals=self.totals.as_dict()))
         return outcome
 
     # ------------------------------------------------------------ a drain from outside
 
     def _clean_for_outside(self, overrides: dict) -> Optional[Outcome]:
         """The cleanup for a drain from outside (OutsideDrain.run), said to the status endpoint as "draining"."""
-        self._status("set_state", {"state": "draining", "cell": None, "since_ns": time.time_ns()})
+        self._link.say("set_state", {"state": "draining", "cell": None, "since_ns": time.time_ns()})
         return self.cleanup(forced=True, overrides=overrides, source="outside")  # "idle" after: OutsideDrain's
 
     def _why_no_outside_drain(self) -> Optional[str]:
