@@ -126,7 +126,7 @@ def _snapshot(ip) -> dict:
     return {
         "enabled": ext.enabled,
         "history": [(r.get("cell"), r.get("forced")) for r in ext.history.last()],
-        "trace": (ext.tracer.active, ext.tracer.library, ext.tracer.refused),
+        "trace": (ext.trace.tracer.active, ext.trace.tracer.library, ext.trace.tracer.refused),
         "config": {name: getattr(ext, name) for name in ext.trait_names(config=True)},
         "hooks": ext.hooks_registered,
         "user_ns": {k: id(v) for k, v in ip.user_ns.items() if not k.startswith("_")},
@@ -245,7 +245,7 @@ def test_every_pair_of_options_runs_or_is_refused_with_the_fix(loaded, first):
         finally:
             with capture_output():
                 ip.run_line_magic("gpumem", "--on")
-                if extension.get_extension(ip).tracer.active:
+                if extension.get_extension(ip).trace.tracer.active:
                     ip.run_line_magic("gpumem", "--trace off")
 
 

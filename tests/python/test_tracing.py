@@ -129,7 +129,7 @@ def test_another_profiler_holding_cupti_is_named_and_nothing_breaks(traced_shell
     _, said = _magic(shell, "--trace on")
     assert said[0].startswith("gpucleanup · allocation trace not started: another tool holds CUPTI's only "
                               "subscription in this process (torch.profiler keeps it once it ran")
-    assert extension.get_extension(shell).tracer.active is False
+    assert extension.get_extension(shell).trace.tracer.active is False
     _, out = _cell(shell, "x = 1")
     assert "traced" not in out
     data, _ = _magic(shell, "--trace --json")
@@ -146,12 +146,12 @@ def test_a_gpucleanup_cupti_that_names_no_file_is_refused_with_what_to_set(trace
                        "which is not a file: set it to the path of a libcupti.so (e.g. "
                        "/usr/local/cuda/lib64/libcupti.so.13, or the nvidia-cuda-cupti wheel's), or unset it to let "
                        "gpucleanup find one")
-    assert extension.get_extension(shell).tracer.active is False
+    assert extension.get_extension(shell).trace.tracer.active is False
     assert tracing.named_cupti_missing({"GPUCLEANUP_CUPTI": str(FAKE_CUPTI)}) is None
     assert tracing.named_cupti_missing({}) is None and tracing.named_cupti_missing({"GPUCLEANUP_CUPTI": " "}) is None
     monkeypatch.setenv("GPUCLEANUP_CUPTI", str(FAKE_CUPTI))
     _, said = _magic(shell, "--trace on")
-    assert extension.get_extension(shell).tracer.active is True
+    assert extension.get_extension(shell).trace.tracer.active is True
 
 
 def test_trace_off_unsubscribes_and_unload_does_too(traced_shell, cupti):

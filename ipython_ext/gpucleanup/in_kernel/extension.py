@@ -34,7 +34,7 @@ from .gpumem_command import GpumemCommand
 from ..records.history import History
 from .load_notes import LoadNotes, environment_notes, no_cleanup_here, probe_failure
 from .endpoint_link import MISSING as _MISSING, EndpointLink
-from .magics import gpumem_arguments, parse_gpumem, with_settings
+from .magics import gpumem_arguments, parse_gpumem, unregister_magics, with_settings
 from .outside_drain import OutsideDrain, gave_no_way as outside_drain_gave_no_way
 from ..park.kernel_side import InKernel, RequestGuard
 from .pending_clear import PendingClear
@@ -195,10 +195,6 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                                     self._say, self._warn_once_now, idle=lambda: self._link.cell_state("idle"))
 
     @property
-    def tracer(self) -> Tracer:
-        return self.trace.tracer
-
-    @property
     def hooks_registered(self) -> bool:
         """Whether the cell hooks run (a driver, a GPU and the native library were there at load)."""
         return self._hooks_registered
@@ -300,13 +296,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                 frameworks.uninstall()
             self._hooks_registered = False
         if self._magics_registered:
-            manager = self.shell.magics_manager
-            line = manager.magics.get("line", {})
-            bound = line.get("gpumem")
-            if bound is not None and getattr(bound, "__self__", None) is self:
-                del line["gpumem"]
-            if manager.registry.get(type(self).__name__) is self:
-                del manager.registry[type(self).__name__]
+            unregister_magics(self.shell.magics_manager, self)
             self._magics_registered = False
         # Magics.__init__ added us to shell.configurables (for %config): a reload must not leave two
         self.shell.configurables[:] = [c for c in self.shell.configurables if c is not self]
@@ -512,20 +502,13 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                 return
 
     def _release_after_oom(self, result: Any, cell: Optional[int]) -> None:
-        """A cell that failed with a GPU out-of-memory error: its traceback's frames let go
-        of their variables before the cleanup (``release_after_oom``), and the user is told."""
+        """A cell that failed with a GPU out-of-memory error: its traceback's frames let go of their variables
+        before the cleanup (``release_after_oom``), and the user is told."""
         error = getattr(result, "error_in_exec", None) if result is not None else None
-        if error is None or not self.release_after_oom or not holders.is_out_of_memory(error):
-            return
-        held = holders.traceback_objects(error, cell, getattr(self.shell, "user_ns", None))
-        if not held:
-            return
-        frames = holders.release_traceback(error)
-        total = sum(int(f.get("bytes") or 0) for f in held)
-        self._say([say(f"out of GPU memory in cell [{cell}]: released {report.format_bytes(total)} "
-                       f"held by {count_of(len(held), 'variable')} of its traceback ({count_of(frames, 'frame')}; the "
-                       "error stays, %debug no longer shows them; %config GPUCleanup.release_after_oom = False keeps them)")],
-                  cell)
+        said = holders.release_after_oom(error, cell, getattr(self.shell, "user_ns", None)) \
+            if error is not None and self.release_after_oom else None
+        if said:
+            self._say([say(said)], cell)
 
     def cleanup(self, cell: Optional[int] = None, forced: bool = False, after_forced: Optional[CellRecord] = None,
                 hidden: Any = None, overrides: Optional[dict] = None, source: Optional[str] = None) -> Optional[Outcome]:

@@ -29,6 +29,7 @@ __all__ = [
     "last_exception",
     "is_out_of_memory",
     "release_output_cache",
+    "release_after_oom",
     "release_traceback",
     "variable_refusal",
 ]
@@ -198,6 +199,21 @@ def release_output_cache(shell: Any) -> List[str]:
         if result is not None and getattr(result, "result", None) is value:
             result.result = None
     return dropped
+
+
+def release_after_oom(exc: Optional[BaseException], cell: Optional[int], user_ns: Optional[dict] = None) -> Optional[str]:
+    """A cell's GPU out-of-memory error (``exc``): the frames of its traceback let go of the GPU objects they
+    hold (the error stays); the sentence that says so, None when ``exc`` is no such error or they held none."""
+    if exc is None or not is_out_of_memory(exc):
+        return None
+    held = traceback_objects(exc, cell, user_ns)
+    if not held:
+        return None
+    frames = release_traceback(exc)
+    total = sum(int(f.get("bytes") or 0) for f in held)
+    return (f"out of GPU memory in cell [{cell}]: released {format_bytes(total)} held by "
+            f"{count_of(len(held), 'variable')} of its traceback ({count_of(frames, 'frame')}; the error stays, %debug "
+            "no longer shows them; %config GPUCleanup.release_after_oom = False keeps them)")
 
 
 def release_traceback(exc: Optional[BaseException]) -> int:

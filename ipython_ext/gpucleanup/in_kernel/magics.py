@@ -12,13 +12,13 @@ import difflib
 import inspect
 import re
 import textwrap
-from typing import Callable
+from typing import Any, Callable
 
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import MagicHelpFormatter, argument, magic_arguments, parse_argstring
 from IPython.utils.process import arg_split
 
-__all__ = ["gpumem_arguments", "parse_gpumem", "settings_help", "with_settings", "OPTIONS", "PLOT_ALL"]
+__all__ = ["gpumem_arguments", "parse_gpumem", "settings_help", "with_settings", "OPTIONS", "PLOT_ALL", "unregister_magics"]
 
 OPTIONS = ("--json", "--drain", "--history", "--vars", "--release", "--trace", "--dask", "--plot", "--off", "--on",
            "--park")
@@ -246,3 +246,14 @@ def _fix_hint(message: str, line: str) -> str:
                 hint = f" Did you mean {close[0]}?"
             break
     return f"%gpumem: {message}.{hint} Usage: {USAGE} (details: %gpumem?)"
+
+
+def unregister_magics(manager: Any, owner: Any) -> None:
+    """Takes ``%gpumem`` and ``owner``'s registry entry out of IPython's magics ``manager`` (unload), where they are
+    still ``owner``'s (a newer load's are left alone)."""
+    line = manager.magics.get("line", {})
+    bound = line.get("gpumem")
+    if bound is not None and getattr(bound, "__self__", None) is owner:
+        del line["gpumem"]
+    if manager.registry.get(type(owner).__name__) is owner:
+        del manager.registry[type(owner).__name__]
