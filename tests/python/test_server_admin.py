@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import pwd
+import re
 import signal
 import statistics
 import sys
@@ -189,6 +190,30 @@ def test_every_row_says_notebook_owner_state_idle_time_held_memory_and_the_park_
         else:
             assert (check["parkable"], check["reasons"]) == (True, []), check
     assert [h["gpu"] for h in rows[pids[TWO_GPUS]]["held"]] == [UUID0, UUID1]
+
+
+def test_a_kernel_whose_last_park_the_driver_refused_for_what_it_holds_is_not_parkable_until_its_next_cell(setup):
+    from gpucleanup.park.kernel_side import ParkLock, lock_path
+    from gpucleanup.protocol import discovery
+
+    server, pids = setup["server"], setup["pids"]
+    pid = pids[3]  # idle, one GPU, listed
+    kernel = next(k for k in discovery.scan(server.runtime, clean=False).live if k.pid == pid)
+    lock = lock_path(kernel.key_file, pid)
+    with ParkLock(lock, 1.0) as held:  # what park_kernel leaves after a CUDA_ERROR_NOT_SUPPORTED checkpoint
+        held.write_note({"refused": {"result": "CUDA_ERROR_NOT_SUPPORTED", "since_ns": time.time_ns() - 65 * 10**9}})
+    try:
+        check = by_pid(listing(server, sort="held", cards=""))[pid]["park_check"]
+        assert check["parkable"] is False
+        assert len(check["reasons"]) == 1, check
+        assert re.match(rf"\[gpucleanup\.park\.652\] the driver refused to checkpoint process {pid} 1 min \d+ s ago "
+                        r"\(CUDA_ERROR_NOT_SUPPORTED: the process holds memory the driver's checkpoint does not support",
+                        check["reasons"][0]), check
+    finally:
+        with ParkLock(lock, 1.0) as held:  # the kernel's next cell ends the memo
+            held.write_note(None)
+    check = by_pid(listing(server, sort="held", cards=""))[pid]["park_check"]
+    assert (check["parkable"], check["reasons"]) == (True, [])
 
 
 def test_per_gpu_totals_are_the_sum_of_the_rows_and_the_rest_is_the_other_process(setup):
