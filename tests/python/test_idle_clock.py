@@ -119,8 +119,8 @@ def test_a_running_cell_is_idle_for_0_and_keeps_the_previous_cells_end_until_its
         assert running["last_cell_ended_ns"] == ended
         assert scrape(runtime, kernel.pid)["gpucleanup_kernel_idle_seconds"] == 0
     finally:
+        let_go = time.time_ns()  # read before the file exists: the cell may end as soon as it does
         go.touch()
-    let_go = time.time_ns()
     kernel.collect(msg)
     done = time.time_ns()
     wait_until(lambda: kernel.state()["state"] == "idle", "the cell never said idle")
