@@ -85,8 +85,8 @@ def run(scenario: str, rounds: int, block: int) -> dict:
     made, stands = after_cell.IdleProof.__dict__["made"], after_cell.IdleProof.__dict__["stands"]
 
     def use_proof(on: bool) -> None:
-        after_cell.IdleProof.made = made if on else classmethod(lambda cls, cell_pass: None)
-        after_cell.IdleProof.stands = stands if on else (lambda self, cell_pass: False)
+        after_cell.IdleProof.made = made if on else classmethod(lambda cls, *parts: None)
+        after_cell.IdleProof.stands = stands if on else (lambda self, *parts: False)
 
     def timed(on: bool) -> float:
         use_proof(on)

@@ -10,10 +10,10 @@ The steps, each a method of :class:`~.cell_pass.CellPass` over one :class:`~.cel
 device in use (built once from the native pass's entry for it) and the frameworks' figures read
 once into :class:`~.figures.FrameworkFigures`:
 
-0. ``quiet``: once a cell has been proven idle, the next asks the library's quiet check
-   (``_native.quiet``: the same devices, free memory and pools as that pass left, nothing
-   queued) and reads each framework once (which frameworks are in use: as the last idle cell
-   found them while nothing was imported since, ``_adapters_in_use``); figures equal to the last
+0. ``proven_idle``: once a cell has been proven idle, the next asks the library's quiet check
+   (``QuietCheck.look``: ``_native.quiet``, the same devices, free memory and pools as that pass left,
+   nothing queued) and reads each framework once (which frameworks are in use: as the last idle cell
+   found them while nothing was imported since, ``adapters_in_use``); figures equal to the last
    cleanup's with nothing new to give back (``nothing_new``) end the cell there, and leave
    what that proof rested on (:class:`IdleProof`): the next cell that finds all of it as it was,
    every framework's quiet token included, is proven idle without the comparisons. Anything else
@@ -50,13 +50,13 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, List, Optional, Union
 
-from .cell_pass import Cell, CellHooks, CellPass, CtrlC, DeviceWork, Silent  # noqa: F401  (re-exported)
+from .cell_pass import CellHooks, CellPass, CtrlC, DeviceWork, Silent  # noqa: F401  (re-exported)
 from .figures import (FrameworkFigures, FrameworkReader, Held, LastPass, Stats, live_total,  # noqa: F401
                       outside_every_pool, status_figures)
-from .quiet_check import IdleProof, QuietCheck  # noqa: F401
+from .quiet_check import IdleProof, QuietCheck, QuietFinding  # noqa: F401
 from ..records.record import CellRecord, Outcome
 from .releases import IdleRelease, PinnedRelease, Release, Releases, adapter_note, guarded  # noqa: F401
-from .settings import Settings
+from .settings import Cell, Settings  # noqa: F401  (Cell re-exported)
 from .since_last_pass import GpuHolders, SinceLastPass  # noqa: F401
 
 __all__ = ["AfterCell", "Settings", "adapter_note"]

@@ -16,7 +16,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 try:  # the C module under signal: no enum made per call (the cleanup arms its handler once per cell)
     import _signal as _raw_signal
@@ -25,13 +25,13 @@ except ImportError:  # pragma: no cover - not CPython
 
 from .figures import (FrameworkReader, LastPass, Stats, context_only, live_total, nothing_new_cached, per_framework,
                       pools_reserved)
-from .quiet_check import QuietCheck
+from .quiet_check import IdleProof, QuietCheck
 from ..records.record import OUTSIDE_NOTICE_BYTES, CellRecord, DeviceRecord, GcRecord, Outcome, PinnedRecord
 from .releases import (DEFERRED, IdleRelease, Note, PinnedRelease, Release, Releases, adapter_note, guarded,
                        index_of, on_cell_thread)
-from .settings import Settings
+from .settings import Cell, Settings
 from .since_last_pass import SaidOnce, SinceLastPass
-from ..unraisable import CAPTURE, summarize_unraisables
+from ..unraisable import summarize_unraisables
 
 __all__ = ["CellPass", "Cell", "CellHooks", "DeviceWork", "CtrlC", "Silent"]
 
@@ -185,17 +185,6 @@ class DeviceWork:
         return None if total is None or self.free_before is None else total - self.free_before
 
 
-@dataclass
-class Cell:
-    """What the extension hands the engine about one cell (see :meth:`AfterCell.run`)."""
-
-    number: Optional[int] = None
-    namespace: Optional[dict] = None
-    forced: bool = False  # %gpumem --drain
-    after_forced: Optional[CellRecord] = None  # the record of a %gpumem --drain earlier in the cell
-    hidden: Union[None, List[dict], Callable[[], List[dict]]] = None  # holders no variable names
-
-
 class CellPass:
     """One cell's cleanup: the steps of ``after_cell``'s docstring as methods, in their order, over this cell's
     state only. Built from what it reads and what it changes between cells, each a part of its own:
@@ -256,8 +245,7 @@ class CellPass:
         quiet_before, proof = quiet.take()  # set again only by a cell proven idle
         # Not armed for Ctrl-C: nothing in the quiet check waits, so a Ctrl-C there is Python's own, and
         # arming costs two sigaction calls on every idle cell.
-        if quiet_before and quiet.proves(self, proof):
-            quiet.ok = True
+        if quiet_before and self.proven_idle(proof):
             return self.unchanged_outcome(holders_checked=True)
         with self.hooks.ctrl_c.armed() as ctrl_c:  # once for the driver pass and steps 1 to 4
             if not self.probe(ctrl_c):
@@ -274,6 +262,31 @@ class CellPass:
         return self.outcome(record)
 
     # ------------------------------------------------------------ the steps, in order
+
+    def proven_idle(self, proof: Optional[IdleProof]) -> bool:
+        """Step 0: the cell proven idle without the driver pass, from what the quiet check found
+        (:meth:`QuietCheck.look`): a proof that still stands, or figures equal to the last cleanup's with nothing
+        new to give back. False: the whole pass runs, and what the look caught unraisably goes to its record."""
+        quiet, since = self.quiet_check, self.since
+        found = quiet.look(self.native, self.frameworks, since, self.releases, self.settings, self.cell,
+                           self.hooks.tracing, proof)
+        if found is None:
+            return False
+        self.state = since.driver_state = "ready"
+        self.devices, self.settled, self.adapters = found.devices, list(found.devices), found.adapters
+        if found.proof is not None:
+            self.stats_settled = found.stats
+            quiet.proven(found.proof)
+            return True
+        if found.stats is not None and not found.notes and not found.captured:
+            self.stats_settled = found.stats  # the last cleanup's own: nothing_new() compares them by identity
+            if self.nothing_new():
+                quiet.proven(IdleProof.made(self.settings, since.last, found.adapters, self.frameworks,
+                                            self.releases))
+                return True
+        self.captured.extend(found.captured)  # said by the whole pass's record
+        self.devices, self.settled, self.adapters, self.stats_settled, self.state = [], [], [], {}, None
+        return False
 
     def nothing_initialised(self) -> bool:
         """The common cell of a kernel that never used CUDA: one driver call, no JSON."""

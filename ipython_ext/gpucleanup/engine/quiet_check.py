@@ -1,35 +1,34 @@
 """The idle cell without the driver pass: the library's quiet check, the frameworks' quiet tokens and the proof
-an idle cell leaves for the next one, as one unit (:class:`QuietCheck`, :class:`IdleProof`).
+an idle cell leaves for the next one, as one unit (:class:`QuietCheck`, :class:`QuietFinding`, :class:`IdleProof`).
 
 A cell is proven idle when the last cleanup proved nothing had changed, the library's quiet check
 (``native.quiet``: the same devices in use, nothing queued, no driver pool reserving memory, the same free memory
 as the pass behind that proof left) says nothing changed since, and the frameworks' figures are those the last
 cleanup left with nothing new to give back. With no framework in use the driver's figures alone prove it.
+:meth:`QuietCheck.look` says what it found; the cell's pass (``cell_pass.CellPass.proven_idle``) decides.
 """
 
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-from .figures import LastPass
-from .releases import IdleRelease
-from .settings import Settings
+from .figures import FrameworkReader, LastPass, Stats
+from .releases import IdleRelease, Note, Releases
+from .settings import Cell, Settings
+from .since_last_pass import SinceLastPass
 
-#: the cell being cleaned (``cell_pass.CellPass``, which builds on this module: named, not imported)
-CellPass = Any
-
-__all__ = ["QuietCheck", "IdleProof"]
+__all__ = ["QuietCheck", "QuietFinding", "IdleProof"]
 
 
 @dataclass(eq=False)
 class IdleProof:
-    """What a cell proven idle by :meth:`QuietCheck.proves` rested on besides the library's quiet check, kept
+    """What a cell proven idle by the quiet check rested on besides the library's quiet check, kept
     for the next cell: the settings, the count of modules imported, the last full cleanup, the release held
     and those not yet reported, the frameworks in use and the quiet token each answered. Every input of the
-    frameworks' figures and of :meth:`CellPass.nothing_new` is among them, or checked again by ``proves`` on
-    every cell (a forced cell, devices found unusable, a pinned release, a name unbound), or by
+    frameworks' figures and of ``CellPass.nothing_new`` is among them, or checked again by :meth:`QuietCheck.look`
+    on every cell (a forced cell, devices found unusable, a pinned release, a name unbound), or by
     :meth:`stands` (a ``%gpumem --drain`` earlier in the cell, the allocation trace): where all of it is as
     it was, the proof's answer stands without its comparisons. Made only where every framework in use has
     a quiet token (one without is read on every cell), and forgotten by any cell not proven idle so. With no
@@ -44,38 +43,36 @@ class IdleProof:
     tokens: Tuple[tuple, ...]
 
     @classmethod
-    def made(cls, cell_pass: CellPass) -> Optional["IdleProof"]:
-        """The proof of a cell that :meth:`QuietCheck.proves` just found idle the long way; None where a
-        framework in use gave no quiet token this cell (its figures are then read on every cell)."""
-        last = cell_pass.since.last
+    def made(cls, settings: Settings, last: LastPass, adapters: list, frameworks: FrameworkReader,
+             releases: Releases) -> Optional["IdleProof"]:
+        """The proof of a cell just found idle the long way (its ``adapters`` with figures equal to ``last``'s);
+        None where a framework in use gave no quiet token this cell (its figures are then read on every cell)."""
         tokens = []
-        if last is None or len(last.stats) != len(cell_pass.adapters):
+        if len(last.stats) != len(adapters):
             return None
-        for adapter in cell_pass.adapters:
+        for adapter in adapters:
             # the figures were equal to the last cleanup's, each adapter's among them: its entry is this
             # cell's, and its token the one read this cell
-            token = cell_pass.frameworks.token_of(adapter)
+            token = frameworks.token_of(adapter)
             if adapter.name not in last.stats or token is None:
                 return None
             tokens.append(token)
-        releases = cell_pass.releases
-        return cls(cell_pass.settings, len(sys.modules), last, releases.held_job, list(releases.unreported),
-                   tuple(cell_pass.adapters), tuple(tokens))
+        return cls(settings, len(sys.modules), last, releases.held_job, list(releases.unreported),
+                   tuple(adapters), tuple(tokens))
 
-    def stands(self, cell_pass: CellPass) -> bool:
+    def stands(self, settings: Settings, cell: Cell, last: Optional[LastPass], releases: Releases,
+               devices: List[int], tracing: Callable[[], Any]) -> bool:
         """Whether this cell finds everything the proof rested on as it was. Each framework's quiet token is
         read again, the one read no proof can spare: a framework's memory may change with no change the
         driver sees (an array deleted into its pool). The last cleanup and the releases not yet reported
         change only in a full pass, which forgets the proof: compared all the same, as the guard of that.
         A token read or trace check that raises does not stand: the long way then says what is wrong."""
-        releases = cell_pass.releases
-        if (cell_pass.settings is not self.settings or cell_pass.cell.after_forced is not None
-                or cell_pass.since.last is not self.last or releases.held_job is not self.held
-                or len(sys.modules) != self.modules or releases.unreported != self.jobs):
+        if (settings is not self.settings or cell.after_forced is not None or last is not self.last
+                or releases.held_job is not self.held or len(sys.modules) != self.modules
+                or releases.unreported != self.jobs):
             return False
-        devices = cell_pass.settled
         try:
-            if cell_pass.hooks.tracing():  # the allocation trace: every cell gets its record (CellPass._tracing)
+            if tracing():  # the allocation trace: every cell gets its record (CellPass._tracing)
                 return False
             for adapter, token in zip(self.adapters, self.tokens):  # a loop, not all(): runs on every idle cell
                 if adapter.quiet_token(devices, in_use=True) != token:
@@ -83,6 +80,22 @@ class IdleProof:
         except Exception:  # a fault of the trace or of an adapter: the long way says what is wrong
             return False
         return True
+
+
+class QuietFinding:
+    """What :meth:`QuietCheck.look` found once the library's quiet check said nothing changed: ``devices``, the last
+    cleanup's (their free bytes and pools are what the library just compared); ``adapters``, the frameworks in use;
+    ``stats``, their figures (the last cleanup's own object where equal, which ``nothing_new`` compares by
+    identity; None where they differ); ``notes`` and ``captured``, what reading them said or raised unraisably;
+    ``proof``, the last idle cell's proof where it still stands (the figures were not read: its answer stands)."""
+
+    # slots: made on every idle cell
+    __slots__ = ("devices", "adapters", "stats", "notes", "captured", "proof")
+
+    def __init__(self, devices: List[int], adapters: list, stats: Optional[Stats], notes: Sequence[Note],
+                 captured: Sequence[dict], proof: Optional[IdleProof]):
+        self.devices, self.adapters, self.stats = devices, adapters, stats
+        self.notes, self.captured, self.proof = notes, captured, proof
 
 
 class QuietCheck:
@@ -108,62 +121,50 @@ class QuietCheck:
     def forget_adapters(self) -> None:
         self.adapters_kept = None
 
-    def proves(self, cell_pass: CellPass, proof: Optional[IdleProof] = None) -> bool:
-        """The idle cell without the driver pass: True when the library's quiet check says nothing changed since
-        the last cleanup, and the frameworks' figures are those the last cleanup left with nothing new to give
-        back (:meth:`CellPass.nothing_new`, over the last cleanup's devices): then no collection could find
-        anything either, unless the policy is "always" or the cell unbound a name that held GPU memory (those
-        collect: the whole pass runs). False: not proven; what this tried is forgotten, but for what an
-        unraisable hook caught, and the whole pass runs. Not armed for Ctrl-C: nothing here waits, and a Ctrl-C
-        is a KeyboardInterrupt the extension reports. ``proof``: what the cell before this one, proven idle
-        here, rested on; where it still stands (:meth:`IdleProof.stands`), the frameworks' figures and
-        ``nothing_new`` would answer as they did, and are not asked again. The tokens are read outside the
-        capture of unraisable errors that the long way enters: they free nothing and run no collection, so what
-        could arrive there is a finalizer Python's own cyclic collection ran at that moment, reported as it
-        would be anywhere in the cell."""
-        since, releases = cell_pass.since, cell_pass.releases
-        last = since.last
-        if (last is None or cell_pass.cell.forced or since.unusable or releases.pinned_job is not None
-                or cell_pass.settings.gc == "always" or since.holders.unbound(cell_pass.cell.namespace)):
-            return False
-        try:
-            if cell_pass.native.quiet() is not True:
-                return False
-        except Exception:  # a library without the check, or one that fails: the pass says what is wrong
-            return False
-        cell_pass.state = since.driver_state = "ready"
-        # the devices, their free bytes and pools are the last cleanup's: what the library just compared
-        cell_pass.devices, cell_pass.settled = list(last.devices), list(last.devices)
-        if proof is not None and proof.stands(cell_pass):
-            cell_pass.adapters, cell_pass.stats_settled = list(proof.adapters), last.stats
-            self.proof = proof
-            return True
-        same = False
-        with releases.unraisables.capture() as captured:
-            cell_pass.adapters = self.adapters_in_use(cell_pass)
-            figures = cell_pass.frameworks.stats(cell_pass.adapters, cell_pass.settled, cell_pass.notes,
-                                                 by_token=True) if cell_pass.adapters else {}
-            if figures == last.stats:
-                cell_pass.stats_settled = last.stats  # the same figures: nothing_new() compares them by identity
-                same = cell_pass.nothing_new()
-        if same and not captured and not cell_pass.notes:
-            self.proof = IdleProof.made(cell_pass)
-            return True
-        cell_pass.captured.extend(captured)  # said by the whole pass's record
-        cell_pass.devices, cell_pass.settled, cell_pass.adapters, cell_pass.notes = [], [], [], []
-        cell_pass.stats_settled, cell_pass.state = {}, None
-        return False
+    def proven(self, proof: Optional[IdleProof]) -> None:
+        """A cell was proven idle by the quiet check: the next may ask it first, and rest on ``proof``."""
+        self.ok, self.proof = True, proof
 
-    def adapters_in_use(self, cell_pass: CellPass) -> list:
+    def look(self, native: Any, frameworks: FrameworkReader, since: SinceLastPass, releases: Releases,
+             settings: Settings, cell: Cell, tracing: Callable[[], Any],
+             proof: Optional[IdleProof] = None) -> Optional[QuietFinding]:
+        """The idle cell without the driver pass, as far as this part can tell: None when the quiet check cannot
+        answer for this cell (no last cleanup, a forced cell, a device unusable, a pinned release running, the
+        policy "always", or a name unbound that held GPU memory: those collect, so the whole pass runs) or the
+        library says something changed; else what it found (:class:`QuietFinding`). ``proof``: what the cell
+        before this one, proven idle here, rested on; where it still stands (:meth:`IdleProof.stands`), the
+        frameworks' figures and ``nothing_new`` would answer as they did, and are not read again. Not armed for
+        Ctrl-C: nothing here waits. The figures are read inside the capture of unraisable errors that the long
+        way enters; the tokens outside it: they free nothing and run no collection, so what could arrive there
+        is a finalizer Python's own cyclic collection ran at that moment, reported as it would be anywhere."""
+        last = since.last
+        if (last is None or cell.forced or since.unusable or releases.pinned_job is not None
+                or settings.gc == "always" or since.holders.unbound(cell.namespace)):
+            return None
+        try:
+            if native.quiet() is not True:
+                return None
+        except Exception:  # a library without the check, or one that fails: the pass says what is wrong
+            return None
+        devices = list(last.devices)
+        if proof is not None and proof.stands(settings, cell, last, releases, devices, tracing):
+            return QuietFinding(devices, list(proof.adapters), last.stats, (), (), proof)
+        notes: List[Note] = []
+        with releases.unraisables.capture() as captured:
+            adapters = self.adapters_in_use(frameworks, settings, notes)
+            figures = frameworks.stats(adapters, devices, notes, by_token=True) if adapters else {}
+        return QuietFinding(devices, adapters, last.stats if figures == last.stats else None, notes, captured, None)
+
+    def adapters_in_use(self, frameworks: FrameworkReader, settings: Settings, notes: List[Note]) -> list:
         """The adapters in use, as the last idle cell found them when nothing was imported since and the
         settings are the same, else asked afresh. Sound only behind the library's quiet check: a framework
         that starts using the GPU during a cell allocates, which changes the free memory that check compares,
         and the full pass that follows forgets what was kept here (a framework whose use begins without an
         allocation, a context already made by another, holds nothing to give back)."""
-        imported, settings = len(sys.modules), cell_pass.settings
+        imported = len(sys.modules)
         kept = self.adapters_kept
         if kept is not None and kept[0] == imported and (kept[1] is settings or kept[1] == settings):
             return list(kept[2])
-        adapters = cell_pass.frameworks.adapters(settings.frameworks, cell_pass.notes)
+        adapters = frameworks.adapters(settings.frameworks, notes)
         self.adapters_kept = (imported, settings, list(adapters))
         return adapters

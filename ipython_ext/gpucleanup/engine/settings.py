@@ -1,4 +1,5 @@
-"""What one cell's cleanup does: the extension's traits, read when the cell ends, as one frozen value.
+"""What one cell's cleanup does (the extension's traits, read when the cell ends, as one frozen value) and what
+the extension hands the engine about that cell.
 
 A leaf: the engine's parts, the extension and the Dask plugin all build or read it.
 """
@@ -6,9 +7,12 @@ A leaf: the engine's parts, the extension and the Dask plugin all build or read 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import TYPE_CHECKING, Callable, List, Mapping, Optional, Union
 
-__all__ = ["Settings"]
+if TYPE_CHECKING:
+    from ..records.record import CellRecord
+
+__all__ = ["Settings", "Cell"]
 
 
 
@@ -35,3 +39,14 @@ class Settings:
 
     def framework_enabled(self, name: str) -> bool:
         return bool(self.frameworks.get(name, True))
+
+
+@dataclass
+class Cell:
+    """What the extension hands the engine about one cell (see :meth:`~.after_cell.AfterCell.run`)."""
+
+    number: Optional[int] = None
+    namespace: Optional[dict] = None
+    forced: bool = False  # %gpumem --drain
+    after_forced: Optional["CellRecord"] = None  # the record of a %gpumem --drain earlier in the cell
+    hidden: Union[None, List[dict], Callable[[], List[dict]]] = None  # holders no variable names
