@@ -93,14 +93,14 @@ def run(scenario: str, rounds: int, block: int) -> dict:
         for _ in range(20):
             ext.pre_run_cell(info)
             ext.post_run_cell(result)
-        skipped = engine.skipped
+        skipped = engine.since.skipped
         start = time.perf_counter()
         for _ in range(block):
             ext.pre_run_cell(info)
             ext.post_run_cell(result)
         took = (time.perf_counter() - start) / block
-        if engine.skipped - skipped != block:
-            raise SystemExit(f"bench_idle_proof: {scenario}: {block - engine.skipped + skipped} cells were not idle")
+        if engine.since.skipped - skipped != block:
+            raise SystemExit(f"bench_idle_proof: {scenario}: {block - engine.since.skipped + skipped} cells were not idle")
         if (_proof(engine) is not None) != on:
             raise SystemExit(f"bench_idle_proof: {scenario}: the proof was {'not ' if on else ''}in use")
         return took * 1e6

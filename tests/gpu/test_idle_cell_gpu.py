@@ -41,13 +41,13 @@ def test_idle_cells_are_skipped_and_an_allocating_cell_is_not(framework):
         run({imported!r})
         run({setup!r})
         run({idle!r})   # the first cell after the set-up may still find something to give back
-        kept, skipped = len(ext.history.last()), ext.engine.skipped
+        kept, skipped = len(ext.history.last()), ext.engine.since.skipped
         lines = [run({idle!r}) for _ in range(20)]
-        idle_skipped, idle_kept = ext.engine.skipped - skipped, len(ext.history.last()) - kept
+        idle_skipped, idle_kept = ext.engine.since.skipped - skipped, len(ext.history.last()) - kept
         grown = run({allocate!r})
         figure(f"{framework}: {{idle_skipped}} of 20 idle cells skipped")
         result(lines=lines, idle_skipped=idle_skipped, idle_kept=idle_kept, grown=grown,
-               after=ext.engine.skipped - skipped, last=ext.history.last()[-1]["touched"])
+               after=ext.engine.since.skipped - skipped, last=ext.history.last()[-1]["touched"])
     ''')
     assert r["lines"] == [[]] * 20  # show "auto": an idle cell prints nothing
     assert r["idle_skipped"] == 20 and r["idle_kept"] == 0
@@ -76,9 +76,9 @@ def test_idle_cells_read_the_quiet_token_alone_and_a_deleted_array_is_given_back
         run({imported!r})
         run({allocate!r})
         run("z = 1")  # the first cell after the allocation may still find something to give back
-        read, skipped = len(reads), ext.engine.skipped
+        read, skipped = len(reads), ext.engine.since.skipped
         idle = [run("z = 1") for _ in range(10)]
-        idle_reads, idle_skipped = len(reads) - read, ext.engine.skipped - skipped
+        idle_reads, idle_skipped = len(reads) - read, ext.engine.since.skipped - skipped
         freed = run("del x")
         figure(f"{framework}: 10 idle cells, {{idle_skipped}} skipped, figures read {{idle_reads}} times; del: {{freed}}")
         result(idle=idle, idle_reads=idle_reads, idle_skipped=idle_skipped, freed=freed)
@@ -109,14 +109,14 @@ def test_release_rerun_keeps_the_caches_for_a_re_run_and_gives_them_back_as_anot
         import cupy
         pool, pinned = cupy.get_default_memory_pool(), cupy.get_default_pinned_memory_pool()
         cached = (pool.total_bytes(), pinned.n_free_blocks())
-        job, skipped = ext.engine.idle_job, ext.engine.skipped
+        job, skipped = ext.engine.releases.idle_job, ext.engine.since.skipped
         reruns = [run({RERUN!r}) for _ in range(10)]
-        same_job = ext.engine.idle_job is job and not job.done.is_set()
+        same_job = ext.engine.releases.idle_job is job and not job.done.is_set()
         after_reruns = (pool.total_bytes(), pinned.n_free_blocks())
         other = run("z = 1")
         done = job.done.wait(60)
-        figure(f"rerun: {{ext.engine.skipped - skipped}} of 10 re-runs skipped, caches {{cached}} -> {{after_reruns}}")
-        result(first=first, reruns=reruns, skipped=ext.engine.skipped - skipped, same_job=same_job, cached=cached,
+        figure(f"rerun: {{ext.engine.since.skipped - skipped}} of 10 re-runs skipped, caches {{cached}} -> {{after_reruns}}")
+        result(first=first, reruns=reruns, skipped=ext.engine.since.skipped - skipped, same_job=same_job, cached=cached,
                after_reruns=after_reruns, other=other, done=done, when=job.when,
                after_other=(pool.total_bytes(), pinned.n_free_blocks()))
     ''')

@@ -38,7 +38,7 @@ def __gpucleanup_probe():
     snap = gpucleanup.snapshot()
     out = {"state": snap["driver"]["state"], "free": {}, "live": 0, "cached": {}, "pinned_cached": {}}
     ext = extension.get_extension(get_ipython())
-    job = ext.engine.idle_job if ext is not None else None
+    job = ext.engine.releases.idle_job if ext is not None else None
     out["release_pending"] = bool(job is not None and not job.done.is_set())  # release "rerun": once idle
     if out["state"] != "ready":
         return json.dumps(out)   # nothing initialised CUDA: reading any pool would

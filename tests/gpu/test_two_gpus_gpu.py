@@ -106,9 +106,9 @@ def test_idle_cells_on_two_gpus_read_pytorchs_token_alone_and_a_tensor_deleted_o
         ext = extension.get_extension(shell)
         run("import torch\\nx0 = torch.ones(1 << 28, device='cuda:0')\\nx1 = torch.ones(1 << 27, device='cuda:1')")
         run("z = 1")
-        read, skipped = len(reads), ext.engine.skipped
+        read, skipped = len(reads), ext.engine.since.skipped
         idle = [run("z = 1") for _ in range(10)]
-        idle_reads, idle_skipped = len(reads) - read, ext.engine.skipped - skipped
+        idle_reads, idle_skipped = len(reads) - read, ext.engine.since.skipped - skipped
         freed = run("del x1")
         result(idle=idle, idle_reads=idle_reads, idle_skipped=idle_skipped, freed=freed)
     ''')

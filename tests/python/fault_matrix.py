@@ -185,7 +185,7 @@ def run_cell(ip, fake, code: str) -> dict:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         result = ip.run_cell(code, store_history=True)
         ext = extension.get_extension(ip)
-        job = ext.engine.pinned_job if ext is not None else None
+        job = ext.engine.releases.pinned_job if ext is not None else None
         if job is not None:
             job.done.wait(10)  # a background pinned release of this cell: done before the next cell
     after = _counters(fake)

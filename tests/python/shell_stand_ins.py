@@ -431,7 +431,7 @@ def _ext(ip):
 
 
 def _wait_pinned(ip):
-    job = _ext(ip).engine.pinned_job
+    job = _ext(ip).engine.releases.pinned_job
     if job is not None:
         assert job.done.wait(10)
 

@@ -150,7 +150,7 @@ def test_idle_cells_build_no_record_and_read_each_framework_once(fake_cuda, sche
         # its record: no device, nothing freed (what a Dask worker's summary adds up)
         assert (outcome.record.cell, outcome.record.devices, outcome.record.driver_state) == (cell, [], "ready")
         schemas["cell_record.schema.json"].validate(outcome.as_dict())
-    assert engine.skipped == 10
+    assert engine.since.skipped == 10
     # the first idle cell: the native pass proves it idle; every one after it: the library's quiet check
     # (no pass, no JSON, and no asking whether CUDA is initialised: it was, and stays so); each reads each
     # framework once, nothing else
@@ -169,11 +169,11 @@ def test_an_adapter_answering_as_before_gets_the_same_figures_and_one_with_no_si
 
     engine = after_cell.AfterCell(Native(), adapters=list, voice=report.CellVoice(write=lambda text: None))
     cupy = Framework(live={0: GiB})
-    first = engine.stats([cupy], [0], [])["cupy"]
-    again = engine.stats([cupy], [0], [])["cupy"]
+    first = engine.frameworks.stats([cupy], [0], [])["cupy"]
+    again = engine.frameworks.stats([cupy], [0], [])["cupy"]
     assert again is first and again == after_cell.FrameworkFigures.read(cupy, cupy.stats([0]))
     cupy.live = {0: 2 * GiB}
-    changed = engine.stats([cupy], [0], [])["cupy"]
+    changed = engine.frameworks.stats([cupy], [0], [])["cupy"]
     assert changed is not first and changed.on(0) == after_cell.Held(live=2 * GiB)
 
     class Odd(Framework):
@@ -183,8 +183,8 @@ def test_an_adapter_answering_as_before_gets_the_same_figures_and_one_with_no_si
             return answer
 
     odd, notes = Odd(name="odd", live={0: GiB}), []
-    one = engine.stats([odd], [0], notes)["odd"]
-    two = engine.stats([odd], [0], notes)["odd"]
+    one = engine.frameworks.stats([odd], [0], notes)["odd"]
+    two = engine.frameworks.stats([odd], [0], notes)["odd"]
     assert one is not two and two.on(0) == after_cell.Held(live=GiB) and notes == []
 
 
@@ -209,7 +209,7 @@ def test_once_an_idle_cell_is_proven_the_library_quiet_check_stands_for_the_pass
     outcome = engine.run(_settings(), cell=8)
     assert outcome.keep and outcome.record.devices[0].outside_growth_bytes == 128 * MiB
     assert native.calls["after_cell"] == 3 and native.calls["quiet"] == 5
-    assert engine.skipped == 5
+    assert engine.since.skipped == 5
 
 
 def test_idle_cells_ask_which_frameworks_are_in_use_once_until_an_import_or_a_full_pass(fake_cuda, monkeypatch):
@@ -264,7 +264,7 @@ def test_idle_cells_read_no_figures_of_a_framework_whose_quiet_token_is_the_one_
     read = dict(cupy.calls), torch.calls["stats"]
     for cell in range(3, 6):
         assert not engine.run(_settings(), cell=cell).keep
-    assert native.calls["quiet"] == 3 and engine.skipped == 4
+    assert native.calls["quiet"] == 3 and engine.since.skipped == 4
     assert cupy.calls["stats"] == read[0]["stats"] and cupy.calls["quiet_token"] == read[0]["quiet_token"] + 3
     # found in use by the full pass, nothing imported since: the idle cells' tokens do not ask again
     assert cupy.calls["quiet_token_in_use"] == read[0]["quiet_token_in_use"] + 3
@@ -302,7 +302,7 @@ def test_idle_cells_with_pytorch_read_its_token_alone_and_a_tensor_deleted_is_gi
     read = figures_read["stats"]
     for cell in range(3, 6):
         assert not engine.run(_settings(), cell=cell).keep
-    assert native.calls["quiet"] == 3 and engine.skipped == 4 and figures_read["stats"] == read
+    assert native.calls["quiet"] == 3 and engine.since.skipped == 4 and figures_read["stats"] == read
     # a tensor deleted: its GiB stays in torch's cache, unseen by the driver; the token differs, the figures are
     # read and the whole pass empties the cache
     torch.allocated[0] = 0
@@ -342,7 +342,7 @@ def test_idle_cells_after_one_proven_idle_the_long_way_stand_on_its_proof_and_re
     tokens = (cupy.calls["quiet_token"], torch.calls["quiet_token"])
     for cell in range(4, 8):
         assert not engine.run(settings, cell=cell).keep
-    assert engine.quiet.proof is proof and engine.skipped == 6 and native.calls["quiet"] == 5
+    assert engine.quiet.proof is proof and engine.since.skipped == 6 and native.calls["quiet"] == 5
     assert checked["nothing_new"] == asked  # not asked again
     assert (cupy.calls["stats"], torch.calls["stats"]) == figures  # no figures read
     assert (cupy.calls["quiet_token"], torch.calls["quiet_token"]) == (tokens[0] + 4, tokens[1] + 4)
@@ -371,14 +371,14 @@ def test_the_proof_falls_when_anything_it_rested_on_changes(fake_cuda, monkeypat
     first = engine.run(settings, cell=1)
     for cell in range(2, 5):
         assert not engine.run(settings, cell=cell).keep
-    assert engine.quiet.proof is not None and engine.skipped == 3
+    assert engine.quiet.proof is not None and engine.since.skipped == 3
     asked, after_forced = checked["nothing_new"], None
     if change == "other settings":
         settings = _settings()
     elif change == "a module imported":
         monkeypatch.setitem(sys.modules, "gpucleanup_test_imported_meanwhile", types.ModuleType("imported"))
     elif change == "the allocation trace started":
-        engine.traced, engine.tracing = (lambda cell: []), (lambda: True)
+        engine.hooks.traced, engine.hooks.tracing = (lambda cell: []), (lambda: True)
     elif change == "a drain earlier in the cell":
         after_forced = first.record
     elif change == "a framework's token":
@@ -386,7 +386,7 @@ def test_the_proof_falls_when_anything_it_rested_on_changes(fake_cuda, monkeypat
     else:
         fake_cuda.update({"devices": [{"free_bytes": TOTAL - 3 * GiB}]})
     outcome = engine.run(settings, cell=5, after_forced=after_forced)
-    assert engine.skipped == (4 if still_idle else 3)
+    assert engine.since.skipped == (4 if still_idle else 3)
     assert outcome.keep is not still_idle or after_forced is not None
     if still_idle:  # the long way, which leaves a proof of its own
         assert checked["nothing_new"] == asked + 1
@@ -418,7 +418,7 @@ def test_a_token_that_raises_under_the_proof_sends_the_cell_the_long_way_which_k
     settings = _settings()
     for cell in range(1, 5):
         engine.run(settings, cell=cell)
-    assert engine.quiet.proof is not None and engine.skipped == 3
+    assert engine.quiet.proof is not None and engine.since.skipped == 3
     asked, figures = checked["nothing_new"], cupy.calls["stats"]
 
     def broken(devices, in_use=False):
@@ -427,7 +427,7 @@ def test_a_token_that_raises_under_the_proof_sends_the_cell_the_long_way_which_k
     monkeypatch.setattr(cupy, "quiet_token", broken)
     outcome = engine.run(settings, cell=5)
     # no exception into the cell; its figures are read the long way, still equal, so the cell is idle
-    assert not outcome.keep and engine.skipped == 4
+    assert not outcome.keep and engine.since.skipped == 4
     assert cupy.calls["stats"] == figures + 1 and checked["nothing_new"] == asked + 1
     assert engine.quiet.proof is None  # no token to rest a proof on
     monkeypatch.undo()  # the token answers again: the next idle cell leaves a proof once more
@@ -446,7 +446,7 @@ def test_a_release_held_by_idle_cells_on_their_proof_is_re_armed_by_each_and_onc
     engine, _ = _engine(cupy)
     settings = _settings(release="idle", idle_release_s=3600.0)
     engine.run(settings, cell=1)
-    job = engine.idle_job
+    job = engine.releases.idle_job
     for cell in range(2, 4):
         engine.cell_starts()
         assert not engine.run(settings, cell=cell).keep
@@ -457,7 +457,7 @@ def test_a_release_held_by_idle_cells_on_their_proof_is_re_armed_by_each_and_onc
         engine.cell_starts()
         assert not engine.run(settings, cell=cell).keep
     assert checked["nothing_new"] == asked and engine.quiet.proof is proof
-    assert engine.idle_job is job and not job.cancelled and cupy.calls["drain"] == 0  # re-armed by each
+    assert engine.releases.idle_job is job and not job.cancelled and cupy.calls["drain"] == 0  # re-armed by each
     assert job.run_now() and job.done.wait(30) and cupy.calls["drain"] == 1  # it runs while the kernel is idle
     assert cupy.quiet_token([0]) == proof.tokens[0]
     engine.cell_starts()  # nothing to hold now: the proof falls
@@ -482,7 +482,7 @@ def test_the_quiet_check_under_each_garbage_policy_and_with_no_framework(fake_cu
     for cell in range(3, 6):
         assert not engine.run(_settings(gc=gc_policy), cell=cell).keep
     assert (native.calls["quiet"], native.calls["after_cell"]) == (quiet_cells, 3 - quiet_cells)
-    assert engine.skipped == 4
+    assert engine.since.skipped == 4
 
 
 def test_ctrl_c_during_the_quiet_check_is_pythons_own_and_the_next_cell_runs_the_whole_pass(fake_cuda):
@@ -526,7 +526,7 @@ def test_ctrl_c_during_the_driver_pass_is_a_flag_and_the_cleanup_stops_interrupt
 
         def stats(self, devices):
             if self.pressing:
-                engine.ctrl_c.pressed = True  # what the SIGINT handler armed for the pass does
+                engine.hooks.ctrl_c.pressed = True  # what the SIGINT handler armed for the pass does
             return super().stats(devices)
 
     cupy = PressesCtrlC(live={0: GiB})
@@ -564,7 +564,7 @@ def test_an_idle_cell_with_live_gpu_memory_runs_no_collection(fake_cuda, monkeyp
     for cell in range(2, 6):
         assert not engine.run(_settings(), cell=cell, namespace={}).keep
     # the driver saw no change and the figures are the last cleanup's: nothing a collection could give back
-    assert collections_.calls == [1] and cupy.calls["stats"] == 5 and engine.skipped == 4
+    assert collections_.calls == [1] and cupy.calls["stats"] == 5 and engine.since.skipped == 4
 
 
 def test_an_idle_cell_whose_framework_keeps_what_it_cannot_give_back_runs_no_collection(fake_cuda, monkeypatch):
@@ -581,7 +581,7 @@ def test_an_idle_cell_whose_framework_keeps_what_it_cannot_give_back_runs_no_col
     engine.run(_settings(), cell=1)
     for cell in range(2, 6):
         assert not engine.run(_settings(), cell=cell, namespace={}).keep
-    assert collections_.calls == [1] and engine.skipped == 4
+    assert collections_.calls == [1] and engine.since.skipped == 4
     torch.live[0] += 2 * MiB  # handed out of that cache: the driver sees nothing, the figures do
     assert engine.run(_settings(), cell=6).keep
     assert collections_.calls == [1, 1]
@@ -594,7 +594,7 @@ def test_a_cell_that_unbinds_a_name_holding_gpu_memory_still_collects(fake_cuda,
     model = object()
     namespace = {"model": model, "In": []}
     engine.run(_settings(), cell=1, namespace=namespace)
-    engine.holders.names = {"model": id(model)}  # what the walk of the namespace found holding GPU memory
+    engine.since.holders.names = {"model": id(model)}  # what the walk of the namespace found holding GPU memory
     collections_ = CountedGc(monkeypatch)
     del namespace["model"]  # `del model`, its memory still live behind a reference cycle
     engine.run(_settings(), cell=2, namespace=namespace)
@@ -633,7 +633,7 @@ def test_a_new_allocation_in_the_driver_is_not_skipped(fake_cuda):
     assert outcome.keep and outcome.record.cell == 3 and outcome.record.touched
     assert outcome.record.devices[0].outside_growth_bytes == 256 * MiB
     assert outcome.lines  # show "auto": the cell touched GPU memory
-    assert engine.skipped == 1
+    assert engine.since.skipped == 1
     assert not engine.run(_settings(), cell=4).keep  # and idle again after it
 
 
@@ -648,7 +648,7 @@ def test_a_framework_figure_that_changes_is_not_skipped(fake_cuda):
     cupy.cached[0] = 256 * MiB  # cached since: given back, not skipped
     outcome = engine.run(_settings(), cell=3)
     assert outcome.keep and outcome.record.devices[0].freed_bytes == {"cupy": 256 * MiB}
-    assert cupy.calls["drain"] == 1 and engine.skipped == 0
+    assert cupy.calls["drain"] == 1 and engine.since.skipped == 0
 
 
 def test_memory_in_the_driver_pools_is_trimmed_not_skipped(fake_cuda):
@@ -658,7 +658,7 @@ def test_memory_in_the_driver_pools_is_trimmed_not_skipped(fake_cuda):
     fake_cuda.update({"devices": [{"default_pool": {"reserved_bytes": GiB, "used_bytes": 0}}]})
     outcome = engine.run(_settings(), cell=2)
     assert outcome.keep and outcome.record.devices[0].freed_bytes == {"driver": GiB}
-    assert engine.skipped == 0
+    assert engine.since.skipped == 0
 
 
 @pytest.mark.parametrize("settings, forced", [(dict(show="always"), False), ({}, True)])
@@ -668,7 +668,7 @@ def test_show_always_and_gpumem_drain_never_skip(fake_cuda, settings, forced):
     engine.run(_settings(**settings), cell=1, forced=forced)
     outcome = engine.run(_settings(**settings), cell=2, forced=forced)
     assert outcome.keep and outcome.record.cell == 2 and len(outcome.lines) == 1
-    assert engine.skipped == 0
+    assert engine.since.skipped == 0
 
 
 def test_release_idle_a_re_run_that_leaves_the_same_cache_is_skipped_and_its_release_re_armed(fake_cuda):
@@ -680,18 +680,18 @@ def test_release_idle_a_re_run_that_leaves_the_same_cache_is_skipped_and_its_rel
     settings = _settings(release="idle", idle_release_s=60.0)
     first = engine.run(settings, cell=1)
     assert first.keep and first.record.deferred == {"device": True, "pinned": False, "after_s": 60.0}
-    job = engine.idle_job
+    job = engine.releases.idle_job
     for cell in range(2, 6):
         outcome = engine.run(settings, cell=cell)
         assert outcome.lines == [] and not outcome.keep and outcome.record.deferred is None
-    assert engine.skipped == 4 and engine.idle_job is job and engine.releases.unreported == [job] and not job.cancelled
+    assert engine.since.skipped == 4 and engine.releases.idle_job is job and engine.releases.unreported == [job] and not job.cancelled
     assert cupy.calls["drain"] == 0 and cupy.cached == {0: GiB}
     cupy.cached[0] = 2 * GiB  # the next cell caches more: a full cleanup defers it all anew
     outcome = engine.run(settings, cell=6)
     assert outcome.keep and outcome.record.devices[0].cached_bytes == {"cupy": 2 * GiB}
-    assert job.cancelled and engine.idle_job is not job and engine.releases.unreported == [engine.idle_job]
+    assert job.cancelled and engine.releases.idle_job is not job and engine.releases.unreported == [engine.releases.idle_job]
     engine.stop()
-    assert engine.idle_job is None and engine.releases.unreported == []
+    assert engine.releases.idle_job is None and engine.releases.unreported == []
 
 
 def _asleep(job, until):
@@ -713,7 +713,7 @@ def test_release_idle_re_arming_wakes_no_thread_while_its_wait_ends_before_the_n
     engine, _ = _engine(cupy)
     settings = _settings(release="idle", idle_release_s=3600.0)
     engine.run(settings, cell=1)
-    job = engine.idle_job
+    job = engine.releases.idle_job
     first = _asleep(job, until=3600.0)
     woken = []
     notify = job._wake.notify
@@ -721,7 +721,7 @@ def test_release_idle_re_arming_wakes_no_thread_while_its_wait_ends_before_the_n
     for cell in (2, 3, 4):
         engine.cell_starts()
         assert not engine.run(settings, cell=cell).keep  # nothing changed: re-armed
-    assert woken == [] and job._deadline > first and job._asleep_until == first and engine.idle_job is job
+    assert woken == [] and job._deadline > first and job._asleep_until == first and engine.releases.idle_job is job
     assert job.run_now()  # moved sooner (another cell under release "rerun"): this one wakes it
     assert woken == [()] and job.done.wait(30) and cupy.calls["drain"] == 1
     engine.stop()
@@ -733,7 +733,7 @@ def test_release_idle_a_re_armed_release_still_runs_once_the_kernel_is_idle(fake
     engine, _ = _engine(cupy)
     settings = _settings(release="idle", idle_release_s=0.05)
     engine.run(settings, cell=1)
-    job = engine.idle_job
+    job = engine.releases.idle_job
     engine.cell_starts()  # the next cell holds it: it does not run while the cell runs
     assert not job.done.wait(0.3) and cupy.calls["drain"] == 0
     assert not engine.run(settings, cell=2).keep  # nothing changed: re-armed
@@ -756,14 +756,14 @@ def test_release_rerun_keeps_the_cache_for_the_same_cell_and_gives_it_back_as_an
     first = engine.run(shown, cell=1)
     assert first.record.deferred == {"device": True, "pinned": False, "after_s": 3600.0}
     assert "cached 1.0 GiB until idle or another cell (cupy 1.0)" in first.lines[0]
-    job = engine.idle_job
+    job = engine.releases.idle_job
     assert job.source == "train()"
     for cell in (2, 3):  # re-run back to back: nothing changed, the release is re-armed
         engine.cell_starts("train()")
         assert not engine.run(settings, cell=cell).keep
-    assert engine.skipped == 2 and engine.idle_job is job and cupy.calls["drain"] == 0
+    assert engine.since.skipped == 2 and engine.releases.idle_job is job and cupy.calls["drain"] == 0
     engine.cell_starts("evaluate()")  # another cell: the caches go now, not after an hour
-    assert engine.idle_job is None and job.done.wait(30) and not job.cancelled
+    assert engine.releases.idle_job is None and job.done.wait(30) and not job.cancelled
     assert cupy.calls["drain"] == 1 and cupy.cached == {}
     outcome = engine.run(shown, cell=4)
     assert outcome.keep and outcome.record.idle == [job.result()]
@@ -778,10 +778,10 @@ def test_release_rerun_a_cell_whose_source_is_not_known_keeps_the_cache_until_id
     engine, _ = _engine(cupy)
     settings = _settings(release="rerun", idle_release_s=3600.0)
     engine.run(settings, cell=1)  # no source said (the engine used without the extension): as "idle"
-    job = engine.idle_job
+    job = engine.releases.idle_job
     assert job.source is None
     engine.cell_starts("other()")
-    assert engine.held() is job and not job.done.is_set() and cupy.calls["drain"] == 0
+    assert engine.releases.held() is job and not job.done.is_set() and cupy.calls["drain"] == 0
     engine.stop()
     assert job.cancelled
 
@@ -799,7 +799,7 @@ def test_release_rerun_a_framework_that_fails_on_the_release_thread_is_said_by_t
     settings = _settings(release="rerun", idle_release_s=3600.0)
     engine.cell_starts("a()")
     engine.run(settings, cell=1)
-    job = engine.idle_job
+    job = engine.releases.idle_job
     engine.cell_starts("b()")  # another cell: the release runs on its thread, and its adapter raises there
     assert job.done.wait(30) and broken.calls["drain"] == 1
     outcome = engine.run(settings, cell=2)
@@ -858,7 +858,7 @@ def test_an_idle_cell_publishes_nothing_and_prints_nothing(shell, fake_cuda, mon
         shell.run_cell(f"a = {i}", store_history=True)
     assert capsys.readouterr().out == ""
     assert len(endpoint.published) == published and len(ext.history.last()) == kept
-    assert ext.engine.skipped == 5
+    assert ext.engine.since.skipped == 5
     # the status endpoint hears "running" and "idle", never of a drain that did not happen
     assert endpoint.states == ["running", "idle"] * 5
     endpoint.states.clear()
@@ -875,14 +875,14 @@ def test_no_cell_is_skipped_while_the_allocation_trace_runs(fake_cuda):
     engine.run(_settings(), cell=1)
     kept = {2: [{"device": 0, "bytes": 64 * MiB, "count": 1, "threads": 1, "site": "cuMemAlloc_v2",
                  "caller": "cell.py", "kind": "raw"}]}
-    engine.traced = lambda cell: kept.get(cell, [])
-    engine.tracing = lambda: True
+    engine.hooks.traced = lambda cell: kept.get(cell, [])
+    engine.hooks.tracing = lambda: True
     outcome = engine.run(_settings(), cell=2)
     assert outcome.keep and outcome.record.traced == kept[2]
     outcome = engine.run(_settings(), cell=3)  # what it traced may have been freed with no driver change
     assert outcome.keep and outcome.record.traced == []
-    engine.tracing = lambda: False  # the trace stopped
-    assert not engine.run(_settings(), cell=4).keep and engine.skipped == 1
+    engine.hooks.tracing = lambda: False  # the trace stopped
+    assert not engine.run(_settings(), cell=4).keep and engine.since.skipped == 1
 
 
 # ------------------------------------------------------------------ stand-in cases, on the fake driver
@@ -933,7 +933,7 @@ def test_a_busy_device_is_skipped_and_its_frameworks_are_left_alone(fake_cuda):
         assert cupy.calls == {}  # neither read nor drained on a device with queued work
         assert "busy after" in outcome.lines[0]
         second = engine.run(_settings(settle_timeout=0.2), cell=2)
-        assert second.keep and second.record.devices[0].state == "busy" and engine.skipped == 0
+        assert second.keep and second.record.devices[0].state == "busy" and engine.since.skipped == 0
     finally:
         _settled(fake_cuda)
 
@@ -983,11 +983,11 @@ def test_no_park_begins_while_a_release_runs_on_its_thread_and_none_runs_while_a
     _device(fake_cuda)
     cupy = Slow(live={0: GiB}, cached={0: GiB})
     engine, _ = _engine(cupy)
-    engine.background = endpoint.background
+    engine.releases.background = endpoint.background
     settings = _settings(release="idle", idle_release_s=0.05)
     try:
         engine.run(settings, cell=1)
-        job = engine.idle_job
+        job = engine.releases.idle_job
         endpoint.cell_state("idle", None, 0)
         assert draining.wait(30)  # the release runs on its thread, in the framework's drain
         with pytest.raises(RuntimeError, match="park refused: gpucleanup is giving the frameworks' caches back"):
@@ -999,7 +999,7 @@ def test_no_park_begins_while_a_release_runs_on_its_thread_and_none_runs_while_a
         draining.clear()
         engine.cell_starts()
         engine.run(settings, cell=2)
-        job = engine.idle_job
+        job = engine.releases.idle_job
         _asleep(job, until=None)  # its deadline came: refused, it now waits for the next cell
         assert not draining.is_set() and cupy.calls["drain"] == 1 and not job.done.is_set()
         endpoint.park_step("failed")  # the park ended: the next cell re-arms it, and it runs
@@ -1026,7 +1026,7 @@ def test_under_a_release_that_waits_a_cache_only_the_kernels_thread_can_empty_is
     outcome = engine.run(settings, cell=2)
     assert (pycuda.calls["drain"], cupy.calls["drain"]) == (1, 0)
     assert outcome.record.devices[0].freed_bytes == {"pycuda": GiB}
-    job = engine.idle_job
+    job = engine.releases.idle_job
     assert job is not None and job.adapters == [cupy]
     assert job.run_now() and job.done.wait(10)
     assert (pycuda.calls["drain"], cupy.calls["drain"]) == (1, 1) and cupy.cached == {}
@@ -1035,7 +1035,7 @@ def test_under_a_release_that_waits_a_cache_only_the_kernels_thread_can_empty_is
     pycuda.cached[0] = GiB
     outcome = engine.run(settings, cell=4)
     assert pycuda.calls["drain"] == 2 and outcome.record.devices[0].freed_bytes == {"pycuda": GiB}
-    assert engine.idle_job is None or engine.idle_job.cell != 4
+    assert engine.releases.idle_job is None or engine.releases.idle_job.cell != 4
     engine.stop()
 
 
@@ -1048,24 +1048,24 @@ def test_idle_cells_keep_the_names_that_hold_gpu_memory_without_rebuilding_them_
     engine, native = _engine(cupy)
     model = object()
     namespace = {"model": model, "In": []}
-    engine.holders._walk = lambda ns: {"model": id(ns["model"])}  # what the walk finds holding GPU memory
+    engine.since.holders._walk = lambda ns: {"model": id(ns["model"])}  # what the walk finds holding GPU memory
     engine.run(_settings(), cell=1, namespace=namespace)
     engine.run(_settings(), cell=2, namespace=namespace)
-    assert engine.holders.names == {"model": id(model)}
-    names = engine.holders.names
+    assert engine.since.holders.names == {"model": id(model)}
+    names = engine.since.holders.names
     updates = []
-    real_update = engine.holders.update
-    engine.holders.update = lambda ns, live: (updates.append(live), real_update(ns, live))
+    real_update = engine.since.holders.update
+    engine.since.holders.update = lambda ns, live: (updates.append(live), real_update(ns, live))
     native.calls.clear()
     for cell in range(3, 8):
         assert not engine.run(_settings(), cell=cell, namespace=namespace).keep
     assert (native.calls["quiet"], native.calls["after_cell"]) == (5, 0)
-    assert updates == [] and engine.holders.names is names
+    assert updates == [] and engine.since.holders.names is names
     other = object()
     namespace["model"] = other  # `model = ...`: the name now holds another object
     engine.run(_settings(), cell=8, namespace=namespace)
     assert (native.calls["quiet"], native.calls["after_cell"]) == (5, 1)  # not proven idle: the whole pass
-    assert updates == [GiB] and engine.holders.names == {}
+    assert updates == [GiB] and engine.since.holders.names == {}
 
 
 def test_a_release_held_as_its_cell_starts_is_not_held_again_by_the_cleanup(fake_cuda):
@@ -1073,13 +1073,13 @@ def test_a_release_held_as_its_cell_starts_is_not_held_again_by_the_cleanup(fake
     cupy = Framework(live={0: GiB}, cached={0: GiB})
     engine, _ = _engine(cupy)
     engine.run(_settings(release="idle", idle_release_s=60.0), cell=1)  # caches left for a release once idle
-    job = engine.idle_job
+    job = engine.releases.idle_job
     assert job is not None
     holds = []
     real_hold = job.hold
     job.hold = lambda: (holds.append(1), real_hold())[1]
     assert engine.cell_starts("x = 1") is None  # the next cell starts: held until it ends
-    assert engine.held() is job and holds == [1]
+    assert engine.releases.held() is job and holds == [1]
     engine.run(_settings(release="idle", idle_release_s=60.0), cell=2)
     assert holds == [1]  # the cleanup found it held already
     engine.stop()

@@ -71,7 +71,7 @@ def test_with_a_device_in_use_and_no_framework_the_driver_figures_alone_prove_id
     proof = engine.quiet.proof
     # the proof rests on the driver's figures alone: no framework, no token
     assert proof is not None and proof.adapters == () and proof.tokens == ()
-    assert dict(native.calls) == {"quiet": 5} and engine.skipped == 6
+    assert dict(native.calls) == {"quiet": 5} and engine.since.skipped == 6
     # the device's memory moves: the quiet check says so, the whole pass runs and forgets the proof
     fake_cuda.update({"devices": [{"free_bytes": TOTAL - 3 * GiB}]})
     outcome = engine.run(settings, cell=8)

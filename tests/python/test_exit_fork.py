@@ -626,10 +626,10 @@ def test_ctrl_c_in_each_phase_of_the_cleanup(shell, fake_cuda, monkeypatch, caps
     if phase == "settle":
         fake_cuda.release_sync()
         _settled()
-    job = ext.engine.pinned_job  # a pinned release the cell started runs to its end on its thread
+    job = ext.engine.releases.pinned_job  # a pinned release the cell started runs to its end on its thread
     assert job is None or job.done.wait(10)
     # nothing stays stuck: no lock held, the status server says idle, the next cell's cleanup runs as usual
-    assert not ext.engine.adapter_lock("scripted").locked()
+    assert not ext.engine.releases.adapter_lock("scripted").locked()
     target = _target(Path(os.environ["JUPYTER_RUNTIME_DIR"]), os.getpid())
     assert status_client.request(target, "status", timeout=5)["state"]["state"] == "idle"
     shell.framework.cached = GiB

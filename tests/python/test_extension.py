@@ -488,7 +488,7 @@ def test_unraisable_from_other_threads_still_reach_the_previous_hook(shell, gpu,
     saved = sys.unraisablehook
     sys.unraisablehook = seen.append
     try:
-        with ext.engine.unraisables.capture() as captured:
+        with ext.engine.releases.unraisables.capture() as captured:
             worker = threading.Thread(target=lambda: sys.unraisablehook(types.SimpleNamespace(exc_type=ValueError)))
             worker.start()
             worker.join()
@@ -537,7 +537,7 @@ def _stand_in_holders(shell, names=("x",)):
         walks.append(len(namespace))
         return {n: id(namespace[n]) for n in names if n in namespace}
 
-    _ext(shell).engine.holders = after_cell.GpuHolders(walk=walk)
+    _ext(shell).engine.since.holders = after_cell.GpuHolders(walk=walk)
     return walks
 
 
@@ -642,7 +642,7 @@ def test_history_is_bounded_by_history_size(shell, gpu, capsys):
     assert len(records) == 3
     assert [r["cell"] for r in records] == sorted(r["cell"] for r in records)
     _run(shell, "x = 5", capsys)  # an idle cell: no record
-    assert _ext(shell).history.last() == records and _ext(shell).engine.skipped == 1
+    assert _ext(shell).history.last() == records and _ext(shell).engine.since.skipped == 1
 
 
 def test_status_endpoint_sees_running_draining_idle_and_each_record(shell, gpu, capsys):
@@ -1074,7 +1074,7 @@ def test_the_engine_imports_nothing_from_ipython():
 
 
 def _idle_job_done(shell):
-    job = _ext(shell).engine.idle_job
+    job = _ext(shell).engine.releases.idle_job
     assert job is not None
     assert job.done.wait(30)
     return job
@@ -1109,24 +1109,24 @@ def _a_release_deferred_for_an_hour(shell, gpu, capsys):
     gpu.cupy.cached[0] = GiB
     _run(shell, "x = 0", capsys)
     engine = _ext(shell).engine
-    return engine, engine.idle_job
+    return engine, engine.releases.idle_job
 
 
 def test_release_idle_a_cell_re_run_back_to_back_keeps_one_pending_release_re_armed(shell, gpu, capsys):
     engine, first = _a_release_deferred_for_an_hour(shell, gpu, capsys)
     assert _ext(shell).history.last()[-1]["deferred"] == {"device": True, "pinned": True, "after_s": 3600.0}
-    skipped, records = engine.skipped, len(_ext(shell).history.last())
+    skipped, records = engine.since.skipped, len(_ext(shell).history.last())
     for i in range(1, 5):  # the same caches after every cell: nothing changed since the release was deferred
         _, out = _run(shell, f"x = {i}", capsys)
         assert _lines(out.out) == []
-    assert engine.skipped == skipped + 4 and len(_ext(shell).history.last()) == records
-    assert engine.idle_job is first and not first.cancelled and not first.done.is_set()
+    assert engine.since.skipped == skipped + 4 and len(_ext(shell).history.last()) == records
+    assert engine.releases.idle_job is first and not first.cancelled and not first.done.is_set()
     assert engine.releases.unreported == [first]
     assert first._deadline is not None and first._deadline > time.monotonic() + 3000  # re-armed for its whole delay
     assert [t.name for t in threading.enumerate()].count("gpucleanup-idle-release") == 1
     assert gpu.cupy.calls["drain"] == 0 and gpu.cupy.cached[0] == GiB
     shell.run_line_magic("unload_ext", "gpucleanup")
-    assert first.cancelled and engine.idle_job is None
+    assert first.cancelled and engine.releases.idle_job is None
     first._thread.join(5)
     assert not first._thread.is_alive()  # its thread ended with it
 
@@ -1139,14 +1139,14 @@ def test_release_idle_a_cell_that_caches_more_replaces_the_pending_release(shell
     assert record["devices"][0]["cached_bytes"] == {"cupy": 2 * GiB} and record["deferred"]["device"] is True
     first._thread.join(5)
     assert first.cancelled and first.done.is_set() and not first._thread.is_alive()
-    assert engine.idle_job is not first and engine.releases.unreported == [engine.idle_job]
+    assert engine.releases.idle_job is not first and engine.releases.unreported == [engine.releases.idle_job]
     assert gpu.cupy.calls["drain"] == 0
 
 
 def test_release_idle_a_cell_with_the_cleanup_paused_drops_the_pending_release(shell, gpu, capsys):
     engine, first = _a_release_deferred_for_an_hour(shell, gpu, capsys)
     _run(shell, "%gpumem --off", capsys)  # paused during this cell: no cleanup after it, nothing re-arms
-    assert first.cancelled and engine.idle_job is None and engine.held() is None
+    assert first.cancelled and engine.releases.idle_job is None and engine.releases.held() is None
     assert gpu.cupy.calls["drain"] == 0
 
 
@@ -1157,10 +1157,10 @@ def test_release_rerun_is_the_default_and_another_cell_starts_with_the_caches_gi
     shell.run_line_magic("config", "GPUCleanup.idle_release_s = 3600")  # never reached in this test
     gpu.cupy.cached[0] = GiB
     _run(shell, "x = 0", capsys)
-    job = _ext(shell).engine.idle_job
+    job = _ext(shell).engine.releases.idle_job
     assert job is not None and gpu.cupy.calls["drain"] == 0
     _run(shell, "x = 0", capsys)  # the same cell again: it finds the cache
-    assert _ext(shell).engine.idle_job is job and gpu.cupy.calls["drain"] == 0
+    assert _ext(shell).engine.releases.idle_job is job and gpu.cupy.calls["drain"] == 0
     shell.user_ns["drains"] = lambda: gpu.cupy.calls["drain"]
     _run(shell, "seen = drains()", capsys)  # another cell: the release ran before its body
     assert shell.user_ns["seen"] == 1 and gpu.cupy.cached.get(0, 0) == 0
@@ -1174,7 +1174,7 @@ def test_release_rerun_another_cell_waits_for_the_release_at_most_settle_timeout
     shell.run_line_magic("config", "GPUCleanup.settle_timeout = 0.2")
     gpu.cupy.cached[0] = GiB
     _run(shell, "x = 0", capsys)
-    job = _ext(shell).engine.idle_job
+    job = _ext(shell).engine.releases.idle_job
     stuck = threading.Event()
     gpu.cupy.on_drain = lambda: stuck.wait(60)  # a framework's free that waits for a busy GPU
     try:
@@ -1219,9 +1219,9 @@ def test_release_idle_a_silent_request_does_not_cancel_the_pending_release(shell
     shell.run_line_magic("config", "GPUCleanup.release = 'idle'")
     shell.run_line_magic("config", "GPUCleanup.idle_release_s = 3600")
     _run(shell, "x = 1", capsys)
-    job = _ext(shell).engine.idle_job
+    job = _ext(shell).engine.releases.idle_job
     shell.run_cell("y = 2", silent=True)  # e.g. a variable inspector's request: no cleanup follows it
-    assert _ext(shell).engine.idle_job is job and not job.cancelled
+    assert _ext(shell).engine.releases.idle_job is job and not job.cancelled
 
 
 # ---------------------------------------------------------------- what an idle cell costs

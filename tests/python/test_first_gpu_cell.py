@@ -92,7 +92,7 @@ def test_a_context_that_appears_during_the_cell_is_said_by_that_cell(fake_cuda):
     assert dev.outside_bytes == 600 * MiB and dev.outside_growth_bytes is None
     # the next cell that changes nothing is quiet: nothing changed, no record is built for it
     again = engine.run(_settings(), cell=3)
-    assert again.lines == [] and not again.keep and again.record.devices == [] and engine.skipped == 1
+    assert again.lines == [] and not again.keep and again.record.devices == [] and engine.since.skipped == 1
     # a cell that changes the device's memory is no longer a first use
     _context_appears(fake_cuda, 700 * MiB)
     later = engine.run(_settings(), cell=4)

@@ -69,19 +69,28 @@ class AfterCell:
     ``trim`` and ``snapshot``, returning the same shapes); ``adapters`` a callable returning the framework adapters
     in use (None: the real ones, ``gpucleanup.frameworks.active``); ``status`` a callable ``(method, payload)``
     feeding the status endpoint; ``voice`` what renders the lines and the progress line (``report.CellVoice``;
-    None: nothing is said, the lines are empty).
+    None: nothing is said, the lines are empty); ``traced`` and ``tracing`` the allocation trace's entries of a cell
+    and whether it runs (:class:`~.cell_pass.CellHooks`); ``background`` the status server's hook around a release
+    on a thread of its own (:class:`~.releases.Releases`). What the extension does not call lives in the parts
+    themselves: ``releases``, ``since``, ``quiet``, ``frameworks``, ``hooks``.
     """
 
     def __init__(self, native: Any, adapters: Optional[Callable[[], Any]] = None,
-                 status: Optional[Callable[[str, dict], None]] = None, voice: Any = None):
+                 status: Optional[Callable[[str, dict], None]] = None, voice: Any = None,
+                 traced: Optional[Callable[[int], List[dict]]] = None, tracing: Optional[Callable[[], bool]] = None,
+                 background: Optional[Callable[[bool], bool]] = None):
         self.native = native
         self.frameworks = FrameworkReader(adapters)
         self.releases = Releases(trim=lambda: self.native.trim())
         self.since = SinceLastPass()
         self.quiet = QuietCheck()
-        self.hooks = CellHooks(voice=voice if voice is not None else Silent())
+        self.hooks = CellHooks(voice=voice if voice is not None else Silent(), traced=traced)
         if status is not None:
             self.hooks.status = status
+        if tracing is not None:
+            self.hooks.tracing = tracing
+        if background is not None:
+            self.releases.background = background
 
     # ------------------------------------------------------------ the cell
 
@@ -114,30 +123,12 @@ class AfterCell:
     def cell_starts(self, source: Optional[str] = None) -> Optional[IdleRelease]:
         return self.releases.cell_starts(source)
 
-    def held(self) -> Optional[IdleRelease]:
-        return self.releases.held()
-
     def cell_ends(self) -> None:
         self.releases.cell_ends()
 
     def stop(self) -> None:
         """Unload or exit: nothing waits any more to run later."""
         self.releases.stop()
-
-    def adapter_lock(self, name: str):
-        return self.releases.adapter_lock(name)
-
-    @property
-    def idle_job(self) -> Optional[IdleRelease]:
-        return self.releases.idle_job
-
-    @property
-    def pinned_job(self) -> Optional[PinnedRelease]:
-        return self.releases.pinned_job
-
-    @property
-    def unraisables(self) -> Any:
-        return self.releases.unraisables
 
     @property
     def exiting(self) -> bool:
@@ -147,28 +138,11 @@ class AfterCell:
     def exiting(self, value: bool) -> None:
         self.releases.exiting = value
 
-    @property
-    def background(self) -> Callable[[bool], bool]:
-        """The status server's hook, around a release on a thread of its own (:class:`~.releases.Releases`)."""
-        return self.releases.background
-
-    @background.setter
-    def background(self, hook: Callable[[bool], bool]) -> None:
-        self.releases.background = hook
-
     # ------------------------------------------------------------ what the face reads and sets
 
     def note_once(self, kind: str) -> bool:
         """True the first time ``kind`` is seen in this session."""
         return self.hooks.said.first(kind)
-
-    def stats(self, adapters: list, devices: List[int], notes: list, by_token: bool = False) -> Stats:
-        return self.frameworks.stats(adapters, devices, notes, by_token)
-
-    @property
-    def skipped(self) -> int:
-        """Idle cells whose cleanup was skipped: nothing had changed since the last."""
-        return self.since.skipped
 
     @property
     def last_driver_state(self) -> Optional[str]:
@@ -177,36 +151,6 @@ class AfterCell:
     @last_driver_state.setter
     def last_driver_state(self, state: Optional[str]) -> None:
         self.since.driver_state = state
-
-    @property
-    def holders(self) -> GpuHolders:
-        return self.since.holders
-
-    @holders.setter
-    def holders(self, holders: GpuHolders) -> None:
-        self.since.holders = holders
-
-    @property
-    def ctrl_c(self) -> CtrlC:
-        return self.hooks.ctrl_c
-
-    @property
-    def traced(self) -> Optional[Callable[[int], List[dict]]]:
-        """The allocation trace's entries of a cell (``Tracer.cell_entries``), None: no trace."""
-        return self.hooks.traced
-
-    @traced.setter
-    def traced(self, fn: Optional[Callable[[int], List[dict]]]) -> None:
-        self.hooks.traced = fn
-
-    @property
-    def tracing(self) -> Callable[[], bool]:
-        """Whether the allocation trace runs now: while it does, no cell is skipped as idle."""
-        return self.hooks.tracing
-
-    @tracing.setter
-    def tracing(self, fn: Callable[[], bool]) -> None:
-        self.hooks.tracing = fn
 
 
 def memory_status(native: Any, frameworks: FrameworkReader, since: SinceLastPass, settings: Settings) -> dict:

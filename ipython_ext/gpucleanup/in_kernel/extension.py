@@ -169,11 +169,11 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         else:
             adapters_fn = adapters
         self._link = EndpointLink(status_endpoint, self._warn_once_now, quiet=lambda: self.outside.quiet())
-        self.engine = AfterCell(native, adapters=adapters_fn, status=self._link.say, voice=report.CellVoice())
         tracer = Tracer(native, shell)
         self.trace = AllocationTrace(tracer, self._driver_ready, self._warn_once_now)
-        self.engine.traced = tracer.cell_entries
-        self.engine.tracing = lambda: bool(tracer.active)
+        self.engine = AfterCell(native, adapters=adapters_fn, status=self._link.say, voice=report.CellVoice(),
+                                traced=tracer.cell_entries, tracing=lambda: bool(tracer.active),
+                                background=self._link.background)
         self.history = History(self.history_size)
         self.totals = Totals()  # cumulative since load: published beside each record (gpucleanup.outside.metrics)
         self._hooks_registered = False
@@ -188,7 +188,6 @@ class GPUCleanup(Magics, GPUCleanupOptions):
         self._holding = False  # set while the end of a cell says nothing (a pending clear would wipe its output)
         self._request_guard = RequestGuard(self.parking, self._refuse_the_cell.arm)
         self._gpumem = GpumemCommand(self)  # %gpumem's work, once its line is parsed
-        self.engine.background = self._link.background
         # A drain from outside (gpucleanup drain, the page's Drain button) runs the kernel's cleanup on a thread
         # of its own only while no cell is under way; a cell that starts meanwhile waits for it (bounded).
         self.outside = OutsideDrain(native, self.cells, self._clean_for_outside, self._why_no_outside_drain,
