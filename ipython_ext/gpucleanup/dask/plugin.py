@@ -1,28 +1,7 @@
 """gpucleanup in Dask workers: the after-cell engine run in each worker when it goes idle.
 
-A Dask worker is a long-lived process with the same caching pools as a kernel, and no cell
-boundaries. :class:`GPUCleanupPlugin` (a ``distributed.WorkerPlugin``) gives it one: when a
-task leaves the worker with nothing else running or ready, and the worker then stays idle for
-``idle_s`` seconds, the engine cleans up exactly as after a notebook cell (bounded settle,
-framework pools, driver pools, pinned pools released in the background). A graph of many
-small tasks pays nothing per task: the worker is busy from its first task to its last, and one
-cleanup follows the batch. Everything the plugin does in the worker's event loop is
-bookkeeping; the cleanup runs on a thread of its own, so a stalled GPU never blocks the worker.
-
-From the notebook::
-
-    from dask.distributed import Client
-    import gpucleanup.dask
-    client = Client(cluster)
-    gpucleanup.dask.plugin.register(client)              # or: %gpumem --dask on
-    gpucleanup.dask.plugin.cluster_memory(client)        # or: %gpumem --dask  (--json: data)
-    gpucleanup.dask.plugin.drain_cluster(client)         # or: %gpumem --dask --drain (idle workers only)
-
-The same rules as in a kernel: the plugin never initialises CUDA nor creates a context (a
-worker that has not used the GPU is left alone), never imports a framework, never changes a
-task's result or exception. An RMM pool set up by dask-cuda (``rmm_pool_size``,
-``--rmm-async``) is reported as RMM's and not released (RMM has no call for it); with
-dask-cuda's spilling, only device memory is counted.
+A Dask worker has the same caching pools as a kernel and no cell boundaries; :class:`GPUCleanupPlugin` cleans it up
+after its tasks, and :func:`register`, :func:`cluster_memory` and :func:`drain_cluster` drive it from the notebook.
 """
 
 from __future__ import annotations
@@ -73,11 +52,33 @@ def _check_frameworks(frameworks: Any) -> Dict[str, bool]:
 
 
 class GPUCleanupPlugin(WorkerPlugin):  # type: ignore[misc,valid-type]
-    """Cleans a worker's GPU memory once it is idle, and reports it (see the module's text).
+    """Cleans a worker's GPU memory once it is idle, and reports it.
 
     ``idle_s``: seconds a worker must stay idle after its last task before the cleanup (0 to
     3,600). ``settle_timeout``, ``pinned``, ``driver_pools``, ``frameworks``: as the
     extension's traits of the same names. ``history``: cleanup records kept per worker.
+
+    A Dask worker is a long-lived process with the same caching pools as a kernel, and no cell boundaries: this
+    plugin (a ``distributed.WorkerPlugin``) gives it one. When a task leaves the worker with nothing else running
+    or ready, and the worker then stays idle for ``idle_s`` seconds, the engine cleans up exactly as after a
+    notebook cell (bounded settle, framework pools, driver pools, pinned pools released in the background). A
+    graph of many small tasks pays nothing per task: the worker is busy from its first task to its last, and one
+    cleanup follows the batch. Everything the plugin does in the worker's event loop is bookkeeping; the cleanup
+    runs on a thread of its own, so a stalled GPU never blocks the worker.
+
+    From the notebook::
+
+        from dask.distributed import Client
+        import gpucleanup.dask
+        client = Client(cluster)
+        gpucleanup.dask.plugin.register(client)              # or: %gpumem --dask on
+        gpucleanup.dask.plugin.cluster_memory(client)        # or: %gpumem --dask  (--json: data)
+        gpucleanup.dask.plugin.drain_cluster(client)         # or: %gpumem --dask --drain (idle workers only)
+
+    The same rules as in a kernel: the plugin never initialises CUDA nor creates a context (a worker that has not
+    used the GPU is left alone), never imports a framework, never changes a task's result or exception. An RMM
+    pool set up by dask-cuda (``rmm_pool_size``, ``--rmm-async``) is reported as RMM's and not released (RMM has
+    no call for it); with dask-cuda's spilling, only device memory is counted.
     """
 
     idempotent = True

@@ -1,16 +1,8 @@
 """GPU arrays and tensors in the user's namespace, of every registered framework.
 
-Objects are recognised by their type, and only through frameworks that are already in
-``sys.modules``: nothing here imports a framework or initialises CUDA. Each adapter says
-which of its types are GPU objects and how to describe one (``object_modules``,
-``object_kind``, ``object_info`` in ``frameworks/base.py``); this module walks the
-namespace and asks them. Types are checked with ``type()``, never ``isinstance()`` on the
-object, which asks the object's own ``__class__`` (user code can make that raise).
-
-PyCUDA's objects tell no device (finding it would take a driver call per object): they show
-as ``GPU?``. A ``pycuda.driver.DeviceAllocation`` (``mem_alloc``) does not tell its size in
-Python either: its bytes are None (shown as ``?``); a ``PooledDeviceAllocation`` does
-(``len()``), and a ``GPUArray`` has ``nbytes``.
+This module walks the namespace and asks each adapter which types are GPU objects and how to describe one
+(``object_modules``, ``object_kind``, ``object_info`` in ``frameworks/base.py``). It sees only frameworks already
+in ``sys.modules``: nothing here imports a framework or initialises CUDA.
 """
 
 from __future__ import annotations
@@ -80,7 +72,14 @@ def _asked(adapter: Any, tp: type) -> Optional[str]:
 
 
 def gpu_object_info(obj: Any) -> Optional[dict]:
-    """``{"kind", "shape", "dtype", "device", "bytes"}`` for a GPU array or tensor, else None."""
+    """``{"kind", "shape", "dtype", "device", "bytes"}`` for a GPU array or tensor, else None.
+
+    The type is read with ``type()``, never ``isinstance()`` on the object, which asks the object's own
+    ``__class__`` (user code can make that raise). PyCUDA's objects tell no device (finding it would take a driver
+    call per object): they show as ``GPU?``. A ``pycuda.driver.DeviceAllocation`` (``mem_alloc``) does not tell its
+    size in Python either: its bytes are None (shown as ``?``); a ``PooledDeviceAllocation`` does (``len()``), and a
+    ``GPUArray`` has ``nbytes``.
+    """
     found = _kind_of_type(type(obj))
     if found is None:
         return None

@@ -1,37 +1,7 @@
 """PyCUDA: the ``DeviceMemoryPool`` and ``PageLockedMemoryPool`` instances the kernel made.
 
-PyCUDA keeps no registry of its pools (PyCUDA 2026.1 sources, src/wrapper/mempool.cpp,
-pycuda/tools.py: ``DeviceMemoryPool = _drv.DeviceMemoryPool``, ``PageLockedMemoryPool =
-_drv.PageLockedMemoryPool``, Boost.Python classes of ``pycuda._driver``), so gpucleanup
-remembers each pool weakly as it is made: the classes' ``__init__`` is wrapped (Boost.Python
-classes are heap types; ``pycuda.tools.DebugMemoryPool`` calls ``DeviceMemoryPool.__init__``
-and is seen too). The wrapping is put in place
-
-- by a ``sys.meta_path`` finder (``install()``) that reacts only to ``pycuda._driver`` and
-  ``pycuda.driver`` and wraps the classes once that module has run, so pools made in the cell
-  that imports PyCUDA are seen; ``uninstall()`` removes the finder and the wrapping;
-- or at once, by ``install()`` or by the first ``in_use()`` that finds ``pycuda.driver``
-  imported. Pools made before that are looked for once in the garbage collector's objects
-  (only where it tracks them): they are named, never drained, since nobody saw which thread
-  and context made them.
-
-Nothing of this runs per cell while PyCUDA is not imported: ``in_use`` is one dictionary
-look-up then. Once it is, a cell costs a walk over the pools the kernel made.
-
-A device pool frees its blocks under ``scoped_context_activation`` of its context (PyCUDA
-2026.1 sources, src/cpp/cuda.hpp): when that context is not current on the freeing thread
-and belongs to another thread, PyCUDA throws "cannot activate out-of-thread context",
-prints "out-of-thread context could not be cleaned up" and the block is lost. So a device
-pool is drained (``free_held``; never ``stop_holding``) only on the thread that made it and
-only while the context current there at its making is current again, so that PyCUDA never
-pushes a context. Other pools are named in a note. PyCUDA's contexts are read from its own
-thread-local stack (``Context.get_current``, no CUDA call); gpucleanup never pushes, pops
-or creates one. ``PageLockedMemoryPool`` frees with ``cuMemFreeHost`` and no context
-activation: its held blocks go with the pinned release.
-
-Live bytes are the pools' ``active_bytes``; cached bytes ``managed_bytes - active_bytes``.
-Memory from ``pycuda.driver.mem_alloc`` is in no pool: the engine shows it as memory
-outside every pool.
+PyCUDA keeps no registry of its pools, so gpucleanup remembers each pool weakly as it is made (:class:`_Tracker`);
+:class:`PycudaAdapter` reports them and drains a device pool only where PyCUDA can free its blocks.
 """
 
 from __future__ import annotations
@@ -161,7 +131,24 @@ class _ThenLoader:
 
 
 class _Tracker:
-    """The pools the kernel made, weakly; the finder and the wrapped ``__init__`` methods."""
+    """The pools the kernel made, weakly; the finder and the wrapped ``__init__`` methods.
+
+    PyCUDA keeps no registry of its pools (PyCUDA 2026.1 sources, src/wrapper/mempool.cpp, pycuda/tools.py:
+    ``DeviceMemoryPool = _drv.DeviceMemoryPool``, ``PageLockedMemoryPool = _drv.PageLockedMemoryPool``,
+    Boost.Python classes of ``pycuda._driver``), so gpucleanup remembers each pool weakly as it is made: the
+    classes' ``__init__`` is wrapped (Boost.Python classes are heap types; ``pycuda.tools.DebugMemoryPool`` calls
+    ``DeviceMemoryPool.__init__`` and is seen too). The wrapping is put in place
+
+    - by a ``sys.meta_path`` finder (``install()``) that reacts only to ``pycuda._driver`` and ``pycuda.driver`` and
+      wraps the classes once that module has run, so pools made in the cell that imports PyCUDA are seen;
+      ``uninstall()`` removes the finder and the wrapping;
+    - or at once, by ``install()`` or by the first ``in_use()`` that finds ``pycuda.driver`` imported. Pools made
+      before that are looked for once in the garbage collector's objects (only where it tracks them): they are
+      named, never drained, since nobody saw which thread and context made them.
+
+    Nothing of this runs per cell while PyCUDA is not imported: ``in_use`` is one dictionary look-up then. Once it
+    is, a cell costs a walk over the pools the kernel made.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
@@ -358,10 +345,25 @@ def uninstall() -> None:
 
 
 class PycudaAdapter(Adapter):
+    """PyCUDA's pools: reported, and a device pool drained where PyCUDA can free its blocks.
+
+    A device pool frees its blocks under ``scoped_context_activation`` of its context (PyCUDA 2026.1 sources,
+    src/cpp/cuda.hpp): when that context is not current on the freeing thread and belongs to another thread,
+    PyCUDA throws "cannot activate out-of-thread context", prints "out-of-thread context could not be cleaned up"
+    and the block is lost. So a device pool is drained (``free_held``; never ``stop_holding``) only on the thread
+    that made it and only while the context current there at its making is current again, so that PyCUDA never
+    pushes a context. Other pools are named in a note. PyCUDA's contexts are read from its own thread-local stack
+    (``Context.get_current``, no CUDA call); gpucleanup never pushes, pops or creates one. ``PageLockedMemoryPool``
+    frees with ``cuMemFreeHost`` and no context activation: its held blocks go with the pinned release.
+
+    Live bytes are the pools' ``active_bytes``; cached bytes ``managed_bytes - active_bytes``. Memory from
+    ``pycuda.driver.mem_alloc`` is in no pool: the engine shows it as memory outside every pool.
+    """
+
     name = "pycuda"
     modules = ("pycuda.driver",)
     can_release = True
-    drains_on_cell_thread = True  # a pool is drained only on the thread that made it (see the module's docstring)
+    drains_on_cell_thread = True  # a pool is drained only on the thread that made it (see the class docstring)
     object_modules = ("pycuda",)
 
     def object_kind(self, tp: type) -> Optional[str]:

@@ -1,25 +1,7 @@
 """TensorFlow: reported, never released by gpucleanup's adapter.
 
-TensorFlow's default allocator (BFC) never gives GPU memory back until the process
-ends (TensorFlow's GPU guide; tensorflow#36465 and #48545, open); ``clear_session()``
-frees graph state, not memory (tensorflow#17048). No API reports how much the BFC
-allocator caches: ``tf.config.experimental.get_memory_info(dev)`` gives only the bytes
-in use now and at peak, which the adapter reports as live; the rest shows as memory
-outside every pool.
-
-With ``TF_GPU_ALLOCATOR=cuda_malloc_async`` set before TensorFlow starts, XLA's
-allocator takes memory from each device's default stream-ordered pool (with its
-release threshold raised): that memory is the driver pool's, and gpucleanup's trim of
-the driver's pools (``cuMemPoolTrimTo``) gives back what TensorFlow freed after each
-cell. The adapter then reports no bytes of its own (they would be counted twice) and
-says so. It reads the variable from ``os.environ``: set after TensorFlow started, it
-changes nothing in TensorFlow and the note would be wrong.
-
-The adapter reads ``tf.config.experimental.get_memory_info`` only when TensorFlow's
-eager context already exists (listing GPUs otherwise creates a context on every
-GPU); where it cannot tell safely it reports nothing but what TensorFlow does.
-TensorFlow's logical GPU i is taken to be CUDA device i (true unless
-``tf.config.set_visible_devices`` reordered them).
+TensorFlow's default allocator (BFC) keeps its GPU memory until the process ends; with
+``TF_GPU_ALLOCATOR=cuda_malloc_async`` that memory is the driver pool's, which gpucleanup trims after each cell.
 """
 
 from __future__ import annotations
@@ -31,6 +13,7 @@ from .base import Adapter, Figures, _bytes_text, _figures, _fault, _module
 
 
 def _context_ready() -> bool:
+    """Whether TensorFlow's eager context already exists: listing GPUs otherwise creates a context on every GPU."""
     context = _module("tensorflow.python.eager.context")
     safe = getattr(context, "context_safe", None)
     if safe is None:
@@ -40,10 +23,30 @@ def _context_ready() -> bool:
 
 
 def _async_allocator() -> bool:
+    """``TF_GPU_ALLOCATOR=cuda_malloc_async``, read from ``os.environ``: set after TensorFlow started, it changes
+    nothing in TensorFlow and the adapter's note would be wrong."""
     return os.environ.get("TF_GPU_ALLOCATOR") == "cuda_malloc_async"
 
 
 class TensorflowAdapter(Adapter):
+    """TensorFlow's memory, reported as live or as the driver pool's; never released.
+
+    TensorFlow's default allocator (BFC) never gives GPU memory back until the process ends (TensorFlow's GPU
+    guide; tensorflow#36465 and #48545, open); ``clear_session()`` frees graph state, not memory
+    (tensorflow#17048). No API reports how much the BFC allocator caches:
+    ``tf.config.experimental.get_memory_info(dev)`` gives only the bytes in use now and at peak, which the adapter
+    reports as live; the rest shows as memory outside every pool.
+
+    With ``TF_GPU_ALLOCATOR=cuda_malloc_async`` set before TensorFlow starts, XLA's allocator takes memory from
+    each device's default stream-ordered pool (with its release threshold raised): that memory is the driver
+    pool's, and gpucleanup's trim of the driver's pools (``cuMemPoolTrimTo``) gives back what TensorFlow freed
+    after each cell. The adapter then reports no bytes of its own (they would be counted twice) and says so.
+
+    The adapter reads ``tf.config.experimental.get_memory_info`` only when TensorFlow's eager context already
+    exists; where it cannot tell safely it reports nothing but what TensorFlow does. TensorFlow's logical GPU i is
+    taken to be CUDA device i (true unless ``tf.config.set_visible_devices`` reordered them).
+    """
+
     name = "tensorflow"
     modules = ("tensorflow",)
     can_release = False

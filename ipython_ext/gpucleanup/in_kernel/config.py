@@ -1,25 +1,7 @@
-"""What a user can configure: the traits of the ``GPUCleanup`` extension object.
+"""What a user can configure: the traits of the ``GPUCleanup`` extension object (:class:`GPUCleanupOptions`).
 
-Set them in ``ipython_config.py`` / ``ipython_kernel_config.py``::
-
-    c.GPUCleanup.gc = "never"
-    c.GPUCleanup.frameworks = {"jax": False}
-
-or at run time with ``%config GPUCleanup.settle_timeout = 5``. The traits live on
-a ``Configurable`` mixin so that the one object the extension registers is still
-named ``GPUCleanup`` (the config section and the ``%config`` name), and so that
-its config handling below comes before ``Configurable``'s in the MRO; values are
-checked by traitlets, and a refused value raises ``TraitError`` naming the trait.
-
-Config is read in two ways, and a bad value is handled differently in each:
-
-- ``%config GPUCleanup.gc = "sometimes"`` (``update_config``): every value of the
-  statement is checked before any is set; a refused one is said in one paragraph on
-  stderr that says which values are allowed, nothing changes, and the value is
-  taken out of the statement so that the shell does not keep it in its own config
-  (where a later ``%reload_ext gpucleanup`` would meet it again);
-- a config file, or the shell's config at load time: each bad value is ignored (the
-  default stays), and ``ignored_config`` says which, for the extension to print.
+They are set in ``ipython_config.py`` / ``ipython_kernel_config.py`` or with ``%config``; a bad value never takes
+effect, and the sentence that says so names the values allowed.
 """
 
 from __future__ import annotations
@@ -77,7 +59,27 @@ _Float.__name__ = _Float.__qualname__ = "Float"
 
 
 class GPUCleanupOptions(Configurable):
-    """Traits of the GPUCleanup extension object (see the module docstring)."""
+    """Traits of the GPUCleanup extension object.
+
+    Set them in ``ipython_config.py`` / ``ipython_kernel_config.py``::
+
+        c.GPUCleanup.gc = "never"
+        c.GPUCleanup.frameworks = {"jax": False}
+
+    or at run time with ``%config GPUCleanup.settle_timeout = 5``. The traits live on a ``Configurable`` mixin so
+    that the one object the extension registers is still named ``GPUCleanup`` (the config section and the
+    ``%config`` name), and so that its config handling below comes before ``Configurable``'s in the MRO; values are
+    checked by traitlets, and a refused value raises ``TraitError`` naming the trait.
+
+    Config is read in two ways, and a bad value is handled differently in each:
+
+    - ``%config GPUCleanup.gc = "sometimes"`` (``update_config``): every value of the statement is checked before
+      any is set; a refused one is said in one paragraph on stderr that says which values are allowed, nothing
+      changes, and the value is taken out of the statement so that the shell does not keep it in its own config
+      (where a later ``%reload_ext gpucleanup`` would meet it again);
+    - a config file, or the shell's config at load time: each bad value is ignored (the default stays), and
+      ``ignored_config`` says which, for the extension to print.
+    """
 
     enabled = Bool(
         True,

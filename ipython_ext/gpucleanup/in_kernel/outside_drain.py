@@ -1,13 +1,7 @@
-"""A drain asked for from outside the kernel (``gpucleanup drain``, the page's **Drain**): the kernel's part.
+"""The kernel's part of a drain asked for from outside the kernel (``gpucleanup drain``, the page's **Drain**).
 
-The library's drain runs on a thread of the status server's own. Where the library has the hook
-(``set_drain_hook``), it then asks for the kernel's cleanup through :meth:`OutsideDrain.run`, which starts it
-only while no cell is under way. The cleanup can run the user's code (garbage collection calls objects'
-finalizers, ``__del__``, which may take any time): it runs on a thread of its own, and the library's thread
-waits for it only as long as the request's time limit allows; past that the reply says it is still running,
-and what it is doing, and it goes on. A cell that starts meanwhile waits for it in ``pre_run_cell``, bounded
-(:meth:`OutsideDrain.wait`). Both sides meet under one condition, built on the cells' own lock
-(``cell_state.CellState.lock``).
+:class:`OutsideDrain` runs the kernel's cleanup after the library's drain, on a thread of its own and only while no
+cell is under way; a cell that starts meanwhile waits for it, bounded.
 """
 
 from __future__ import annotations
@@ -60,7 +54,8 @@ class OutsideDrain:
     time limit, nothing printed) and says "draining" before it; ``idle()`` says the kernel is idle again once
     it has ended (unless a cell is under way: the cell says its own state); ``refusal()`` says why the cleanup
     is not active in the kernel (None: it is); ``show(lines)`` and ``warn_once(kind, text)`` are the kernel's
-    output for the cell that waits.
+    output for the cell that waits. Both sides meet under one condition, built on the cells' own lock
+    (``cell_state.CellState.lock``).
     """
 
     def __init__(self, native: Any, cells: CellState, clean: Callable[[dict], Optional[Outcome]],
@@ -86,8 +81,9 @@ class OutsideDrain:
     # ------------------------------------------------------------ the library's hook
 
     def hook(self, endpoint: Any) -> None:
-        """A drain from outside runs this kernel's cleanup too (:meth:`run`), where the library has the hook; the
-        library passes how long its reply may wait for it (the request's time limit left)."""
+        """A drain from outside runs this kernel's cleanup too (:meth:`run`), where the library has the hook
+        (``set_drain_hook``); the library's drain runs on a thread of the status server's own, and passes how long
+        its reply may wait for it (the request's time limit left)."""
         setter = getattr(self.native, "set_drain_hook", None)
         if setter is None or not endpoint.running:
             return
@@ -131,9 +127,10 @@ class OutsideDrain:
 
         It begins only while no cell is under way (from ``pre_run_cell`` to the end of ``post_run_cell``), and
         a cell that starts meanwhile waits in ``pre_run_cell`` until it has ended (at most
-        ``OUTSIDE_DRAIN_MARGIN_S`` from its start; past that the cell runs beside it, and says so). It runs on a thread of its own, because it can run the
-        user's code (finalizers); this waits for it at most ``wait_s`` seconds (the request's time limit left,
-        at least ``REPLY_WAIT_MIN_S``), then returns a part that says it still runs (``running``, ``doing``).
+        ``OUTSIDE_DRAIN_MARGIN_S`` from its start; past that the cell runs beside it, and says so). It runs on a
+        thread of its own, because it can run the user's code (objects' finalizers, ``__del__``, which may take any
+        time); this waits for it at most ``wait_s`` seconds (the request's time limit left, at least
+        ``REPLY_WAIT_MIN_S``), then returns a part that says it still runs (``running``, ``doing``).
         Returns the drain result's ``kernel`` (share/schema/drain.schema.json); never raises.
         """
         start = time.perf_counter()

@@ -1,20 +1,7 @@
 """Whether a cell ends with a ``clear_output(wait=True)`` that no output has followed yet.
 
-``IPython.display.clear_output(wait=True)`` asks the frontend to clear the cell's output at its *next* output
-(a progress display that redraws without flicker). A cell that ends with such a clear still pending shows what it
-drew until something else is output: gpucleanup's line after the cell would be that output, and would wipe what
-the user's cell showed (nbclient's own ``Clear Output.ipynb`` checks exactly this). So the line waits: while a
-clear is pending at the end of a cell, gpucleanup says nothing after it (the cell's record stays in
-``%gpumem --history`` and the status endpoint).
-
-What is seen, on the shell's own display publisher while gpucleanup is loaded: its ``clear_output`` calls
-(wrapped: ipykernel before 6.29 sends the clear without its hooks), every display message it sends from the
-kernel's main thread, through its public ``register_hook`` (the mechanism ipywidgets' Output uses), and the
-cell's own result (``Out[N]``, which the frontend shows, clearing first). Text printed after the clear takes it
-too: while a clear is pending, and only then, ``sys.stdout`` and ``sys.stderr`` have a ``write`` of their own
-that notes the first text and removes itself (a stream that takes no attribute, or one replaced meanwhile, is not
-seen: the clear then counts as pending, and the line is left out). Terminal IPython has no such publisher:
-nothing is pending there.
+gpucleanup's line after such a cell would be the output that clears it and would wipe what the cell drew, so the
+line is left out (:class:`PendingClear`).
 """
 
 from __future__ import annotations
@@ -39,7 +26,24 @@ def _message_type(msg: Any) -> Optional[str]:
 
 
 class PendingClear:
-    """A hook on the shell's display publisher that follows the last ``clear_output`` of the cell."""
+    """A hook on the shell's display publisher that follows the last ``clear_output`` of the cell.
+
+    ``IPython.display.clear_output(wait=True)`` asks the frontend to clear the cell's output at its *next* output
+    (a progress display that redraws without flicker). A cell that ends with such a clear still pending shows what
+    it drew until something else is output: gpucleanup's line after the cell would be that output, and would wipe
+    what the user's cell showed (nbclient's own ``Clear Output.ipynb`` checks exactly this). So the line waits:
+    while a clear is pending at the end of a cell, gpucleanup says nothing after it (the cell's record stays in
+    ``%gpumem --history`` and the status endpoint).
+
+    What is seen, on the shell's own display publisher while gpucleanup is loaded: its ``clear_output`` calls
+    (wrapped: ipykernel before 6.29 sends the clear without its hooks), every display message it sends from the
+    kernel's main thread, through its public ``register_hook`` (the mechanism ipywidgets' Output uses), and the
+    cell's own result (``Out[N]``, which the frontend shows, clearing first). Text printed after the clear takes it
+    too: while a clear is pending, and only then, ``sys.stdout`` and ``sys.stderr`` have a ``write`` of their own
+    that notes the first text and removes itself (a stream that takes no attribute, or one replaced meanwhile, is
+    not seen: the clear then counts as pending, and the line is left out). Terminal IPython has no such publisher:
+    nothing is pending there.
+    """
 
     def __init__(self, shell: Any):
         self._publisher = getattr(shell, "display_pub", None)

@@ -1,30 +1,7 @@
-"""The kernel's side of the status endpoint: the native server, its key and its discovery file.
+"""The kernel's side of the status endpoint (share/protocol.md): the native server, its key and its discovery file.
 
-Used by the extension exactly so::
-
-    endpoint = StatusEndpoint()
-    endpoint.start(shell)          # at load
-    endpoint.set_state({...})      # before and after every cell
-    endpoint.publish(record)       # each finished cell's record
-    endpoint.close()               # at unload; also registered with atexit
-
-None of these ever raises: a failure is kept in :attr:`error` (and logged)
-and the endpoint stays off, because cleanup never depends on it.
-
-Layout (all private to the user; ``<instance>`` is ``<pid>-<8 random hex digits>``, so that kernels with the
-same pid in other containers or on other machines sharing the directory never share a name)::
-
-    <runtime dir>/gpucleanup-<instance>.json   discovery file, 0600 (discovery.write: O_EXCL temp, rename)
-    <runtime dir>/gpucleanup/                  0700
-        <instance>.key                         HMAC-SHA256 key, 0600
-        <instance>.sock, <instance>.sock.pub   ipc sockets (default transport)
-
-The endpoint removes only what it wrote: each file's device and inode are kept when it is written, and
-:meth:`close` (and the native SIGTERM handler, given the same paths) removes a path only while it is still
-that file.
-
-``GPUCLEANUP_STATUS_TRANSPORT=tcp`` (or ``StatusEndpoint(transport="tcp")``)
-binds loopback TCP instead; every request must then be signed with the key.
+:class:`StatusEndpoint` starts them at load, publishes the kernel's state and each cell's record, and removes them at
+unload; cleanup never depends on it.
 """
 
 from __future__ import annotations
@@ -92,7 +69,32 @@ def _sweep(runtime: Path) -> None:
 
 
 class StatusEndpoint:
-    """The status server of this kernel, found by ``gpucleanup ps`` through a discovery file."""
+    """The status server of this kernel, found by ``gpucleanup ps`` through a discovery file.
+
+    Used by the extension exactly so::
+
+        endpoint = StatusEndpoint()
+        endpoint.start(shell)          # at load
+        endpoint.set_state({...})      # before and after every cell
+        endpoint.publish(record)       # each finished cell's record
+        endpoint.close()               # at unload; also registered with atexit
+
+    None of these ever raises: a failure is kept in :attr:`error` (and logged) and the endpoint stays off, because
+    cleanup never depends on it.
+
+    Layout (all private to the user; ``<instance>`` is ``<pid>-<8 random hex digits>``, so that kernels with the
+    same pid in other containers or on other machines sharing the directory never share a name)::
+
+        <runtime dir>/gpucleanup-<instance>.json   discovery file, 0600 (discovery.write: O_EXCL temp, rename)
+        <runtime dir>/gpucleanup/                  0700
+            <instance>.key                         HMAC-SHA256 key, 0600
+            <instance>.sock, <instance>.sock.pub   ipc sockets (default transport)
+
+    The endpoint removes only what it wrote: each file's device and inode are kept when it is written, and
+    :meth:`close` (and the native SIGTERM handler, given the same paths) removes a path only while it is still
+    that file. ``GPUCLEANUP_STATUS_TRANSPORT=tcp`` (or ``StatusEndpoint(transport="tcp")``) binds loopback TCP
+    instead; every request must then be signed with the key.
+    """
 
     def __init__(
         self,

@@ -1,22 +1,7 @@
 """Raw allocations traced to their line (opt-in): ``%gpumem --trace on`` or ``trace_allocations``.
 
-The native library subscribes to CUPTI's driver-API callbacks for the allocation and
-free calls only (``native/src/trace.hpp``) and keeps every live allocation with its
-size, device, thread, cell and the shared object that called the driver. When the
-allocating thread holds the interpreter lock, it also calls :meth:`Tracer._site`,
-which names the Python line: the innermost frame, and the frame of a notebook cell
-when the call came from one. A raw leak then reads
-``320 MiB in 5 allocations from <cell 3>:2 worker() on 5 threads, never freed``.
-
-What is raw: an allocation whose caller is not a framework's pool (PyTorch's caching
-allocator, CuPy's pool, RMM, XLA) and that was not taken from a stream-ordered pool
-(``cuMemAllocAsync``, whose memory the driver pools' figures already count).
-
-libcupti is loaded at run time (never linked), from the first of: ``$GPUCLEANUP_CUPTI``,
-the ``nvidia-cuda-cupti`` wheel's folder, the CUDA Toolkit (``$CUDA_HOME``,
-``/usr/local/cuda``), then the loader's own search (``libcupti.so.13``, ``.12``).
-CUPTI before 13.3 allows one subscriber per process; when a profiler holds it the
-trace stays off and says so (FACTS in README's "Limits").
+The native library's CUPTI callbacks (``native/src/trace.hpp``) keep every live allocation; :class:`Tracer` starts
+and stops them and names the Python line each allocation came from.
 """
 
 from __future__ import annotations
@@ -79,7 +64,9 @@ def _utf8(path: str) -> bool:
 
 
 def cupti_candidates(environ: Optional[dict] = None) -> List[str]:
-    """The paths of libcupti to try, in order (see the module's text)."""
+    """The paths of libcupti to try, in order: ``$GPUCLEANUP_CUPTI``, the ``nvidia-cuda-cupti`` wheel's folder, the
+    CUDA Toolkit (``$CUDA_HOME``, ``/usr/local/cuda``), then the loader's own search (``libcupti.so.13``, ``.12``).
+    libcupti is loaded at run time (never linked)."""
     env = os.environ if environ is None else environ
     found: List[str] = []
 
@@ -124,7 +111,15 @@ def named_cupti_missing(environ: Optional[dict] = None) -> Optional[str]:
 
 class Tracer:
     """The extension's side of the trace: starting and stopping it, the cell it is in,
-    and turning the library's groups back into sites people can read."""
+    and turning the library's groups back into sites people can read.
+
+    The native library subscribes to CUPTI's driver-API callbacks for the allocation and free calls only and keeps
+    every live allocation with its size, device, thread, cell and the shared object that called the driver. When
+    the allocating thread holds the interpreter lock, it also calls :meth:`_site`, which names the Python line: the
+    innermost frame, and the frame of a notebook cell when the call came from one. A raw leak then reads
+    ``320 MiB in 5 allocations from <cell 3>:2 worker() on 5 threads, never freed``. CUPTI before 13.3 allows one
+    subscriber per process; when a profiler holds it the trace stays off and says so (FACTS in README's "Limits").
+    """
 
     def __init__(self, native: Any, shell: Any = None):
         self.native = native
@@ -172,7 +167,12 @@ class Tracer:
 
     def groups(self, cell: Optional[int] = None) -> List[dict]:
         """The live traced allocations (of one cell, or all), readable: each group with
-        ``site`` (text or None), ``framework`` (whose pool, None: raw) and ``raw``."""
+        ``site`` (text or None), ``framework`` (whose pool, None: raw) and ``raw``.
+
+        Raw is an allocation whose caller is not a framework's pool (PyTorch's caching allocator, CuPy's pool, RMM,
+        XLA) and that was not taken from a stream-ordered pool (``cuMemAllocAsync``, whose memory the driver pools'
+        figures already count).
+        """
         reply = self.native.trace_report(-1 if cell is None else int(cell))
         out = []
         for group in reply.get("groups") or []:

@@ -1,23 +1,8 @@
 """``gpucleanup exporter``: gpucleanup's Prometheus metrics (``gpucleanup.outside.metrics``) over HTTP, for hosts
 without a Jupyter server.
 
-Private to its owner by default: a scrape sends ``Authorization: Bearer <token>``, the token in a file
-of the owner's that no one else may read (:func:`token_path` by default). Every local user can reach a
-loopback port, so the exporter is built to keep answering the token's holder (the owner, or a Prometheus
-running as its own user with a copy of the token) while other users flood it:
-
-- a *gate* (one thread, one ``selectors`` loop) accepts every connection and reads its request head
-  without a thread of its own; a connection that has not sent a whole request head within
-  :data:`REQUEST_DEADLINE_S` is closed;
-- at most :data:`MAX_PENDING` connections wait in the gate; at that cap a newcomer takes the place of
-  the oldest connection of whoever holds the most (the other end's uid for a local peer, asked of the kernel
-  by sock_diag, one exact lookup each, else read from ``/proc/net/tcp``; its address otherwise), so one
-  user's flood evicts its own connections, never a lone scraper's;
-- only a request that presents the token gets a thread (at most :data:`MAX_CONNECTIONS` at once); one
-  without it is answered 401 by the gate at once, and ``/`` and unknown paths likewise.
-
-``--public`` asks no token (every request for ``/metrics`` passes the gate) and names no notebook or
-kernel id in the labels.
+Private to its owner by default (a bearer token in a file only the owner may read), and built to keep answering the
+token's holder while other local users flood it (:class:`_GatedServer`).
 """
 
 from __future__ import annotations
@@ -345,8 +330,27 @@ UNAUTHORIZED = b"the metrics need the exporter's token: Authorization: Bearer <t
 
 
 class _GatedServer:
-    """Mixed into wsgiref's threading WSGIServer: ``serve_forever`` is the gate (see the module's text)
-    and ``process_request`` gives a thread only to a request that passed it."""
+    """Mixed into wsgiref's threading WSGIServer: ``serve_forever`` is the gate and ``process_request`` gives a
+    thread only to a request that passed it.
+
+    A scrape sends ``Authorization: Bearer <token>``, the token in a file of the owner's that no one else may read
+    (:func:`token_path` by default). Every local user can reach a loopback port, so the exporter is built to keep
+    answering the token's holder (the owner, or a Prometheus running as its own user with a copy of the token)
+    while other users flood it:
+
+    - the *gate* (one thread, one ``selectors`` loop) accepts every connection and reads its request head without
+      a thread of its own; a connection that has not sent a whole request head within :data:`REQUEST_DEADLINE_S`
+      is closed;
+    - at most :data:`MAX_PENDING` connections wait in the gate; at that cap a newcomer takes the place of the
+      oldest connection of whoever holds the most (the other end's uid for a local peer, asked of the kernel by
+      sock_diag, one exact lookup each, else read from ``/proc/net/tcp``; its address otherwise), so one user's
+      flood evicts its own connections, never a lone scraper's;
+    - only a request that presents the token gets a thread (at most :data:`MAX_CONNECTIONS` at once); one without
+      it is answered 401 by the gate at once, and ``/`` and unknown paths likewise.
+
+    ``--public`` asks no token (every request for ``/metrics`` passes the gate) and names no notebook or kernel id
+    in the labels.
+    """
 
     daemon_threads = True
     request_queue_size = 128  # the listen backlog: a burst of connections waits there, not refused

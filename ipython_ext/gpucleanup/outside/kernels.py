@@ -1,16 +1,7 @@
 """Every kernel with gpucleanup on this machine, asked at once: what ``gpucleanup ps``, the Jupyter
 Server page (``gpucleanup.server``) and the Prometheus metrics (``gpucleanup.outside.metrics``) all read.
 
-:func:`gather` scans the discovery files (``discovery.scan``: stale files of exited kernels are
-removed on the way, kernels on another machine or in another PID namespace are listed and never
-asked: their pid, socket and loopback port mean something else here), reads each
-kernel's key, and sends every kernel the same request at once (``status_client.request_many``), each
-with at most ``timeout`` seconds. Nothing here raises for one kernel's sake: a kernel that cannot be
-asked or does not answer carries its reason in :attr:`KernelView.error`.
-
-:func:`device_rows` turns one status reply into per-device figures: the driver's view (used, total,
-driver pools) from the reply's live snapshot, the frameworks' (live, cached per framework, outside
-every pool) from the last cell's record.
+:func:`gather` asks the kernels; :func:`device_rows` turns one status reply into per-device figures.
 """
 
 from __future__ import annotations
@@ -162,7 +153,14 @@ def gather(
     clean: bool = True,
 ) -> Gathered:
     """Every kernel of ``directory`` (default: Jupyter's runtime directory) with its status, and with
-    the records of its last ``history`` cells when ``history`` > 0. Kernels elsewhere come last."""
+    the records of its last ``history`` cells when ``history`` > 0. Kernels elsewhere come last.
+
+    Scans the discovery files (``discovery.scan``: stale files of exited kernels are removed on the way, kernels on
+    another machine or in another PID namespace are listed and never asked: their pid, socket and loopback port
+    mean something else here), reads each kernel's key, and sends every kernel the same request at once
+    (``status_client.request_many``), each with at most ``timeout`` seconds. Nothing here raises for one kernel's
+    sake: a kernel that cannot be asked or does not answer carries its reason in :attr:`KernelView.error`.
+    """
     found = discovery.scan(directory, clean=clean)
     views: List[KernelView] = []
     targets: List[status_client.Target] = []

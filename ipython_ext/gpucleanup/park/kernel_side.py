@@ -1,21 +1,8 @@
 """Parking a kernel: :mod:`.steps`, kept in step with the kernel's status server and its next cell.
 
-Three parties may act on one kernel's park: ``gpucleanup park|resume KERNEL`` (another process), the
-kernel itself (``%gpumem --park``, and the resume before its next cell), and the Jupyter Server page.
-Two things keep them apart:
-
-- **The kernel's state**, held by its status server (share/protocol.md, request ``park``): ``begin``
-  takes it from idle to parking, and is refused while a cell or a drain runs; a cell that starts
-  meanwhile keeps the park (the server never lets a cell's state replace it) and finds it at once.
-  While parking or parked, neither the server nor the extension makes a driver call: one would wait
-  until the process is restored (share/FACTS.md §10).
-- **A lock file** next to the kernel's key (:mod:`.lock`): whoever runs the driver's steps holds it. The
-  kernel's resume waits for it at most as long as the park's own limits.
-
-This module is what every party shares (the park and the resume under the lock, their sentences) and
-the kernel's own side (:class:`InKernel`, :class:`RequestGuard`); what only a party outside the kernel needs
-(its state through signed requests to the status endpoint, the owner's check) is :mod:`.from_outside`'s.
-Nothing here makes a driver call in the calling process: each step runs in a helper (:mod:`.steps`).
+What every party that parks a kernel shares (the park and the resume under its lock file, their sentences), and the
+kernel's own side (:class:`InKernel`, :class:`RequestGuard`); what only a party outside the kernel needs is
+:mod:`.from_outside`'s.
 """
 
 from __future__ import annotations
@@ -78,6 +65,22 @@ def park_kernel(pid: int, record: RecordStep, lock_file: os.PathLike,
     no cell has run since: the lock file's memo), :class:`LockBusy` when another park or resume
     of it is under way. When the driver's steps fail and leave the process locked or checkpointed, its
     state is ``parked`` all the same: its next cell (or ``gpucleanup resume``) brings it back.
+
+    Three parties may act on one kernel's park: ``gpucleanup park|resume KERNEL`` (another process), the kernel
+    itself (``%gpumem --park``, and the resume before its next cell), and the Jupyter Server page. Two things keep
+    them apart:
+
+    - **The kernel's state**, held by its status server (share/protocol.md, request ``park``): ``begin`` takes it
+      from idle to parking, and is refused while a cell or a drain runs; a cell that starts meanwhile keeps the
+      park (the server never lets a cell's state replace it) and finds it at once. While parking or parked,
+      neither the server nor the extension makes a driver call: one would wait until the process is restored
+      (share/FACTS.md §10).
+    - **A lock file** next to the kernel's key (:mod:`.lock`): whoever runs the driver's steps holds it. The
+      kernel's resume waits for it at most as long as the park's own limits.
+
+    Nothing here makes a driver call in the calling process: each step runs in a helper (:mod:`.steps`); what
+    only a party outside the kernel needs (its state through signed requests to the status endpoint, the
+    owner's check) is :mod:`.from_outside`'s.
     """
     with ParkLock(lock_file, lock_timeout) as lock:
         memo = refused_memo(lock.read_note())

@@ -1,18 +1,7 @@
-"""The park helper: one step of parking another process, in a short-lived process of its own.
+"""The park helper: one step of parking another process, in a short-lived process of its own (:func:`main`).
 
-``python -m gpucleanup.park.native_step STEP PID [LOCK_TIMEOUT_MS]`` runs one of the CUDA driver's
-checkpoint calls (``state``, ``lock``, ``checkpoint``, ``restore``, ``unlock``; ``resume`` is a restore
-and an unlock with the process's other threads held meanwhile) on process
-``PID`` and prints one JSON object on stdout: the library's step result, or
-``{"ok": false, "refused": "<sentence>", "status": N}`` when no step could be run (a driver
-without checkpoint calls, a pid that is not another process, a failed ``cuInit``). ``PID``
-(1 to 2**31 - 1) and ``LOCK_TIMEOUT_MS`` (0 to 2**32 - 1) are checked before the library is
-loaded: anything else prints the usage and a sentence on stderr, and exits with status 2.
-
-This process calls ``cuInit`` itself: the rule never to initialise CUDA is about the kernel's
-process, which never runs this module. Each step gets a process of its own because a
-long-lived process that had done a cycle was seen to hang the next lock (share/FACTS.md §10);
-the caller (:mod:`gpucleanup.park`) bounds it in time and kills it past its limit.
+The caller (:mod:`gpucleanup.park`) bounds it in time and kills it past its limit. This process calls ``cuInit``
+itself; the kernel's process never runs this module.
 """
 
 from __future__ import annotations
@@ -49,6 +38,19 @@ def decimal(text: str, name: str, high: int, low: int, fix: str) -> Tuple[Option
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m gpucleanup.park.native_step STEP PID [LOCK_TIMEOUT_MS]``: one of the CUDA driver's checkpoint calls.
+
+    Runs ``state``, ``lock``, ``checkpoint``, ``restore`` or ``unlock`` (``resume`` is a restore and an unlock with
+    the process's other threads held meanwhile) on process ``PID`` and prints one JSON object on stdout: the
+    library's step result, or ``{"ok": false, "refused": "<sentence>", "status": N}`` when no step could be run (a
+    driver without checkpoint calls, a pid that is not another process, a failed ``cuInit``). ``PID`` (1 to
+    2**31 - 1) and ``LOCK_TIMEOUT_MS`` (0 to 2**32 - 1) are checked before the library is loaded: anything else
+    prints the usage and a sentence on stderr, and exits with status 2.
+
+    This process calls ``cuInit`` itself: the rule never to initialise CUDA is about the kernel's process, which
+    never runs this module. Each step gets a process of its own because a long-lived process that had done a cycle
+    was seen to hang the next lock (share/FACTS.md §10).
+    """
     args = sys.argv[1:] if argv is None else list(argv)
     if len(args) not in (2, 3) or args[0] not in STEPS:
         print(USAGE, file=sys.stderr)

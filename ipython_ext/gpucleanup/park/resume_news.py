@@ -1,17 +1,7 @@
 """A resume that no cell has said yet, kept for the kernel's next cell to say once.
 
-The resume a cell makes before it runs is said at once, under that cell (``resumed ... (parked 42 min)``).
-A resume made any other way has no cell to be said under: from outside the kernel (``gpucleanup resume``, the
-page's Resume), or for a request that is no cell (a completion, an inspection, a widget's comm message, a
-variable inspector's silent execute: what a frontend sends as soon as a notebook is opened again). Whoever
-resumes writes it in the kernel's park lock file (:mod:`gpucleanup.park.kernel_side`: private to the user, beside the
-key, written under the lock), and the kernel's next cell says it and clears it::
-
-    gpucleanup · resumed 1.5 GiB from host memory in 0.9 s (parked 42 min), 5 min before this cell, for a completion
-
-The same look ends the memo a park the driver refused for what the kernel holds leaves there (no park is tried
-again before a cell has run: :func:`gpucleanup.park.kernel_side.park_kernel`). Reading it costs a cell one
-``stat`` of that file while there is nothing to say (an empty or absent file).
+Such a resume was made from outside the kernel or for a request that is no cell; its note waits in the kernel's
+park lock file (:mod:`gpucleanup.park.kernel_side`).
 """
 
 from __future__ import annotations
@@ -44,7 +34,15 @@ def for_request(msg_type: str) -> str:
 
 def after_resume(park_note: dict, seconds: float, by: str, now_ns: Optional[int] = None) -> dict:
     """The lock file's note after a resume made ``by`` someone no cell will hear: what the park's own note said
-    (``parked_bytes``, ``since_ns``: when the park ended) and the resume's time."""
+    (``parked_bytes``, ``since_ns``: when the park ended) and the resume's time.
+
+    The resume a cell makes before it runs is said at once, under that cell (``resumed ... (parked 42 min)``). A
+    resume made any other way has no cell to be said under: from outside the kernel (``gpucleanup resume``, the
+    page's Resume), or for a request that is no cell (a completion, an inspection, a widget's comm message, a variable
+    inspector's silent execute: what a frontend sends as soon as a notebook is opened again). Whoever resumes writes
+    this note in the kernel's park lock file (:mod:`gpucleanup.park.kernel_side`: private to the user, beside the
+    key, written under the lock), and the kernel's next cell says it (:func:`take`).
+    """
     parked_bytes = park_note.get("parked_bytes")
     parked_ns = park_note.get("since_ns")
     return {"resumed": {
@@ -78,7 +76,13 @@ def sentence(news: dict, now_ns: Optional[int] = None) -> Optional[str]:
 def take(lock_file: Optional[os.PathLike]) -> Optional[str]:
     """The sentence of a resume no cell has said yet, cleared as it is taken (so said once); None when there is
     none, or when the lock is held elsewhere this moment (it is said by a later cell). A cell starts here: a
-    refused park's memo is cleared too. Never raises."""
+    refused park's memo is cleared too. Never raises.
+
+    The cell shows it as ``gpucleanup · resumed 1.5 GiB from host memory in 0.9 s (parked 42 min), 5 min before this
+    cell, for a completion``. The memo is what a park the driver refused for what the kernel holds leaves there (no
+    park is tried again before a cell has run: :func:`gpucleanup.park.kernel_side.park_kernel`). Reading it costs a
+    cell one ``stat`` of that file while there is nothing to say (an empty or absent file).
+    """
     if lock_file is None:
         return None
     try:

@@ -1,19 +1,8 @@
 """Park a process: all of its GPU memory, context included, into host memory and back.
 
-The CUDA driver's checkpoint calls do the work (share/FACTS.md §10); this module is the
-state machine around them, after the CUDA checkpoint utility and CRIU: every step (lock,
-checkpoint, restore, unlock, and each look at the state) runs in a helper process of its own
-(:mod:`gpucleanup.park.native_step`, whose ``cuInit`` is its own) with a time limit, and every
-outcome names the state the process is left in and what to do next:
-
-- a lock that does not come in time leaves the process running;
-- a failed (or hung) checkpoint unlocks it again: it runs as before;
-- a failed restore leaves it parked, its memory safe in host memory, and says how to retry;
-- a step that outruns its limit is killed and reported, and the state is read again by a
-  fresh helper, so nothing is ever half-parked silently.
-
-Nothing here runs in the parked process, and no driver call is made by the calling process
-either: this module only starts helpers and reads their JSON.
+The state machine around the CUDA driver's checkpoint calls (share/FACTS.md §10), after the CUDA checkpoint utility
+and CRIU. Each step runs in a helper process of its own (:mod:`gpucleanup.park.native_step`), killed past a time
+limit; nothing here makes a driver call.
 """
 
 from __future__ import annotations
@@ -86,7 +75,12 @@ class Step:
 
 @dataclass
 class Outcome:
-    """What a park or a resume did: ``ok``, the state the process is in now, one sentence."""
+    """What a park or a resume did: ``ok``, the state the process is in now, one sentence.
+
+    Every outcome names the state the process is left in and what to do next: a lock that does not come in time
+    leaves the process running; a failed (or hung) checkpoint unlocks it again: it runs as before; a failed restore
+    leaves it parked, its memory safe in host memory, and says how to retry.
+    """
 
     action: str                      # "park" or "resume"
     pid: int
@@ -174,7 +168,10 @@ def _call(name: str, pid: int, limit: float, env: Optional[Dict[str, str]], extr
 
 def step(pid: int, name: str, limits: Limits = Limits(), python: Optional[str] = None,
          env: Optional[Dict[str, str]] = None) -> Step:
-    """Runs one step in a fresh helper process, killed past ``limits``; never raises for the driver's answer."""
+    """Runs one step in a fresh helper process, killed past ``limits``; never raises for the driver's answer.
+
+    Nothing of it runs in the parked process, and no driver call is made by the calling process either: this
+    module only starts helpers and reads their JSON."""
     extra = [str(int(limits.lock_timeout_s * 1000))] if name == "lock" else []
     return _call(name, pid, limits.of(name), env, extra, python)[1]
 
@@ -771,6 +768,8 @@ def park(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = No
 
 
 def _state_after_hang(pid: int, limits: Limits, env: Optional[Dict[str, str]], steps: List[Step]) -> Optional[str]:
+    """The state read again by a fresh helper after a step outran its limit (its helper is killed and the step
+    reported), so that nothing is ever half-parked silently."""
     again = state(pid, limits, env)
     steps.append(again)
     return again.state

@@ -1,20 +1,7 @@
 """The notebook a kernel runs, in the one form every gpucleanup surface shows.
 
-Jupyter Server starts a kernel with ``JPY_SESSION_NAME`` set to the notebook's absolute path when the session has
-a name, as JupyterLab's have (the directory of the session's path under the root, joined with the name:
-``SessionManager.get_kernel_env``), and to the session's path itself, relative to the root, when it has none; its
-own pages and REST API name the notebook by that session path, relative to the root. gpucleanup shows the server's form wherever there is a
-server: the kernel finds the server that started it (its parent, or a near ancestor) by the file that server
-writes in the runtime directory, ``jpserver-<pid>.json``, whose ``root_dir`` is ``os.path.abspath`` of the root
-(``ServerApp.server_info``), and records the notebook relative to that root, with the root beside it. Without a
-server (``jupyter console``, an editor that starts kernels itself), or when the path is not under the root found,
-the notebook stays absolute.
-
-A ``jpserver-<pid>.json`` is read as untrusted input (``discovery.read_bounded``: a regular file of this user, at
-most 64 KiB) and used only if it names the pid it is named after and a root the notebook lies under, and if that
-process is the server the file describes: it holds a socket listening on the file's port (or its Unix socket).
-A runtime directory shared by several machines or containers (an NFS home) holds the other servers' files too,
-and one of them may carry the pid of this kernel's parent.
+That is the Jupyter Server's own form, relative to the root of the server that started the kernel
+(:func:`server_root`, :func:`display_form`); without such a server the notebook stays absolute.
 """
 
 from __future__ import annotations
@@ -78,6 +65,13 @@ def _listening(pid: int, port, sock) -> bool:
 
 
 def _root_of(runtime: Path, pid: int) -> Optional[str]:
+    """The ``root_dir`` of ``jpserver-<pid>.json`` in ``runtime``, or None.
+
+    The file is read as untrusted input (``discovery.read_bounded``: a regular file of this user, at most 64 KiB)
+    and used only if it names the pid it is named after and if that process is the server the file describes: it
+    holds a socket listening on the file's port (or its Unix socket). A runtime directory shared by several machines
+    or containers (an NFS home) holds the other servers' files too, and one of them may carry the pid of this
+    kernel's parent."""
     try:
         data, _info = discovery.read_bounded(Path(runtime) / f"jpserver-{pid}.json", owners={os.geteuid()})
         info = json.loads(data.decode("utf-8"))
@@ -95,7 +89,18 @@ def server_root(runtime: Path, notebook: Optional[str] = None, pid: Optional[int
     """The root directory of the Jupyter Server that started process ``pid`` (default: this one), or None.
 
     ``notebook``: an absolute path the root must contain, or a path relative to the root whose directory must
-    exist there (a file of another server that happens to carry an ancestor's pid is passed over)."""
+    exist there (a file of another server that happens to carry an ancestor's pid is passed over).
+
+    Jupyter Server starts a kernel with ``JPY_SESSION_NAME`` set to the notebook's absolute path when the session
+    has a name, as JupyterLab's have (the directory of the session's path under the root, joined with the name:
+    ``SessionManager.get_kernel_env``), and to the session's path itself, relative to the root, when it has none;
+    its own pages and REST API name the notebook by that session path, relative to the root. gpucleanup shows the
+    server's form wherever there is a server: the kernel finds the server that started it (its parent, or a near
+    ancestor) by the file that server writes in the runtime directory, ``jpserver-<pid>.json``, whose ``root_dir``
+    is ``os.path.abspath`` of the root (``ServerApp.server_info``), and records the notebook relative to that root,
+    with the root beside it. Without a server (``jupyter console``, an editor that starts kernels itself), or when
+    the path is not under the root found, the notebook stays absolute.
+    """
     current = pid if pid is not None else os.getpid()
     for _ in range(ANCESTORS):
         parent = os.getppid() if current == os.getpid() else _parent(current)

@@ -1,33 +1,8 @@
 """``%gpumem --plot``: device memory per cell over the session, drawn three ways.
 
-The data is ``timeline.series(records)`` (one series per device, one point per cell record);
-this module only draws it:
-
-- ``figure(data)``: a matplotlib ``Figure``, one panel per device: used (after the cleanup),
-  live, cached and outside every pool as lines over the cell numbers, and what each cleanup
-  freed as a downward marker at the level before it, sized by the bytes freed (the largest
-  ones labelled). Built with ``matplotlib.figure.Figure`` and rendered by ``FigureCanvasAgg``
-  directly, never through pyplot: the user's backend, current figure and interactive state are
-  left as they are, and nothing of theirs is closed.
-- ``svg(data)``: the same picture as a dependency-free SVG document, for kernels without
-  matplotlib. Every text in it is escaped (device names come from the driver).
-- ``sparklines(data)``: the same series as text, one line per device and series
-  (``▁▂▃▄▅▆▇█``, zero-based, one scale per device), with min/max and the cell range.
-
-``%gpumem --plot`` displays one ``TimelinePlot``, which carries all three: ``_repr_png_``
-(matplotlib importable) or else ``_repr_svg_``, and ``_repr_pretty_`` for text. IPython's
-display formatter computes only the types its frontend shows (``DisplayFormatter.active_types``):
-a Jupyter kernel computes them all and the notebook shows the image; the terminal IPython
-activates only text/plain (plus image/png in terminals with the kitty graphics protocol), so a
-plain terminal gets the sparklines and never draws a PNG; ``jupyter console`` shows the text.
-That is the check for "a terminal": what the frontend declared, not the shell's class name.
-
-X axis: the cell numbers (``In [N]``). A record with no cell (``%gpumem --drain`` between
-cells) sits between the cells around it, in the order it came. When the numbers do not go up
-(``%reset`` starts counting again), the points are placed by order and labelled by cell.
-Y axis: GiB, MiB, ... as ``report.format_bytes`` would pick for the device's largest value.
-More than 1,000 records of a device (``history_size`` allows 100,000) are drawn in groups of
-consecutive records, each group's largest values (freed: their sum), and the axis says so.
+The data is ``timeline.series(records)`` (one series per device, one point per cell record); this module only
+draws it: a matplotlib figure (:func:`figure`), an SVG (:func:`svg`) or sparklines (:func:`sparklines`), all
+carried by :class:`TimelinePlot`.
 """
 
 from __future__ import annotations
@@ -128,7 +103,10 @@ def positions(points: Sequence[dict]) -> Tuple[List[float], bool]:
 
 
 class _Panel:
-    """One device's series, placed and scaled: what every drawing reads."""
+    """One device's series, placed and scaled: what every drawing reads.
+
+    X axis: the cell numbers (``In [N]``), placed by :func:`positions`. Y axis: GiB, MiB, ... as
+    ``report.format_bytes`` would pick for the device's largest value."""
 
     def __init__(self, device: dict):
         self.index = device.get("index")
@@ -226,7 +204,8 @@ class _Panel:
 
 def _grouped(points: Sequence[dict], xs: Sequence[float], per: int) -> Tuple[List[dict], List[float]]:
     """Consecutive records ``per`` at a time, as one point each at the place of the group's last:
-    the largest of each value (unknown only when unknown in all), freed bytes summed."""
+    the largest of each value (unknown only when unknown in all), freed bytes summed. More than 1,000 records of a
+    device (``history_size`` allows 100,000) are drawn so, and the axis says so."""
     out: List[dict] = []
     where: List[float] = []
     for start in range(0, len(points), per):
@@ -269,7 +248,14 @@ def figure(data: dict):
 
     Each panel has one line per series of ``SERIES`` that has a value (labelled as there),
     the freed markers (one scatter labelled ``FREED_LABEL``) and a dotted vertical line per
-    drain (``DRAIN_LABEL``). Raises ValueError for a timeline with no point."""
+    drain (``DRAIN_LABEL``). Raises ValueError for a timeline with no point.
+
+    The series are used (after the cleanup), live, cached and outside every pool, as lines over the cell numbers;
+    what each cleanup freed is a downward marker at the level before it, sized by the bytes freed (the largest ones
+    labelled). Built with ``matplotlib.figure.Figure`` and rendered by ``FigureCanvasAgg`` directly, never through
+    pyplot: the user's backend, current figure and interactive state are left as they are, and nothing of theirs is
+    closed.
+    """
     from matplotlib import patheffects
     from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter, MaxNLocator
@@ -383,7 +369,10 @@ def svg(data: dict) -> str:
     Per device a ``<g class="device">`` with, per series that has a value, a
     ``<g class="series" data-series="KEY">`` of ``<polyline>`` (one per run of known points),
     a ``<g class="freed">`` of downward triangles (``<path>`` each with a ``<title>``) and a
-    ``<g class="drains">`` of lines. Raises ValueError for a timeline with no point."""
+    ``<g class="drains">`` of lines. Raises ValueError for a timeline with no point.
+
+    Dependency-free, for kernels without matplotlib. Every text in it is escaped (device names come from the driver).
+    """
     panels = _panels(data)
     if not panels:
         raise ValueError("the timeline has no point to draw")
@@ -575,7 +564,11 @@ def sparklines(data: dict, width: int = _SPARK_WIDTH) -> str:
     Every line of a device shares one scale, from 0 to the largest value on that device
     (so heights compare across lines); blank: not known. The freed line has ``·`` where the
     cleanup freed nothing. More than ``width`` records share marks (the largest value of
-    each group; freed: their sum, on a scale of its own, to the largest sum)."""
+    each group; freed: their sum, on a scale of its own, to the largest sum).
+
+    One line per device and series (``▁▂▃▄▅▆▇█``, zero-based, one scale per device), with min/max and the cell
+    range.
+    """
     panels = _panels(data)
     if not panels:
         return EMPTY
@@ -638,7 +631,15 @@ class TimelinePlot:
     frontends, the sparklines for text-only ones; IPython asks for what its frontend shows.
 
     ``data`` is ``timeline.series(records)``; ``figure()`` gives the matplotlib Figure to
-    save or restyle (``TimelinePlot(records).figure().savefig("gpu.png")``)."""
+    save or restyle (``TimelinePlot(records).figure().savefig("gpu.png")``).
+
+    It carries all three drawings: ``_repr_png_`` (matplotlib importable) or else ``_repr_svg_``, and
+    ``_repr_pretty_`` for text. IPython's display formatter computes only the types its frontend shows
+    (``DisplayFormatter.active_types``): a Jupyter kernel computes them all and the notebook shows the image; the
+    terminal IPython activates only text/plain (plus image/png in terminals with the kitty graphics protocol), so a
+    plain terminal gets the sparklines and never draws a PNG; ``jupyter console`` shows the text. That is the check
+    for "a terminal": what the frontend declared, not the shell's class name.
+    """
 
     def __init__(self, records: Optional[Sequence[dict]] = None, data: Optional[dict] = None):
         self.data = data if data is not None else timeline.series(records or [])

@@ -1,24 +1,7 @@
 """The admin's view of a shared GPU server: who holds each GPU, what is idle, what parking would give back.
 
-What the page's header and table and the bulk "park the idle kernels" action read, added to the API's
-answer (``model.assemble``) by :func:`annotate`. Everything here is read once per refresh and never per
-kernel per request:
-
-- :class:`GpuView`: what ``nvidia-smi`` says, asked twice per refresh (the GPUs, the processes on them, at
-  once, each bounded); None where it cannot say (no nvidia-smi, a container that hides it).
-- :func:`local_facts`: per kernel, its owner's user name (``/proc/<pid>/status``) and the cheap part of
-  ``gpucleanup park --check``: who owns the process, its state, the GPUs it uses, host memory and its
-  cgroup's limit (``park.refusals``). The driver's own state of the process needs a helper process per
-  kernel, so it is read only by the full check (``GET .../park-check``, the row's "Can park?").
-- :func:`annotate`: per entry ``owner``, ``idle_since_ns``/``idle_s``, ``held`` (per GPU) and ``held_bytes``,
-  ``parked``, ``park_check``; per GPU the header's figures, whose ``held_bytes`` is by construction the sum of
-  the rows' ``held`` on that GPU.
-
-A kernel's memory on a GPU (``held``) is what nvidia-smi lists for its pid there (the whole process: context,
-pools, raw allocations), split into live and cached (the frameworks' pools and the driver's free pool memory,
-from its last cell's record) and the rest, outside every pool. Where nvidia-smi does not list the pid (no
-nvidia-smi, another PID namespace) it is the kernel's own pools only, live and cached, marked ``source:
-"kernel"``: its context and raw allocations then count in the GPU's ``rest``.
+What the page's header and table and the bulk "park the idle kernels" action read, added to the API's answer
+(``model.assemble``) by :func:`annotate`; read once per refresh, never per kernel per request.
 """
 
 from __future__ import annotations
@@ -38,7 +21,8 @@ SORTS = ("held", "idle", "name")
 
 class GpuView:
     """What nvidia-smi says, read once per refresh: ``gpus`` (park.Gpu) and ``apps`` ((pid, uuid, bytes)),
-    each None when it cannot say."""
+    each None when it cannot say (no nvidia-smi, a container that hides it). nvidia-smi is asked twice per refresh
+    (the GPUs, the processes on them, at once, each bounded)."""
 
     def __init__(self, gpus=None, apps=None):
         self.gpus: Optional[List[park_steps.Gpu]] = gpus
@@ -102,7 +86,12 @@ def quick_check(kernel, state: Optional[dict], error: Optional[str], view: GpuVi
 
 def local_facts(gathered: kernels.Gathered, view: GpuView) -> Dict[int, dict]:
     """Per pid of every kernel ``gathered`` found in this PID namespace: ``owner`` and ``park_check``
-    (:func:`quick_check`). One pass over files under /proc and the kernels' directory; nothing is asked."""
+    (:func:`quick_check`). One pass over files under /proc and the kernels' directory; nothing is asked.
+
+    ``owner`` is the user name from ``/proc/<pid>/status``; ``park_check`` is the cheap part of ``gpucleanup park
+    --check``: who owns the process, its state, the GPUs it uses, host memory and its cgroup's limit
+    (``park.refusals``). The driver's own state of the process needs a helper process per kernel, so it is read only
+    by the full check (``GET .../park-check``, the row's "Can park?")."""
     facts: Dict[int, dict] = {}
     for kv in gathered.kernels:
         if kv.elsewhere is not None:
@@ -141,7 +130,13 @@ def _idle_since(entry: dict) -> Optional[int]:
 
 
 def _held(entry: dict, apps_by_pid: Dict[int, Dict[str, int]], parked: bool) -> List[dict]:
-    """The kernel's memory per GPU (see the module's text)."""
+    """The kernel's memory per GPU (``held``).
+
+    What nvidia-smi lists for its pid there (the whole process: context, pools, raw allocations), split into live
+    and cached (the frameworks' pools and the driver's free pool memory, from its last cell's record) and the rest,
+    outside every pool. Where nvidia-smi does not list the pid (no nvidia-smi, another PID namespace) it is the
+    kernel's own pools only, live and cached, marked ``source: "kernel"``: its context and raw allocations then
+    count in the GPU's ``rest``."""
     pid = entry.get("pid")
     listed = apps_by_pid.get(pid) if isinstance(pid, int) else None
     rows = []
@@ -194,7 +189,11 @@ def _parked(entry: dict) -> Optional[dict]:
 
 def annotate(data: dict, view: GpuView, facts: Dict[int, dict], root_dir: Optional[str] = None,
              now_ns: Optional[int] = None) -> dict:
-    """Adds the admin's fields to ``data`` (``model.assemble``'s answer) and its ``gpus``; returns it."""
+    """Adds the admin's fields to ``data`` (``model.assemble``'s answer) and its ``gpus``; returns it.
+
+    Per entry ``owner``, ``idle_since_ns``/``idle_s``, ``held`` (per GPU, :func:`_held`) and ``held_bytes``,
+    ``parked``, ``park_check``; per GPU the header's figures, whose ``held_bytes`` is by construction the sum of the
+    rows' ``held`` on that GPU."""
     now_ns = time.time_ns() if now_ns is None else now_ns
     apps_by_pid: Dict[int, Dict[str, int]] = {}
     for pid, uuid, used in view.apps or ():
