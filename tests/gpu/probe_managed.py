@@ -3,8 +3,9 @@
 Run on a GPU machine by ``scripts/gpu_run.sh managed`` (not a test: it prints evidence as JSON lines). For each
 framework at hand, a child process makes a context and holds ordinary device memory, then managed memory, then
 frees it; at each point the parent reads the child's ``/proc/<pid>/maps`` (which mappings name a device file of the
-driver, and their sizes) and, with managed memory held, parks the child with the real park steps
-(``gpucleanup.park.steps.park``) and reads which step refused and whether the child still runs.
+driver, and their sizes) and, with managed memory held and again once it is freed, parks the child with the real
+park steps (``gpucleanup.park.steps.park``, resumed where it went through) and reads which step refused and whether
+the child still runs. ``cupy-after``: managed memory held and freed before any park.
 """
 
 from __future__ import annotations
@@ -48,6 +49,17 @@ elif kind == "cupy-pool":
     pool.free_all_blocks()
     cp.cuda.Device().synchronize()
     wait("freed")
+elif kind == "cupy-after":
+    # managed memory held and freed before anything parks it: is the process parkable afterwards?
+    import cupy as cp
+    m = cp.cuda.malloc_managed(256 << 20)
+    cp.cuda.runtime.memset(m.ptr, 1, 256 << 20)
+    cp.cuda.Device().synchronize()
+    del m
+    cp.get_default_memory_pool().free_all_blocks()
+    a = cp.ones(64 << 20, dtype=cp.uint8)
+    cp.cuda.Device().synchronize()
+    wait("freed")
 elif kind == "torch":
     import torch
     a = torch.ones(64 << 20, dtype=torch.uint8, device="cuda")
@@ -67,6 +79,7 @@ elif kind == "numba":
     wait("managed")
     del m
     import gc; gc.collect()
+    cuda.current_context().deallocations.clear()  # numba defers frees: make this one now
     cuda.synchronize()
     wait("freed")
 wait("end")
@@ -101,6 +114,21 @@ def smaps_rss(pid: int, name: str) -> int:
     return total
 
 
+def park_once(child) -> dict:
+    """The real park steps on the child, and its resume where the park went through."""
+    from gpucleanup.park import steps
+
+    started = time.monotonic()
+    outcome = steps.park(child.pid)
+    out = {"ok": outcome.ok, "state": outcome.state, "message": outcome.message,
+           "steps": [{"name": s.name, "result": s.result, "state": s.state} for s in outcome.steps],
+           "seconds": round(time.monotonic() - started, 2)}
+    if outcome.ok:
+        back = steps.resume(child.pid)
+        out["resume"] = {"ok": back.ok, "message": back.message}
+    return out
+
+
 def run(kind: str) -> dict:
     child = subprocess.Popen([sys.executable, "-c", CHILD, kind], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              text=True)
@@ -115,17 +143,13 @@ def run(kind: str) -> dict:
                 result["attr_type"] = int(line.split()[1])
                 continue
             result["points"][line] = {"maps": mappings(child.pid), "uvm_rss": smaps_rss(child.pid, "/dev/nvidia-uvm")}
-            if line == "managed" and kind != "torch":
-                from gpucleanup.park import steps
-
-                started = time.monotonic()
-                outcome = steps.park(child.pid)
-                result["park"] = {"ok": outcome.ok, "state": outcome.state, "message": outcome.message,
-                                  "steps": [{"name": s.name, "result": s.result, "state": s.state} for s in outcome.steps],
-                                  "seconds": round(time.monotonic() - started, 2)}
-                if outcome.ok:
-                    back = steps.resume(child.pid)
-                    result["resume"] = {"ok": back.ok, "message": back.message}
+            # a park with managed memory held, and again once it is freed (twice, 2 s apart: does a refusal last?)
+            if line in ("managed", "freed") and kind != "torch":
+                tries = [park_once(child)]
+                if line == "freed" and not tries[0]["ok"]:
+                    time.sleep(2)
+                    tries.append(park_once(child))
+                result["park" if line == "managed" else "park_after_free"] = tries if line == "freed" else tries[0]
                 result["alive_after_park"] = child.poll() is None
             if line == "end":
                 child.stdin.write("\n")
@@ -140,7 +164,7 @@ def run(kind: str) -> dict:
 
 
 def main() -> int:
-    for kind in sys.argv[1:] or ["cupy", "cupy-pool", "numba", "torch"]:
+    for kind in sys.argv[1:] or ["cupy", "cupy-pool", "cupy-after", "numba", "torch"]:
         print(json.dumps(run(kind)), flush=True)
     return 0
 

@@ -406,7 +406,7 @@ def test_a_resume_no_cell_said_is_taken_once_from_the_lock_file(tmp_path):
     assert lock.stat().st_size == 0 and resume_news.take(lock) is None  # said once
 
 
-def test_a_refused_parks_memo_is_read_from_outside_said_with_its_age_and_ended_by_the_next_cell(tmp_path):
+def test_a_refused_parks_memo_is_read_from_outside_said_with_its_age_and_outlives_the_next_cell(tmp_path):
     from gpucleanup.park import from_outside, kernel_side as parking, lock as park_lock, resume_news
 
     lock = tmp_path / "4242-0123456789abcdef.park"
@@ -425,13 +425,14 @@ def test_a_refused_parks_memo_is_read_from_outside_said_with_its_age_and_ended_b
     for malformed in ({"refused": "yes"}, {"refused": {"result": 801, "since_ns": 1}},
                       {"refused": {"result": "CUDA_ERROR_NOT_SUPPORTED", "since_ns": 0}}):
         assert park_lock.refused_memo(malformed) is None
-    # the next cell's look says the resume no cell said, and ends the memo with it
+    # the next cell's look says the resume no cell said, once
     said = resume_news.take(lock)
     assert said is not None and said.startswith("resumed its GPU memory from host memory in 0.3 s (parked 12 s)")
-    assert lock.stat().st_size == 0 and from_outside.refused_before(os.getpid(), lock) is None
-    with parking.ParkLock(lock, 1.0) as held:  # the memo alone: taken silently
+    assert resume_news.take(lock) is None
+    with parking.ParkLock(lock, 1.0) as held:  # the memo alone: it stays, cell after cell (the driver would refuse)
         held.write_note({"refused": {"result": "CUDA_ERROR_NOT_SUPPORTED", "since_ns": 100 * S}})
-    assert resume_news.take(lock) is None and lock.stat().st_size == 0
+    assert resume_news.take(lock) is None and resume_news.take(lock) is None
+    assert from_outside.refused_before(os.getpid(), lock).startswith("[gpucleanup.park.652]")
 
 
 def test_only_a_lasting_checkpoint_refusal_of_a_process_that_runs_again_is_remembered():

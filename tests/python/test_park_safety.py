@@ -886,6 +886,35 @@ def test_cupti_in_use_a_mig_device_and_an_mps_server_are_refused_before_anything
     park._MPS_SEEN.clear()
 
 
+# /proc/PID/maps of a CuPy process on an H100 (driver 580.159.04, tests/bench/results/h100-managed-probe-*.jsonl):
+# the one 2 MiB mapping of /dev/nvidia-uvm every CUDA process has, and a 256 MiB managed allocation's own
+UVM_BASE = "7f1000000000-7f1000200000 rw-s 00000000 00:05 812 /dev/nvidia-uvm\n"
+UVM_MANAGED = "7f2000000000-7f2010000000 rw-s 00000000 00:05 812 /dev/nvidia-uvm\n"
+CUDA_MAPS = ("7f00-7f10 r-xp 0 08:01 1 /usr/lib/libcuda.so.1\n"
+             "7f3000000000-7f3000200000 rw-s 00000000 00:05 811 /dev/nvidia0\n")
+
+
+def test_a_process_holding_managed_memory_is_refused_before_anything_is_locked_and_one_without_is_not(tmp_path):
+    proc = tmp_path / "proc"
+    write(proc / "520" / "maps", CUDA_MAPS + UVM_BASE + UVM_MANAGED)
+    (proc / "520" / "environ").write_bytes(b"CUDA_VISIBLE_DEVICES=0\0")
+    write(proc / "521" / "maps", CUDA_MAPS + UVM_BASE)  # ordinary device memory only
+    (proc / "521" / "environ").write_bytes(b"CUDA_VISIBLE_DEVICES=0\0")
+    park._MPS_SEEN.clear()
+    assert park.managed_bytes(CUDA_MAPS + UVM_BASE + UVM_MANAGED) == 256 * MiB
+    assert park.managed_bytes(CUDA_MAPS + UVM_BASE) == 0 and park.managed_bytes("") == 0
+    (refusal,) = park.unsupported_refusals(520, str(proc))
+    assert refusal == ("[gpucleanup.park.653] process 520 holds 256 MiB of CUDA managed memory (its mappings of "
+                       "/dev/nvidia-uvm), which the driver's checkpoint does not support: it is not parked; "
+                       f"{park.MANAGED_REMEDY}; GPUCLEANUP_PARK_UNPROVEN=managed tries the park all the same")
+    assert park.refusals(520, None, {}, proc=str(proc)) == [refusal]
+    assert park.unsupported_refusals(521, str(proc)) == []
+    # a driver that maps its device otherwise: the kernel's own opt-in lets the park be tried
+    (proc / "520" / "environ").write_bytes(b"CUDA_VISIBLE_DEVICES=0\0GPUCLEANUP_PARK_UNPROVEN=jax,managed\0")
+    assert park.unsupported_refusals(520, str(proc)) == []
+    park._MPS_SEEN.clear()
+
+
 def test_libcupti_loaded_without_a_subscriber_is_parkable_and_the_kernels_own_trace_is_not(tmp_path):
     # JAX's XLA plugin and PyTorch's profiler map libcupti at import and subscribe nothing: the H100 run that
     # refused every JAX park for the mapping alone is why this is no refusal

@@ -192,7 +192,7 @@ def test_every_row_says_notebook_owner_state_idle_time_held_memory_and_the_park_
     assert [h["gpu"] for h in rows[pids[TWO_GPUS]]["held"]] == [UUID0, UUID1]
 
 
-def test_a_kernel_whose_last_park_the_driver_refused_for_what_it_holds_is_not_parkable_until_its_next_cell(setup):
+def test_a_kernel_whose_park_the_driver_refused_for_what_it_holds_is_said_not_parkable_while_its_memo_stands(setup):
     from gpucleanup.park.kernel_side import ParkLock, lock_path
     from gpucleanup.protocol import discovery
 
@@ -210,7 +210,7 @@ def test_a_kernel_whose_last_park_the_driver_refused_for_what_it_holds_is_not_pa
                         r"\(CUDA_ERROR_NOT_SUPPORTED: the process holds memory the driver's checkpoint does not support",
                         check["reasons"][0]), check
     finally:
-        with ParkLock(lock, 1.0) as held:  # the kernel's next cell ends the memo
+        with ParkLock(lock, 1.0) as held:  # the memo lasts as the process; this one stands in for a kernel
             held.write_note(None)
     check = by_pid(listing(server, sort="held", cards=""))[pid]["park_check"]
     assert (check["parkable"], check["reasons"]) == (True, [])

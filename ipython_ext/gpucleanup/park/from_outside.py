@@ -82,8 +82,8 @@ def owner_refusal(pid: int, lock_file: os.PathLike, proc: str = "/proc") -> Opti
 
 
 def refused_before(pid: int, lock_file: os.PathLike) -> Optional[str]:
-    """``park.652`` when the driver refused the kernel's last park for what it holds and no cell has run since (the
-    lock file's memo, read without taking the lock, as a file of the process's own user), else None."""
+    """``park.652`` when the driver refused a park of the kernel for what it holds (the lock file's memo, kept for
+    the process's life, read without taking the lock, as a file of the process's own user), else None."""
     uid = process_uid(pid)
     memo = refused_memo(peek_note(lock_file, owners={uid})) if uid is not None else None
     return park_steps.refused_again_refusal(pid, memo) if memo is not None else None

@@ -61,8 +61,8 @@ def park_kernel(pid: int, record: RecordStep, lock_file: os.PathLike,
     for at most ``begin_wait_s`` seconds: the release ends by itself, and a park must not fail for it.
 
     Raises :class:`~gpucleanup.park.steps.ParkRefused` with the sentence when nothing was done (the kernel
-    runs a cell, is parked already, cannot be parked, or the driver refused its last park for what it holds and
-    no cell has run since: the lock file's memo), :class:`LockBusy` when another park or resume
+    runs a cell, is parked already, cannot be parked, or the driver refused a park of it for what it holds: the
+    lock file's memo, kept for the process's life), :class:`LockBusy` when another park or resume
     of it is under way. When the driver's steps fail and leave the process locked or checkpointed, its
     state is ``parked`` all the same: its next cell (or ``gpucleanup resume``) brings it back.
 
@@ -99,7 +99,7 @@ def park_kernel(pid: int, record: RecordStep, lock_file: os.PathLike,
             record("parked", outcome.parked_bytes if outcome.ok else None)
         else:
             result = park_steps.lasting_refusal(outcome)
-            if result is not None:  # refused for what it holds: no park is tried again before a cell has run
+            if result is not None:  # refused for what it holds: the driver fails every later one, none is tried
                 lock.write_note(dict(lock.read_note(), refused={"result": result, "since_ns": time.time_ns()}))
             record("failed", None)
         return outcome

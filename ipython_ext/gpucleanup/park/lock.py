@@ -132,7 +132,8 @@ def peek_note(path: os.PathLike, owners=None) -> dict:
 
 def refused_memo(note: dict) -> Optional[dict]:
     """The note's memo of a checkpoint the driver refused for what the process holds (``{"result", "since_ns"}``,
-    written by :func:`~gpucleanup.park.kernel_side.park_kernel`, cleared by the kernel's next cell); None if none."""
+    written by :func:`~gpucleanup.park.kernel_side.park_kernel`, kept for the process's life: the driver fails
+    every later checkpoint of it); None if none."""
     memo = note.get("refused")
     if (isinstance(memo, dict) and isinstance(memo.get("result"), str) and isinstance(memo.get("since_ns"), int)
             and memo["since_ns"] > 0):

@@ -75,13 +75,14 @@ def sentence(news: dict, now_ns: Optional[int] = None) -> Optional[str]:
 
 def take(lock_file: Optional[os.PathLike]) -> Optional[str]:
     """The sentence of a resume no cell has said yet, cleared as it is taken (so said once); None when there is
-    none, or when the lock is held elsewhere this moment (it is said by a later cell). A cell starts here: a
-    refused park's memo is cleared too. Never raises.
+    none, or when the lock is held elsewhere this moment (it is said by a later cell). A refused park's memo stays:
+    the driver fails every later checkpoint of the process. Never raises.
 
     The cell shows it as ``gpucleanup · resumed 1.5 GiB from host memory in 0.9 s (parked 42 min), 5 min before this
     cell, for a completion``. The memo is what a park the driver refused for what the kernel holds leaves there (no
-    park is tried again before a cell has run: :func:`gpucleanup.park.kernel_side.park_kernel`). Reading it costs a
-    cell one ``stat`` of that file while there is nothing to say (an empty or absent file).
+    park is tried again: :func:`gpucleanup.park.kernel_side.park_kernel`). Reading it costs a cell one ``stat`` of
+    that file while there is nothing to say (an empty or absent file), and the lock and a read in a kernel whose
+    park the driver refused.
     """
     if lock_file is None:
         return None
@@ -97,10 +98,9 @@ def take(lock_file: Optional[os.PathLike]) -> Optional[str]:
         with ParkLock(lock_file, 0.2) as lock:
             note = lock.read_note()
             news = note.get("resumed")
-            if not isinstance(news, dict) and "refused" not in note:
-                return None  # a park's own note: the kernel's state says parked, and its cell resumes it
-            # said once; and a refused park's memo ends with the cell, which may free what the driver refused
-            lock.write_note(None)
+            if not isinstance(news, dict):
+                return None  # a park's own note (its cell resumes it), or a refused park's memo, which stays
+            lock.write_note(None)  # said once
     except (LockBusy, ParkRefused, OSError):
         return None
     return sentence(news) if isinstance(news, dict) else None

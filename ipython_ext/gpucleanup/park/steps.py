@@ -585,14 +585,22 @@ def unproven_opt_in(environ: Optional[List[bytes]] = None) -> set:
     return names
 
 
-def unproven_refusal(pid: int, proc: str = "/proc", environ: Optional[List[bytes]] = None) -> Optional[str]:
-    """Why a kernel whose framework's park is not safe is not parked (None: none is in use, or it was let
-    through): on an H100 every JAX kernel left parked for 6 s died while parked (11 of 11), an XLA thread faulting
-    in the driver's ``cuStreamQuery`` while the process was checkpointed (share/FACTS.md §11)."""
+def _maps(pid: int, proc: str) -> Optional[str]:
     try:
         with open(f"{proc}/{int(pid)}/maps", encoding="utf-8", errors="replace") as fh:
-            maps = fh.read()
+            return fh.read()
     except OSError:
+        return None
+
+
+def unproven_refusal(pid: int, proc: str = "/proc", environ: Optional[List[bytes]] = None,
+                     maps: Optional[str] = None) -> Optional[str]:
+    """Why a kernel whose framework's park is not safe is not parked (None: none is in use, or it was let
+    through): on an H100 every JAX kernel left parked for 6 s died while parked (11 of 11), an XLA thread faulting
+    in the driver's ``cuStreamQuery`` while the process was checkpointed (share/FACTS.md §11). ``maps``: the
+    process's ``/proc/PID/maps`` already read (None: read here)."""
+    maps = _maps(pid, proc) if maps is None else maps
+    if maps is None:
         return None
     allowed = unproven_opt_in(environ)
     for name, marks in UNPROVEN.items():
@@ -603,6 +611,39 @@ def unproven_refusal(pid: int, proc: str = "/proc", environ: Optional[List[bytes
                 f"checkpointed): it is not parked; GPUCLEANUP_PARK_UNPROVEN={name} (for the kernel, or for the "
                 "command or server that parks) parks it all the same")
     return None
+
+
+#: The driver's unified-memory device: every CUDA process maps it once (2 MiB on an H100, driver 580.159.04), and
+#: each CUDA managed allocation adds a mapping of its own, gone when it is freed (share/FACTS.md §11).
+UVM_DEVICE = "/dev/nvidia-uvm"
+
+
+def managed_bytes(maps: str) -> int:
+    """Bytes of CUDA managed memory a process's ``/proc/PID/maps`` shows: its mappings of :data:`UVM_DEVICE`
+    beyond the smallest, which every CUDA process has (0: none held, or no CUDA)."""
+    sizes = []
+    for line in maps.splitlines():
+        fields = line.split(None, 5)
+        if len(fields) == 6 and fields[5].strip() == UVM_DEVICE:
+            lo, _, hi = fields[0].partition("-")
+            try:
+                sizes.append(int(hi, 16) - int(lo, 16))
+            except ValueError:
+                continue
+    return sum(sizes) - min(sizes) if len(sizes) > 1 else 0
+
+
+def managed_refusal(pid: int, maps: Optional[str], environ: Optional[List[bytes]] = None) -> Optional[str]:
+    """``park.653``: the process holds CUDA managed memory now, which the driver's checkpoint refuses
+    (``CUDA_ERROR_NOT_SUPPORTED``, and every later one after it): said before anything is locked, so that the
+    process stays parkable once it frees that memory. ``GPUCLEANUP_PARK_UNPROVEN=managed`` lets the park be tried
+    all the same (a driver that maps its device otherwise)."""
+    held = managed_bytes(maps) if maps else 0
+    if not held or "managed" in unproven_opt_in(environ):
+        return None
+    return (f"[gpucleanup.park.653] process {pid} holds {format_bytes(held)} of CUDA managed memory (its mappings "
+            f"of {UVM_DEVICE}), which the driver's checkpoint does not support: it is not parked; "
+            f"{MANAGED_REMEDY}; GPUCLEANUP_PARK_UNPROVEN=managed tries the park all the same")
 
 
 def unsupported_refusals(pid: int, proc: str = "/proc", tracing: bool = False) -> List[str]:
@@ -622,9 +663,10 @@ def unsupported_refusals(pid: int, proc: str = "/proc", tracing: bool = False) -
             environ = fh.read().split(b"\0")
     except OSError:
         environ = []
-    unproven = unproven_refusal(pid, proc, environ)
-    if unproven:
-        out.append(unproven)
+    maps = _maps(pid, proc)
+    for refusal in (unproven_refusal(pid, proc, environ, maps), managed_refusal(pid, maps, environ)):
+        if refusal:
+            out.append(refusal)
     injected = next((v.split(b"=", 1)[1] for v in environ if v.startswith(b"CUDA_INJECTION64_PATH=")), b"")
     if tracing:
         out.append("[gpucleanup.park.647] %gpumem --trace is on in this kernel: its CUPTI subscriber is something "
@@ -646,11 +688,16 @@ def unsupported_refusals(pid: int, proc: str = "/proc", tracing: bool = False) -
     return out
 
 
-#: What the driver's checkpoint answers for a process holding memory it cannot move, and answers again for as long
-#: as that memory is held: CUDA managed memory (measured on an H100: README "Parking a kernel").
+#: What the driver's checkpoint answers for a process holding memory it cannot move (CUDA managed memory); once it
+#: has, it fails every later checkpoint of that process with CUDA_ERROR_UNKNOWN, even once the memory is freed
+#: (an H100, driver 580.159.04: share/FACTS.md §11), so the refusal lasts as long as the process.
 LASTING_RESULTS = ("CUDA_ERROR_NOT_SUPPORTED",)
 UNSUPPORTED_MEMORY = ("the process holds memory the driver's checkpoint does not support, such as CUDA managed memory: "
                       "cudaMallocManaged, CuPy's malloc_managed, Numba's managed_array")
+REFUSED_FOR_LIFE = ("the driver then fails every later checkpoint of the process, even once that memory is freed, so "
+                    "no park of it is tried again; restart the kernel to make it parkable")
+MANAGED_REMEDY = ("free it in a cell before any park (CuPy: delete the arrays, then free_all_blocks() on the pool made "
+                  "with malloc_managed): a park the driver refuses leaves the process unparkable until it exits")
 
 
 def lasting_refusal(outcome: "Outcome") -> Optional[str]:
@@ -663,15 +710,13 @@ def lasting_refusal(outcome: "Outcome") -> Optional[str]:
 
 
 def refused_again_refusal(pid: int, memo: dict, now_ns: Optional[int] = None) -> str:
-    """A park not tried because the driver refused the last one for what the process holds (``memo``: the park
-    lock's note, ``{"result", "since_ns"}``) and no cell has run since."""
+    """A park not tried because the driver refused one for what the process holds (``memo``: the park lock's
+    note, ``{"result", "since_ns"}``): it would fail every later one (:data:`LASTING_RESULTS`)."""
     now_ns = time.time_ns() if now_ns is None else now_ns
     elapsed = max(0.0, (now_ns - int(memo["since_ns"])) / 1e9)
     ago = format_duration(elapsed) if elapsed >= 1 else "moments"
     return (f"[gpucleanup.park.652] the driver refused to checkpoint process {pid} {ago} ago "
-            f"({printable(str(memo['result']))[:60]}: {UNSUPPORTED_MEMORY}), and no cell has run since: a park "
-            "would be refused again, so none is tried; free that memory in a cell (CuPy: delete the arrays, then "
-            "free_all_blocks() on the pool made with malloc_managed), and the next park tries again")
+            f"({printable(str(memo['result']))[:60]}: {UNSUPPORTED_MEMORY}); {REFUSED_FOR_LIFE}")
 
 
 def refusals(pid: int, found: Optional[Step], usage: Optional[Dict[str, int]], view: Optional[List[Gpu]] = None,
@@ -758,7 +803,7 @@ def park(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = No
     if now == LOCKED:
         what = (f"outran its limit of {limits.checkpoint_s:.0f} s" if checkpointed.hung
                 else f"failed with {checkpointed.result}"
-                + (f" ({UNSUPPORTED_MEMORY})" if checkpointed.result in LASTING_RESULTS else ""))
+                + (f" ({UNSUPPORTED_MEMORY}; {REFUSED_FOR_LIFE})" if checkpointed.result in LASTING_RESULTS else ""))
         return _unlock_back(pid, limits, env, steps, outcome, f"the checkpoint {what}")
     return outcome(False, now, f"[gpucleanup.park.619] the checkpoint of process {pid} "
                    f"{'outran its limit' if checkpointed.hung else 'failed with ' + str(checkpointed.result)} and "
