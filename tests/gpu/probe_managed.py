@@ -5,7 +5,8 @@ framework at hand, a child process makes a context and holds ordinary device mem
 frees it; at each point the parent reads the child's ``/proc/<pid>/maps`` (which mappings name a device file of the
 driver, and their sizes) and, with managed memory held and again once it is freed, parks the child with the real
 park steps (``gpucleanup.park.steps.park``, resumed where it went through) and reads which step refused and whether
-the child still runs. ``cupy-after``: managed memory held and freed before any park.
+the child still runs. ``cupy-after``: managed memory held and freed before any park; ``cupy-pinned`` and
+``torch-pinned``: pinned host memory and no managed memory, parked (what ``managed_bytes`` must not count).
 """
 
 from __future__ import annotations
@@ -60,6 +61,23 @@ elif kind == "cupy-after":
     a = cp.ones(64 << 20, dtype=cp.uint8)
     cp.cuda.Device().synchronize()
     wait("freed")
+elif kind == "cupy-pinned":
+    # pinned host memory (CuPy's pinned pool), no managed memory: not to be taken for managed memory
+    import cupy as cp
+    import numpy as np
+    a = cp.ones(64 << 20, dtype=cp.uint8)
+    h = cp.cuda.alloc_pinned_memory(64 << 20)
+    host = np.frombuffer(h, dtype=np.uint8, count=64 << 20)
+    a.get(out=host)
+    cp.cuda.Device().synchronize()
+    wait("pinned")
+elif kind == "torch-pinned":
+    import torch
+    a = torch.ones(64 << 20, dtype=torch.uint8, device="cuda")
+    h = torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True)
+    h.copy_(a)
+    torch.cuda.synchronize()
+    wait("pinned")
 elif kind == "torch":
     import torch
     a = torch.ones(64 << 20, dtype=torch.uint8, device="cuda")
@@ -142,14 +160,19 @@ def run(kind: str) -> dict:
             if line.startswith("attr_type"):
                 result["attr_type"] = int(line.split()[1])
                 continue
-            result["points"][line] = {"maps": mappings(child.pid), "uvm_rss": smaps_rss(child.pid, "/dev/nvidia-uvm")}
+            from gpucleanup.park import steps as park_steps
+
+            with open(f"/proc/{child.pid}/maps", encoding="utf-8", errors="replace") as fh:
+                managed = park_steps.managed_bytes(fh.read())  # what park.653 would say it holds
+            result["points"][line] = {"maps": mappings(child.pid), "uvm_rss": smaps_rss(child.pid, "/dev/nvidia-uvm"),
+                                      "managed_bytes": managed}
             # a park with managed memory held, and again once it is freed (twice, 2 s apart: does a refusal last?)
-            if line in ("managed", "freed") and kind != "torch":
+            if line in ("managed", "freed", "pinned") and kind != "torch":
                 tries = [park_once(child)]
                 if line == "freed" and not tries[0]["ok"]:
                     time.sleep(2)
                     tries.append(park_once(child))
-                result["park" if line == "managed" else "park_after_free"] = tries if line == "freed" else tries[0]
+                result["park_after_free" if line == "freed" else "park"] = tries if line == "freed" else tries[0]
                 result["alive_after_park"] = child.poll() is None
             if line == "end":
                 child.stdin.write("\n")
@@ -164,7 +187,12 @@ def run(kind: str) -> dict:
 
 
 def main() -> int:
-    for kind in sys.argv[1:] or ["cupy", "cupy-pool", "cupy-after", "numba", "torch"]:
+    # the driver's own answer is what is probed: gpucleanup's refusal before the lock (park.653) is let through,
+    # and what it would have said is each point's managed_bytes
+    import os
+
+    os.environ["GPUCLEANUP_PARK_UNPROVEN"] = "managed"
+    for kind in sys.argv[1:] or ["cupy", "cupy-pool", "cupy-after", "cupy-pinned", "torch-pinned", "numba", "torch"]:
         print(json.dumps(run(kind)), flush=True)
     return 0
 
