@@ -100,7 +100,8 @@ def take(lock_file: Optional[os.PathLike]) -> Optional[str]:
             news = note.get("resumed")
             if not isinstance(news, dict):
                 return None  # a park's own note (its cell resumes it), or a refused park's memo, which stays
-            lock.write_note(None)  # said once
+            # said once; a refused park's memo stays
+            lock.write_note({"refused": note["refused"]} if "refused" in note else None)
     except (LockBusy, ParkRefused, OSError):
         return None
     return sentence(news) if isinstance(news, dict) else None
