@@ -104,8 +104,8 @@ def check_kernel(pid: int, target, timeout: float, lock_file: os.PathLike) -> di
     """``gpucleanup park --check``: whether kernel ``pid`` can be parked now and, if not, every reason, from
     what can be read without touching it: who owns it, its state (a cell or a drain running, parked already),
     the driver's state of the process (a helper's read-only look: a driver without checkpoint calls says so
-    there), the GPUs it uses (nvidia-smi), host memory and its cgroup's limit, and whether the driver refused its
-    last park for what it holds (no cell has run since). Returns ``{"parkable",
+    there), the GPUs it uses (nvidia-smi), host memory and its cgroup's limit, and whether the driver ever refused
+    a park of it for what it holds (the memo lasts as the process). Returns ``{"parkable",
     "reasons", "usage", "state", "driver_state"}``; never raises for what it finds."""
     out: dict = {"pid": pid, "parkable": False, "reasons": [], "usage": None, "state": None, "driver_state": None,
                  "blocker": None}
