@@ -236,30 +236,20 @@ def _init_subclass(cls, **kwargs):
 InteractiveShell.__init_subclass__ = _init_subclass
 
 
-# Which test left SIGINT's handler other than Python's default, and what it was: once a run saw IPython's three
-# tests that raise SIGINT from a thread all fail (no KeyboardInterrupt), and the rerun passed; a handler left
-# behind is the one cause they share. Said, not failed on: the tests themselves fail when it matters.
+# The suite's Ctrl-C tests (test_magic.py's *_raise_on_interrupt) raise SIGINT and expect KeyboardInterrupt, as in a
+# terminal. A run started in the background by a shell without job control inherits SIGINT ignored, and Python then
+# installs no handler: those three tests fail, with or without gpucleanup. So Python's handler is put in place as the
+# session starts; and every change of the handler after a test is said (one of gpucleanup's would show here).
+import signal as _signal
+
+if _signal.getsignal(_signal.SIGINT) is _signal.SIG_IGN:
+    _signal.signal(_signal.SIGINT, _signal.default_int_handler)
 _sigint = {"last": None, "changes": []}
 
 
-def pytest_runtest_setup(item):
-    # The suite's own order: its debugger tests leave pdb's SIGINT handler installed (Pdb.sigint_handler, bound to a
-    # Pdb of a test that has ended) until a later debugger test happens to reset it; a test that expects Ctrl-C to
-    # raise KeyboardInterrupt then sees pdb's handler. Only that handler is put back to Python's default: one of
-    # gpucleanup's left behind stays, and fails those tests, as it should.
-    import pdb
-    import signal
-
-    handler = signal.getsignal(signal.SIGINT)
-    if isinstance(getattr(handler, "__self__", None), pdb.Pdb):
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
 def pytest_runtest_teardown(item, nextitem):
-    import signal
-
-    handler = signal.getsignal(signal.SIGINT)
-    seen = None if handler is signal.default_int_handler else repr(handler)[:160]
+    handler = _signal.getsignal(_signal.SIGINT)
+    seen = None if handler is _signal.default_int_handler else repr(handler)[:160]
     if seen != _sigint["last"] and len(_sigint["changes"]) < 20:
         _sigint["changes"].append([item.nodeid, seen])
     _sigint["last"] = seen
