@@ -137,7 +137,8 @@ if [[ $stages == *" park-hold "* ]]; then
   # one kernel (gpucleanup loaded by the kernel's config file) parked from outside and resumed again and again
   # (tests/bench/park_loop.py), arm after arm: PARK_HOLD_ARMS is a list of framework:runs:pause:resume:hold[:parked]
   # (pause: seconds idle before the park; resume: cell or outside; hold: on, or off for the control arm without
-  # the hold; parked: seconds parked before the resume, default 0), each bounded by PARK_HOLD_ARM_S seconds
+  # the hold; parked: seconds parked before the resume, default 0; park: outside (gpucleanup park PID, default)
+  # or kernel (%gpumem --park, with the hold while parked)), each bounded by PARK_HOLD_ARM_S seconds
   # (default 300); each arm's runs in park-hold-<n>.json, every line in park-hold.log
   if command -v cc >/dev/null && cc -shared -fPIC -O1 -o /tmp/crash_backtrace.so tests/gpu/native/crash_backtrace.c; then
     export GPUCLEANUP_TEST_CRASH_BACKTRACE=/tmp/crash_backtrace.so
@@ -147,9 +148,10 @@ if [[ $stages == *" park-hold "* ]]; then
   n=0
   for arm in ${PARK_HOLD_ARMS:-jax:50:0:cell:on jax:50:2:cell:on}; do
     n=$((n + 1))
-    IFS=: read -r framework runs pause resume hold parked <<<"$arm"
+    IFS=: read -r framework runs pause resume hold parked park_by <<<"$arm"
     timeout $(( ${PARK_HOLD_ARM_S:-300} + 60 )) python3 tests/bench/park_loop.py --framework "$framework" --runs "$runs" \
-      --pause "$pause" --parked "${parked:-0}" --resume "$resume" --hold "$hold" --budget "${PARK_HOLD_ARM_S:-300}" \
+      --pause "$pause" --parked "${parked:-0}" --resume "$resume" --hold "$hold" --park "${park_by:-outside}" \
+      --budget "${PARK_HOLD_ARM_S:-300}" \
       --json "$out/park-hold-$n.json" 2>&1 | tee -a "$out/park-hold.log"
   done
 fi

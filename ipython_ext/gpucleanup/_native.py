@@ -53,6 +53,7 @@ __all__ = [
     "clear_drain_hook",
     "checkpoint_step",
     "allow_tracer",
+    "hold_while_parked",
     "sigterm_cleanup",
 ]
 
@@ -433,6 +434,15 @@ def checkpoint_step(pid: int, step: str, lock_timeout_ms: int = 0) -> dict:
     _entry("gpucleanup_checkpoint_step")
     fn = library().gpucleanup_checkpoint_step  # may wait for the driver: let other threads run
     return _call_json(fn, int(pid), step.encode(), int(lock_timeout_ms))
+
+
+def hold_while_parked(pid: int, tids: list, limit_ms: int, report_fd: int) -> dict:
+    """Holds threads ``tids`` of process ``pid`` (ptrace) until a release (SIGUSR1, SIGTERM, SIGINT, SIGHUP for this
+    process) or their end; writes the hold's report as one JSON line on ``report_fd`` once they are stopped and
+    returns the last one (``"ended"``: why the hold ended). Blocks all that time: for the park's hold helper only
+    (:mod:`gpucleanup.park.parked_hold`). No driver call."""
+    fn = _entry("gpucleanup_hold_while_parked")  # blocks for as long as the kernel stays parked: the GIL is let go
+    return _call_json(fn, int(pid), json.dumps([int(t) for t in tids]).encode(), int(limit_ms), int(report_fd))
 
 
 def allow_tracer(pid: int) -> Optional[int]:

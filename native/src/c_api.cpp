@@ -13,6 +13,7 @@
 #include <mutex>
 #include <new>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 
@@ -425,6 +426,33 @@ gpucleanup_status gpucleanup_allow_tracer(int tracer, int* errno_out) {
     if (errno_out == nullptr) fail(GPUCLEANUP_ERR_INVALID_ARGUMENT, "[gpucleanup.api.136] errno_out is NULL: pass the address of an int");
     if (tracer < 0) fail(GPUCLEANUP_ERR_INVALID_ARGUMENT, "[gpucleanup.api.137] tracer must be a process id, or 0 to take the permission back");
     *errno_out = allow_tracer(static_cast<pid_t>(tracer));
+  });
+}
+
+gpucleanup_status gpucleanup_hold_while_parked(int pid, const char* tids_json, unsigned int limit_ms, int report_fd,
+                                               char** json_out) {
+  return guarded([&] {
+    require_out(json_out);
+    if (pid <= 0 || pid == static_cast<int>(getpid())) {
+      fail(GPUCLEANUP_ERR_INVALID_ARGUMENT, "[gpucleanup.park.606] pid " + std::to_string(pid) +
+                                                " is not another process: a hold is made by a helper process");
+    }
+    if (limit_ms < 1 || limit_ms > 60000) {
+      fail(GPUCLEANUP_ERR_INVALID_ARGUMENT, "[gpucleanup.park.607] limit_ms must be from 1 to 60000");
+    }
+    std::set<pid_t> tids;
+    const nlohmann::json list = nlohmann::json::parse(tids_json == nullptr ? "" : tids_json, nullptr, false);
+    if (!list.is_array() || list.size() > 65536) {
+      fail(GPUCLEANUP_ERR_INVALID_ARGUMENT, "[gpucleanup.park.608] tids_json must be a JSON array of thread ids");
+    }
+    for (const auto& tid : list) {
+      if (!tid.is_number_integer() || tid.get<std::int64_t>() < 1 || tid.get<std::int64_t>() > 2147483647) {
+        fail(GPUCLEANUP_ERR_INVALID_ARGUMENT, "[gpucleanup.park.608] tids_json must be a JSON array of thread ids");
+      }
+      tids.insert(static_cast<pid_t>(tid.get<std::int64_t>()));
+    }
+    hand_out(hold_while_parked(static_cast<pid_t>(pid), tids, std::chrono::milliseconds(limit_ms), report_fd),
+             json_out);
   });
 }
 

@@ -108,6 +108,17 @@ pid_t restore_thread(const Driver& driver, int pid, std::string& why) {
   return static_cast<pid_t>(tid);
 }
 
+// The park's hold while parked (thread_hold.hpp), whose threads the resume's
+// hold leaves to it: GPUCLEANUP_PARK_HELD_BY, set by gpucleanup.park for the
+// resume's helper only; 0 when unset or not a pid.
+pid_t held_by() {
+  const char* text = std::getenv("GPUCLEANUP_PARK_HELD_BY");
+  if (text == nullptr || *text < '1' || *text > '9') return 0;
+  char* end = nullptr;
+  const long pid = std::strtol(text, &end, 10);
+  return *end == '\0' && pid > 0 && pid <= 2147483647 ? static_cast<pid_t>(pid) : 0;
+}
+
 // How long a hold may take to come (the kernel's permission, every thread's stop).
 std::chrono::milliseconds hold_limit() {
   // digits only, as the extension's load note checks them (a value it calls wrong is read as 5000 here too)
@@ -205,6 +216,13 @@ json checkpoint_step(const Driver& driver, int pid, CheckpointStep step, unsigne
       int state = 0;
       result = get_state(driver, pid, state);
       if (result == CUDA_SUCCESS) out["state_before"] = process_state_name(state);
+      if (result == CUDA_SUCCESS && state == CU_PROCESS_STATE_RUNNING) {
+        // the one thread a hold while parked must leave running (its list is made by the kernel, which
+        // cannot ask the driver itself)
+        std::string why;
+        const pid_t tid = restore_thread(driver, pid, why);
+        out["restore_thread"] = tid > 0 ? json(tid) : json(nullptr);
+      }
       break;
     }
     case CheckpointStep::lock: {
@@ -226,7 +244,7 @@ json checkpoint_step(const Driver& driver, int pid, CheckpointStep step, unsigne
       const pid_t spare = hold_wanted() ? restore_thread(driver, pid, why) : 0;
       if (!hold_wanted()) why = "holding was turned off (GPUCLEANUP_PARK_HOLD=off)";
       std::optional<ThreadHold> hold;
-      if (spare > 0) hold.emplace(static_cast<pid_t>(pid), spare, hold_limit());
+      if (spare > 0) hold.emplace(static_cast<pid_t>(pid), HoldChoice{{spare}, {}, false, held_by()}, hold_limit());
       json held = hold ? hold->report() : json{{"held", false}, {"threads", 0}, {"why", why}};
       json unlock{{"ok", false}, {"result", nullptr}, {"code", nullptr}};
       // The driver's calls on a thread of their own; this thread, the tracer, watches the held threads meanwhile

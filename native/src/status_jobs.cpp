@@ -1,5 +1,6 @@
 #include "status_jobs.hpp"
 
+#include <pthread.h>
 #include <algorithm>
 #include <exception>
 #include <stdexcept>
@@ -21,9 +22,15 @@ void StatusJobs::start(std::function<bool()> parked, std::function<void()> drain
     std::lock_guard<std::mutex> lock(mutex_);
     stop_ = false;
   }
-  worker_ = std::thread([this] { work(); });
+  worker_ = std::thread([this] {
+    pthread_setname_np(pthread_self(), "gpucleanup-job");  // named: see status_server.cpp
+    work();
+  });
   try {
-    drain_worker_ = std::thread([this] { drain_work(); });
+    drain_worker_ = std::thread([this] {
+      pthread_setname_np(pthread_self(), "gpucleanup-drn");
+      drain_work();
+    });
   } catch (...) {
     stop();
     throw;

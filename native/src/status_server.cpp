@@ -1,6 +1,7 @@
 #include "status_server.hpp"
 #include "thread_hold.hpp"
 
+#include <pthread.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -296,7 +297,11 @@ nlohmann::json StatusServer::start() {
   s.check = RequestCheck(s.config);
   s.owner_pid = getpid();
   s.jobs.start([&s] { return s.kernel.park_state() != 0; }, [&s] { s.transport.wake(); });
-  s.thread = std::thread([&s] { s.serve(); });
+  s.thread = std::thread([&s] {
+    // named, so that the park's hold while parked leaves it running (gpucleanup.park.threads)
+    pthread_setname_np(pthread_self(), "gpucleanup-srv");
+    s.serve();
+  });
   s.started = true;
   return bound;
 }

@@ -5,6 +5,8 @@
 #include <sys/ptrace.h>
 #include <sys/wait.h>
 #include <csignal>
+#include <pthread.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -38,19 +40,28 @@ std::vector<pid_t> threads_of(pid_t pid) {
 
 }  // namespace
 
-ThreadHold::ThreadHold(pid_t pid, pid_t spare, std::chrono::milliseconds limit) : pid_(pid), spare_(spare) {
+ThreadHold::ThreadHold(pid_t pid, HoldChoice choice, std::chrono::milliseconds limit)
+    : pid_(pid), choice_(std::move(choice)) {
   const auto deadline = Clock::now() + limit;
   std::set<pid_t> seized;      // seized and interrupted, not yet seen stopped
   std::set<pid_t> gone;        // exited while being held
+  std::set<pid_t> left;        // held by the park's hold while parked
   for (;;) {
     // Seize what is new; a thread that is not stopped yet may still start another, so the list is read
     // again after every round of stops, until a round finds nothing new.
     bool fresh = false;
     for (const pid_t tid : threads_of(pid_)) {
-      if (tid == spare_ || seized.count(tid) || stopped_.count(tid) || gone.count(tid)) continue;
+      if (choice_.spare.count(tid) || seized.count(tid) || stopped_.count(tid) || gone.count(tid) ||
+          left.count(tid) || (choice_.only_listed && !choice_.only.count(tid))) {
+        continue;
+      }
       if (ptrace(PTRACE_SEIZE, tid, nullptr, nullptr) != 0) {
         const int err = errno;
         if (err == ESRCH) continue;  // it ended meanwhile
+        if (err == EPERM && choice_.held_by > 0 && tracer_of(pid_, tid) == choice_.held_by) {
+          left.insert(tid);  // stopped by the park's hold since the park: it stays stopped there
+          continue;
+        }
         if ((err == EPERM || err == EACCES) && seized.empty() && stopped_.empty() && Clock::now() < deadline) {
           // The kernel names this helper as its tracer a moment after starting it: ask again.
           std::this_thread::sleep_for(std::chrono::milliseconds(2));
@@ -97,6 +108,7 @@ ThreadHold::ThreadHold(pid_t pid, pid_t spare, std::chrono::milliseconds limit) 
   }
   missed_ = static_cast<int>(seized.size());
   count_ = static_cast<int>(stopped_.size());
+  by_holder_ = static_cast<int>(left.size());
   if (threads_of(pid_).empty()) {
     why_ = "process " + std::to_string(pid_) + " is gone";
     release();
@@ -161,10 +173,65 @@ void ThreadHold::release() noexcept {
 }
 
 nlohmann::json ThreadHold::report() const {
-  nlohmann::json out{{"held", held_}, {"threads", count_}, {"spared", spare_}, {"missed", missed_}};
+  nlohmann::json out{{"held", held_}, {"threads", count_}, {"missed", missed_}};
+  if (!choice_.only_listed) out["spared"] = choice_.spare.empty() ? 0 : *choice_.spare.begin();
+  if (choice_.held_by > 0) out["held_since_park"] = by_holder_;
   if (!why_.empty()) out["why"] = why_;
   if (!released_.empty()) out["released"] = "let go before the restore ended: " + released_ + " came for the process";
   if (error_ != 0) out["errno"] = error_;
+  return out;
+}
+
+pid_t tracer_of(pid_t pid, pid_t tid) noexcept {
+  const std::string path = "/proc/" + std::to_string(pid) + "/task/" + std::to_string(tid) + "/status";
+  std::FILE* file = std::fopen(path.c_str(), "re");
+  if (file == nullptr) return -1;
+  char line[256];
+  long tracer = -1;
+  while (std::fgets(line, sizeof line, file) != nullptr) {
+    if (std::strncmp(line, "TracerPid:", 10) == 0) {
+      tracer = std::strtol(line + 10, nullptr, 10);
+      break;
+    }
+  }
+  std::fclose(file);
+  return static_cast<pid_t>(tracer);
+}
+
+nlohmann::json hold_while_parked(pid_t pid, const std::set<pid_t>& only, std::chrono::milliseconds limit,
+                                 int report_fd) {
+  sigset_t wanted;
+  sigemptyset(&wanted);
+  for (const int signal : {SIGUSR1, SIGTERM, SIGINT, SIGHUP}) sigaddset(&wanted, signal);
+  sigset_t before;
+  pthread_sigmask(SIG_BLOCK, &wanted, &before);
+  ThreadHold hold(pid, HoldChoice{{}, only, true, 0}, limit);
+  nlohmann::json out = hold.report();
+  out["holder"] = static_cast<long>(getpid());
+  out["pid"] = static_cast<long>(pid);
+  const std::string line = out.dump() + "\n";
+  for (std::size_t done = 0; done < line.size();) {
+    const ssize_t wrote = write(report_fd, line.data() + done, line.size() - done);
+    if (wrote < 0 && errno == EINTR) continue;
+    if (wrote <= 0) break;  // nobody reads the report: the hold goes on all the same
+    done += static_cast<std::size_t>(wrote);
+  }
+  std::string ended = !hold.held() ? "not held" : out.value("threads", 0) == 0 ? "no thread to hold" : "";
+  const timespec tick{0, 50 * 1000 * 1000};
+  while (ended.empty()) {
+    const int got = sigtimedwait(&wanted, nullptr, &tick);
+    if (got > 0) {
+      ended = std::string("released by ") + (got == SIGUSR1 ? "SIGUSR1 (the resume is done)" : strsignal(got));
+      break;
+    }
+    if (!hold.watch()) {
+      const nlohmann::json now = hold.report();
+      ended = now.contains("released") ? now["released"].get<std::string>() : "the held threads ended";
+    }
+  }
+  hold.release();
+  pthread_sigmask(SIG_SETMASK, &before, nullptr);
+  out["ended"] = ended;
   return out;
 }
 

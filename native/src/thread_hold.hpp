@@ -15,18 +15,32 @@
 
 #include <chrono>
 #include <map>
+#include <set>
 #include <string>
 
 #include <nlohmann/json.hpp>
 
 namespace gpucleanup {
 
+// Which threads a hold stops: every thread of the process but `spare`, or only
+// those in `only` (when `only_listed`); a thread another process of ours
+// already holds (`held_by`, the park's hold while parked) is left to it and
+// counted, never an error.
+struct HoldChoice {
+  std::set<pid_t> spare;
+  std::set<pid_t> only;
+  bool only_listed = false;
+  pid_t held_by = 0;
+};
+
 class ThreadHold {
  public:
   // Stops every thread of `pid` but `spare` (the driver's restore thread);
   // waits at most `limit` for the permission (the kernel names its helper with
   // PR_SET_PTRACER a moment after starting it) and for the threads to stop.
-  ThreadHold(pid_t pid, pid_t spare, std::chrono::milliseconds limit);
+  ThreadHold(pid_t pid, pid_t spare, std::chrono::milliseconds limit)
+      : ThreadHold(pid, HoldChoice{{spare}, {}, false, 0}, limit) {}
+  ThreadHold(pid_t pid, HoldChoice choice, std::chrono::milliseconds limit);
   ~ThreadHold();  // releases whatever is still held
   ThreadHold(const ThreadHold&) = delete;
   ThreadHold& operator=(const ThreadHold&) = delete;
@@ -44,15 +58,32 @@ class ThreadHold {
 
  private:
   pid_t pid_;
-  pid_t spare_;
+  HoldChoice choice_;
   bool held_ = false;
   int missed_ = 0;
   int count_ = 0;
+  int by_holder_ = 0;  // threads left to the park's hold while parked (HoldChoice::held_by)
   int error_ = 0;
   std::string why_;
   std::string released_;  // why the hold ended before the restore did
   std::map<pid_t, int> stopped_;  // tid -> the signal to hand back on release (0: none)
 };
+
+// The park's hold while parked (a JAX kernel's XLA threads poll the driver on
+// their own and fault while the process is checkpointed: share/FACTS.md §11):
+// stops the threads of `pid` listed in `only`, writes one JSON line on
+// `report_fd` (the hold's report with "holder": this process), then keeps
+// them stopped until SIGUSR1, SIGTERM, SIGINT or SIGHUP comes for this
+// process (the resume's unlock is done), the process ends, or a signal that
+// ends the process comes for it (ThreadHold::watch). Returns the last report,
+// with "ended": why the hold ended. The signals are blocked in the calling
+// thread meanwhile and unblocked after.
+nlohmann::json hold_while_parked(pid_t pid, const std::set<pid_t>& only, std::chrono::milliseconds limit,
+                                 int report_fd);
+
+// The tracer of thread `tid` of process `pid` (TracerPid in its status), 0
+// for none, -1 when unreadable.
+pid_t tracer_of(pid_t pid, pid_t tid) noexcept;
 
 // Names `tracer` as the process allowed to trace this one under Yama's
 // ptrace_scope 1 (prctl PR_SET_PTRACER); 0 clears it. Returns errno (0: done;

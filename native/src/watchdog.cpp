@@ -1,5 +1,6 @@
 #include "watchdog.hpp"
 
+#include <pthread.h>
 #include <dlfcn.h>
 
 #include <atomic>
@@ -40,6 +41,7 @@ Watchdog::Watchdog() : queue_(std::make_shared<Queue>()), generation_(fork_gener
   pin_library();
   std::thread(
       [](std::shared_ptr<Queue> queue) {
+        pthread_setname_np(pthread_self(), "gpucleanup-dog");  // named: see status_server.cpp
         for (;;) {
           std::function<void()> job;
           {

@@ -9,7 +9,8 @@ that dies is counted lost, its output's last lines kept, and a fresh one takes i
 
     python tests/bench/park_loop.py --framework jax --runs 50 --pause 0 --json out.json
 
-``--hold off`` sets GPUCLEANUP_PARK_HOLD=off for the kernel and the commands: the restore then runs while the
+``--park kernel`` parks from inside instead (``%gpumem --park``, as the kernel's own idle park does), which holds a JAX
+kernel's own threads while it is parked (gpucleanup.park.parked_hold). ``--hold off`` sets GPUCLEANUP_PARK_HOLD=off for the kernel and the commands: the restore then runs while the
 kernel's other threads run too, as before the hold (the control arm). Prints one line per run and a summary;
 ``--json`` writes every run. Bounded by ``--budget`` seconds (runs not started past it are not counted).
 """
@@ -103,7 +104,15 @@ class Session:
             pass
 
 
-def one_run(session: Session, pause: float, resume: str, parked_s: float = 0.0) -> dict:
+def park_in_kernel(kernel) -> tuple:
+    """``%gpumem --park`` in a cell: (whether it parked, the line it printed)."""
+    cell = kernel.execute("%gpumem --park", 300, watch=True)
+    lines = [x for x in cell.printed.splitlines() if "gpucleanup" in x and "park" in x and "as soon as" not in x]
+    line = lines[-1] if lines else cell.printed[-600:]
+    return "· parked " in line, line
+
+
+def one_run(session: Session, pause: float, resume: str, parked_s: float = 0.0, park_by: str = "outside") -> dict:
     kernel = session.kernel
     out: dict = {}
     try:
@@ -117,15 +126,27 @@ def one_run(session: Session, pause: float, resume: str, parked_s: float = 0.0) 
     if pause:
         time.sleep(pause)
     started = time.monotonic()
-    parked = cli(session.env, "park", str(kernel.pid), "--json")
-    out["park_s"] = round(time.monotonic() - started, 3)
-    if parked.returncode != 0:
-        return dict(out, outcome="park refused" if parked.returncode == 4 else "park failed",
-                    why=(parked.stdout + parked.stderr)[-600:])
-    try:
-        out["parked_bytes"] = json.loads(parked.stdout).get("parked_bytes")
-    except ValueError:
-        pass
+    if park_by == "kernel":
+        try:
+            ok, line = park_in_kernel(kernel)
+        except kernel_harness.KernelDied:
+            return dict(out, outcome="lost", while_parking=True, exit=kernel.exit_status(), tail=session.tail())
+        except queue.Empty:
+            return dict(out, outcome="hung", while_parking=True, tail=session.tail())
+        out["park_s"] = round(time.monotonic() - started, 3)
+        out["park_line"] = line
+        if not ok:
+            return dict(out, outcome="park failed", why=line)
+    else:
+        parked = cli(session.env, "park", str(kernel.pid), "--json")
+        out["park_s"] = round(time.monotonic() - started, 3)
+        if parked.returncode != 0:
+            return dict(out, outcome="park refused" if parked.returncode == 4 else "park failed",
+                        why=(parked.stdout + parked.stderr)[-600:])
+        try:
+            out["parked_bytes"] = json.loads(parked.stdout).get("parked_bytes")
+        except ValueError:
+            pass
     if parked_s:
         time.sleep(parked_s)
     # the process's state before any resume: None while it runs (a kernel that died while parked, before any
@@ -166,20 +187,23 @@ def main() -> int:
     parser.add_argument("--parked", type=float, default=0.0, help="seconds parked before the resume")
     parser.add_argument("--resume", choices=("cell", "outside"), default="cell")
     parser.add_argument("--hold", choices=("on", "off"), default="on")
+    parser.add_argument("--park", choices=("outside", "kernel"), default="outside",
+                        help="gpucleanup park PID, or %%gpumem --park in a cell")
     parser.add_argument("--mib", type=int, default=512, help="device memory the kernel fills, MiB")
     parser.add_argument("--budget", type=float, default=480.0)
     parser.add_argument("--json")
     args = parser.parse_args()
     end = time.monotonic() + args.budget
     runs = []
-    label = f"{args.framework} pause {args.pause:g}s parked {args.parked:g}s resume {args.resume} hold {args.hold}"
+    label = (f"{args.framework} pause {args.pause:g}s park {args.park} parked {args.parked:g}s resume {args.resume} "
+             f"hold {args.hold}")
     with tempfile.TemporaryDirectory(prefix="gpucleanup-park-loop-") as tmp:
         session = Session(Path(tmp), args.framework, args.hold, args.mib * (1 << 20) // 4)
         try:
             for run in range(1, args.runs + 1):
                 if time.monotonic() >= end:
                     break
-                result = one_run(session, args.pause, args.resume, args.parked)
+                result = one_run(session, args.pause, args.resume, args.parked, args.park)
                 result["run"] = run
                 runs.append(result)
                 brief = {k: v for k, v in result.items() if k not in ("tail",)}

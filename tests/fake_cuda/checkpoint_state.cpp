@@ -337,6 +337,9 @@ std::optional<std::string> unlocked_state(int pid) {
 void wait_while_parked(const char* entry) {
   if (checkpoint_dir().empty()) return;
   const int pid = static_cast<int>(getpid());
+  // Running (the usual case) is read without the record's lock: a thread a park's hold stops while it owned the
+  // flock would stop every helper step, which takes that flock too.
+  if (const auto now = unlocked_state(pid); now && *now == "running") return;
   bool running = true;
   if (!with_record(pid, false, [&](json& record) {
         running = record.value("state", std::string("running")) == "running";

@@ -542,8 +542,9 @@ def test_a_park_that_waited_for_a_release_to_end_says_how_long(tmp_path, monkeyp
             raise refusals.pop(0)
         return {}
 
-    monkeypatch.setattr(park, "park", lambda pid, limits, env=None, tracing=False: park.Outcome(
-        "park", pid, True, park.CHECKPOINTED, "parked", seconds=2.0, changed=True, parked_bytes=1 << 30))
+    monkeypatch.setattr(park, "park", lambda pid, limits, env=None, tracing=False, hold_threads=None, allow=None:
+                        park.Outcome("park", pid, True, park.CHECKPOINTED, "parked", seconds=2.0, changed=True,
+                                     parked_bytes=1 << 30))
     outcome = parking.park_kernel(4242, record, tmp_path / "x.park")
     assert steps == ["begin", "begin", "begin", "parked"]
     assert outcome.waited_s >= 0.1  # two refusals, each followed by 50 ms before asking again

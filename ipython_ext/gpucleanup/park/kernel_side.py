@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from . import steps as park_steps, resume_news
+from .parked_hold import threads_to_hold
 from .lock import LockBusy, LockUnusable, ParkLock, lock_path, parked_need, refused_memo, wait_limit
 from ..say import say
 from ..units import format_bytes, format_duration
@@ -54,8 +55,11 @@ def _begin(record: RecordStep, wait_s: float) -> float:
 def park_kernel(pid: int, record: RecordStep, lock_file: os.PathLike,
                 limits: park_steps.Limits = park_steps.Limits(), env: Optional[dict] = None,
                 lock_timeout: float = 1.0, begin_wait_s: float = BEGIN_WAIT_S,
-                tracing: bool = False) -> park_steps.Outcome:
+                tracing: bool = False, hold_threads=None, allow: park_steps.Allow = None) -> park_steps.Outcome:
     """Parks kernel ``pid``: its state to parking, the driver's steps, its state to parked (or back to idle).
+
+    ``hold_threads`` and ``allow``: the kernel's own park, which can list its threads to hold while parked
+    (:func:`gpucleanup.park.steps.park`); the hold's report is kept in the lock file's note for the resume.
 
     A ``begin`` refused only for a moment (a drain or the kernel's own release under way) is asked again
     for at most ``begin_wait_s`` seconds: the release ends by itself, and a park must not fail for it.
@@ -88,14 +92,17 @@ def park_kernel(pid: int, record: RecordStep, lock_file: os.PathLike,
             raise park_steps.ParkRefused(park_steps.refused_again_refusal(pid, memo))
         waited_s = _begin(record, begin_wait_s)
         try:
-            outcome = park_steps.park(pid, limits, env=env, tracing=tracing)
+            outcome = park_steps.park(pid, limits, env=env, tracing=tracing, hold_threads=hold_threads, allow=allow)
         except BaseException:
             record("failed", None)
             raise
         outcome.waited_s = round(waited_s, 3)
         if outcome.ok or outcome.state in (park_steps.LOCKED, park_steps.CHECKPOINTED):
-            lock.write_note({"pid": pid, "usage": outcome.usage or {}, "parked_bytes": outcome.parked_bytes,
-                             "since_ns": time.time_ns()} if outcome.ok else None)
+            note = {"pid": pid, "usage": outcome.usage or {}, "parked_bytes": outcome.parked_bytes,
+                    "since_ns": time.time_ns()}
+            if outcome.parked_hold:
+                note["held"] = outcome.parked_hold
+            lock.write_note(note if outcome.ok or outcome.parked_hold else None)
             record("parked", outcome.parked_bytes if outcome.ok else None)
         else:
             result = park_steps.lasting_refusal(outcome)
@@ -116,7 +123,8 @@ def resume_kernel(pid: int, record: Optional[RecordStep], lock_file: os.PathLike
     ``allow``: names the restore's helper to the kernel, so that it may hold the kernel's threads meanwhile."""
     with ParkLock(lock_file, wait_limit(limits) if lock_timeout is None else lock_timeout) as lock:
         note = lock.read_note()
-        outcome = park_steps.resume(pid, limits, env=env, need=parked_need(note), allow=allow)
+        held = note.get("held") if isinstance(note, dict) and isinstance(note.get("held"), dict) else None
+        outcome = park_steps.resume(pid, limits, env=env, need=parked_need(note), allow=allow, held=held)
         if record is not None and park_steps.lost(outcome):
             try:
                 record("lost", None)  # ps, the page and /metrics say it; no cell waits on it
@@ -314,7 +322,7 @@ class InKernel:
             return
         try:
             outcome = park_kernel(os.getpid(), endpoint.park_step, endpoint.park_lock, self.limits, self.env,
-                                  tracing=self._tracing())
+                                  tracing=self._tracing(), hold_threads=threads_to_hold, allow=allow_helper)
         except (park_steps.ParkRefused, LockBusy, RuntimeError) as exc:
             if "the kernel is running" not in str(exc):  # a cell that started first is not news
                 self._auto_note = f"not parked after {format_duration(after_s)} idle: {exc}"
@@ -420,7 +428,7 @@ class InKernel:
 
         def run() -> str:
             outcome = park_kernel(pid, endpoint.park_step, endpoint.park_lock, self.limits, self.env,
-                                  tracing=self._tracing())
+                                  tracing=self._tracing(), hold_threads=threads_to_hold, allow=allow_helper)
             if outcome.ok:
                 return (parked_text(outcome) + "; the next cell brings it back (or: gpucleanup resume "
                         f"{pid})")

@@ -52,6 +52,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     was seen to hang the next lock (share/FACTS.md §10).
     """
     args = sys.argv[1:] if argv is None else list(argv)
+    if args and args[0] == "hold":
+        return _hold(args[1:])
     if len(args) not in (2, 3) or args[0] not in STEPS:
         print(USAGE, file=sys.stderr)
         return 2
@@ -73,6 +75,34 @@ def main(argv: Optional[List[str]] = None) -> int:
         result = {"ok": False, "step": args[0], "pid": pid, "refused": str(exc), "status": exc.status}
     print(json.dumps(result), flush=True)
     return 0
+
+
+HOLD_USAGE = "usage: python -m gpucleanup.park.native_step hold PID LIMIT_MS TID[,TID...]"
+
+
+def _hold(args: List[str]) -> int:
+    """``hold PID LIMIT_MS TIDS``: the park's hold while parked (:mod:`gpucleanup.park.parked_hold`)."""
+    if len(args) != 3:
+        print(HOLD_USAGE, file=sys.stderr)
+        return 2
+    pid, why = decimal(args[0], "PID", PID_MAX, 1, "pass the id of the process to act on")
+    limit_ms: Optional[int] = None
+    tids: List[int] = []
+    if pid is not None:
+        limit_ms, why = decimal(args[1], "LIMIT_MS", 60000, 1, "pass how long the stops may take, in milliseconds")
+    if limit_ms is not None:
+        for text in args[2].split(",") if args[2] else []:
+            tid, why = decimal(text, "TID", PID_MAX, 1, "pass the thread ids to hold, comma-separated")
+            if tid is None:
+                break
+            tids.append(tid)
+        else:
+            from .parked_hold import serve
+
+            return serve(pid, limit_ms, tids)
+    print(HOLD_USAGE, file=sys.stderr)
+    print(f"park_step: {why}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

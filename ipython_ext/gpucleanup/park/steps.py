@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
+from . import parked_hold
 from ..say import printable
 from ..units import format_bytes, format_duration
 
@@ -46,6 +47,7 @@ class Limits:
     checkpoint_s: float = 300.0
     restore_s: float = 300.0
     unlock_s: float = 30.0
+    hold_s: float = 5.0  # the hold while parked: the stops of the threads it holds (parked_hold.py)
 
     def of(self, name: str) -> float:
         return float(getattr(self, f"{name}_s"))
@@ -68,6 +70,7 @@ class Step:
     hold: Optional[dict] = None           # restore: whether the process's other threads were held meanwhile
     driver_version: Optional[int] = None  # cuDriverGetVersion in the helper (13000: CUDA 13.0)
     restore_layout_known: Optional[bool] = None  # the driver's restore arguments are laid out as this build's
+    restore_thread: Optional[int] = None  # state of a running process: the driver's restore thread in it
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -94,6 +97,7 @@ class Outcome:
     waited_s: float = 0.0            # a kernel's park: how long it waited for a release or a drain under way to end
     usage: Optional[Dict[str, int]] = None  # park: its device memory per GPU UUID before the park (nvidia-smi)
     interrupted: bool = False        # Ctrl-C or SIGTERM came during a step; the message says where it left things
+    parked_hold: Optional[dict] = None  # park: the hold while parked (parked_hold.py), kept for the resume
 
     def as_dict(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if k != "steps"}
@@ -163,7 +167,9 @@ def _call(name: str, pid: int, limit: float, env: Optional[Dict[str, str]], extr
                        state=reply.get("state"), seconds=seconds, refused=reply.get("refused"),
                        restore_map=reply.get("restore_map"), interrupted=interrupted,
                        driver_version=reply.get("driver_version"),
-                       restore_layout_known=reply.get("restore_layout_known"))
+                       restore_layout_known=reply.get("restore_layout_known"),
+                       restore_thread=reply.get("restore_thread") if isinstance(reply.get("restore_thread"), int)
+                       else None)
 
 
 def step(pid: int, name: str, limits: Limits = Limits(), python: Optional[str] = None,
@@ -177,12 +183,15 @@ def step(pid: int, name: str, limits: Limits = Limits(), python: Optional[str] =
 
 
 def restore_held(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = None,
-                 allow: Allow = None) -> Tuple[Step, Optional[Step]]:
+                 allow: Allow = None, held_by: Optional[int] = None) -> Tuple[Step, Optional[Step]]:
     """The restore and, when it worked, the unlock, in one helper that holds every other thread of process
     ``pid`` meanwhile (ptrace), all but the driver's own restore thread: a restore runs alone (DESIGN rule 12;
     a JAX thread that called the driver mid-restore made the driver raise SIGSEGV in it, share/FACTS.md §11).
     ``allow`` is called with the helper's pid as it starts, so that the kernel can name it as its tracer.
+    ``held_by``: the helper of the hold while parked (:mod:`.parked_hold`), whose threads stay with it.
     Returns the restore's step (``hold``: what was held) and the unlock's (None when it was not tried)."""
+    if held_by:
+        env = dict(os.environ if env is None else env, GPUCLEANUP_PARK_HELD_BY=str(int(held_by)))
     reply, restored = _call("resume", pid, limits.restore_s + limits.unlock_s, env, on_start=allow)
     restored.name = "restore"
     if reply is None or restored.refused:
@@ -738,7 +747,8 @@ def refusals(pid: int, found: Optional[Step], usage: Optional[Dict[str, int]], v
 
 
 def park(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = None,
-         parked_bytes: Optional[int] = None, tracing: bool = False) -> Outcome:
+         parked_bytes: Optional[int] = None, tracing: bool = False,
+         hold_threads: Optional[Callable[[Optional[int]], List[int]]] = None, allow: Allow = None) -> Outcome:
     """Lock, then checkpoint process ``pid``; on any failure leave it running (or say exactly where it is).
 
     Raises :class:`ParkRefused` when nothing was done: the first of :func:`refusals` (the process is not
@@ -747,6 +757,11 @@ def park(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = No
     park worked. ``parked_bytes``: the process's device memory when the caller knows it; else it is read
     from ``nvidia-smi`` where there is one. A Ctrl-C or SIGTERM lets the step under way finish, then stops:
     after the lock it unlocks (the process runs as before), after the checkpoint the process stays parked.
+
+    ``hold_threads``: for a kernel, gives the threads to hold while parked, from the driver's restore thread
+    (:func:`.parked_hold.threads_to_hold`); they are held when JAX runs in the process (:data:`HOLD_WHILE_PARKED`),
+    from before the lock until :func:`resume` unlocks it (``allow`` names the hold's helper to the kernel). A hold
+    that cannot be made refuses the park (``park.654``): such a kernel would die while parked.
     """
     started = time.monotonic()
     steps: List[Step] = []
@@ -755,9 +770,14 @@ def park(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = No
     if parked_bytes is None and usage is not None:
         parked_bytes = sum(usage.values())
 
+    held: Optional[dict] = None
+
     def outcome(ok: bool, now: Optional[str], message: str, changed: bool = False) -> Outcome:
+        if now != CHECKPOINTED and now != LOCKED:  # running again (or gone): its threads go on
+            parked_hold.release(held, pid)
         return Outcome("park", pid, ok, now, message, steps, time.monotonic() - started, changed, parked_bytes,
-                       usage=usage, interrupted=any(s.interrupted for s in steps))
+                       usage=usage, interrupted=any(s.interrupted for s in steps),
+                       parked_hold=held if now in (CHECKPOINTED, LOCKED) else None)
 
     found = state(pid, limits, env)
     steps.append(found)
@@ -770,6 +790,28 @@ def park(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = No
         raise ParkRefused("[gpucleanup.park.631] interrupted (Ctrl-C or SIGTERM) before the lock: nothing was done, "
                           f"process {pid} runs as before")
 
+    if hold_threads is not None and _holds_while_parked(pid):
+        limit_ms = max(1, min(60000, int(limits.hold_s * 1000)))
+        tids = ",".join(str(int(t)) for t in hold_threads(found.restore_thread))
+        held = parked_hold.start(pid, helper_command("hold", pid, [str(limit_ms), tids]), limit_ms, helper_env(env),
+                                 HELPER_CWD, allow)
+        if not held.get("held"):
+            raise ParkRefused(f"[gpucleanup.park.654] process {pid} runs JAX, whose own threads call the driver "
+                              "while the process is checkpointed and die there: they are held while it is parked, "
+                              f"and this time they could not be ({held.get('why') or 'not held'}): it is not parked "
+                              "and runs as before")
+        if not held.get("threads"):
+            held = None
+
+    try:
+        return _lock_and_checkpoint(pid, limits, env, steps, outcome)
+    except BaseException:
+        parked_hold.release(held, pid)  # nothing was parked: the threads go on
+        raise
+
+
+def _lock_and_checkpoint(pid: int, limits: Limits, env: Optional[Dict[str, str]], steps: List[Step],
+                         outcome: Callable[..., Outcome]) -> Outcome:
     locked = step(pid, "lock", limits, env=env)
     steps.append(locked)
     if locked.refused:
@@ -812,6 +854,16 @@ def park(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = No
                       "its GPU state may be lost; save what you can and restart it"))
 
 
+#: Frameworks whose own threads call the driver while their process is checkpointed (share/FACTS.md §11): a kernel
+#: running one has them held while parked (:mod:`.parked_hold`), found in its mappings as :data:`UNPROVEN` says.
+HOLD_WHILE_PARKED = ("jax",)
+
+
+def _holds_while_parked(pid: int, proc: str = "/proc") -> bool:
+    maps = _maps(pid, proc)
+    return maps is not None and any(mark in maps for name in HOLD_WHILE_PARKED for mark in UNPROVEN[name])
+
+
 def _state_after_hang(pid: int, limits: Limits, env: Optional[Dict[str, str]], steps: List[Step]) -> Optional[str]:
     """The state read again by a fresh helper after a step outran its limit (its helper is killed and the step
     reported), so that nothing is ever half-parked silently."""
@@ -833,7 +885,7 @@ def _unlock_back(pid, limits, env, steps, outcome, what: str) -> Outcome:
 
 
 def resume(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = None,
-           need: Optional[Dict[str, int]] = None, allow: Allow = None) -> Outcome:
+           need: Optional[Dict[str, int]] = None, allow: Allow = None, held: Optional[dict] = None) -> Outcome:
     """Bring process ``pid`` back from whatever state a park left it in (restore, then unlock).
 
     Driven by the driver's own state, not by what was recorded: a checkpointed process is
@@ -842,12 +894,14 @@ def resume(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = 
     now is said and no restore is tried. A failed restore leaves it parked, its memory still in host
     memory, and says how to retry. A Ctrl-C or SIGTERM lets the step under way finish. The restore and its
     unlock run with the process's other threads held (:func:`restore_held`); ``allow`` names the helper to
-    the kernel first.
+    the kernel first. ``held``: the park's hold while parked (:mod:`.parked_hold`), ended once the process runs.
     """
     started = time.monotonic()
     steps: List[Step] = []
 
     def outcome(ok: bool, now: Optional[str], message: str, changed: bool = False) -> Outcome:
+        if now == RUNNING or now == FAILED:
+            parked_hold.release(held, pid)  # after the unlock: the threads may call the driver again
         return Outcome("resume", pid, ok, now, message, steps, time.monotonic() - started, changed,
                        interrupted=any(s.interrupted for s in steps))
 
@@ -869,7 +923,8 @@ def resume(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = 
             lacking = room_refusal(pid, need, gpus(), apps)
             if lacking:
                 return outcome(False, CHECKPOINTED, lacking)
-        restored, unlocked = restore_held(pid, limits, env, allow)
+        restored, unlocked = restore_held(pid, limits, env, allow,
+                                          held.get("holder") if held and held.get("threads") else None)
         steps.append(restored)
         if restored.refused:  # the helper ran no driver call: the process is as it was
             return outcome(False, CHECKPOINTED, restored.refused)

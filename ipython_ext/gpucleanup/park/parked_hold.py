@@ -1,0 +1,163 @@
+"""The hold while parked: a JAX kernel's own native threads kept stopped from before its lock until after its unlock.
+
+XLA's threads poll their streams on their own; one that calls the driver while the process is checkpointed makes the
+driver fault in it and the kernel dies (share/FACTS.md §11). CRIU keeps every thread of a process stopped through its
+checkpoint; a kernel must still take the cell that resumes it, so the kernel lists the threads to stop
+(:func:`threads_to_hold`: every thread but its Python threads, ZeroMQ's and gpucleanup's own, and the driver's restore
+thread), and a helper process (:func:`start`) holds them with ptrace until :func:`release` after the unlock.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Dict, Iterable, List, Optional
+
+#: Native threads a kernel needs to take its next cell and answer requests while parked: ZeroMQ's I/O threads
+#: (libzmq names them ``ZMQbg/...``) and gpucleanup's own (its status server and jobs, named in the library).
+KERNEL_NATIVE_THREADS = ("ZMQbg/", "gpucleanup")
+
+#: The helpers still running that this process started: kept so that each is reaped once it ends.
+_started: List[subprocess.Popen] = []
+_started_lock = threading.Lock()
+
+
+def _comm(tid: int, proc: str, pid: int) -> str:
+    try:
+        with open(f"{proc}/{pid}/task/{tid}/comm", encoding="utf-8", errors="replace") as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
+
+
+def threads_to_hold(restore_thread: Optional[int], python_threads: Optional[Iterable[int]] = None,
+                    proc: str = "/proc", pid: Optional[int] = None) -> List[int]:
+    """In the kernel: the ids of its threads to hold while parked, sorted: every thread of this process but its
+    Python threads (``python_threads``; default: :func:`threading.enumerate`'s), those named in
+    :data:`KERNEL_NATIVE_THREADS` and the driver's ``restore_thread``."""
+    pid = os.getpid() if pid is None else pid
+    if python_threads is None:
+        python_threads = [t.native_id for t in threading.enumerate()]
+    spare = {int(t) for t in python_threads if t}
+    if restore_thread:
+        spare.add(int(restore_thread))
+    try:
+        tids = sorted(int(name) for name in os.listdir(f"{proc}/{pid}/task") if name.isdigit())
+    except OSError:
+        return []
+    return [t for t in tids if t not in spare and not _comm(t, proc, pid).startswith(KERNEL_NATIVE_THREADS)]
+
+
+def start(pid: int, command: List[str], limit_ms: int, env: Dict[str, str], cwd: str, allow=None) -> dict:
+    """Starts the helper that holds threads of process ``pid`` (``command``: the park's helper command for step
+    ``hold``, made by :func:`gpucleanup.park.steps.helper_command`) and waits at most ``limit_ms`` (plus 5 s for its start)
+    for its report: ``{"held": bool, "threads": n, "holder": its pid, ...}``, or ``{"held": False, "why": ...}``
+    when it gave none (it is then stopped). ``allow`` is called with the helper's pid as it starts (the kernel names
+    it as its tracer). The helper outlives this call, and this process."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+                            env=env, cwd=cwd, start_new_session=True)
+    if allow is not None:
+        try:
+            allow(proc.pid)
+        except Exception:
+            pass  # the hold then says why it could not
+    deadline = time.monotonic() + limit_ms / 1000 + 5.0  # the helper's own start (Python, the library) included
+    line = b""
+    while not line.endswith(b"\n") and time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            break
+        chunk = os.read(proc.stdout.fileno(), 65536)
+        if not chunk:
+            break
+        line += chunk
+    proc.stdout.close()
+    try:
+        report = json.loads(line.decode("utf-8", "replace").strip().splitlines()[0])
+        if not isinstance(report, dict):
+            raise ValueError("not an object")
+    except (ValueError, IndexError):
+        proc.kill()
+        proc.wait()
+        return {"held": False, "threads": 0, "why": "the hold's helper gave no answer in time"}
+    if report.get("threads") and report.get("held"):
+        report["start"] = _start_time(proc.pid)
+        with _started_lock:
+            _started[:] = [p for p in _started if p.poll() is None] + [proc]
+    else:
+        proc.wait(timeout=5)
+    return report
+
+
+def _start_time(pid: int) -> Optional[int]:
+    """Field 22 of ``/proc/PID/stat`` (when the process started, in clock ticks): with the pid, names one process."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as fh:
+            return int(fh.read().rpartition(b")")[2].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _is_holder(holder: dict, pid: int) -> bool:
+    """Whether ``holder`` (a report kept by the park) still names the helper holding process ``pid``: the same pid
+    and start time, this user's, its command the hold of ``pid``; never signal a process that took its pid."""
+    hid = holder.get("holder")
+    if not isinstance(hid, int) or hid <= 0 or _start_time(hid) != holder.get("start"):
+        return False
+    try:
+        if os.stat(f"/proc/{hid}").st_uid != os.getuid():
+            return False
+        with open(f"/proc/{hid}/cmdline", "rb") as fh:
+            args = fh.read().split(b"\0")
+    except OSError:
+        return False
+    return b"hold" in args and str(int(pid)).encode() in args
+
+
+def release(holder: Optional[dict], pid: int, wait_s: float = 2.0) -> Optional[str]:
+    """Ends the hold after the unlock: SIGUSR1 to its helper, then waits at most ``wait_s`` for it to end (it lets
+    the threads go first). Returns None when it ended (or there was none), else a sentence."""
+    if not holder or not holder.get("threads"):
+        return None
+    if not _is_holder(holder, pid):
+        return None  # it ended already (its threads went with it), or its pid is another process's now
+    hid = int(holder["holder"])
+    try:
+        os.kill(hid, signal.SIGUSR1)
+    except OSError as exc:
+        return f"the hold's helper {hid} could not be told to end ({exc.strerror})"
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        with _started_lock:
+            for proc in _started:
+                if proc.pid == hid:
+                    proc.poll()
+        if _start_time(hid) != holder.get("start"):
+            return None
+        time.sleep(0.01)
+    # still there: it is ended, which lets its threads go all the same (the kernel detaches a dead tracer's)
+    try:
+        os.kill(hid, signal.SIGKILL)
+    except OSError:
+        pass
+    return f"the hold's helper {hid} did not end within {wait_s:g} s and was killed"
+
+
+def serve(pid: int, limit_ms: int, tids: List[int]) -> int:
+    """The helper's side (``python -m gpucleanup.park.native_step hold PID LIMIT_MS TIDS``): holds, reports, waits
+    for the release. Prints its last report on stderr for a person who runs it by hand."""
+    from .. import _native
+
+    try:
+        result = _native.hold_while_parked(pid, tids, limit_ms, sys.stdout.fileno())
+    except _native.NativeError as exc:
+        print(json.dumps({"held": False, "threads": 0, "why": str(exc)}), flush=True)
+        return 1
+    print(json.dumps(result), file=sys.stderr, flush=True)
+    return 0

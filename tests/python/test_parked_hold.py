@@ -1,0 +1,204 @@
+"""The hold while parked (gpucleanup.park.parked_hold) on the fake driver: a JAX kernel's own threads, which call the
+driver on their own, are kept stopped from before the lock until after the unlock, and nothing else is touched."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import FAKE_CUDA
+from test_park import FAST, checkpoints, env, names, record  # noqa: F401 (fixtures)
+
+from gpucleanup.park import kernel_side as parking, parked_hold, steps as park
+
+# A process that looks like a JAX kernel to the park (it maps a file named as XLA's CUDA plugin) and has a thread
+# that calls the driver over and over on its own, as XLA's stream poller does.
+JAX_LIKE = r"""
+import ctypes, mmap, sys, threading, time
+lib = ctypes.CDLL(sys.argv[1])
+count = ctypes.c_int()
+lib.cuDeviceGetCount(ctypes.byref(count))   # the fake registers this process (and its restore thread)
+plugin = open(sys.argv[2], "rb")
+mapped = mmap.mmap(plugin.fileno(), 0, prot=mmap.PROT_READ) if sys.argv[2] else None
+polls = [0]
+
+def poll():
+    c = ctypes.c_int()
+    while True:
+        lib.cuDeviceGetCount(ctypes.byref(c))
+        polls[0] += 1
+        time.sleep(0.001)
+
+poller = threading.Thread(target=poll, daemon=True)
+poller.start()
+while not poller.native_id:
+    time.sleep(0.001)
+print(poller.native_id, flush=True)
+for line in sys.stdin:
+    before = polls[0]
+    while polls[0] == before:
+        time.sleep(0.001)
+    print("polling", flush=True)
+"""
+
+
+def start_target(env, tmp_path, jax: bool = True):
+    plugin = tmp_path / "jax_plugins" / "xla_cuda13" / "xla_cuda_plugin.so"
+    plugin.parent.mkdir(parents=True, exist_ok=True)
+    plugin.write_bytes(b"\0" * 4096)
+    other = tmp_path / "libother.so"
+    other.write_bytes(b"\0" * 4096)
+    # JAX's park waits for its proof on the GPU (park.651): the process's own opt-in lets it through here
+    proc = subprocess.Popen([sys.executable, "-c", JAX_LIKE, str(FAKE_CUDA), str(plugin if jax else other)],
+                            env=dict(env, GPUCLEANUP_PARK_UNPROVEN="jax"),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    return proc, int(proc.stdout.readline())
+
+
+def thread_state(pid: int, tid: int) -> str:
+    with open(f"/proc/{pid}/task/{tid}/stat") as fh:
+        return fh.read().rpartition(")")[2].split()[0]
+
+
+def tracer(pid: int, tid: int) -> int:
+    with open(f"/proc/{pid}/task/{tid}/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("TracerPid:"))
+
+
+def gone(pid: int, limit: float = 5.0) -> bool:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0] == "Z":
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@pytest.fixture
+def jax_like(env, tmp_path):
+    proc, poller = start_target(env, tmp_path)
+    yield proc, poller
+    proc.kill()
+    proc.wait()
+
+
+def test_a_jax_kernels_own_thread_is_held_from_before_the_lock_until_after_the_unlock(jax_like, env, checkpoints,
+                                                                                      tmp_path):
+    proc, poller = jax_like
+    pid = proc.pid
+    asked = []
+
+    def hold_threads(restore_thread):
+        asked.append(restore_thread)
+        return [poller]
+
+    lock_file = tmp_path / "kernel.park"
+    outcome = parking.park_kernel(pid, lambda step, size: {}, lock_file, FAST, env, hold_threads=hold_threads)
+    assert (outcome.ok, outcome.state) == (True, "checkpointed")
+    kept = record(checkpoints, pid)
+    assert asked == [kept["restore_tid"]]  # the kernel is told the driver's restore thread, to leave it running
+    held = outcome.parked_hold
+    assert (held["held"], held["threads"], held["missed"], held["pid"]) == (True, 1, 0, pid)
+    holder = held["holder"]
+    # while parked: the poller is stopped, traced by the hold's helper, and made no driver call
+    assert (thread_state(pid, poller), tracer(pid, poller)) == ("t", holder)
+    assert kept["calls_while_parked"] == {}
+    assert json.loads(lock_file.read_text())["held"]["holder"] == holder  # the resume finds it there
+    # the main thread is not held: the process answers (its stdin is read by a thread the hold left alone)
+    assert thread_state(pid, pid) != "t"
+
+    resumed = parking.resume_kernel(pid, None, lock_file, FAST, env)
+    assert (resumed.ok, resumed.state, names(resumed)) == (True, "running", ["state", "restore", "unlock"])
+    # the resume held every other thread itself and left the poller to the park's hold
+    hold = resumed.steps[1].hold
+    assert (hold["held"], hold["held_since_park"]) == (True, 1)
+    kept = record(checkpoints, pid)
+    assert (kept["running_at_restore"], kept["running_at_unlock"]) == ([], [])
+    # after the unlock the hold ended: its helper is gone and the poller calls the driver again
+    assert gone(holder)
+    assert tracer(pid, poller) == 0
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    assert proc.stdout.readline().strip() == "polling"
+    assert record(checkpoints, pid)["calls_while_parked"] == {}
+
+
+def test_a_process_without_jax_is_parked_without_a_hold(env, checkpoints, tmp_path):
+    proc, poller = start_target(env, tmp_path, jax=False)
+    try:
+        asked = []
+        outcome = park.park(proc.pid, FAST, env=env, hold_threads=lambda restore: asked.append(restore) or [poller])
+        assert (outcome.ok, outcome.parked_hold, asked) == (True, None, [])
+        assert thread_state(proc.pid, poller) != "t"
+        assert park.resume(proc.pid, FAST, env=env).ok
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_hold_that_cannot_be_made_refuses_the_park_before_the_lock(jax_like, env, checkpoints, monkeypatch):
+    proc, poller = jax_like
+    monkeypatch.setattr(parked_hold, "start", lambda *args: {"held": False, "threads": 0,
+                                                             "why": "thread 7 could not be held (ptrace: EPERM)"})
+    with pytest.raises(park.ParkRefused) as refused:
+        park.park(proc.pid, FAST, env=env, hold_threads=lambda restore: [poller])
+    assert str(refused.value) == (
+        f"[gpucleanup.park.654] process {proc.pid} runs JAX, whose own threads call the driver while the process is "
+        "checkpointed and die there: they are held while it is parked, and this time they could not be (thread 7 "
+        "could not be held (ptrace: EPERM)): it is not parked and runs as before")
+    kept = record(checkpoints, proc.pid)
+    assert (kept["state"], kept["calls"].get("cuCheckpointProcessLock")) == ("running", None)
+
+
+def test_a_park_the_driver_refuses_lets_the_held_threads_go(jax_like, env, checkpoints, monkeypatch):
+    proc, poller = jax_like
+    pid = proc.pid
+    holders = []
+    real_start = parked_hold.start
+
+    def start(*args):
+        report = real_start(*args)
+        holders.append(report["holder"])
+        return report
+
+    monkeypatch.setattr(parked_hold, "start", start)
+    from test_park import patch
+    patch(checkpoints, pid, {"errors": {"cuCheckpointProcessLock": 999}})
+    outcome = park.park(pid, FAST, env=env, hold_threads=lambda restore: [poller])
+    assert (outcome.ok, outcome.state, outcome.parked_hold) == (False, "running", None)
+    assert len(holders) == 1 and gone(holders[0])
+    assert tracer(pid, poller) == 0 and thread_state(pid, poller) != "t"
+
+
+def test_the_kernel_holds_every_thread_but_its_python_threads_zeromqs_gpucleanups_and_the_restore_thread(tmp_path):
+    task = tmp_path / "proc" / "900" / "task"
+    names_of = {900: "python", 901: "python", 902: "ZMQbg/IO/0", 903: "ZMQbg/Reaper", 904: "gpucleanup-srv",
+                905: "python", 906: "cuda-EvtHandlr", 907: "tf_XLAEigen", 908: "python"}
+    for tid, name in names_of.items():
+        (task / str(tid)).mkdir(parents=True)
+        (task / str(tid) / "comm").write_text(name + "\n")
+    # 900, 901: Python threads; 908: the driver's restore thread; 905, 906, 907: XLA's and the driver's own
+    assert parked_hold.threads_to_hold(908, [900, 901], proc=str(tmp_path / "proc"), pid=900) == [905, 906, 907]
+    assert parked_hold.threads_to_hold(None, [900], proc=str(tmp_path / "proc"), pid=900) == [901, 905, 906, 907, 908]
+    assert parked_hold.threads_to_hold(None, [], proc=str(tmp_path / "proc"), pid=1) == []  # no such process
+
+
+def test_the_release_never_signals_a_process_that_is_not_the_hold(tmp_path):
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        # its pid, but another start time (a pid taken again), or a command that is no hold: left alone
+        stale = {"held": True, "threads": 1, "holder": sleeper.pid, "start": parked_hold._start_time(sleeper.pid) + 1}
+        assert parked_hold.release(stale, 4242) is None
+        same = dict(stale, start=parked_hold._start_time(sleeper.pid))
+        assert parked_hold.release(same, 4242) is None
+        time.sleep(0.1)
+        assert sleeper.poll() is None
+    finally:
+        sleeper.send_signal(signal.SIGKILL)
+        sleeper.wait()
