@@ -158,6 +158,54 @@ def test_a_resume_from_outside_holds_every_thread_of_the_kernel_but_the_drivers_
     assert kernel.execute("print(6 * 7)").splitlines()[-1] == "42"
 
 
+JAX_LIKE_CELL = """
+import faulthandler, mmap, sys, types
+plugin = open({plugin!r}, "rb")
+mapped = mmap.mmap(plugin.fileno(), 0, prot=mmap.PROT_READ)  # the process maps "XLA's CUDA plugin"
+sys.modules.setdefault("jaxlib", types.ModuleType("jaxlib"))
+sink = open("/dev/null", "w")
+faulthandler.dump_traceback_later(3600, file=sink)  # a thread of C's own, as XLA's are: no Python thread of threading's
+from gpucleanup.park.parked_hold import threads_to_hold
+print(threads_to_hold(None))
+"""
+
+
+def thread_state(pid: int, tid: int) -> str:
+    with open(f"/proc/{pid}/task/{tid}/stat") as fh:
+        return fh.read().rpartition(")")[2].split()[0]
+
+
+def test_a_park_from_outside_holds_the_threads_a_jax_kernel_listed_while_it_is_parked(kernel, checkpoints, tmp_path,
+                                                                                      monkeypatch):
+    monkeypatch.setenv("GPUCLEANUP_PARK_UNPROVEN", "jax")  # the wait for JAX's proof (park.651), let through here
+    plugin = tmp_path / "jax_plugins" / "xla_cuda13" / "xla_cuda_plugin.so"
+    plugin.parent.mkdir(parents=True)
+    plugin.write_bytes(bytes(4096))
+    out = kernel.execute(JAX_LIKE_CELL.format(plugin=str(plugin)))
+    native = json.loads(out.strip().splitlines()[-1])  # the kernel's threads that are neither Python's nor ZeroMQ's
+    restore_tid = record(checkpoints, kernel.pid)["restore_tid"]
+    assert restore_tid in native and len(native) >= 2
+    held = [tid for tid in native if tid != restore_tid]
+
+    parked = cli("park", "--json", str(kernel.pid))
+    assert parked.returncode == 0, parked
+    hold = json.loads(parked.stdout)["parked_hold"]
+    assert (hold["held"], hold["threads"], hold["missed"]) == (True, len(held), 0)
+    # while parked: the listed threads are stopped, every other thread runs (the kernel answers its status)
+    assert [thread_state(kernel.pid, tid) for tid in held] == ["t"] * len(held)
+    assert thread_state(kernel.pid, restore_tid) != "t" and thread_state(kernel.pid, kernel.pid) != "t"
+    assert kernel.state()["state"] == "parked"
+
+    resumed = cli("resume", "--json", str(kernel.pid))
+    assert resumed.returncode == 0, resumed
+    restore = [step for step in json.loads(resumed.stdout)["steps"] if step["name"] == "restore"][0]
+    assert (restore["hold"]["held"], restore["hold"]["held_since_park"]) == (True, len(held))
+    assert (record(checkpoints, kernel.pid)["running_at_restore"], record(checkpoints, kernel.pid)["running_at_unlock"]) \
+        == ([], [])
+    wait_until(lambda: all(thread_state(kernel.pid, tid) != "t" for tid in held), "the held threads never went on")
+    assert kernel.execute("print(6 * 7)").splitlines()[-1] == "42"
+
+
 def test_the_park_step_tracer_is_signed_taken_only_while_parked_and_checks_its_pid(kernel, checkpoints):
     target = kernel.target()
     with pytest.raises(status_client.StatusError) as refused:

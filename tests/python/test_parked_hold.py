@@ -202,3 +202,43 @@ def test_the_release_never_signals_a_process_that_is_not_the_hold(tmp_path):
     finally:
         sleeper.send_signal(signal.SIGKILL)
         sleeper.wait()
+
+
+def test_a_jax_kernel_lists_its_threads_for_a_park_from_outside_which_holds_only_those_still_the_same(
+        tmp_path, monkeypatch):
+    lock_file = tmp_path / "kernel-1.park"
+    listed = parked_hold.listed_path(lock_file)
+    threads = parked_hold.ThreadList()
+    threads.seen(lock_file)
+    assert not os.path.exists(listed)  # no JAX imported: nothing listed, nothing read but a dict
+    monkeypatch.setitem(sys.modules, "jaxlib", sys)
+    threads.seen(lock_file)
+    note = json.loads(open(listed).read())
+    mine = parked_hold.threads_to_hold(None)
+    assert note == {"pid": os.getpid(), "threads": [[t, parked_hold.thread_start(os.getpid(), t)] for t in mine]}
+    assert oct(os.stat(listed).st_mode & 0o777) == "0o600"
+    uid = os.getuid()
+    assert parked_hold.listed_threads(lock_file, os.getpid(), None, uid) == mine
+    # a thread whose id came back for another thread (another start time) is never held; the restore thread neither
+    entries = [[tid, start + 1] for tid, start in note["threads"][:1]] + note["threads"][1:]
+    with open(listed, "w") as fh:
+        json.dump({"pid": os.getpid(), "threads": entries}, fh)
+    assert parked_hold.listed_threads(lock_file, os.getpid(), None, uid) == mine[1:]
+    if len(mine) > 1:
+        assert mine[1] not in parked_hold.listed_threads(lock_file, os.getpid(), mine[1], uid)
+    # another process's list, another owner's file, or none at all: the kernel cannot say (None)
+    assert parked_hold.listed_threads(lock_file, os.getpid() + 1, None, uid) is None
+    assert parked_hold.listed_threads(lock_file, os.getpid(), None, uid + 1) is None
+    threads.close()
+    assert not os.path.exists(listed)
+    assert parked_hold.listed_threads(lock_file, os.getpid(), None, uid) is None
+
+
+def test_a_park_from_outside_of_a_jax_kernel_that_listed_no_threads_is_refused_before_the_lock(jax_like, env,
+                                                                                                checkpoints):
+    proc, poller = jax_like
+    with pytest.raises(park.ParkRefused) as refused:
+        park.park(proc.pid, FAST, env=env, hold_threads=lambda restore: None)
+    assert str(refused.value).endswith("and this time they could not be (the kernel has listed none yet; it lists "
+                                       "them as a cell ends: run a cell): it is not parked and runs as before")
+    assert record(checkpoints, proc.pid)["calls"].get("cuCheckpointProcessLock") is None

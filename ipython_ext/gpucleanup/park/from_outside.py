@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from . import steps as park_steps, kernel_side as parking, resume_news
+from . import steps as park_steps, kernel_side as parking, parked_hold, resume_news
 from .lock import peek_note, refused_memo
 from ..protocol import status_client
 
@@ -97,7 +97,10 @@ def park_from_outside(pid: int, target, timeout: float, lock_file: os.PathLike,
     refusal = owner_refusal(pid, lock_file)
     if refusal:
         raise park_steps.ParkRefused(refusal)
-    return parking.park_kernel(pid, remote_record(target, timeout, automatic), lock_file)
+    uid = process_uid(pid)
+    return parking.park_kernel(pid, remote_record(target, timeout, automatic), lock_file,
+                               hold_threads=lambda restore: parked_hold.listed_threads(lock_file, pid, restore, uid),
+                               allow=allow_from_outside(target, timeout))
 
 
 def check_kernel(pid: int, target, timeout: float, lock_file: os.PathLike) -> dict:

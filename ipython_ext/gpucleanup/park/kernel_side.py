@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from . import steps as park_steps, resume_news
-from .parked_hold import threads_to_hold
+from .parked_hold import ThreadList, threads_to_hold
 from .lock import LockBusy, LockUnusable, ParkLock, lock_path, parked_need, refused_memo, wait_limit
 from ..say import say
 from ..units import format_bytes, format_duration
@@ -262,6 +262,7 @@ class InKernel:
         #: set when a resume lost the kernel's GPU state: every later cell and request is refused at once with it
         self.lost: Optional[str] = None
         self._thread_count = threading.active_count()
+        self._listed = ThreadList()  # a JAX kernel's threads to hold, for a park from outside
         self._traced = False  # whether the trace was on at the last look
         self._say_lock = threading.Lock()
         self._blocker_said: Optional[str] = None
@@ -367,6 +368,8 @@ class InKernel:
         (one may have taken a task without any thread starting), or while a blocker is said (the watch thread
         that follows it starts with it: a thread of the notebook that ends as it starts leaves the count as it
         was), what keeps an automatic park away is said again. One count of Python's threads otherwise."""
+        endpoint = self._endpoint()
+        self._listed.seen(endpoint.park_lock if endpoint is not None else None)
         count = threading.active_count()
         tracing = bool(self._tracing())
         if (count != self._thread_count or self._workers or tracing != self._traced
@@ -413,6 +416,7 @@ class InKernel:
         """The extension unloads: no timer, no watch."""
         self._closed.set()
         self.disarm()
+        self._listed.close()
 
     def park_after_cell(self) -> None:
         """The park ``%gpumem --park`` asked for, now that the cell has ended (its state is idle)."""

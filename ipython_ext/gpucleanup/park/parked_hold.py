@@ -54,6 +54,86 @@ def threads_to_hold(restore_thread: Optional[int], python_threads: Optional[Iter
     return [t for t in tids if t not in spare and not _comm(t, proc, pid).startswith(KERNEL_NATIVE_THREADS)]
 
 
+def listed_path(lock_file: os.PathLike) -> str:
+    """Where a kernel lists its threads to hold for a park from outside: beside its park lock, private as it is."""
+    return os.fspath(lock_file) + "-threads"
+
+
+def thread_start(pid: int, tid: int, proc: str = "/proc") -> Optional[int]:
+    """When thread ``tid`` of ``pid`` started (field 22 of its ``stat``, clock ticks): with the id, names one thread."""
+    try:
+        with open(f"{proc}/{int(pid)}/task/{int(tid)}/stat", "rb") as fh:
+            return int(fh.read().rpartition(b")")[2].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class ThreadList:
+    """In a kernel running JAX: keeps :func:`listed_path` up to date, so that a park from outside (the CLI, the page,
+    the server's automatic park) holds the same threads as the kernel's own. Looked at as each cell ends: a dict
+    lookup where JAX is not imported, one read of the process's thread count where it is; written when that count
+    changed (JAX starts its threads in cells)."""
+
+    def __init__(self) -> None:
+        self._count: Optional[int] = None
+        self._path: Optional[str] = None
+
+    def seen(self, lock_file: Optional[os.PathLike]) -> None:
+        if "jaxlib" not in sys.modules or lock_file is None:
+            return
+        try:
+            with open("/proc/self/stat", "rb") as fh:
+                count = int(fh.read().rpartition(b")")[2].split()[17])
+        except (OSError, ValueError, IndexError):
+            return
+        path = listed_path(lock_file)
+        if count == self._count and path == self._path:
+            return
+        pid = os.getpid()
+        listed = [[tid, thread_start(pid, tid)] for tid in threads_to_hold(None)]
+        text = json.dumps({"pid": pid, "threads": [t for t in listed if t[1] is not None]})
+        part = f"{path}.{pid}.part"
+        try:
+            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(text)
+            os.replace(part, path)
+        except OSError:
+            return  # looked at again at the next cell; a park from outside refuses meanwhile (park.654)
+        self._count, self._path = count, path
+
+    def close(self) -> None:
+        if self._path is not None:
+            try:
+                os.unlink(self._path)
+            except OSError:
+                pass
+            self._path = self._count = None
+
+
+def listed_threads(lock_file: os.PathLike, pid: int, restore_thread: Optional[int], owner: Optional[int],
+                   proc: str = "/proc") -> Optional[List[int]]:
+    """Outside the kernel: the threads kernel ``pid`` listed to hold (:class:`ThreadList`), each still the same
+    thread (its start time), the driver's ``restore_thread`` left out; None when the kernel listed none (a file of
+    ``owner``'s only, read as the lock's note is)."""
+    from ..protocol import discovery
+
+    try:
+        data, _ = discovery.read_bounded(listed_path(lock_file), owners={owner} if owner is not None else None)
+        note = json.loads(data.decode("utf-8")) if data else {}
+    except (OSError, ValueError):
+        return None
+    threads = note.get("threads") if isinstance(note, dict) else None
+    if not isinstance(threads, list) or note.get("pid") != pid:
+        return None
+    out = []
+    for entry in threads:
+        if (isinstance(entry, list) and len(entry) == 2 and all(isinstance(v, int) for v in entry)
+                and entry[0] != restore_thread and thread_start(pid, entry[0], proc) == entry[1]):
+            out.append(entry[0])
+    return out
+
+
 def start(pid: int, command: List[str], limit_ms: int, env: Dict[str, str], cwd: str, allow=None) -> dict:
     """Starts the helper that holds threads of process ``pid`` (``command``: the park's helper command for step
     ``hold``, made by :func:`gpucleanup.park.steps.helper_command`) and waits at most ``limit_ms`` (plus 5 s for its start)

@@ -748,7 +748,8 @@ def refusals(pid: int, found: Optional[Step], usage: Optional[Dict[str, int]], v
 
 def park(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = None,
          parked_bytes: Optional[int] = None, tracing: bool = False,
-         hold_threads: Optional[Callable[[Optional[int]], List[int]]] = None, allow: Allow = None) -> Outcome:
+         hold_threads: Optional[Callable[[Optional[int]], Optional[List[int]]]] = None,
+         allow: Allow = None) -> Outcome:
     """Lock, then checkpoint process ``pid``; on any failure leave it running (or say exactly where it is).
 
     Raises :class:`ParkRefused` when nothing was done: the first of :func:`refusals` (the process is not
@@ -759,7 +760,8 @@ def park(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = No
     after the lock it unlocks (the process runs as before), after the checkpoint the process stays parked.
 
     ``hold_threads``: for a kernel, gives the threads to hold while parked, from the driver's restore thread
-    (:func:`.parked_hold.threads_to_hold`); they are held when JAX runs in the process (:data:`HOLD_WHILE_PARKED`),
+    (:func:`.parked_hold.threads_to_hold` in the kernel, :func:`.parked_hold.listed_threads` outside it; None: it
+    cannot say); they are held when JAX runs in the process (:data:`HOLD_WHILE_PARKED`),
     from before the lock until :func:`resume` unlocks it (``allow`` names the hold's helper to the kernel). A hold
     that cannot be made refuses the park (``park.654``): such a kernel would die while parked.
     """
@@ -792,9 +794,12 @@ def park(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = No
 
     if hold_threads is not None and _holds_while_parked(pid):
         limit_ms = max(1, min(60000, int(limits.hold_s * 1000)))
-        tids = ",".join(str(int(t)) for t in hold_threads(found.restore_thread))
-        held = parked_hold.start(pid, helper_command("hold", pid, [str(limit_ms), tids]), limit_ms, helper_env(env),
-                                 HELPER_CWD, allow)
+        listed = hold_threads(found.restore_thread)
+        if listed is None:
+            held = {"held": False, "why": "the kernel has listed none yet; it lists them as a cell ends: run a cell"}
+        else:
+            held = parked_hold.start(pid, helper_command("hold", pid, [str(limit_ms), ",".join(map(str, listed))]),
+                                     limit_ms, helper_env(env), HELPER_CWD, allow)
         if not held.get("held"):
             raise ParkRefused(f"[gpucleanup.park.654] process {pid} runs JAX, whose own threads call the driver "
                               "while the process is checkpointed and die there: they are held while it is parked, "
