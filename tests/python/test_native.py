@@ -219,4 +219,4 @@ def test_the_library_gives_the_list_of_its_entry_points_and_it_is_the_checkouts_
     from_file = _native._entry_points(None)
     assert [e[0] for e in own] == [e[0] for e in from_file]
     assert own == from_file
-    assert "gpucleanup_entry_points" in [e[0] for e in own] and len(own) == 34
+    assert "gpucleanup_entry_points" in [e[0] for e in own] and len(own) == 35
