@@ -242,3 +242,21 @@ def test_a_park_from_outside_of_a_jax_kernel_that_listed_no_threads_is_refused_b
     assert str(refused.value).endswith("and this time they could not be (the kernel has listed none yet; it lists "
                                        "them as a cell ends: run a cell): it is not parked and runs as before")
     assert record(checkpoints, proc.pid)["calls"].get("cuCheckpointProcessLock") is None
+
+
+def test_a_hold_whose_helper_ends_but_is_not_reaped_yet_has_ended():
+    # the helper of a park made by another process (the server) ends as it is told, and stays a zombie until that
+    # process reaps it: the release sees it ended, and neither waits for it nor kills it
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "hold", "4242"])
+    try:
+        deadline = time.monotonic() + 10
+        while b"hold" not in open(f"/proc/{helper.pid}/cmdline", "rb").read():
+            assert time.monotonic() < deadline, "the stand-in never started"
+            time.sleep(0.01)
+        report = {"held": True, "threads": 1, "holder": helper.pid, "start": parked_hold._start_time(helper.pid)}
+        assert parked_hold.release(report, 4242) is None  # SIGUSR1 ended it (its default action)
+        assert parked_hold._start_time(helper.pid) is None
+        assert open(f"/proc/{helper.pid}/stat").read().rpartition(")")[2].split()[0] == "Z"  # not reaped by it
+    finally:
+        helper.kill()
+        helper.wait()

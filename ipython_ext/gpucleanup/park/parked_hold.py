@@ -176,10 +176,12 @@ def start(pid: int, command: List[str], limit_ms: int, env: Dict[str, str], cwd:
 
 
 def _start_time(pid: int) -> Optional[int]:
-    """Field 22 of ``/proc/PID/stat`` (when the process started, in clock ticks): with the pid, names one process."""
+    """Field 22 of ``/proc/PID/stat`` (when the process started, in clock ticks): with the pid, names one process;
+    None when it is gone or has ended (a zombie its parent has not reaped yet: the server that parked the kernel)."""
     try:
         with open(f"/proc/{int(pid)}/stat", "rb") as fh:
-            return int(fh.read().rpartition(b")")[2].split()[19])
+            fields = fh.read().rpartition(b")")[2].split()
+        return None if fields[0] == b"Z" else int(fields[19])
     except (OSError, ValueError, IndexError):
         return None
 
