@@ -206,6 +206,31 @@ def test_a_park_from_outside_holds_the_threads_a_jax_kernel_listed_while_it_is_p
     assert kernel.execute("print(6 * 7)").splitlines()[-1] == "42"
 
 
+def test_park_check_and_park_refuse_a_jax_kernel_whose_thread_list_is_gone_until_a_cell_lists_them_again(
+        kernel, checkpoints, runtime, tmp_path, monkeypatch):
+    monkeypatch.setenv("GPUCLEANUP_PARK_UNPROVEN", "jax")
+    plugin = tmp_path / "jax_plugins" / "xla_cuda13" / "xla_cuda_plugin.so"
+    plugin.parent.mkdir(parents=True)
+    plugin.write_bytes(bytes(4096))
+    kernel.execute(JAX_LIKE_CELL.format(plugin=str(plugin)))
+    listed = list(Path(runtime).rglob("*.park-threads"))
+    assert len(listed) == 1, listed
+    listed[0].unlink()  # as if the kernel had not listed them yet
+    said = ("[gpucleanup.park.654] process {pid} runs JAX, whose own threads call the driver while the process is "
+            "checkpointed and die there: they are held while it is parked, and this time they could not be (the "
+            "kernel has listed none yet; it lists them as a cell ends: run a cell): it is not parked and runs as "
+            "before").format(pid=kernel.pid)
+    check = cli("park", "--check", str(kernel.pid))
+    assert (check.returncode, check.stdout) == (4, f"kernel {kernel.pid} cannot be parked now:\n  - {said}\n"), check
+    refused = cli("park", str(kernel.pid))
+    assert (refused.returncode, said in refused.stderr) == (4, True), refused
+    assert record(checkpoints, kernel.pid)["calls"].get("cuCheckpointProcessLock") is None
+    assert kernel.state()["state"] == "idle"
+    kernel.execute("6 * 7")
+    assert listed[0].exists()  # listed again as that cell ended
+    assert cli("park", "--check", str(kernel.pid)).returncode == 0
+
+
 def test_the_park_step_tracer_is_signed_taken_only_while_parked_and_checks_its_pid(kernel, checkpoints):
     target = kernel.target()
     with pytest.raises(status_client.StatusError) as refused:

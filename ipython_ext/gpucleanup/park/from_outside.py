@@ -145,6 +145,9 @@ def check_kernel(pid: int, target, timeout: float, lock_file: os.PathLike) -> di
     reasons = park_steps.refusals(pid, None if kernel_state in ("parking", "parked") else found, usage,
                                   park_steps.gpus() if usage else None)
     out["reasons"].extend(reasons)
+    if (not reasons and kernel_state not in ("parking", "parked") and park_steps.holds_while_parked(pid)
+            and parked_hold.listed_threads(lock_file, pid, found.restore_thread, process_uid(pid)) is None):
+        out["reasons"].append(park_steps.hold_refusal(pid, park_steps.UNLISTED))  # what the park would say
     layout = park_steps.layout_refusal(found, park_steps.gpus) if kernel_state not in ("parking", "parked") else None
     if layout:
         out["reasons"].append(layout)

@@ -71,8 +71,8 @@ def thread_start(pid: int, tid: int, proc: str = "/proc") -> Optional[int]:
 class ThreadList:
     """In a kernel running JAX: keeps :func:`listed_path` up to date, so that a park from outside (the CLI, the page,
     the server's automatic park) holds the same threads as the kernel's own. Looked at as each cell ends: a dict
-    lookup where JAX is not imported, one read of the process's thread count where it is; written when that count
-    changed (JAX starts its threads in cells)."""
+    lookup where JAX is not imported, one read of the process's thread count and one ``stat`` where it is; written
+    when that count changed (JAX starts its threads in cells) or the file is gone."""
 
     def __init__(self) -> None:
         self._count: Optional[int] = None
@@ -87,7 +87,7 @@ class ThreadList:
         except (OSError, ValueError, IndexError):
             return
         path = listed_path(lock_file)
-        if count == self._count and path == self._path:
+        if count == self._count and path == self._path and os.path.exists(path):
             return
         pid = os.getpid()
         listed = [[tid, thread_start(pid, tid)] for tid in threads_to_hold(None)]

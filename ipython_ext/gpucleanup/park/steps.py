@@ -792,19 +792,16 @@ def park(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = No
         raise ParkRefused("[gpucleanup.park.631] interrupted (Ctrl-C or SIGTERM) before the lock: nothing was done, "
                           f"process {pid} runs as before")
 
-    if hold_threads is not None and _holds_while_parked(pid):
+    if hold_threads is not None and holds_while_parked(pid):
         limit_ms = max(1, min(60000, int(limits.hold_s * 1000)))
         listed = hold_threads(found.restore_thread)
         if listed is None:
-            held = {"held": False, "why": "the kernel has listed none yet; it lists them as a cell ends: run a cell"}
+            held = {"held": False, "why": UNLISTED}
         else:
             held = parked_hold.start(pid, helper_command("hold", pid, [str(limit_ms), ",".join(map(str, listed))]),
                                      limit_ms, helper_env(env), HELPER_CWD, allow)
         if not held.get("held"):
-            raise ParkRefused(f"[gpucleanup.park.654] process {pid} runs JAX, whose own threads call the driver "
-                              "while the process is checkpointed and die there: they are held while it is parked, "
-                              f"and this time they could not be ({held.get('why') or 'not held'}): it is not parked "
-                              "and runs as before")
+            raise ParkRefused(hold_refusal(pid, held.get("why") or "not held"))
         if not held.get("threads"):
             held = None
 
@@ -864,7 +861,19 @@ def _lock_and_checkpoint(pid: int, limits: Limits, env: Optional[Dict[str, str]]
 HOLD_WHILE_PARKED = ("jax",)
 
 
-def _holds_while_parked(pid: int, proc: str = "/proc") -> bool:
+#: Why a kernel's threads could not be listed for a park from outside (:func:`.parked_hold.listed_threads`).
+UNLISTED = "the kernel has listed none yet; it lists them as a cell ends: run a cell"
+
+
+def hold_refusal(pid: int, why: str) -> str:
+    """``park.654``: a kernel whose threads must be held while parked, and could not be (``why``)."""
+    return (f"[gpucleanup.park.654] process {pid} runs JAX, whose own threads call the driver while the process is "
+            f"checkpointed and die there: they are held while it is parked, and this time they could not be ({why}): "
+            "it is not parked and runs as before")
+
+
+def holds_while_parked(pid: int, proc: str = "/proc") -> bool:
+    """Whether process ``pid`` runs a framework of :data:`HOLD_WHILE_PARKED` (its mappings)."""
     maps = _maps(pid, proc)
     return maps is not None and any(mark in maps for name in HOLD_WHILE_PARKED for mark in UNPROVEN[name])
 
