@@ -817,9 +817,11 @@ std::optional<QuietMark> quiet_mark(const nlohmann::json& report) {
   const auto driver = report.find("driver");
   const auto devices = report.find("devices");
   if (report.value("kind", "") != "after_cell" || driver == report.end() || !driver->is_object() ||
-      driver->value("state", "") != "ready" || devices == report.end() || !devices->is_array() || devices->empty()) {
+      driver->value("state", "") != "ready" || devices == report.end() || !devices->is_array()) {
     return std::nullopt;
   }
+  // No device listed: the driver initialised and no context of this process (an empty mark, which holds
+  // while none appears).
   QuietMark mark;
   for (const nlohmann::json& dev : *devices) {
     if (!dev.is_object()) return std::nullopt;
@@ -846,7 +848,7 @@ std::optional<QuietMark> quiet_mark(const nlohmann::json& report) {
 }
 
 bool quiet_since(const Driver& driver, DeviceRegistry& registry, const QuietMark& mark) {
-  if (mark.empty() || process_is_exiting()) return false;
+  if (process_is_exiting()) return false;
   // Retained as the after-cell pass retains them: devices that are neither unusable nor busy.
   // The count, handles and UUIDs as the pass behind the mark enumerated them (it kept them).
   const Probe found = probe(

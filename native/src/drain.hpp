@@ -62,16 +62,18 @@ struct QuietDevice {
 };
 using QuietMark = std::vector<QuietDevice>;
 
-// The mark of an after_cell() report, when quiet_since() can compare with it: the driver ready, at least one
-// device listed, each through its primary context, drained, settled ("done"), without an error, with no driver
-// pool reserving memory after the trim and its free memory known. nullopt otherwise: the next pass runs whole.
+// The mark of an after_cell() report, when quiet_since() can compare with it: the driver ready and each device
+// listed through its primary context, drained, settled ("done"), without an error, with no driver pool reserving
+// memory after the trim and its free memory known; none listed (initialised, no context of this process) is an
+// empty mark. nullopt otherwise: the next pass runs whole.
 std::optional<QuietMark> quiet_mark(const nlohmann::json& report);
 
 // True when nothing changed on the devices this process uses since the pass that left `mark`, as far as the
 // driver tells without waiting: the same devices in use, each through its primary context and not busy or
 // unusable; nothing queued on any (nothing_queued: an event recorded over the context, CUDA 12.5+ drivers; no
 // driver pool reserving memory); and the same free memory on each (one cuMemGetInfo). False when anything
-// differs or cannot be told. No wait, no trim, no JSON; the probe's calls, never cuInit.
+// differs or cannot be told. An empty mark holds while no device is in use. No wait, no trim, no JSON; the
+// probe's calls, never cuInit.
 bool quiet_since(const Driver& driver, DeviceRegistry& registry, const QuietMark& mark);
 
 }  // namespace gpucleanup

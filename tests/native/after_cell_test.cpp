@@ -401,8 +401,35 @@ TEST_F(AfterCell, QuietHoldsOnlyWhileNothingChangedSinceThePassThatLeftTheMark) 
   fake.update({{"devices", {{{"primary_active", false}}}}});
   EXPECT_FALSE(gpucleanup::quiet_since(driver, registry, *mark));
   EXPECT_EQ(fake.counter("contexts_created"), 0);
-  // An empty mark (nothing to compare with) is never quiet.
+  // An empty mark (a pass that found no device in use) holds while none is in use, and ends with the first one.
+  EXPECT_TRUE(gpucleanup::quiet_since(driver, registry, gpucleanup::QuietMark{}));
+  fake.update({{"devices", {{{"primary_active", true}}}}});
   EXPECT_FALSE(gpucleanup::quiet_since(driver, registry, gpucleanup::QuietMark{}));
+}
+
+// The driver initialised and no context of this process (a notebook that asked torch.cuda.is_available() and made
+// no tensor): the pass leaves an empty mark, and the quiet check holds with the probe's calls alone until a
+// context appears.
+TEST_F(AfterCell, AnInitialisedDriverWithNoContextLeavesAnEmptyMarkThatHoldsUntilTheFirstContext) {
+  json scenario = idle_device("GPU-af7e0000-0000-4000-8000-00000000003c");
+  scenario["devices"][0]["primary_active"] = false;
+  fake.reset(scenario);
+  const Driver driver(FAKE_CUDA_PATH);
+  const json report = gpucleanup::after_cell(driver, registry, with_timeout(30));
+  ASSERT_EQ(report["devices"].size(), 0u) << report.dump();
+  const auto mark = gpucleanup::quiet_mark(report);
+  ASSERT_TRUE(mark.has_value());
+  EXPECT_TRUE(mark->empty());
+  for (int cell = 0; cell < 3; ++cell) {
+    const Counts before = driver_calls(fake);
+    ASSERT_TRUE(gpucleanup::quiet_since(driver, registry, *mark)) << "cell " << cell;
+    const Counts made = minus(driver_calls(fake), before);
+    EXPECT_EQ(made.count("cuDevicePrimaryCtxRetain"), 0u) << show(made);  // no device in use: nothing retained
+    EXPECT_EQ(made.count("cuMemGetInfo"), 0u) << show(made);
+  }
+  fake.update({{"devices", {{{"primary_active", true}}}}});
+  EXPECT_FALSE(gpucleanup::quiet_since(driver, registry, *mark));  // the first context: the pass runs whole
+  EXPECT_EQ(fake.counter("contexts_created"), 0);
 }
 
 // On a framework's thread (CuPy, PyTorch: the primary context is current there), the quiet check uses that context
@@ -512,9 +539,7 @@ TEST_F(AfterCell, NoMarkIsLeftByAPassThatLeavesWorkForTheNext) {
   fake.reset(idle_device("GPU-af7e0000-0000-4000-8000-000000000036", {{"sync_seconds", -1}}));
   EXPECT_FALSE(gpucleanup::quiet_mark(gpucleanup::after_cell(driver, registry, with_timeout(0.05))).has_value());
   fake.release_sync();
-  // Nothing in use, a report of another kind, or not a report at all.
-  fake.reset({{"devices", {{{"primary_active", false}}}}});
-  EXPECT_FALSE(gpucleanup::quiet_mark(gpucleanup::after_cell(driver, registry, with_timeout(30))).has_value());
+  // A report of another kind, or not a report at all (nothing in use leaves an empty mark: its own test).
   fake.reset(idle_device("GPU-af7e0000-0000-4000-8000-000000000037"));
   EXPECT_FALSE(gpucleanup::quiet_mark(gpucleanup::trim_pools(driver, registry)).has_value());
   EXPECT_FALSE(gpucleanup::quiet_mark(json::object()).has_value());

@@ -212,6 +212,32 @@ def test_once_an_idle_cell_is_proven_the_library_quiet_check_stands_for_the_pass
     assert engine.since.skipped == 5
 
 
+def test_an_initialised_driver_with_no_context_is_found_unused_by_the_quiet_check_alone_until_a_first_context(
+        fake_cuda):
+    # a notebook that asked torch.cuda.is_available() and made no tensor: CUDA initialised, no context of its own
+    fake_cuda.reset({"initialized": True, "devices": [{"total_bytes": TOTAL, "free_bytes": TOTAL - 2 * GiB,
+                                                        "primary_active": False}]})
+    engine, native = _engine()
+    assert engine.run(_settings(), cell=1) is None  # the whole pass: nothing in use, nothing said
+    assert native.calls["after_cell"] == 1 and engine.since.unused
+    native.calls.clear()
+    for cell in range(2, 6):
+        assert engine.run(_settings(), cell=cell) is None
+    assert (native.calls["after_cell"], native.calls["quiet"]) == (0, 4)  # no pass, no JSON: the probe's calls
+    assert engine.since.driver_state == "ready"
+    # the first context: the quiet check no longer holds, the whole pass runs and finds the device in use
+    fake_cuda.update({"devices": [{"primary_active": True}]})
+    outcome = engine.run(_settings(), cell=6)
+    assert native.calls["after_cell"] == 1 and not engine.since.unused
+    assert outcome is not None and [d.index for d in outcome.record.devices] == [0]
+    # a forced cell (%gpumem --drain) always runs the whole pass
+    native.calls.clear()
+    fake_cuda.update({"devices": [{"primary_active": False}]})
+    assert engine.run(_settings(), cell=7) is None and engine.since.unused
+    engine.run(_settings(), cell=8, forced=True)
+    assert native.calls["after_cell"] == 2
+
+
 def test_idle_cells_ask_which_frameworks_are_in_use_once_until_an_import_or_a_full_pass(fake_cuda, monkeypatch):
     _device(fake_cuda)
     cupy, torch = Framework(live={0: GiB}), Framework("torch")

@@ -298,11 +298,24 @@ class CellPass:
         except Exception:
             initialised = None  # the full pass below says what is wrong
         if initialised is not False:
-            return False
+            return bool(initialised) and self.still_unused()
         self.since.driver_state = "not_initialized"
         self.since.know_baseline()  # no context anywhere: the next device in use is a first use
         self.state = None
         return True
+
+    def still_unused(self) -> bool:
+        """The driver initialised and no device in use, as the last pass found it and the library's quiet check
+        still finds it (the probe's calls, no JSON): the cell is the one :meth:`nothing_in_use` would end."""
+        if not self.since.unused:
+            return False
+        try:
+            unused = self.native.quiet() is True
+        except Exception:
+            unused = False
+        if unused:
+            self.state = self.since.driver_state = "ready"
+        return unused
 
     def probe(self, ctrl_c: CtrlC) -> bool:
         """The driver pass: probe, settle, trim and the figures after in one native call (when
@@ -320,6 +333,10 @@ class CellPass:
         self.driver = first.get("driver") or {}
         self.state = self.driver.get("state")
         self.since.driver_state = self.state
+        # no device listed at all (none in use, none unusable): the library left an empty quiet mark
+        self.since.unused = self.state == "ready" and not first.get("devices")
+        if self.since.unused:
+            self.since.last = None  # no figures to compare with until a device is in use again
         if self.state != "ready" or not in_use:
             if self.state in ("ready", "not_initialized"):
                 self.since.know_baseline()

@@ -85,7 +85,8 @@ class SinceLastPass:
     a device in use now and never before had "no context yet" before the cell, its first GPU cell; never emptied: a
     driver call that fails and lists no device changes nothing here); ``unusable``: devices with a sticky error,
     left alone from then on; ``holders``: the names that held GPU memory; ``skipped``: idle cells whose cleanup was
-    skipped; ``driver_state``: the driver's, as the last cell found it."""
+    skipped; ``driver_state``: the driver's, as the last cell found it; ``unused``: the last pass found the driver
+    initialised and no device in use (the library's quiet check then holds while none is)."""
 
     def __init__(self):
         self.last: Optional[LastPass] = None
@@ -101,6 +102,7 @@ class SinceLastPass:
         self.holders = GpuHolders()
         self.skipped = 0
         self.driver_state: Optional[str] = None
+        self.unused = False
 
     def baseline(self, probe: dict) -> None:
         """The devices in use before the first cell (the extension's probe at load): a device
