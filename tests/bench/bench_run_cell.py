@@ -7,7 +7,9 @@ quiet check) and ``unused`` (no context: the one-call path of a kernel that neve
 ``--block`` cells ``x = 1`` with gpucleanup loaded and one with it unloaded, in alternating order (on first in even
 rounds), each after 20 untimed cells. Per state the median over the rounds of each block's mean; added = median(on)
 - median(off). The cell's own work is in both, so the difference is what the hooks and IPython's calls of them
-cost.
+cost. In ``unused`` a third state, ``whole``, interleaved with the two: gpucleanup loaded with the library's quiet
+check of an unused driver turned off (``CellPass.still_unused``), so that each cell runs the whole native pass as
+before that check existed.
 
 Usage: python tests/bench/bench_run_cell.py [device|unused ...] [--rounds N] [--block N] [--json PATH]
 (GPUCLEANUP_BUILD_DIR selects the build tree whose fake driver and library are used, default build/)
@@ -39,7 +41,12 @@ def run(scenario: str, rounds: int, block: int) -> dict:
 
     shell = InteractiveShell.instance()
 
-    def timed(on: bool) -> float:
+    from gpucleanup.engine.cell_pass import CellPass
+
+    quiet_unused = CellPass.still_unused
+
+    def timed(on: bool, whole: bool = False) -> float:
+        CellPass.still_unused = (lambda self: False) if whole else quiet_unused
         shell.run_line_magic("load_ext" if on else "unload_ext", "gpucleanup")
         for _ in range(20):
             shell.run_cell("x = 1", store_history=True)
@@ -50,14 +57,19 @@ def run(scenario: str, rounds: int, block: int) -> dict:
                 raise SystemExit(f"bench_run_cell: a cell failed: {result.error_in_exec!r}")
         return (time.perf_counter() - start) / block * 1e3
 
-    on: list = []
-    off: list = []
+    states = ["on", "off"] + (["whole"] if scenario == "unused" else [])
+    times: dict = {state: [] for state in states}
     for r in range(rounds):
-        for state in ((True, False) if r % 2 == 0 else (False, True)):
-            (on if state else off).append(timed(state))
-    on_med, off_med = statistics.median(on), statistics.median(off)
-    return {"scenario": scenario, "rounds": rounds, "block": block, "on_ms": on, "off_ms": off,
-            "on_median_ms": on_med, "off_median_ms": off_med, "added_ms": on_med - off_med, "ratio": on_med / off_med}
+        for state in states[r % len(states):] + states[:r % len(states)]:
+            times[state].append(timed(state != "off", state == "whole"))
+    CellPass.still_unused = quiet_unused
+    on_med, off_med = statistics.median(times["on"]), statistics.median(times["off"])
+    out = {"scenario": scenario, "rounds": rounds, "block": block, "on_ms": times["on"], "off_ms": times["off"],
+           "on_median_ms": on_med, "off_median_ms": off_med, "added_ms": on_med - off_med, "ratio": on_med / off_med}
+    if "whole" in times:
+        whole_med = statistics.median(times["whole"])
+        out.update(whole_ms=times["whole"], whole_median_ms=whole_med, whole_added_ms=whole_med - off_med)
+    return out
 
 
 def main() -> int:
@@ -86,7 +98,9 @@ def main() -> int:
         out = [run(args.scenario[0], args.rounds, args.block)]
     for r in out:
         print(f"{r['scenario']:8s} run_cell per idle cell: on {r['on_median_ms']:.3f} ms, off {r['off_median_ms']:.3f} ms: "
-              f"added {r['added_ms']:+.3f} ms, {r['ratio']:.2f}x ({r['rounds']} rounds of {r['block']} cells each)",
+              f"added {r['added_ms']:+.3f} ms, {r['ratio']:.2f}x ({r['rounds']} rounds of {r['block']} cells each)"
+              + (f"; the whole pass each cell instead: {r['whole_median_ms']:.3f} ms, added "
+                 f"{r['whole_added_ms']:+.3f} ms" if "whole_median_ms" in r else ""),
               file=sys.stderr if str(args.json) == "/dev/stdout" else sys.stdout)
     if args.json:
         with open(args.json, "w") as f:
