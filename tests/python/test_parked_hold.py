@@ -260,3 +260,20 @@ def test_a_hold_whose_helper_ends_but_is_not_reaped_yet_has_ended():
     finally:
         helper.kill()
         helper.wait()
+
+
+def test_a_resume_not_given_the_parks_report_finds_the_hold_and_ends_it_after_the_unlock(jax_like, env, checkpoints):
+    # the bare python -m gpucleanup.park resume PID: no lock file's note, the hold found by its threads' tracer
+    proc, poller = jax_like
+    pid = proc.pid
+    outcome = park.park(pid, FAST, env=env, hold_threads=lambda restore: [poller])
+    holder = outcome.parked_hold["holder"]
+    assert parked_hold.find(pid) == {"held": True, "threads": 1, "holder": holder,
+                                     "start": outcome.parked_hold["start"]}
+    resumed = park.resume(pid, FAST, env=env)
+    assert (resumed.ok, resumed.state) == (True, "running")
+    assert resumed.steps[1].hold["held_since_park"] == 1
+    assert gone(holder) and tracer(pid, poller) == 0 and parked_hold.find(pid) is None
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    assert proc.stdout.readline().strip() == "polling"

@@ -202,6 +202,31 @@ def _is_holder(holder: dict, pid: int) -> bool:
     return b"hold" in args and str(int(pid)).encode() in args
 
 
+def find(pid: int, proc: str = "/proc") -> Optional[dict]:
+    """The hold of process ``pid`` whatever made it and wherever its report went: the tracer of its threads
+    (``TracerPid``) that is a hold helper of ``pid`` (:func:`_is_holder`), as a report :func:`release` takes; None
+    when no thread of it is so held. For a resume that was not given the park's report (the bare
+    ``python -m gpucleanup.park resume PID``): the threads it holds must still go after the unlock."""
+    tracers: Dict[int, int] = {}
+    try:
+        tids = [name for name in os.listdir(f"{proc}/{int(pid)}/task") if name.isdigit()]
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open(f"{proc}/{int(pid)}/task/{tid}/status", encoding="ascii", errors="replace") as fh:
+                tracer = next((int(line.split()[1]) for line in fh if line.startswith("TracerPid:")), 0)
+        except (OSError, ValueError, IndexError):
+            continue
+        if tracer > 0:
+            tracers[tracer] = tracers.get(tracer, 0) + 1
+    for tracer, count in tracers.items():
+        report = {"held": True, "threads": count, "holder": tracer, "start": _start_time(tracer)}
+        if report["start"] is not None and _is_holder(report, pid):
+            return report
+    return None
+
+
 def release(holder: Optional[dict], pid: int, wait_s: float = 2.0) -> Optional[str]:
     """Ends the hold after the unlock: SIGUSR1 to its helper, then waits at most ``wait_s`` for it to end (it lets
     the threads go first). Returns None when it ended (or there was none), else a sentence."""

@@ -908,10 +908,12 @@ def resume(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = 
     now is said and no restore is tried. A failed restore leaves it parked, its memory still in host
     memory, and says how to retry. A Ctrl-C or SIGTERM lets the step under way finish. The restore and its
     unlock run with the process's other threads held (:func:`restore_held`); ``allow`` names the helper to
-    the kernel first. ``held``: the park's hold while parked (:mod:`.parked_hold`), ended once the process runs.
+    the kernel first. ``held``: the park's hold while parked (:mod:`.parked_hold`; None: looked for among the
+    tracers of the process's threads), ended once the process runs.
     """
     started = time.monotonic()
     steps: List[Step] = []
+    held = held if held and held.get("threads") else parked_hold.find(pid)
 
     def outcome(ok: bool, now: Optional[str], message: str, changed: bool = False) -> Outcome:
         if now == RUNNING or now == FAILED:
@@ -937,8 +939,7 @@ def resume(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = 
             lacking = room_refusal(pid, need, gpus(), apps)
             if lacking:
                 return outcome(False, CHECKPOINTED, lacking)
-        restored, unlocked = restore_held(pid, limits, env, allow,
-                                          held.get("holder") if held and held.get("threads") else None)
+        restored, unlocked = restore_held(pid, limits, env, allow, held.get("holder") if held else None)
         steps.append(restored)
         if restored.refused:  # the helper ran no driver call: the process is as it was
             return outcome(False, CHECKPOINTED, restored.refused)
