@@ -762,8 +762,9 @@ def park(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = No
     ``hold_threads``: for a kernel, gives the threads to hold while parked, from the driver's restore thread
     (:func:`.parked_hold.threads_to_hold` in the kernel, :func:`.parked_hold.listed_threads` outside it; None: it
     cannot say); they are held when JAX runs in the process (:data:`HOLD_WHILE_PARKED`),
-    from before the lock until :func:`resume` unlocks it (``allow`` names the hold's helper to the kernel). A hold
-    that cannot be made refuses the park (``park.654``): such a kernel would die while parked.
+    from just after the lock (CRIU freezes a process after its lock: the lock itself needs its threads) until
+    :func:`resume` unlocks it (``allow`` names the hold's helper to the kernel). A hold that cannot be made
+    unlocks the process again and says ``park.654``: such a kernel would die while parked.
     """
     started = time.monotonic()
     steps: List[Step] = []
@@ -792,28 +793,37 @@ def park(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = No
         raise ParkRefused("[gpucleanup.park.631] interrupted (Ctrl-C or SIGTERM) before the lock: nothing was done, "
                           f"process {pid} runs as before")
 
+    hold: Optional[Callable[[], Optional[str]]] = None
     if hold_threads is not None and holds_while_parked(pid):
-        limit_ms = max(1, min(60000, int(limits.hold_s * 1000)))
         listed = hold_threads(found.restore_thread)
         if listed is None:
-            held = {"held": False, "why": UNLISTED}
-        else:
+            raise ParkRefused(hold_refusal(pid, UNLISTED))
+
+        def hold_after_lock() -> Optional[str]:
+            """After the lock, as CRIU freezes the process after its lock: the threads listed are stopped; a
+            sentence when they could not be."""
+            nonlocal held
+            limit_ms = max(1, min(60000, int(limits.hold_s * 1000)))
             held = parked_hold.start(pid, helper_command("hold", pid, [str(limit_ms), ",".join(map(str, listed))]),
                                      limit_ms, helper_env(env), HELPER_CWD, allow)
-        if not held.get("held"):
-            raise ParkRefused(hold_refusal(pid, held.get("why") or "not held"))
-        if not held.get("threads"):
-            held = None
+            if not held.get("held"):
+                why, held = held.get("why") or "not held", None
+                return why
+            if not held.get("threads"):
+                held = None
+            return None
+
+        hold = hold_after_lock
 
     try:
-        return _lock_and_checkpoint(pid, limits, env, steps, outcome)
+        return _lock_and_checkpoint(pid, limits, env, steps, outcome, hold)
     except BaseException:
         parked_hold.release(held, pid)  # nothing was parked: the threads go on
         raise
 
 
 def _lock_and_checkpoint(pid: int, limits: Limits, env: Optional[Dict[str, str]], steps: List[Step],
-                         outcome: Callable[..., Outcome]) -> Outcome:
+                         outcome: Callable[..., Outcome], hold: Optional[Callable[[], Optional[str]]]) -> Outcome:
     locked = step(pid, "lock", limits, env=env)
     steps.append(locked)
     if locked.refused:
@@ -835,6 +845,12 @@ def _lock_and_checkpoint(pid: int, limits: Limits, env: Optional[Dict[str, str]]
             why = (f"[gpucleanup.park.618] the driver refused to lock process {pid} ({locked.result}): it was not "
                    f"parked and is {now or 'in a state the driver did not report'}")
         return outcome(False, now, why)
+    why = hold() if hold is not None else None
+    if why is not None:
+        back = _unlock_back(pid, limits, env, steps, outcome, f"the threads to hold could not be held ({why})")
+        if back.state == RUNNING:
+            back.message = hold_refusal(pid, why)
+        return back
 
     checkpointed = step(pid, "checkpoint", limits, env=env)
     steps.append(checkpointed)
