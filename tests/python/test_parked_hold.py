@@ -281,3 +281,13 @@ def test_a_resume_not_given_the_parks_report_finds_the_hold_and_ends_it_after_th
     proc.stdin.write("go\n")
     proc.stdin.flush()
     assert proc.stdout.readline().strip() == "polling"
+
+
+def test_with_holding_turned_off_a_jax_kernel_is_parked_without_the_hold(jax_like, env, checkpoints):
+    proc, poller = jax_like
+    asked = []
+    outcome = park.park(proc.pid, FAST, env=dict(env, GPUCLEANUP_PARK_HOLD="off"),
+                        hold_threads=lambda restore: asked.append(restore) or [poller])
+    assert (outcome.ok, outcome.parked_hold, asked) == (True, None, [])
+    assert tracer(proc.pid, poller) == 0
+    assert park.resume(proc.pid, FAST, env=env).ok

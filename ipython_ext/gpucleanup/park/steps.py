@@ -794,7 +794,8 @@ def park(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = No
                           f"process {pid} runs as before")
 
     hold: Optional[Callable[[], Optional[str]]] = None
-    if hold_threads is not None and holds_while_parked(pid):
+    if (hold_threads is not None and (os.environ if env is None else env).get("GPUCLEANUP_PARK_HOLD") != "off"
+            and holds_while_parked(pid)):
         listed = hold_threads(found.restore_thread)
         if listed is None:
             raise ParkRefused(hold_refusal(pid, UNLISTED))
