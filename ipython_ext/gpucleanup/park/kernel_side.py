@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -368,8 +369,9 @@ class InKernel:
         (one may have taken a task without any thread starting), or while a blocker is said (the watch thread
         that follows it starts with it: a thread of the notebook that ends as it starts leaves the count as it
         was), what keeps an automatic park away is said again. One count of Python's threads otherwise."""
-        endpoint = self._endpoint()
-        self._listed.seen(endpoint.park_lock if endpoint is not None else None)
+        if "jaxlib" in sys.modules:  # a JAX kernel lists its threads for a park from outside (one dict lookup else)
+            endpoint = self._endpoint()
+            self._listed.seen(endpoint.park_lock if endpoint is not None else None)
         count = threading.active_count()
         tracing = bool(self._tracing())
         if (count != self._thread_count or self._workers or tracing != self._traced
