@@ -24,6 +24,7 @@ import time
 import pytest
 
 from conftest import FAKE_CUDA
+from support import wait_until
 from shell_stand_ins import StandInEndpoint
 from test_park import FAST, TARGET, patch, record
 
@@ -810,34 +811,74 @@ def test_the_bulk_parks_preview_skips_a_kernel_whose_notebook_thread_runs_and_sa
     assert [(r["id"], r["reasons"]) for r in preview["refused"]] == [("b", [blocker])]
 
 
-def test_a_task_an_existing_executor_worker_takes_is_told_to_the_server_though_no_thread_started():
+def _idle_pool(prefix: str):
+    """A one-worker executor whose worker has run a task and waits in its queue again (an idle worker)."""
     import concurrent.futures
 
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=prefix)
+    pool.submit(lambda: None).result()
+    wait_until(lambda: not [n for n in parking.outliving_threads() if n.startswith(prefix)],
+               "the worker back in its queue")
+    return pool
+
+
+def _told_busy(kernel, said: list, what: str) -> None:
+    """Cells end until the kernel has told the server a blocker (``what`` is the failure's words)."""
+    def look():
+        kernel.threads_seen()
+        return said
+    wait_until(look, what)
+
+
+class _SaysBlockers(StandInEndpoint):
+    def __init__(self, said: list):
+        super().__init__()
+        self.said = said
+
+    def park_blocker(self, why):
+        self.said.append(why)
+
+
+def test_a_task_an_existing_executor_worker_takes_is_told_to_the_server_though_no_thread_started():
     said = []
-
-    class Endpoint(StandInEndpoint):
-        def park_blocker(self, why):
-            said.append(why)
-
-    kernel = parking.InKernel(lambda: Endpoint(), lambda lines: None)
-    pool = concurrent.futures.ThreadPoolExecutor(1)
+    endpoint = _SaysBlockers(said)
+    kernel = parking.InKernel(lambda: endpoint, lambda lines: None)
     stop = threading.Event()
+    pool = _idle_pool("idle-worker")
     try:
-        pool.submit(lambda: None).result()
         kernel.threads_seen()  # a cell ends: a worker, idle
         assert said == []
-        busy = pool.submit(stop.wait)  # the next cell gives the same worker a long task: no thread starts
-        deadline = time.monotonic() + 10
-        while not said:
-            assert time.monotonic() < deadline, "the busy worker was never told"
-            kernel.threads_seen()
-            time.sleep(0.01)
-        assert "(ThreadPoolExecutor-" in said[0]
+        pool.submit(stop.wait)  # the next cell gives the same worker a long task: no thread starts
+        _told_busy(kernel, said, "the busy worker told to the server")
+        assert "(idle-worker_0)" in said[0]
     finally:
         stop.set()
         pool.shutdown(wait=True)
     kernel.threads_seen()
     assert said[-1] is None
+    kernel.close()
+
+
+def test_a_worker_that_starts_as_another_thread_ends_is_still_watched():
+    # The thread count stays as it was: one thread ended, the executor's worker started.
+    said = []
+    endpoint = _SaysBlockers(said)
+    stop, ended = threading.Event(), threading.Event()
+    earlier = threading.Thread(target=ended.wait, name="gpucleanup-test-earlier", daemon=True)
+    earlier.start()
+    kernel = parking.InKernel(lambda: endpoint, lambda lines: None)
+    ended.set()
+    earlier.join()
+    pool = _idle_pool("swapped-worker")
+    try:
+        kernel.threads_seen()
+        assert said == []
+        pool.submit(stop.wait)
+        _told_busy(kernel, said, "the busy worker told to the server")
+        assert "(swapped-worker_0)" in said[0]
+    finally:
+        stop.set()
+        pool.shutdown(wait=True)
     kernel.close()
 
 

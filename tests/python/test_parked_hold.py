@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -208,6 +209,26 @@ def test_the_release_never_signals_a_process_that_is_not_the_hold(tmp_path):
         sleeper.wait()
 
 
+def _one_thread_for_another(before, then) -> None:
+    """Runs ``before`` while a thread runs, then ``then`` once it has ended and another has started: the process's
+    thread count is the same, its thread ids are not."""
+    first_go, second_go = threading.Event(), threading.Event()
+    first = threading.Thread(target=first_go.wait, daemon=True)
+    first.start()
+    count = len(os.listdir("/proc/self/task"))
+    before()
+    first_go.set()
+    first.join()
+    second = threading.Thread(target=second_go.wait, daemon=True)
+    second.start()
+    try:
+        assert len(os.listdir("/proc/self/task")) == count
+        then()
+    finally:
+        second_go.set()
+        second.join()
+
+
 def test_a_jax_kernel_lists_its_threads_for_a_park_from_outside_which_holds_only_those_still_the_same(
         tmp_path, monkeypatch):
     lock_file = tmp_path / "kernel-1.park"
@@ -221,6 +242,17 @@ def test_a_jax_kernel_lists_its_threads_for_a_park_from_outside_which_holds_only
     mine = parked_hold.threads_to_hold(None)
     assert note == {"pid": os.getpid(), "threads": [[t, parked_hold.thread_start(os.getpid(), t)] for t in mine]}
     assert oct(os.stat(listed).st_mode & 0o777) == "0o600"
+    # the same threads at the next cell: not written again; one thread ended as another started: written again
+    written = []
+
+    def first_cell():
+        threads.seen(lock_file)
+        written.append(os.stat(listed).st_ino)
+        threads.seen(lock_file)
+        assert os.stat(listed).st_ino == written[0]
+
+    _one_thread_for_another(first_cell, lambda: threads.seen(lock_file))
+    assert os.stat(listed).st_ino != written[0]
     uid = os.getuid()
     assert parked_hold.listed_threads(lock_file, os.getpid(), None, uid) == mine
     # a thread whose id came back for another thread (another start time) is never held; the restore thread neither

@@ -262,7 +262,7 @@ class InKernel:
         self.refusal: Optional[str] = None
         #: set when a resume lost the kernel's GPU state: every later cell and request is refused at once with it
         self.lost: Optional[str] = None
-        self._thread_count = threading.active_count()
+        self._threads = tuple(threading.enumerate())  # held: a thread object's identity is never reused
         self._listed = ThreadList()  # a JAX kernel's threads to hold, for a park from outside
         self._traced = False  # whether the trace was on at the last look
         self._say_lock = threading.Lock()
@@ -364,21 +364,20 @@ class InKernel:
             self.arm(after_s)
 
     def threads_seen(self) -> None:
-        """A cell ends, before its state says idle (from when a policy may park the kernel): when a thread
-        started or ended since the last look, or the trace was turned on or off, or while executor workers live
-        (one may have taken a task without any thread starting), or while a blocker is said (the watch thread
-        that follows it starts with it: a thread of the notebook that ends as it starts leaves the count as it
-        was), what keeps an automatic park away is said again. One count of Python's threads otherwise."""
+        """A cell ends, before its state says idle (from when a policy may park the kernel): what keeps an
+        automatic park away is said again when a thread started or ended since the last look (the thread objects
+        are compared, not their count, which one ending as another starts leaves as it was), the trace was turned
+        on or off, executor workers live (one may take a task without any thread starting) or a blocker is said."""
         if "jaxlib" in sys.modules:  # a JAX kernel lists its threads for a park from outside (one dict lookup else)
             endpoint = self._endpoint()
             self._listed.seen(endpoint.park_lock if endpoint is not None else None)
-        count = threading.active_count()
+        threads = tuple(threading.enumerate())
         tracing = bool(self._tracing())
-        if (count != self._thread_count or self._workers or tracing != self._traced
+        if (threads != self._threads or self._workers or tracing != self._traced
                 or self._blocker_said is not None):
-            self._thread_count = count
+            self._threads = threads
             self._traced = tracing
-            self._workers = any(_origin(t).startswith(_EXECUTOR) for t in threading.enumerate())
+            self._workers = any(_origin(t).startswith(_EXECUTOR) for t in threads)
             self.say_blocker()
 
     def say_blocker(self) -> None:

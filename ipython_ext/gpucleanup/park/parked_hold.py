@@ -71,23 +71,22 @@ def thread_start(pid: int, tid: int, proc: str = "/proc") -> Optional[int]:
 class ThreadList:
     """In a kernel running JAX: keeps :func:`listed_path` up to date, so that a park from outside (the CLI, the page,
     the server's automatic park) holds the same threads as the kernel's own. Looked at as each cell ends: a dict
-    lookup where JAX is not imported, one read of the process's thread count and one ``stat`` where it is; written
-    when that count changed (JAX starts its threads in cells) or the file is gone."""
+    lookup where JAX is not imported, one listing of the process's thread ids and one ``stat`` where it is; written
+    when those ids changed (JAX starts its threads in cells) or the file is gone."""
 
     def __init__(self) -> None:
-        self._count: Optional[int] = None
+        self._tids: Optional[List[str]] = None
         self._path: Optional[str] = None
 
     def seen(self, lock_file: Optional[os.PathLike]) -> None:
         if "jaxlib" not in sys.modules or lock_file is None:
             return
         try:
-            with open("/proc/self/stat", "rb") as fh:
-                count = int(fh.read().rpartition(b")")[2].split()[17])
-        except (OSError, ValueError, IndexError):
+            tids = os.listdir("/proc/self/task")  # the ids, not their count: one ending as another starts
+        except OSError:
             return
         path = listed_path(lock_file)
-        if count == self._count and path == self._path and os.path.exists(path):
+        if tids == self._tids and path == self._path and os.path.exists(path):
             return
         pid = os.getpid()
         listed = [[tid, thread_start(pid, tid)] for tid in threads_to_hold(None)]
@@ -100,7 +99,7 @@ class ThreadList:
             os.replace(part, path)
         except OSError:
             return  # looked at again at the next cell; a park from outside refuses meanwhile (park.654)
-        self._count, self._path = count, path
+        self._tids, self._path = tids, path
 
     def close(self) -> None:
         if self._path is not None:
@@ -108,7 +107,7 @@ class ThreadList:
                 os.unlink(self._path)
             except OSError:
                 pass
-            self._path = self._count = None
+            self._path = self._tids = None
 
 
 def listed_threads(lock_file: os.PathLike, pid: int, restore_thread: Optional[int], owner: Optional[int],
