@@ -3,7 +3,8 @@
 
 Method: an IPython shell in this process (no kernel, no messages), the fake driver (tests/fake_cuda) scripted with
 one 80 GiB device, and no framework. Scenarios: ``device`` (the process has a context on it: every cell takes the
-quiet check) and ``unused`` (no context: the one-call path of a kernel that never used CUDA). Rounds: a block of
+quiet check), ``unused`` (the driver initialised, no context: the library's quiet check of an unused driver) and
+``never`` (nothing initialised the driver: the one-call path of a kernel that never used CUDA). Rounds: a block of
 ``--block`` cells ``x = 1`` with gpucleanup loaded and one with it unloaded, in alternating order (on first in even
 rounds), each after 20 untimed cells. Per state the median over the rounds of each block's mean; added = median(on)
 - median(off). The cell's own work is in both, so the difference is what the hooks and IPython's calls of them
@@ -11,7 +12,7 @@ cost. In ``unused`` a third state, ``whole``, interleaved with the two: gpuclean
 check of an unused driver turned off (``CellPass.still_unused``), so that each cell runs the whole native pass as
 before that check existed.
 
-Usage: python tests/bench/bench_run_cell.py [device|unused ...] [--rounds N] [--block N] [--json PATH]
+Usage: python tests/bench/bench_run_cell.py [device|unused|never ...] [--rounds N] [--block N] [--json PATH]
 (GPUCLEANUP_BUILD_DIR selects the build tree whose fake driver and library are used, default build/)
 """
 
@@ -29,6 +30,8 @@ GIB = 1 << 30
 SCENARIOS = {
     "device": {"devices": [{"total_bytes": 80 * GIB, "free_bytes": 78 * GIB, "primary_active": True}]},
     "unused": {"devices": [{"total_bytes": 80 * GIB, "free_bytes": 80 * GIB, "primary_active": False}]},
+    "never": {"initialized": False,
+              "devices": [{"total_bytes": 80 * GIB, "free_bytes": 80 * GIB, "primary_active": False}]},
 }
 
 

@@ -2,12 +2,12 @@
 """Where an idle cell's hooks spend their time on the fake CUDA driver: cProfile of the extension's two hooks.
 
 Method: an IPython shell in this process with ``%load_ext gpucleanup``, the fake driver scripted as
-bench_run_cell.py's scenario (``device``: a context on the device; ``unused``: the driver initialised, no context),
-50 cells run through ``run_cell`` first, then N cells of the hooks alone (``pre_run_cell``, ``post_run_cell``)
+bench_run_cell.py's scenario (``device``: a context on the device; ``unused``: the driver initialised, no context;
+``never``: nothing initialised it), 50 cells run through ``run_cell`` first, then N cells of the hooks alone (``pre_run_cell``, ``post_run_cell``)
 timed, then N more under cProfile: the mean per cell, how many cells the engine skipped as idle, and the 12
 functions with the largest own time.
 
-Usage: python tests/bench/profile_idle_hooks.py {device,unused} [N]
+Usage: python tests/bench/profile_idle_hooks.py {device,unused,never} [N]
 (GPUCLEANUP_BUILD_DIR selects the build tree whose fake driver and library are used, default build/)
 """
 

@@ -880,6 +880,33 @@ def test_a_worker_that_starts_as_another_thread_ends_is_still_watched():
     kernel.close()
 
 
+def test_a_thread_a_cell_starts_as_the_park_timers_thread_ends_is_told_to_the_server():
+    # Each cell ends the last park timer (its thread ends) and may start the notebook's own thread: the same count.
+    said = []
+    endpoint = _SaysBlockers(said)
+    timer = threading.Timer(60, lambda: None)
+    timer.name = "gpucleanup-park-timer"
+    timer.start()
+    kernel = parking.InKernel(lambda: endpoint, lambda lines: None)
+    kernel.threads_seen()
+    assert said == []  # gpucleanup's own thread keeps no park away
+    stop = threading.Event()
+    timer.cancel()
+    timer.join()
+    train = threading.Thread(target=stop.wait, name="train-loop", daemon=True)
+    train.start()
+    try:
+        kernel.threads_seen()
+        assert said == ["[gpucleanup.park.642] 1 thread started in a cell still runs (train-loop): an automatic park "
+                        "would stop their GPU calls; it is left to %gpumem --park or gpucleanup park once they end"]
+    finally:
+        stop.set()
+        train.join()
+    kernel.threads_seen()
+    assert said[-1] is None
+    kernel.close()
+
+
 def test_a_park_lock_with_a_second_link_is_refused_and_the_linked_file_keeps_its_bytes(tmp_path):
     victim = tmp_path / "notes.txt"
     victim.write_text("mine")
