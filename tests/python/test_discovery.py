@@ -677,6 +677,10 @@ def test_a_file_owned_by_someone_else_is_skipped(kernel, runtime):
          "endpoint 'ipc://relative.sock' is not ipc://<absolute path>, tcp://127.0.0.1:<port> or tcp://[::1]:<port>"),
         ({"key_file": "relative.key"}, "key_file 'relative.key' is not an absolute path"),
         ({"key_file": "/a\x00b"}, "key_file is not a plausible value: '/a\\x00b'"),
+        # the park lock is named from it, and a park's sentences name the lock: nothing for a terminal in it
+        ({"key_file": "/r/\x1b[31m\ngpucleanup: forged.key"},
+         "key_file '/r/\\x1b[31m\\ngpucleanup: forged.key' holds control characters"),
+        ({"key_file": "/r/\u202eyek.key"}, "key_file '/r/\\u202eyek.key' holds control characters"),
         ({"transport": "udp"}, "transport 'udp' is not 'ipc' or 'tcp'"),
         ({"pid_ns": "net:[1]"}, "pid_ns 'net:[1]' is not pid:[<inode>]"),
         ({"boot_id": 5}, "boot_id must be a string or null, got int 5"),

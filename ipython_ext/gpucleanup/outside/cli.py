@@ -63,6 +63,7 @@ from ..park import steps as park_steps, kernel_side as parking, from_outside as 
 from ..protocol import status_client
 from ..records import report
 from ..records.report import Table, format_bytes, format_duration
+from ..say import printable
 
 EXIT_OK = 0
 EXIT_NOT_FOUND = 1
@@ -99,9 +100,9 @@ def _scan(args) -> discovery.ScanResult:
     return found
 
 
-def _safe(text) -> str:
-    """``text`` with control characters escaped: a discovery file must not drive the terminal."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+#: ``text`` with control characters escaped: nothing a discovery file, a kernel's reply or a thread's name
+#: holds may drive the terminal or start a line that looks like gpucleanup's own
+_safe = printable
 
 
 def _no_kernels_message(args) -> str:
@@ -411,12 +412,13 @@ def cmd_status(args) -> int:
     if isinstance(root, str) and root:
         lines.append(f"root       {_safe(root)}  (the Jupyter Server's; the notebook is relative to it)")
     lines += [
-        f"state      {state_text(reply.get('state'), reply)}",
+        f"state      {_safe(state_text(reply.get('state'), reply))}",
         f"endpoint   {_safe(kernel.endpoint)}",
     ]
     snapshot = reply.get("snapshot") or {}
     driver = snapshot.get("driver") or {}
-    lines.append(f"driver     {driver.get('state', '?')}" + (f" ({reply.get('snapshot_status')})" if reply.get("snapshot_status") != "fresh" else ""))
+    lines.append(f"driver     {_safe(driver.get('state', '?'))}"
+                 + (f" ({_safe(reply.get('snapshot_status'))})" if reply.get("snapshot_status") != "fresh" else ""))
     rows = []
     for dev in device_rows(reply):
         frameworks = sorted(set(dev["live_bytes"]) | set(dev["cached_bytes"]))
@@ -439,7 +441,7 @@ def cmd_status(args) -> int:
     else:
         lines.append("devices    no GPU in use")
     lines.append("")
-    lines.append(f"last cell  {last_cell_text(reply)}")
+    lines.append(f"last cell  {_safe(last_cell_text(reply))}")
     print("\n".join(lines))
     return EXIT_OK
 
@@ -462,14 +464,14 @@ def cmd_drain(args) -> int:
         for dev in devices:
             if dev.get("state") != "drained":
                 continue  # said on stderr below, with what to do
-            print(f"kernel {kernel.pid} GPU{dev.get('index')}: {report.drained_text(result, dev)}")
+            print(_safe(f"kernel {kernel.pid} GPU{dev.get('index')}: {report.drained_text(result, dev)}"))
         for note in report.drain_kernel_notes(result):
-            print(f"kernel {kernel.pid}: {note}")
+            print(f"kernel {kernel.pid}: {_safe(note)}")
     if problems:
         # stdout is flushed first so that a terminal shows the report before the failures.
         sys.stdout.flush()
         for text in problems:
-            print(f"gpucleanup: {text}", file=sys.stderr)
+            print(f"gpucleanup: {_safe(text)}", file=sys.stderr)
         return EXIT_NOT_DRAINED
     return EXIT_OK
 
@@ -546,9 +548,9 @@ def _park_check(args, kernel: discovery.Kernel) -> int:
     else:
         print(f"kernel {kernel.pid} cannot be parked now:")
         for reason in found["reasons"]:
-            print(f"  - {reason}")
+            print(f"  - {_safe(reason)}")
     if found.get("blocker") and not args.json:
-        print(f"  but automatic and bulk parks leave it alone: {found['blocker']}")
+        print(f"  but automatic and bulk parks leave it alone: {_safe(found['blocker'])}")
     return EXIT_OK if found["parkable"] else EXIT_REFUSED
 
 
@@ -579,6 +581,7 @@ def _not_done(args, kernel: discovery.Kernel, action: str, error: CliError) -> C
 
 
 def _park_outcome(args, kernel: discovery.Kernel, outcome: park_steps.Outcome, text: str) -> int:
+    text = _safe(text)  # the kernel's refusals and the helper's reasons are in it
     if args.json:
         print(json.dumps(outcome.as_dict(), indent=1))
     elif outcome.ok:
@@ -653,8 +656,8 @@ def _record_line(target: status_client.Target, message: dict, colour: bool = Fal
     who = _safe(pid if target.label in ("", pid) else f"{pid} {target.label}")
     stamp = time.strftime("%H:%M:%S", time.localtime((message.get("time_ns") or time.time_ns()) / 1e9))
     parts = [_paint(stamp, "dim", colour), _paint(who, "bold", colour),
-             _paint(last_cell_text({"last_record": record}), "green", colour)]
-    memory = memory_text({"last_record": record})
+             _paint(_safe(last_cell_text({"last_record": record})), "green", colour)]
+    memory = _safe(memory_text({"last_record": record}))
     if memory and not memory.startswith("no GPU"):
         parts.append(memory)
     if isinstance(record.get("elapsed_s"), (int, float)):
@@ -684,7 +687,7 @@ def cmd_watch(args) -> int:
                         try:
                             subscriber.add(name, _target(kernel, kernel.pub_endpoint))
                         except CliError as exc:
-                            print(f"gpucleanup: {exc}", file=sys.stderr)
+                            print(f"gpucleanup: {_safe(exc)}", file=sys.stderr)
                 if not announced:
                     if not names:
                         raise CliError(_no_kernels_message(args), EXIT_NOT_FOUND)
@@ -913,7 +916,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return args.run(args)
     except CliError as exc:
-        print(f"gpucleanup: {exc}", file=sys.stderr)
+        print(f"gpucleanup: {_safe(exc)}", file=sys.stderr)  # its sentence may carry a file's or a kernel's words
         return exc.code
     except KeyboardInterrupt:
         return 130

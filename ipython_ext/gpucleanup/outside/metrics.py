@@ -24,6 +24,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 from ..protocol import discovery
 from . import kernels
 from ..protocol import status_client
+from ..say import printable
 
 __all__ = [
     "KernelCollector",
@@ -285,7 +286,9 @@ class KernelCollector:
     def _kernel_labels(self, view: kernels.KernelView) -> List[str]:
         # Built from an allow-list: a public view names what every local user may see anyway (the pid and
         # its owner, as ps shows them), never the notebook or the kernel id.
-        known = {"kernel_id": view.kernel_id or "", "notebook": view.notebook or "", "pid": str(view.pid),
+        # escaped as a terminal would need (a scrape read with curl): the exposition format escapes only \\ " \n
+        known = {"kernel_id": printable(view.kernel_id or ""), "notebook": printable(view.notebook or ""),
+                 "pid": str(view.pid),
                  "user": kernel_user(view)}
         allowed = PUBLIC_KERNEL_LABELS if self.public else KERNEL_LABELS
         return [known[name] if name in allowed else "" for name in KERNEL_LABELS]
@@ -326,12 +329,12 @@ class KernelCollector:
             index = row.get("index")
             if type(index) is not int:
                 continue
-            uuid = row.get("uuid") or uuids.get(index) or ""
+            uuid = printable(row.get("uuid") or uuids.get(index) or "")
             device = labels + [str(index), uuid]
             for key, family in (("live_bytes", "live"), ("cached_bytes", "cached")):
                 for framework, n in sorted((row.get(key) or {}).items()):
                     if _count(n) is not None:
-                        families[family].add_metric(device + [str(framework)], n)
+                        families[family].add_metric(device + [printable(framework)], n)
             for key, family in (("outside_bytes", "outside"), ("used_bytes", "used"), ("total_bytes", "total"),
                                 ("driver_pool_reserved_bytes", "pool_reserved"), ("driver_pool_used_bytes", "pool_used")):
                 n = _count(row.get(key))
@@ -359,12 +362,13 @@ class KernelCollector:
                 continue
             for framework, n in sorted((device.get("freed_bytes") or {}).items()):
                 if _count(n) is not None:
-                    families["freed"].add_metric(labels + [str(index), uuids.get(index, ""), str(framework)], n,
+                    families["freed"].add_metric(labels + [str(index), printable(uuids.get(index, "")),
+                                                  printable(framework)], n,
                                                  created=created)
         pinned = totals.get("pinned_freed_bytes")
         for framework, n in sorted((pinned if isinstance(pinned, dict) else {}).items()):
             if _count(n) is not None:
-                families["pinned_freed"].add_metric(labels + [str(framework)], n, created=created)
+                families["pinned_freed"].add_metric(labels + [printable(framework)], n, created=created)
         buckets = _buckets(prom, totals.get("settle_wait_s"))
         if buckets is not None:
             families["wait"].add_metric(labels, buckets[0], buckets[1])

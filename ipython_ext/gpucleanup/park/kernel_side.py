@@ -18,7 +18,7 @@ from typing import Callable, Optional
 from . import steps as park_steps, resume_news
 from .parked_hold import ThreadList, threads_to_hold
 from .lock import LockBusy, LockUnusable, ParkLock, lock_path, parked_need, refused_memo, wait_limit
-from ..say import say
+from ..say import printable, say
 from ..units import format_bytes, format_duration
 
 __all__ = ["LockBusy", "LockUnusable", "ParkLock", "parked_need", "outliving_threads", "lock_path", "park_kernel",
@@ -302,7 +302,8 @@ class InKernel:
         if self._tracing():
             return ("[gpucleanup.park.647] %gpumem --trace is on: the driver's checkpoint does not support its "
                     "CUPTI subscriber (%gpumem --trace off makes the kernel parkable)")
-        running = [name for name in outliving_threads() if name != threading.current_thread().name]
+        # a thread's name is the notebook's to choose: it reaches the server, a CLI's terminal and the log
+        running = [printable(name) for name in outliving_threads() if name != threading.current_thread().name]
         if not running:
             return None
         return (f"[gpucleanup.park.642] {len(running)} thread{'s' if len(running) > 1 else ''} started in a cell "

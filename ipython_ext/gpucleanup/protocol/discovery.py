@@ -591,6 +591,8 @@ def validate(info, name_pid: Optional[int] = None, name_instance: Optional[str] 
     key_file = _string(info, "key_file")
     if key_file is not None and not key_file.startswith("/"):
         raise BadDiscoveryFile(f"key_file {_show(key_file)} is not an absolute path")
+    if key_file is not None and not key_file.isprintable():  # never gpucleanup's: the park lock is named from it
+        raise BadDiscoveryFile(f"key_file {_show(key_file)} holds control characters")
     scheme = info.get("signature_scheme")
     if scheme is not None and scheme != "hmac-sha256":
         raise BadDiscoveryFile(f"signature_scheme {_show(scheme)} is not 'hmac-sha256'")

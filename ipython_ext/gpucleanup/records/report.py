@@ -328,7 +328,8 @@ class Table:
         ``rule``: a dashed line under the headers in the text form. An empty title prints no title line."""
         self.title = title
         self.headers = [str(h) for h in headers]
-        self.rows = [[("" if c is None else str(c)) for c in row] for row in rows]
+        # a cell may hold a worker's address, a kernel's reply or a device name: one line, nothing for a terminal
+        self.rows = [[("" if c is None else printable(c)) for c in row] for row in rows]
         self.notes = list(notes)
         self.align = align or "l" + "r" * (len(self.headers) - 1)
         self.rule = rule
@@ -653,7 +654,7 @@ def dask_report(workers: Dict[str, dict]) -> Report:
                          format_bytes(cached), format_bytes(w.get("freed_since_last_look_bytes"))
                          if w.get("plugin") else "-", str(w.get("cleanups", "-")), state])
         for note in memory.get("notes") or []:
-            lines.append(f"{PREFIX}{SEP}{address}: {note}")
+            lines.append(f"{PREFIX}{SEP}{printable(address)}: {printable(note)}")
     if not rows:
         return Report([], [f"{PREFIX}{SEP}the Dask client has no workers"])
     table = Table("Dask workers", ["worker", "GPU", "device used", "live", "cached", "freed since last look",
@@ -668,11 +669,11 @@ def dask_drain_lines(drained: Dict[str, dict]) -> List[str]:
     out = []
     for address, d in sorted((drained or {}).items()):
         if d.get("skipped"):
-            out.append(f"{PREFIX}{SEP}{address}: skipped ({d['skipped']})")
+            out.append(f"{PREFIX}{SEP}{printable(address)}: skipped ({printable(d['skipped'])})")
         elif d.get("error"):
-            out.append(f"{PREFIX}{SEP}{address}: cleanup failed ({d['error']})")
+            out.append(f"{PREFIX}{SEP}{printable(address)}: cleanup failed ({printable(d['error'])})")
         else:
-            out.append(f"{PREFIX}{SEP}{address}: freed {format_bytes(int(d.get('freed_bytes') or 0))} "
+            out.append(f"{PREFIX}{SEP}{printable(address)}: freed {format_bytes(int(d.get('freed_bytes') or 0))} "
                        f"({format_duration(d.get('elapsed_s'))})")
     return out
 

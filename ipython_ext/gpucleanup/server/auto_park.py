@@ -10,6 +10,7 @@ from typing import Dict, List
 
 from ..outside import kernels
 from ..park import from_outside as remote_park, kernel_side as parking
+from ..say import printable
 from . import model
 
 
@@ -52,10 +53,10 @@ class AutoPark:
         self._running = True
         try:
             for line in await self.round():
-                self.log.info("gpucleanup: %s", line)
+                self.log.info("gpucleanup: %s", printable(line))  # a kernel's refusal, its id from a file
         except Exception as exc:
             if not self.watch.stopped:
-                self.log.warning("gpucleanup: the automatic parking round failed: %s", exc)
+                self.log.warning("gpucleanup: the automatic parking round failed: %s", printable(exc))
         finally:
             self._running = False
 

@@ -28,6 +28,7 @@ from ..protocol import discovery
 from ..outside import kernels
 from ..park import steps as park_steps, kernel_side as parking, from_outside as remote_park
 from ..protocol import status_client
+from ..say import printable
 from ..version import __version__
 from . import admin, model
 
@@ -298,6 +299,15 @@ class _API(APIHandler):
             self.finish({"message": exc.log_message % exc.args, "reason": exc.reason})
             return
         super().write_error(status_code, **kwargs)
+
+    def log_exception(self, typ, value, tb) -> None:
+        # A kernel's refusal, a key file's path or a thread's name is in the message: one line in the server's
+        # log, with no control character (tornado writes it as it is). The page gets it whole, as JSON.
+        if isinstance(value, web.HTTPError) and value.log_message:
+            message = value.log_message % value.args if value.args else value.log_message
+            self.log.warning("%d %s: %s", value.status_code, printable(self._request_summary()), printable(message))
+            return
+        super().log_exception(typ, value, tb)
 
 
 class KernelsHandler(_API):
