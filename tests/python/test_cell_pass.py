@@ -757,7 +757,7 @@ def test_release_idle_a_re_armed_release_still_runs_once_the_kernel_is_idle(fake
     _device(fake_cuda)
     cupy = Framework(live={0: GiB}, cached={0: GiB})
     engine, _ = _engine(cupy)
-    settings = _settings(release="idle", idle_release_s=0.05)
+    settings = _settings(release="idle", idle_release_s=2.0)  # not due before the next cell starts, under load too
     engine.run(settings, cell=1)
     job = engine.releases.idle_job
     engine.cell_starts()  # the next cell holds it: it does not run while the cell runs

@@ -214,13 +214,13 @@ def test_a_stuck_kernel_does_not_stall_ps(kernel, runtime):
         write_discovery(runtime, sleeper.pid, endpoint=f"tcp://127.0.0.1:{port}", transport="tcp",
                         proc_start_ticks=discovery.process_start_ticks(sleeper.pid))
         start = time.monotonic()
-        result = cli("ps", "--timeout", "0.5")
+        result = cli("ps", "--timeout", "5")  # the live kernel answers well within it, on a loaded machine too
         elapsed = time.monotonic() - start
         assert result.returncode == 0, result.stderr
         rows = {line.split()[0]: line for line in result.stdout.splitlines()[1:]}
         assert "no answer" in rows[str(sleeper.pid)]
         assert "running cell 12" in rows[str(os.getpid())]
-        print(f"\nps with one stuck kernel (--timeout 0.5): {elapsed:.2f} s including interpreter start")
+        print(f"\nps with one stuck kernel (--timeout 5): {elapsed:.2f} s including interpreter start")
         result = cli("status", str(sleeper.pid), "--timeout", "0.3")
         assert result.returncode == 3
         assert result.stderr == (

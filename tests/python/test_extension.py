@@ -821,10 +821,21 @@ def test_fake_driver_ctrl_c_during_the_settle_stops_it(shell, real, fake_cuda, c
     ext = _ext(shell)
     try:
         ext.pre_run_cell(None)
-        timer = threading.Timer(0.3, _thread.interrupt_main)  # Ctrl-C while the native wait runs
-        timer.start()
-        ext.post_run_cell(None)  # the fake never finishes: returning at all means the Ctrl-C stopped the wait
-        timer.join()
+        done = threading.Event()
+
+        def ctrl_c_once_waiting():  # Ctrl-C while the native wait runs (not before it: that is another line)
+            while fake_cuda.counter("syncs_in_flight") < 1 and not done.is_set():
+                time.sleep(0.01)
+            if not done.is_set():
+                _thread.interrupt_main()
+
+        sender = threading.Thread(target=ctrl_c_once_waiting)
+        sender.start()
+        try:
+            ext.post_run_cell(None)  # the fake never finishes: returning at all means the Ctrl-C stopped the wait
+        finally:
+            done.set()
+            sender.join()
         out = capsys.readouterr().out
         assert f"gpucleanup · GPU0 {_fake_name()} · interrupted (Ctrl-C): cleanup stopped, nothing more freed" in out
         assert ext.history.last()[-1]["interrupted"] is True
@@ -1085,14 +1096,15 @@ def test_release_idle_keeps_the_caches_for_the_next_cell_and_gives_them_back_whe
     _run(shell, "x = 1", capsys)
     gpu.cupy.cached[0] = GiB
     shell.run_line_magic("config", "GPUCleanup.release = 'idle'")
-    shell.run_line_magic("config", "GPUCleanup.idle_release_s = 0.05")
+    # long enough that the release cannot come before the line is read, even on a loaded machine
+    shell.run_line_magic("config", "GPUCleanup.idle_release_s = 2")
     shell.run_line_magic("config", "GPUCleanup.show = 'always'")
     drains = gpu.cupy.calls["drain"]
     _, out = _run(shell, "x = 2", capsys)
     assert gpu.cupy.calls["drain"] == drains  # nothing torn down after the cell
     (line,) = _lines(out.out)
     assert "cached 1.0 GiB until idle (cupy 1.0)" in line
-    assert _ext(shell).history.last()[-1]["deferred"] == {"device": True, "pinned": False, "after_s": 0.05}  # pinned: emptied by cell 1
+    assert _ext(shell).history.last()[-1]["deferred"] == {"device": True, "pinned": False, "after_s": 2.0}  # pinned: emptied by cell 1
     job = _idle_job_done(shell)  # the kernel stayed idle: the release ran on its own thread
     assert gpu.cupy.calls["drain"] == drains + 1 and gpu.cupy.cached.get(0, 0) == 0
     assert job.result()["devices"] == [{"index": 0, "freed_bytes": {"cupy": GiB}}]
@@ -1191,7 +1203,7 @@ def test_release_rerun_another_cell_waits_for_the_release_at_most_settle_timeout
 def test_release_auto_frees_device_caches_now_and_pinned_pools_when_idle(shell, gpu, capsys):
     shell.run_line_magic("load_ext", "gpucleanup")
     shell.run_line_magic("config", "GPUCleanup.release = 'auto'")
-    shell.run_line_magic("config", "GPUCleanup.idle_release_s = 0.05")
+    shell.run_line_magic("config", "GPUCleanup.idle_release_s = 2")  # not before the counts below are read
     _, out = _run(shell, "x = 1", capsys)
     assert gpu.cupy.calls["drain"] == 1 and gpu.cupy.calls["drain_pinned"] == 0
     (line,) = _lines(out.out)

@@ -411,8 +411,10 @@ def test_a_cell_started_while_a_park_is_under_way_waits_for_it_then_resumes(kern
 
 def test_a_parked_kernel_that_exits_is_resumed_first(kernel, checkpoints):
     assert cli("park", str(kernel.pid)).returncode == 0
+    kernel.km.shutdown_wait_time = 60  # the resume's helpers at exit, on a loaded machine: no SIGTERM meanwhile
     kernel.km.shutdown_kernel(now=False)
     assert not kernel.km.is_alive()
+    assert kernel.process.wait(timeout=60) == 0  # it exited by itself, resumed first
     assert record(checkpoints, kernel.pid)["state"] == "running"
     assert not discovery.path_for_pid(kernel.pid, kernel.runtime).exists()
 

@@ -1045,6 +1045,8 @@ def test_park_checks_of_one_kernel_share_one_helper_until_a_park_of_it(monkeypat
     monkeypatch.setattr(remote_park, "check_kernel", check_kernel)
     monkeypatch.setattr(remote_park, "park_from_outside", lambda *args: "parked")
     watch = handlers.KernelWatch(None, handlers.GPUCleanupServer())
+    watch.CHECK_SHARED_S = 3600.0  # "within the window" whatever the machine's load
+
     class Kernel:  # what the watch reads of a discovered kernel
         pid, key_file = 4242, str(tmp_path / "4242-ab.key")
 
