@@ -35,6 +35,13 @@ STAND_IN_BIN = HERE / "stand_ins" / "bin"
 PACKAGE = HERE.parents[1] / "ipython_ext"
 MiB, GiB = 1 << 20, 1 << 30
 
+
+@pytest.fixture(autouse=True)
+def no_thread_of_an_earlier_test():
+    """The thread guard's tests name the threads that keep a park away: none of an earlier test may still run."""
+    wait_until(lambda: not parking.outliving_threads(), "the threads of an earlier test ended")
+
+
 @pytest.fixture
 def checkpoints(tmp_path):
     directory = tmp_path / "checkpoints"
