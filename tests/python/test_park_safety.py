@@ -914,6 +914,32 @@ def test_a_thread_a_cell_starts_as_the_park_timers_thread_ends_is_told_to_the_se
     kernel.close()
 
 
+def test_the_look_at_threads_keeps_no_thread_of_the_notebook_alive():
+    # A thread object keeps what the notebook gave it (a model on the GPU): gpucleanup never holds one past its end.
+    import weakref
+
+    kernel = parking.InKernel(lambda: None, lambda lines: None)
+    stop = threading.Event()
+
+    class Train(threading.Thread):
+        def __init__(self):
+            super().__init__(name="train-loop", daemon=True)
+            self.model = bytearray(1 << 20)
+
+        def run(self):
+            stop.wait()
+
+    train = Train()
+    train.start()
+    kernel.threads_seen()  # a cell ends while it runs
+    stop.set()
+    train.join()
+    gone = weakref.ref(train)
+    del train
+    assert gone() is None
+    kernel.close()
+
+
 def test_a_park_lock_with_a_second_link_is_refused_and_the_linked_file_keeps_its_bytes(tmp_path):
     victim = tmp_path / "notes.txt"
     victim.write_text("mine")

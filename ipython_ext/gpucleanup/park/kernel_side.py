@@ -12,6 +12,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -215,6 +216,13 @@ def _idle_worker(frame) -> bool:
     return code is not None and code.co_name == "_worker" and code.co_filename.endswith(_WORKER_FILE)
 
 
+def _thread_refs(threads: list) -> tuple:
+    """What tells one look at Python's threads from the next: weak references to the thread objects (one that ended
+    never equals one that started; a count would, and a kept thread object would keep what the notebook's thread
+    held alive for a cell more)."""
+    return tuple(map(weakref.ref, threads))
+
+
 def outliving_threads() -> list:
     """The names of the live threads that may be doing the notebook's GPU work (a training loop, a prefetcher,
     a task on an executor), whenever they started (before gpucleanup loaded too): every thread but the kernel's
@@ -222,15 +230,20 @@ def outliving_threads() -> list:
     import sys
 
     frames = sys._current_frames()  # noqa: SLF001 (the one way to see where another thread waits)
-    main = threading.main_thread()
-    out = []
-    for t in threading.enumerate():
-        if t is main or not t.is_alive() or t.name.startswith(_QUIET_THREADS):
-            continue
-        if _origin(t).split(".")[0] in _MACHINERY or _idle_worker(frames.get(t.ident)):
-            continue
-        out.append(t.name)
-    return sorted(out)
+    try:
+        main = threading.main_thread()
+        out = []
+        for t in threading.enumerate():
+            if t is main or not t.is_alive() or t.name.startswith(_QUIET_THREADS):
+                continue
+            if _origin(t).split(".")[0] in _MACHINERY or _idle_worker(frames.get(t.ident)):
+                continue
+            out.append(t.name)
+        return sorted(out)
+    finally:
+        # The dict holds this very frame, which holds the dict: a cycle that would keep every thread's frames,
+        # and what their locals hold (a training loop's tensors), until the garbage collector finds it.
+        frames.clear()
 
 
 class InKernel:
@@ -262,7 +275,7 @@ class InKernel:
         self.refusal: Optional[str] = None
         #: set when a resume lost the kernel's GPU state: every later cell and request is refused at once with it
         self.lost: Optional[str] = None
-        self._threads = tuple(threading.enumerate())  # held: a thread object's identity is never reused
+        self._threads = _thread_refs(threading.enumerate())
         self._listed = ThreadList()  # a JAX kernel's threads to hold, for a park from outside
         self._traced = False  # whether the trace was on at the last look
         self._say_lock = threading.Lock()
@@ -372,11 +385,12 @@ class InKernel:
         if "jaxlib" in sys.modules:  # a JAX kernel lists its threads for a park from outside (one dict lookup else)
             endpoint = self._endpoint()
             self._listed.seen(endpoint.park_lock if endpoint is not None else None)
-        threads = tuple(threading.enumerate())
+        threads = threading.enumerate()
+        refs = _thread_refs(threads)
         tracing = bool(self._tracing())
-        if (threads != self._threads or self._workers or tracing != self._traced
+        if (refs != self._threads or self._workers or tracing != self._traced
                 or self._blocker_said is not None):
-            self._threads = threads
+            self._threads = refs
             self._traced = tracing
             self._workers = any(_origin(t).startswith(_EXECUTOR) for t in threads)
             self.say_blocker()
