@@ -3,6 +3,7 @@ driver on their own, are kept stopped from before the lock until after the unloc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -161,6 +162,116 @@ def test_a_hold_that_cannot_be_made_after_the_lock_unlocks_the_process_and_says_
     assert (kept["state"], kept["calls"].get("cuCheckpointProcessCheckpoint")) == ("running", None)
 
 
+@pytest.mark.parametrize("error", [ValueError("filedescriptor out of range in select()"), OSError(24, "Too many open files")])
+def test_a_hold_that_raises_after_the_lock_unlocks_the_process_and_says_why(jax_like, env, checkpoints, monkeypatch,
+                                                                           error):
+    # never a locked kernel left behind: its next cell would wait for ever for the driver
+    proc, poller = jax_like
+
+    def start(*args):
+        raise error
+
+    monkeypatch.setattr(parked_hold, "start", start)
+    outcome = park.park(proc.pid, FAST, env=env, hold_threads=lambda restore: [poller])
+    assert (outcome.ok, outcome.state, names(outcome)) == (False, "running", ["state", "lock", "unlock"])
+    assert outcome.message.startswith(f"[gpucleanup.park.654] process {proc.pid} runs JAX")
+    assert f"this time they could not be ({type(error).__name__}: {error})" in outcome.message
+    assert record(checkpoints, proc.pid)["state"] == "running"
+
+
+def test_ctrl_c_while_the_threads_are_being_held_unlocks_the_process_and_stops_the_helper(jax_like, env, checkpoints,
+                                                                                         monkeypatch):
+    proc, poller = jax_like
+    real_start = parked_hold.start
+    helpers = []
+
+    def start(pid, command, limit_ms, env_, cwd, allow=None):
+        def allowed(helper):
+            helpers.append(helper)
+            if allow is not None:
+                allow(helper)
+            raise KeyboardInterrupt  # as the CLI's Ctrl-C or SIGTERM lands while the helper starts
+        return real_start(pid, command, limit_ms, env_, cwd, allowed)
+
+    monkeypatch.setattr(parked_hold, "start", start)
+    outcome = park.park(proc.pid, FAST, env=env, hold_threads=lambda restore: [poller])
+    assert (outcome.ok, outcome.state, names(outcome)) == (False, "running", ["state", "lock", "unlock"])
+    assert "interrupted (Ctrl-C or SIGTERM) while its threads were being held" in outcome.message
+    assert len(helpers) == 1 and gone(helpers[0])
+    assert record(checkpoints, proc.pid)["state"] == "running"
+    assert tracer(proc.pid, poller) == 0 and thread_state(proc.pid, poller) != "t"
+
+
+def test_a_park_that_fails_after_the_hold_leaves_a_locked_kernels_threads_held_for_its_resume(jax_like, env,
+                                                                                             checkpoints, monkeypatch):
+    # A thread let go while the process is locked or parked could call the driver there and kill a real JAX kernel:
+    # the hold ends with the resume's unlock, which finds it by its threads' tracer.
+    proc, poller = jax_like
+    real_step = park.step
+
+    def step(pid, name, *args, **kwargs):
+        if name == "checkpoint":
+            raise RuntimeError("the checkpoint's helper could not be started")
+        return real_step(pid, name, *args, **kwargs)
+
+    monkeypatch.setattr(park, "step", step)
+    with pytest.raises(RuntimeError):
+        park.park(proc.pid, FAST, env=env, hold_threads=lambda restore: [poller])
+    assert record(checkpoints, proc.pid)["state"] == "locked"
+    assert tracer(proc.pid, poller) != 0 and thread_state(proc.pid, poller) == "t"
+    monkeypatch.setattr(park, "step", real_step)
+    resumed = park.resume(proc.pid, FAST, env=env)
+    assert (resumed.ok, resumed.state) == (True, "running"), resumed.message
+    assert tracer(proc.pid, poller) == 0 and thread_state(proc.pid, poller) != "t"
+
+
+def test_a_jax_kernel_whose_restore_thread_the_driver_does_not_name_is_refused_before_the_lock(jax_like, env,
+                                                                                               checkpoints,
+                                                                                               monkeypatch):
+    proc, poller = jax_like
+    real_state = park.state
+
+    def state(pid, *args, **kwargs):
+        return dataclasses.replace(real_state(pid, *args, **kwargs), restore_thread=None)
+
+    monkeypatch.setattr(park, "state", state)
+    with pytest.raises(park.ParkRefused) as refused:
+        park.park(proc.pid, FAST, env=env, hold_threads=lambda restore: [poller])
+    assert "(the driver did not name its restore thread, which must run while the others are held)" in str(
+        refused.value)
+    assert record(checkpoints, proc.pid)["calls"].get("cuCheckpointProcessLock") is None
+
+
+def test_no_helper_may_hold_threads_under_yamas_strictest_scopes(tmp_path, monkeypatch):
+    yama = tmp_path / "sys" / "kernel" / "yama"
+    yama.mkdir(parents=True)
+    for scope, said in (("0", None), ("1", None),
+                        ("3", "Yama's ptrace_scope is 3 on this machine: no process may trace another")):
+        (yama / "ptrace_scope").write_text(scope + "\n")
+        assert park.ptrace_refusal(str(tmp_path)) == said
+    (yama / "ptrace_scope").write_text("2\n")
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert park.ptrace_refusal(str(tmp_path)) == (
+        "Yama's ptrace_scope is 2 on this machine: only root may trace another process")
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    assert park.ptrace_refusal(str(tmp_path)) is None
+    assert park.ptrace_refusal(str(tmp_path / "none")) is None  # no Yama: the ordinary rules
+
+
+def test_the_kernels_own_park_of_a_jax_kernel_whose_notebook_thread_runs_is_refused():
+    stop = threading.Event()
+    train = threading.Thread(target=stop.wait, name="train-loop", daemon=True)
+    train.start()
+    try:
+        assert parking._threads_to_hold_here(None) == (  # noqa: SLF001
+            "1 thread of the notebook still runs (train-loop), which would call JAX while it is parked; park it once "
+            "they end")
+    finally:
+        stop.set()
+        train.join()
+    assert isinstance(parking._threads_to_hold_here(None), list)  # noqa: SLF001
+
+
 def test_a_park_the_driver_refuses_lets_the_held_threads_go(jax_like, env, checkpoints, monkeypatch):
     proc, poller = jax_like
     pid = proc.pid
@@ -230,8 +341,7 @@ def _one_thread_for_another(before, then) -> None:
         second.join()
 
 
-def test_a_jax_kernel_lists_its_threads_for_a_park_from_outside_which_holds_only_those_still_the_same(
-        tmp_path, monkeypatch):
+def test_a_jax_kernel_lists_every_thread_it_has_for_a_park_from_outside_to_hold_or_spare(tmp_path, monkeypatch):
     lock_file = tmp_path / "kernel-1.park"
     listed = parked_hold.listed_path(lock_file)
     threads = parked_hold.ThreadList()
@@ -240,9 +350,13 @@ def test_a_jax_kernel_lists_its_threads_for_a_park_from_outside_which_holds_only
     monkeypatch.setitem(sys.modules, "jaxlib", sys)
     threads.seen(lock_file)
     note = json.loads(open(listed).read())
+    pid = os.getpid()
     mine = parked_hold.threads_to_hold(None)
-    assert note == {"pid": os.getpid(), "threads": [[t, parked_hold.thread_start(os.getpid(), t)] for t in mine]}
+    tids = sorted(int(t) for t in os.listdir("/proc/self/task"))
+    assert note == {"pid": pid, "threads": [[t, parked_hold.thread_start(pid, t)] for t in mine],
+                    "spared": [[t, parked_hold.thread_start(pid, t)] for t in tids if t not in mine]}
     assert oct(os.stat(listed).st_mode & 0o777) == "0o600"
+    assert [n for n in os.listdir(tmp_path) if n.endswith(".part")] == []
     # the same threads at the next cell: not written again; one thread ended as another started: written again
     written = []
 
@@ -255,20 +369,46 @@ def test_a_jax_kernel_lists_its_threads_for_a_park_from_outside_which_holds_only
     _one_thread_for_another(first_cell, lambda: threads.seen(lock_file))
     assert os.stat(listed).st_ino != written[0]
     uid = os.getuid()
-    assert parked_hold.listed_threads(lock_file, os.getpid(), None, uid) == mine
-    # a thread whose id came back for another thread (another start time) is never held; the restore thread neither
-    entries = [[tid, start + 1] for tid, start in note["threads"][:1]] + note["threads"][1:]
-    with open(listed, "w") as fh:
-        json.dump({"pid": os.getpid(), "threads": entries}, fh)
-    assert parked_hold.listed_threads(lock_file, os.getpid(), None, uid) == mine[1:]
-    if len(mine) > 1:
-        assert mine[1] not in parked_hold.listed_threads(lock_file, os.getpid(), mine[1], uid)
+    assert parked_hold.listed_threads(lock_file, pid, None, uid) == mine
     # another process's list, another owner's file, or none at all: the kernel cannot say (None)
-    assert parked_hold.listed_threads(lock_file, os.getpid() + 1, None, uid) is None
-    assert parked_hold.listed_threads(lock_file, os.getpid(), None, uid + 1) is None
+    assert parked_hold.listed_threads(lock_file, pid + 1, None, uid) is None
+    assert parked_hold.listed_threads(lock_file, pid, None, uid + 1) is None
     threads.close()
     assert not os.path.exists(listed)
-    assert parked_hold.listed_threads(lock_file, os.getpid(), None, uid) is None
+    assert parked_hold.listed_threads(lock_file, pid, None, uid) is None
+
+
+def _task(proc, pid: int, tid: int, start: int) -> None:
+    """A thread of a made-up /proc: its ``stat`` with the start time (field 22)."""
+    where = proc / str(pid) / "task" / str(tid)
+    where.mkdir(parents=True, exist_ok=True)
+    (where / "stat").write_text(f"{tid} (t) S " + " ".join(["0"] * 18) + f" {start} 0 0\n")
+
+
+def test_a_park_from_outside_holds_the_listed_threads_still_the_same_and_refuses_any_it_cannot_place(tmp_path):
+    proc, pid, uid = tmp_path / "proc", 700, os.getuid()
+    lock_file = tmp_path / "kernel-1.park"
+    for tid, start in ((700, 50), (701, 60), (702, 70), (703, 80)):
+        _task(proc, pid, tid, start)
+
+    def listing(**note):
+        with open(parked_hold.listed_path(lock_file), "w") as fh:
+            json.dump(dict({"pid": pid}, **note), fh)
+        return parked_hold.listed_threads(lock_file, pid, 703, uid, proc=str(proc))
+
+    # 701 and 702 XLA's, 703 the driver's restore thread (never held), 700 the kernel's Python thread
+    assert listing(threads=[[701, 60], [702, 70], [703, 80]], spared=[[700, 50]]) == [701, 702]
+    # a listed thread that ended since is simply not held
+    assert listing(threads=[[701, 60], [702, 70], [704, 90]], spared=[[700, 50]]) == [701, 702]
+    # a thread in neither list (started since the last cell ended), or an id that came back for another thread
+    # (another start time): nothing says whether it calls the driver, so the park is refused
+    _task(proc, pid, 705, 100)
+    assert listing(threads=[[701, 60], [702, 70]], spared=[[700, 50]]) == (
+        "1 thread started since its last cell ended (705), which the kernel has not listed: run a cell")
+    assert listing(threads=[[701, 61], [702, 70], [705, 100]], spared=[[700, 50]]) == (
+        "1 thread started since its last cell ended (701), which the kernel has not listed: run a cell")
+    # a list from before the spared threads were listed too: as none
+    assert listing(threads=[[701, 60], [702, 70], [705, 100]]) is None
 
 
 def test_a_park_from_outside_of_a_jax_kernel_that_listed_no_threads_is_refused_before_the_lock(jax_like, env,

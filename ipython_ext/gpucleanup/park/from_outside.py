@@ -16,6 +16,7 @@ from typing import Optional
 from . import steps as park_steps, kernel_side as parking, parked_hold, resume_news
 from .lock import peek_note, refused_memo
 from ..protocol import status_client
+from ..say import printable
 
 __all__ = ["remote_record", "owner_refusal", "refused_before", "process_uid", "park_from_outside", "check_kernel",
            "resume_from_outside", "allow_from_outside", "not_parked_refusal", "outcome_text"]
@@ -97,10 +98,33 @@ def park_from_outside(pid: int, target, timeout: float, lock_file: os.PathLike,
     refusal = owner_refusal(pid, lock_file)
     if refusal:
         raise park_steps.ParkRefused(refusal)
-    uid = process_uid(pid)
     return parking.park_kernel(pid, remote_record(target, timeout, automatic), lock_file,
-                               hold_threads=lambda restore: parked_hold.listed_threads(lock_file, pid, restore, uid),
+                               hold_threads=outside_hold(pid, lock_file, lambda: _blocker(target, timeout)),
                                allow=allow_from_outside(target, timeout))
+
+
+def outside_hold(pid: int, lock_file: os.PathLike, blocker):
+    """A park from outside of a JAX kernel: the threads it listed to hold while parked, or why not (``blocker()``:
+    the kernel's state's ``park_blocker``, a thread of the notebook runs)."""
+    uid = process_uid(pid)
+
+    def threads(restore_thread: Optional[int]):
+        why = blocker()
+        if why:
+            return ("a thread of the notebook still runs, which would call JAX while it is parked (gpucleanup park "
+                    "--check names it); park it once it ends" if "park.642" in why else printable(why))
+        return parked_hold.listed_threads(lock_file, pid, restore_thread, uid)
+
+    return threads
+
+
+def _blocker(target, timeout: float) -> Optional[str]:
+    """The kernel's ``park_blocker`` now (None: none, or no answer: the park's own requests then say so)."""
+    try:
+        state = status_client.request(target, "status", timeout).get("state") or {}
+    except status_client.StatusError:
+        return None
+    return state.get("park_blocker") if isinstance(state.get("park_blocker"), str) else None
 
 
 def check_kernel(pid: int, target, timeout: float, lock_file: os.PathLike) -> dict:
@@ -145,9 +169,11 @@ def check_kernel(pid: int, target, timeout: float, lock_file: os.PathLike) -> di
     reasons = park_steps.refusals(pid, None if kernel_state in ("parking", "parked") else found, usage,
                                   park_steps.gpus() if usage else None)
     out["reasons"].extend(reasons)
-    if (not reasons and kernel_state not in ("parking", "parked") and park_steps.holds_while_parked(pid)
-            and parked_hold.listed_threads(lock_file, pid, found.restore_thread, process_uid(pid)) is None):
-        out["reasons"].append(park_steps.hold_refusal(pid, park_steps.UNLISTED))  # what the park would say
+    if not reasons and kernel_state not in ("parking", "parked") and park_steps.holds_while_parked(pid):
+        try:  # what the park would say
+            park_steps.hold_plan(pid, found.restore_thread, outside_hold(pid, lock_file, lambda: out["blocker"]))
+        except park_steps.ParkRefused as exc:
+            out["reasons"].append(str(exc))
     layout = park_steps.layout_refusal(found, park_steps.gpus) if kernel_state not in ("parking", "parked") else None
     if layout:
         out["reasons"].append(layout)

@@ -246,6 +246,13 @@ def outliving_threads() -> list:
         frames.clear()
 
 
+def _threads_to_hold_here(restore_thread: Optional[int]):
+    """The kernel's own park of a JAX kernel: its threads to hold while parked, or why not (threads of the notebook
+    run: :func:`.steps.busy_threads`)."""
+    running = [printable(n) for n in outliving_threads() if n != threading.current_thread().name]
+    return park_steps.busy_threads(running) if running else threads_to_hold(restore_thread)
+
+
 class InKernel:
     """The kernel's side of parking: ``%gpumem --park`` after the cell, the resume before the next cell,
     and the look the hooks take first (no driver call while parked).
@@ -338,7 +345,7 @@ class InKernel:
             return
         try:
             outcome = park_kernel(os.getpid(), endpoint.park_step, endpoint.park_lock, self.limits, self.env,
-                                  tracing=self._tracing(), hold_threads=threads_to_hold, allow=allow_helper)
+                                  tracing=self._tracing(), hold_threads=_threads_to_hold_here, allow=allow_helper)
         except (park_steps.ParkRefused, LockBusy, RuntimeError) as exc:
             if "the kernel is running" not in str(exc):  # a cell that started first is not news
                 self._auto_note = f"not parked after {format_duration(after_s)} idle: {exc}"
@@ -448,7 +455,7 @@ class InKernel:
 
         def run() -> str:
             outcome = park_kernel(pid, endpoint.park_step, endpoint.park_lock, self.limits, self.env,
-                                  tracing=self._tracing(), hold_threads=threads_to_hold, allow=allow_helper)
+                                  tracing=self._tracing(), hold_threads=_threads_to_hold_here, allow=allow_helper)
             if outcome.ok:
                 return (parked_text(outcome) + "; the next cell brings it back (or: gpucleanup resume "
                         f"{pid})")

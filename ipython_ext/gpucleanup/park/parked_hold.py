@@ -1,4 +1,4 @@
-"""The hold while parked: a JAX kernel's own native threads kept stopped from before its lock until after its unlock.
+"""The hold while parked: a JAX kernel's own native threads kept stopped from just after its lock until after its unlock.
 
 XLA's threads poll their streams on their own; one that calls the driver while the process is checkpointed makes the
 driver fault in it and the kernel dies (share/FACTS.md §11). CRIU keeps every thread of a process stopped through its
@@ -9,15 +9,17 @@ thread), and a helper process (:func:`start`) holds them with ptrace until :func
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Union
 
 #: Native threads a kernel needs to take its next cell and answer requests while parked: ZeroMQ's I/O threads
 #: (libzmq names them ``ZMQbg/...``) and gpucleanup's own (its status server and jobs, named in the library).
@@ -89,16 +91,26 @@ class ThreadList:
         if tids == self._tids and path == self._path and os.path.exists(path):
             return
         pid = os.getpid()
-        listed = [[tid, thread_start(pid, tid)] for tid in threads_to_hold(None)]
-        text = json.dumps({"pid": pid, "threads": [t for t in listed if t[1] is not None]})
-        part = f"{path}.{pid}.part"
+        held = threads_to_hold(None)
+        # every other thread is listed too, as spared: a thread in neither list started since (park.654 then)
+        holding = set(held)
+        spared = sorted(int(t) for t in tids if t.isdigit() and int(t) not in holding)
+        text = json.dumps({"pid": pid, "threads": _with_starts(pid, held), "spared": _with_starts(pid, spared)})
+        part = None
         try:
-            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            fd, part = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".part",
+                                        dir=os.path.dirname(path) or ".")  # O_EXCL, 0600, a name of its own
             with os.fdopen(fd, "w") as fh:
                 fh.write(text)
             os.replace(part, path)
         except OSError:
+            if part is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(part)
             return  # looked at again at the next cell; a park from outside refuses meanwhile (park.654)
+        if self._path is not None and self._path != path:  # the park lock moved (a restarted endpoint)
+            with contextlib.suppress(OSError):
+                os.unlink(self._path)
         self._tids, self._path = tids, path
 
     def close(self) -> None:
@@ -110,11 +122,22 @@ class ThreadList:
             self._path = self._tids = None
 
 
+def _with_starts(pid: int, tids: Iterable[int]) -> List[List[int]]:
+    """``[[tid, start], ...]`` of the threads still there: with its start time an id names one thread."""
+    out = []
+    for tid in tids:
+        start = thread_start(pid, tid)
+        if start is not None:
+            out.append([int(tid), start])
+    return out
+
+
 def listed_threads(lock_file: os.PathLike, pid: int, restore_thread: Optional[int], owner: Optional[int],
-                   proc: str = "/proc") -> Optional[List[int]]:
+                   proc: str = "/proc") -> Union[List[int], str, None]:
     """Outside the kernel: the threads kernel ``pid`` listed to hold (:class:`ThreadList`), each still the same
     thread (its start time), the driver's ``restore_thread`` left out; None when the kernel listed none (a file of
-    ``owner``'s only, read as the lock's note is)."""
+    ``owner``'s only, read as the lock's note is); a sentence when a thread of the process is in neither of its lists
+    (it started since the last cell ended: nothing says whether it calls the driver)."""
     from ..protocol import discovery
 
     try:
@@ -123,13 +146,27 @@ def listed_threads(lock_file: os.PathLike, pid: int, restore_thread: Optional[in
     except (OSError, ValueError):
         return None
     threads = note.get("threads") if isinstance(note, dict) else None
-    if not isinstance(threads, list) or note.get("pid") != pid:
+    spared = note.get("spared") if isinstance(note, dict) else None
+    if not isinstance(threads, list) or not isinstance(spared, list) or note.get("pid") != pid:
         return None
-    out = []
-    for entry in threads:
-        if (isinstance(entry, list) and len(entry) == 2 and all(isinstance(v, int) for v in entry)
-                and entry[0] != restore_thread and thread_start(pid, entry[0], proc) == entry[1]):
-            out.append(entry[0])
+    out: List[int] = []
+    known = {restore_thread} if restore_thread else set()
+    for entries, into in ((threads, out), (spared, None)):
+        for entry in entries:
+            if (isinstance(entry, list) and len(entry) == 2 and all(type(v) is int for v in entry)
+                    and thread_start(pid, entry[0], proc) == entry[1]):
+                known.add(entry[0])
+                if into is not None and entry[0] != restore_thread:
+                    into.append(entry[0])
+    try:
+        now = {int(name) for name in os.listdir(f"{proc}/{int(pid)}/task") if name.isdigit()}
+    except OSError:
+        return None
+    new = sorted(now - known)
+    if new:
+        return (f"{len(new)} thread{'s' if len(new) > 1 else ''} started since its last cell ended "
+                f"({', '.join(map(str, new[:4]))}{', ...' if len(new) > 4 else ''}), which the kernel has not listed: "
+                "run a cell")
     return out
 
 
@@ -138,40 +175,54 @@ def start(pid: int, command: List[str], limit_ms: int, env: Dict[str, str], cwd:
     ``hold``, made by :func:`gpucleanup.park.steps.helper_command`) and waits at most ``limit_ms`` (plus 5 s for its start)
     for its report: ``{"held": bool, "threads": n, "holder": its pid, ...}``, or ``{"held": False, "why": ...}``
     when it gave none (it is then stopped). ``allow`` is called with the helper's pid as it starts (the kernel names
-    it as its tracer). The helper outlives this call, and this process."""
+    it as its tracer). The helper outlives this call, and this process; anything that goes wrong here (Ctrl-C
+    included) stops it before this raises, which lets every thread it held go."""
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
                             env=env, cwd=cwd, start_new_session=True)
-    if allow is not None:
+    kept = False
+    try:
+        if allow is not None:
+            try:
+                allow(proc.pid)
+            except Exception:
+                pass  # the hold then says why it could not
+        line = _first_line(proc, time.monotonic() + limit_ms / 1000 + 5.0)  # the helper's start included
         try:
-            allow(proc.pid)
-        except Exception:
-            pass  # the hold then says why it could not
-    deadline = time.monotonic() + limit_ms / 1000 + 5.0  # the helper's own start (Python, the library) included
+            report = json.loads(line.decode("utf-8", "replace").strip().splitlines()[0])
+            if not isinstance(report, dict):
+                raise ValueError("not an object")
+        except (ValueError, IndexError):
+            return {"held": False, "threads": 0, "why": "the hold's helper gave no answer in time"}
+        if report.get("threads") and report.get("held"):
+            report["start"] = _start_time(proc.pid)
+            with _started_lock:
+                _started[:] = [p for p in _started if p.poll() is None] + [proc]
+            kept = True
+        return report
+    finally:
+        with contextlib.suppress(Exception):
+            proc.stdout.close()
+        if not kept:  # what it holds, if anything, goes with it (the kernel detaches the tracees of a dead tracer)
+            with contextlib.suppress(Exception):
+                proc.kill()
+            with contextlib.suppress(Exception):
+                proc.wait(timeout=5)
+
+
+def _first_line(proc: subprocess.Popen, deadline: float) -> bytes:
+    """What the helper wrote on its stdout up to its first newline, or up to ``deadline`` (poll: any fd number)."""
+    poller = select.poll()
+    poller.register(proc.stdout.fileno(), select.POLLIN | select.POLLHUP)
     line = b""
-    while not line.endswith(b"\n") and time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
-        if not ready:
+    while not line.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not poller.poll(max(1, int(left * 1000))):
             break
         chunk = os.read(proc.stdout.fileno(), 65536)
         if not chunk:
             break
         line += chunk
-    proc.stdout.close()
-    try:
-        report = json.loads(line.decode("utf-8", "replace").strip().splitlines()[0])
-        if not isinstance(report, dict):
-            raise ValueError("not an object")
-    except (ValueError, IndexError):
-        proc.kill()
-        proc.wait()
-        return {"held": False, "threads": 0, "why": "the hold's helper gave no answer in time"}
-    if report.get("threads") and report.get("held"):
-        report["start"] = _start_time(proc.pid)
-        with _started_lock:
-            _started[:] = [p for p in _started if p.poll() is None] + [proc]
-    else:
-        proc.wait(timeout=5)
-    return report
+    return line
 
 
 def _start_time(pid: int) -> Optional[int]:
@@ -228,31 +279,51 @@ def find(pid: int, proc: str = "/proc") -> Optional[dict]:
 
 def release(holder: Optional[dict], pid: int, wait_s: float = 2.0) -> Optional[str]:
     """Ends the hold after the unlock: SIGUSR1 to its helper, then waits at most ``wait_s`` for it to end (it lets
-    the threads go first). Returns None when it ended (or there was none), else a sentence."""
+    the threads go first), then SIGKILL. The signals go through a pidfd taken before the helper is recognised, so
+    they reach that very process or none. Returns None when it ended (or there was none), else a sentence."""
     if not holder or not holder.get("threads"):
         return None
-    if not _is_holder(holder, pid):
-        return None  # it ended already (its threads went with it), or its pid is another process's now
-    hid = int(holder["holder"])
+    hid = holder.get("holder")
+    if not isinstance(hid, int) or hid <= 0:
+        return None
     try:
-        os.kill(hid, signal.SIGUSR1)
-    except OSError as exc:
-        return f"the hold's helper {hid} could not be told to end ({exc.strerror})"
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        with _started_lock:
-            for proc in _started:
-                if proc.pid == hid:
-                    proc.poll()
-        if _start_time(hid) != holder.get("start"):
-            return None
-        time.sleep(0.01)
-    # still there: it is ended, which lets its threads go all the same (the kernel detaches a dead tracer's)
-    try:
-        os.kill(hid, signal.SIGKILL)
+        pidfd: Optional[int] = os.pidfd_open(hid)
+    except AttributeError:
+        pidfd = None  # no pidfd here: the checks below, then the pid
     except OSError:
-        pass
-    return f"the hold's helper {hid} did not end within {wait_s:g} s and was killed"
+        return None  # gone already: its threads went with it
+    try:
+        if not _is_holder(holder, pid):
+            return None  # it ended already, or its pid is another process's now
+        try:
+            _signal(hid, pidfd, signal.SIGUSR1)
+        except OSError as exc:
+            return f"the hold's helper {hid} could not be told to end ({exc.strerror})"
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            with _started_lock:
+                for proc in _started:
+                    if proc.pid == hid:
+                        proc.poll()
+            if _start_time(hid) != holder.get("start"):
+                return None
+            time.sleep(0.01)
+        # still there: it is ended, which lets its threads go all the same (the kernel detaches a dead tracer's)
+        if pidfd is None and not _is_holder(holder, pid):
+            return None
+        with contextlib.suppress(OSError):
+            _signal(hid, pidfd, signal.SIGKILL)
+        return f"the hold's helper {hid} did not end within {wait_s:g} s and was killed"
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+
+
+def _signal(pid: int, pidfd: Optional[int], signum: int) -> None:
+    if pidfd is not None:
+        signal.pidfd_send_signal(pidfd, signum)
+    else:
+        os.kill(pid, signum)
 
 
 def serve(pid: int, limit_ms: int, tids: List[int]) -> int:

@@ -7,13 +7,14 @@ limit; nothing here makes a driver call.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 from . import parked_hold
 from ..say import printable
@@ -748,7 +749,7 @@ def refusals(pid: int, found: Optional[Step], usage: Optional[Dict[str, int]], v
 
 def park(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = None,
          parked_bytes: Optional[int] = None, tracing: bool = False,
-         hold_threads: Optional[Callable[[Optional[int]], Optional[List[int]]]] = None,
+         hold_threads: Optional[Callable[[Optional[int]], Union[List[int], str, None]]] = None,
          allow: Allow = None) -> Outcome:
     """Lock, then checkpoint process ``pid``; on any failure leave it running (or say exactly where it is).
 
@@ -761,7 +762,8 @@ def park(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = No
 
     ``hold_threads``: for a kernel, gives the threads to hold while parked, from the driver's restore thread
     (:func:`.parked_hold.threads_to_hold` in the kernel, :func:`.parked_hold.listed_threads` outside it; None: it
-    cannot say); they are held when JAX runs in the process (:data:`HOLD_WHILE_PARKED`),
+    cannot say; a sentence: why not, :func:`hold_plan`); they are held when JAX runs in the process
+    (:data:`HOLD_WHILE_PARKED`),
     from just after the lock (CRIU freezes a process after its lock: the lock itself needs its threads) until
     :func:`resume` unlocks it (``allow`` names the hold's helper to the kernel). A hold that cannot be made
     unlocks the process again and says ``park.654``: such a kernel would die while parked.
@@ -776,7 +778,7 @@ def park(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = No
     held: Optional[dict] = None
 
     def outcome(ok: bool, now: Optional[str], message: str, changed: bool = False) -> Outcome:
-        if now != CHECKPOINTED and now != LOCKED:  # running again (or gone): its threads go on
+        if now in (RUNNING, FAILED):  # running again: its threads go on (in any other state they stay held)
             parked_hold.release(held, pid)
         return Outcome("park", pid, ok, now, message, steps, time.monotonic() - started, changed, parked_bytes,
                        usage=usage, interrupted=any(s.interrupted for s in steps),
@@ -796,9 +798,7 @@ def park(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = No
     hold: Optional[Callable[[], Optional[str]]] = None
     if (hold_threads is not None and (os.environ if env is None else env).get("GPUCLEANUP_PARK_HOLD") != "off"
             and holds_while_parked(pid)):
-        listed = hold_threads(found.restore_thread)
-        if listed is None:
-            raise ParkRefused(hold_refusal(pid, UNLISTED))
+        listed = hold_plan(pid, found.restore_thread, hold_threads)
 
         def hold_after_lock() -> Optional[str]:
             """After the lock, as CRIU freezes the process after its lock: the threads listed are stopped; a
@@ -819,7 +819,12 @@ def park(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = No
     try:
         return _lock_and_checkpoint(pid, limits, env, steps, outcome, hold)
     except BaseException:
-        parked_hold.release(held, pid)  # nothing was parked: the threads go on
+        # Let go only of a process that runs: one left locked or parked keeps its threads held for the resume
+        # (which finds the hold by its threads' tracer), as one of them calling the driver now could kill it.
+        if held is not None:
+            with contextlib.suppress(BaseException):
+                if state(pid, limits, env).state == RUNNING:
+                    parked_hold.release(held, pid)
         raise
 
 
@@ -846,7 +851,13 @@ def _lock_and_checkpoint(pid: int, limits: Limits, env: Optional[Dict[str, str]]
             why = (f"[gpucleanup.park.618] the driver refused to lock process {pid} ({locked.result}): it was not "
                    f"parked and is {now or 'in a state the driver did not report'}")
         return outcome(False, now, why)
-    why = hold() if hold is not None else None
+    try:
+        why = hold() if hold is not None else None
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM in the CLI: the helper was stopped, its threads go on
+        return _unlock_back(pid, limits, env, steps, outcome, "interrupted (Ctrl-C or SIGTERM) while its threads "
+                            "were being held")
+    except Exception as exc:  # never a locked kernel left behind: it would hang at its next cell
+        why = f"{type(exc).__name__}: {exc}"
     if why is not None:
         back = _unlock_back(pid, limits, env, steps, outcome, f"the threads to hold could not be held ({why})")
         if back.state == RUNNING:
@@ -880,6 +891,48 @@ HOLD_WHILE_PARKED = ("jax",)
 
 #: Why a kernel's threads could not be listed for a park from outside (:func:`.parked_hold.listed_threads`).
 UNLISTED = "the kernel has listed none yet; it lists them as a cell ends: run a cell"
+#: The driver's state step named no restore thread: it must run through the checkpoint, and cannot be told apart.
+NO_RESTORE_THREAD = "the driver did not name its restore thread, which must run while the others are held"
+
+
+def busy_threads(names: List[str]) -> str:
+    """Why a JAX kernel is not parked while threads of the notebook run (``names``): held, one holding Python's lock
+    would stop the kernel; left running, a JAX call of theirs would kill it while parked."""
+    return (f"{len(names)} thread{'s' if len(names) > 1 else ''} of the notebook still run{'' if len(names) > 1 else 's'}"
+            f" ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}), which would call JAX while it is parked; "
+            "park it once they end")
+
+
+def ptrace_refusal(proc: str = "/proc") -> Optional[str]:
+    """Why no helper of this user can hold another process's threads (Yama's ptrace_scope 3: nobody; 2: only a
+    process with CAP_SYS_PTRACE, taken as root here), None when it can."""
+    try:
+        with open(f"{proc}/sys/kernel/yama/ptrace_scope", encoding="ascii") as fh:
+            scope = int(fh.read().strip())
+    except (OSError, ValueError):
+        return None  # no Yama: ordinary ptrace permissions (same user)
+    if scope >= 3:
+        return "Yama's ptrace_scope is 3 on this machine: no process may trace another"
+    if scope == 2 and os.geteuid() != 0:
+        return "Yama's ptrace_scope is 2 on this machine: only root may trace another process"
+    return None
+
+
+def hold_plan(pid: int, restore_thread: Optional[int],
+              hold_threads: Callable[[Optional[int]], Union[List[int], str, None]]) -> List[int]:
+    """The threads of JAX kernel ``pid`` to hold while it is parked (``hold_threads`` lists them, or says why not);
+    ParkRefused with ``park.654`` when they cannot be held, before anything is done."""
+    if not restore_thread:
+        raise ParkRefused(hold_refusal(pid, NO_RESTORE_THREAD))
+    why = ptrace_refusal()
+    if why:
+        raise ParkRefused(hold_refusal(pid, why))
+    listed = hold_threads(restore_thread)
+    if listed is None:
+        raise ParkRefused(hold_refusal(pid, UNLISTED))
+    if isinstance(listed, str):
+        raise ParkRefused(hold_refusal(pid, listed))
+    return listed
 
 
 def hold_refusal(pid: int, why: str) -> str:
