@@ -827,6 +827,22 @@ def _idle_pool(prefix: str):
     return pool
 
 
+def _a_busy_worker_is_told(kernel, said: list, prefix: str) -> None:
+    """A cell ends with an idle executor worker (nothing said); the next gives it a long task, no thread starting:
+    the kernel tells the server it is busy."""
+    stop = threading.Event()
+    pool = _idle_pool(prefix)
+    try:
+        kernel.threads_seen()
+        assert said == []
+        pool.submit(stop.wait)
+        _told_busy(kernel, said, "the busy worker told to the server")
+        assert f"({prefix}_0)" in said[0]
+    finally:
+        stop.set()
+        pool.shutdown(wait=True)
+
+
 def _told_busy(kernel, said: list, what: str) -> None:
     """Cells end until the kernel has told the server a blocker (``what`` is the failure's words)."""
     def look():
@@ -848,17 +864,7 @@ def test_a_task_an_existing_executor_worker_takes_is_told_to_the_server_though_n
     said = []
     endpoint = _SaysBlockers(said)
     kernel = parking.InKernel(lambda: endpoint, lambda lines: None)
-    stop = threading.Event()
-    pool = _idle_pool("idle-worker")
-    try:
-        kernel.threads_seen()  # a cell ends: a worker, idle
-        assert said == []
-        pool.submit(stop.wait)  # the next cell gives the same worker a long task: no thread starts
-        _told_busy(kernel, said, "the busy worker told to the server")
-        assert "(idle-worker_0)" in said[0]
-    finally:
-        stop.set()
-        pool.shutdown(wait=True)
+    _a_busy_worker_is_told(kernel, said, "idle-worker")
     kernel.threads_seen()
     assert said[-1] is None
     kernel.close()
@@ -868,22 +874,13 @@ def test_a_worker_that_starts_as_another_thread_ends_is_still_watched():
     # The thread count stays as it was: one thread ended, the executor's worker started.
     said = []
     endpoint = _SaysBlockers(said)
-    stop, ended = threading.Event(), threading.Event()
+    ended = threading.Event()
     earlier = threading.Thread(target=ended.wait, name="gpucleanup-test-earlier", daemon=True)
     earlier.start()
     kernel = parking.InKernel(lambda: endpoint, lambda lines: None)
     ended.set()
     earlier.join()
-    pool = _idle_pool("swapped-worker")
-    try:
-        kernel.threads_seen()
-        assert said == []
-        pool.submit(stop.wait)
-        _told_busy(kernel, said, "the busy worker told to the server")
-        assert "(swapped-worker_0)" in said[0]
-    finally:
-        stop.set()
-        pool.shutdown(wait=True)
+    _a_busy_worker_is_told(kernel, said, "swapped-worker")
     kernel.close()
 
 
