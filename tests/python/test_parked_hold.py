@@ -421,6 +421,17 @@ def test_a_park_from_outside_of_a_jax_kernel_that_listed_no_threads_is_refused_b
     assert record(checkpoints, proc.pid)["calls"].get("cuCheckpointProcessLock") is None
 
 
+def test_a_jax_kernel_reaps_the_hold_helpers_that_ended_as_a_cell_ends(monkeypatch, tmp_path):
+    # a resume from outside ends the helper the kernel's own park started: it must not stay the kernel's zombie
+    helper = subprocess.Popen([sys.executable, "-c", "pass"])
+    monkeypatch.setattr(parked_hold, "_started", [helper])
+    wait_until(lambda: gone(helper.pid, 0.01), "the helper ended")
+    assert helper.returncode is None  # ended, not reaped: a zombie
+    monkeypatch.setitem(sys.modules, "jaxlib", sys)
+    parking.InKernel(lambda: None, lambda lines: None).threads_seen()  # a cell ends
+    assert helper.returncode == 0 and parked_hold._started == []  # reaped (poll() set its status)  # noqa: SLF001
+
+
 def test_a_hold_whose_helper_ends_but_is_not_reaped_yet_has_ended():
     # the helper of a park made by another process (the server) ends as it is told, and stays a zombie until that
     # process reaps it: the release sees it ended, and neither waits for it nor kills it

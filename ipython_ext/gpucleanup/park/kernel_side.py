@@ -16,7 +16,7 @@ import weakref
 from pathlib import Path
 from typing import Callable, Optional
 
-from . import steps as park_steps, resume_news
+from . import parked_hold, steps as park_steps, resume_news
 from .parked_hold import ThreadList, threads_to_hold
 from .lock import LockBusy, LockUnusable, ParkLock, lock_path, parked_need, refused_memo, wait_limit
 from ..say import printable, say
@@ -392,6 +392,7 @@ class InKernel:
         if "jaxlib" in sys.modules:  # a JAX kernel lists its threads for a park from outside (one dict lookup else)
             endpoint = self._endpoint()
             self._listed.seen(endpoint.park_lock if endpoint is not None else None)
+            parked_hold.reap()
         threads = threading.enumerate()
         refs = _thread_refs(threads)
         tracing = bool(self._tracing())

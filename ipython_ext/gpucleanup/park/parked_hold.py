@@ -209,6 +209,14 @@ def start(pid: int, command: List[str], limit_ms: int, env: Dict[str, str], cwd:
                 proc.wait(timeout=5)
 
 
+def reap() -> None:
+    """Reaps the hold helpers this process started that have ended (a resume from outside ends them): looked at as
+    each cell of a JAX kernel ends, so that none stays a zombie of the kernel."""
+    if _started:
+        with _started_lock:
+            _started[:] = [p for p in _started if p.poll() is None]
+
+
 def _first_line(proc: subprocess.Popen, deadline: float) -> bytes:
     """What the helper wrote on its stdout up to its first newline, or up to ``deadline`` (poll: any fd number)."""
     poller = select.poll()
