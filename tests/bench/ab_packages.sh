@@ -16,7 +16,7 @@ for i in $(seq "$rounds"); do
     echo "== $(git -C "$tree" rev-parse --short HEAD) run $i, load $(cut -d' ' -f1 /proc/loadavg)"
     PYTHONPATH=$tree/ipython_ext "$py" "$here/tests/bench/bench_run_cell.py" never device --rounds 12 --block 300
     for scenario in never device; do
-      PYTHONPATH=$tree/ipython_ext "$py" "$here/tests/bench/profile_idle_hooks.py" "$scenario" 3000 | head -1
+      PYTHONPATH=$tree/ipython_ext "$py" "$here/tests/bench/profile_idle_hooks.py" "$scenario" 3000 | sed -n 1p
     done
   done
 done
