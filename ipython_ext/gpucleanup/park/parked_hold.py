@@ -195,8 +195,9 @@ def start(pid: int, command: List[str], limit_ms: int, env: Dict[str, str], cwd:
             return {"held": False, "threads": 0, "why": "the hold's helper gave no answer in time"}
         if report.get("threads") and report.get("held"):
             report["start"] = _start_time(proc.pid)
+            reap()
             with _started_lock:
-                _started[:] = [p for p in _started if p.poll() is None] + [proc]
+                _started.append(proc)
             kept = True
         return report
     finally:
