@@ -1179,6 +1179,61 @@ def test_release_rerun_is_the_default_and_another_cell_starts_with_the_caches_gi
     assert job.result()["when"] == "cell" and _ext(shell).history.last()[-1]["idle"] == [job.result()]
 
 
+def test_release_rerun_a_parked_kernels_next_cell_is_resumed_before_it_waits_for_the_release(
+        shell, gpu, capsys, monkeypatch):
+    # parked right after a cell (gpucleanup park, the page's Park), with the release "rerun" still waiting: the next
+    # cell, another one, waited settle_timeout (30 s) for that release before its resume, and the release could not
+    # begin while the kernel was parked (an H100, CuPy and PyTorch, tests/bench/results/h100-park-hold-*-179687d-*)
+    del shell.config.GPUCleanup["release"]  # the default, "rerun"
+    shell.run_line_magic("load_ext", "gpucleanup")
+    shell.run_line_magic("config", "GPUCleanup.idle_release_s = 3600")  # still waiting when the park comes
+    gpu.cupy.cached[0] = GiB
+    _run(shell, "x = 0", capsys)
+    job = _ext(shell).engine.releases.idle_job
+    assert job is not None and gpu.cupy.calls["drain"] == 0
+    parked, began = [1], []  # the kernel's server says parked until the resume
+
+    def background(begin, activity=False):
+        if begin:
+            began.append(bool(parked[0]))
+        return not (begin and parked[0])  # the endpoint refuses the kernel's own work while a park stands
+
+    def resume(then, by):
+        parked[0] = 0
+        return "resumed its GPU memory from host memory in 1.0 s (parked 2.0 s)"
+
+    monkeypatch.setattr(gpu.endpoint, "cell_state", lambda state, cell=None, since_ns=None: parked[0])
+    monkeypatch.setattr(gpu.endpoint, "parked", lambda: parked[0])
+    monkeypatch.setattr(gpu.endpoint, "background", background)
+    monkeypatch.setattr(_ext(shell).parking, "_resume", resume)
+    shell.user_ns["drains"] = lambda: gpu.cupy.calls["drain"]
+    _, out = _run(shell, "seen = drains()", capsys)
+    assert "gpucleanup · resumed its GPU memory from host memory in 1.0 s (parked 2.0 s)" in out.out
+    assert "still ran after" not in out.out  # never waited out its bound
+    # the release began only once the kernel was back, and ran before the cell's body
+    assert began and began[-1] is False and shell.user_ns["seen"] == 1 and gpu.cupy.cached.get(0, 0) == 0
+    assert job.done.is_set() and not job.cancelled and job.result()["when"] == "cell"
+
+
+def test_release_rerun_a_kernel_still_parked_after_its_resume_drops_the_release_and_does_not_wait(
+        shell, gpu, capsys, monkeypatch):
+    del shell.config.GPUCleanup["release"]
+    shell.run_line_magic("load_ext", "gpucleanup")
+    shell.run_line_magic("config", "GPUCleanup.idle_release_s = 3600")
+    gpu.cupy.cached[0] = GiB
+    _run(shell, "x = 0", capsys)
+    job = _ext(shell).engine.releases.idle_job
+    monkeypatch.setattr(gpu.endpoint, "cell_state", lambda state, cell=None, since_ns=None: 1)
+    monkeypatch.setattr(gpu.endpoint, "parked", lambda: 1)
+    monkeypatch.setattr(gpu.endpoint, "background", lambda begin, activity=False: not begin)
+    monkeypatch.setattr(_ext(shell).parking, "_resume", lambda then, by: "the restore failed (CUDA_ERROR_UNKNOWN)")
+    _, out = _run(shell, "y = 1", capsys)
+    assert "this cell was not run: the kernel is still parked (the restore failed (CUDA_ERROR_UNKNOWN))" in out.out
+    assert "y" not in shell.user_ns and "still ran after" not in out.out
+    # dropped, not left asleep: the caches stay for the cleanup after the resume
+    assert job.cancelled and job.done.is_set() and gpu.cupy.calls["drain"] == 0 and gpu.cupy.cached[0] == GiB
+
+
 def test_release_rerun_another_cell_waits_for_the_release_at_most_settle_timeout(shell, gpu, capsys):
     shell.config.GPUCleanup.release = "rerun"
     shell.run_line_magic("load_ext", "gpucleanup")

@@ -380,13 +380,14 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             self.cells.forced = None
             if info is not None and getattr(info, "silent", False):
                 return  # a frontend's silent request (no cleanup follows it) leaves a pending release alone
-            # a release waiting for the kernel to be idle waits for this cell's end, or runs now if it is another cell
+            # a release waiting for the kernel to be idle waits for this cell's end, or runs now if it is another
+            # cell; the wait for it comes after the resume below: parked, it cannot begin
             released = self.engine.cell_starts(getattr(info, "raw_cell", None))
-            if released is not None:
-                self._wait_for_release(released)
             if self.trace.active:
                 self.trace.set_cell(running_cell_number(self.shell, info))
             if self.engine.exiting:
+                if released is not None:
+                    self._wait_for_release(released)
                 return
             # Said with the cleanup paused too (%gpumem --off): no park or drain may begin during a cell,
             # and a parked kernel is resumed first whatever the settings.
@@ -400,6 +401,8 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             self.parking.resume_before_cell(running, parked=parked)
             if self.parking.refusal:
                 self._refuse_the_cell.arm(self.parking.refusal)
+            if released is not None:
+                self._wait_for_release(released)
         except KeyboardInterrupt:
             self._interrupt_the_cell.arm(self.shell)  # Ctrl-C is the user's: it stops the cell
         except Exception as exc:
@@ -423,7 +426,15 @@ class GPUCleanup(Magics, GPUCleanupOptions):
     def _wait_for_release(self, job: Any) -> None:
         """Another cell starts under release "rerun": it finds the caches the last cell left given back, as
         after release "cell". The release runs on its own thread; the cell waits for it at most
-        ``settle_timeout`` seconds (past that it runs alongside the release, and says so once)."""
+        ``settle_timeout`` seconds (past that it runs alongside the release, and says so once).
+
+        Called after the resume before the cell: a release woken while the kernel was parked was told to wait
+        for the next cell (its driver calls would wait for the restore), so it is woken again here; one whose
+        kernel is still parked (the resume failed) is dropped, and the next cleanup finds what is cached."""
+        if self.parking.refusal:
+            job.cancel()
+            return
+        job.run_now()  # False, and nothing moved, once it runs or ran
         limit = float(self.settle_timeout)
         if limit > 0 and not job.done.wait(limit):
             self._warn_once_now("release:late", f"the release of what cell [{job.cell}] left still ran after "
