@@ -65,9 +65,9 @@ def kernel_env(tmp: Path, framework: str, hold: str) -> dict:
     if framework == "jax":
         env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0")
         env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = env.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.02")
-        env["GPUCLEANUP_PARK_UNPROVEN"] = "jax"  # this loop is the proof the refusal waits for (park.651)
-    if hold == "off":
+    if hold == "off":  # the control arm: a JAX kernel whose threads are not held is refused without the opt-in
         env["GPUCLEANUP_PARK_HOLD"] = "off"
+        env["GPUCLEANUP_PARK_UNPROVEN"] = "jax"
     preload = os.environ.get("GPUCLEANUP_TEST_CRASH_BACKTRACE")
     if preload and os.path.exists(preload):
         env["LD_PRELOAD"] = " ".join(p for p in (preload, env.get("LD_PRELOAD", "")) if p)

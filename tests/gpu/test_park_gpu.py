@@ -68,7 +68,7 @@ def test_a_framework_process_is_parked_to_zero_device_memory_and_resumed_with_ev
     from gpucleanup.park import steps as park
 
     env = subprocess_env(CUDA_VISIBLE_DEVICES="0", XLA_PYTHON_CLIENT_MEM_FRACTION="0.10",
-                         GPUCLEANUP_PARK_UNPROVEN="jax")  # refused otherwise until the park loop proves it
+                         GPUCLEANUP_PARK_UNPROVEN="jax")  # a park by pid alone holds no JAX thread: park.651
     proc = subprocess.Popen([sys.executable, "-c", TARGET, framework, str(GiB)], env=env, text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:

@@ -132,7 +132,6 @@ def test_a_notebook_is_parked_to_zero_and_resumed_with_every_byte(framework, how
     env = {"CUDA_VISIBLE_DEVICES": "0"} if framework == "jax" else {}
     if framework == "jax":
         env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = "0.05"
-        env["GPUCLEANUP_PARK_UNPROVEN"] = "jax"  # refused otherwise until the park loop proves it (park.651)
     kernel = Kernel(tmp_path, **env)
     try:
         kernel.dump_on_signal()

@@ -57,9 +57,9 @@ def start_target(env, tmp_path, jax: bool = True):
     plugin.write_bytes(b"\0" * 4096)
     other = tmp_path / "libother.so"
     other.write_bytes(b"\0" * 4096)
-    # JAX's park waits for its proof on the GPU (park.651): the process's own opt-in lets it through here
+    # no opt-in (GPUCLEANUP_PARK_UNPROVEN): every park here holds the threads, which lets JAX's park through
     proc = subprocess.Popen([sys.executable, "-c", JAX_LIKE, str(FAKE_CUDA), str(plugin if jax else other)],
-                            env=dict(env, GPUCLEANUP_PARK_UNPROVEN="jax"),
+                            env={k: v for k, v in env.items() if k != "GPUCLEANUP_PARK_UNPROVEN"},
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     return proc, int(proc.stdout.readline())
 
@@ -467,11 +467,16 @@ def test_a_resume_not_given_the_parks_report_finds_the_hold_and_ends_it_after_th
     assert proc.stdout.readline().strip() == "polling"
 
 
-def test_with_holding_turned_off_a_jax_kernel_is_parked_without_the_hold(jax_like, env, checkpoints):
+def test_with_holding_turned_off_a_jax_kernel_is_refused_unless_let_through_then_parked_without_the_hold(
+        jax_like, env, checkpoints, monkeypatch):
     proc, poller = jax_like
     asked = []
-    outcome = park.park(proc.pid, FAST, env=dict(env, GPUCLEANUP_PARK_HOLD="off"),
-                        hold_threads=lambda restore: asked.append(restore) or [poller])
+    off = dict(env, GPUCLEANUP_PARK_HOLD="off")
+    with pytest.raises(park.ParkRefused, match=r"park\.651.*this park holds none \(holding is turned off here"):
+        park.park(proc.pid, FAST, env=off, hold_threads=lambda restore: asked.append(restore) or [poller])
+    assert asked == [] and park.state(proc.pid, FAST, env=env).state == park.RUNNING
+    monkeypatch.setenv("GPUCLEANUP_PARK_UNPROVEN", "jax")  # the opt-in of the process that parks
+    outcome = park.park(proc.pid, FAST, env=off, hold_threads=lambda restore: asked.append(restore) or [poller])
     assert (outcome.ok, outcome.parked_hold, asked) == (True, None, [])
     assert tracer(proc.pid, poller) == 0
     assert park.resume(proc.pid, FAST, env=env).ok

@@ -167,9 +167,10 @@ def check_kernel(pid: int, target, timeout: float, lock_file: os.PathLike) -> di
     apps = park_steps.compute_apps()
     usage = out["usage"] = park_steps.process_gpu_usage(pid, apps=apps)
     reasons = park_steps.refusals(pid, None if kernel_state in ("parking", "parked") else found, usage,
-                                  park_steps.gpus() if usage else None)
+                                  park_steps.gpus() if usage else None, unheld=park_steps.kernel_hold())
     out["reasons"].extend(reasons)
-    if not reasons and kernel_state not in ("parking", "parked") and park_steps.holds_while_parked(pid):
+    if (not reasons and kernel_state not in ("parking", "parked") and park_steps.kernel_hold() is None
+            and park_steps.holds_while_parked(pid)):
         try:  # what the park would say
             park_steps.hold_plan(pid, found.restore_thread, outside_hold(pid, lock_file, lambda: out["blocker"]))
         except park_steps.ParkRefused as exc:

@@ -603,12 +603,32 @@ def _maps(pid: int, proc: str) -> Optional[str]:
         return None
 
 
+#: Why a park holds no thread of a JAX kernel while it is parked (the ``unheld`` of :func:`refusals`).
+HOLD_TURNED_OFF = "holding is turned off here (GPUCLEANUP_PARK_HOLD=off)"
+NOT_A_KERNEL = ("a park by process id alone (gpucleanup.park.park) cannot list a kernel's threads: park it with "
+                "gpucleanup park, the page or %gpumem --park")
+
+
+def hold_turned_on(env: Optional[Dict[str, str]] = None) -> bool:
+    """Whether the parks of this process hold a JAX kernel's threads while it is parked (``GPUCLEANUP_PARK_HOLD``)."""
+    return (os.environ if env is None else env).get("GPUCLEANUP_PARK_HOLD") != "off"
+
+
+def kernel_hold(env: Optional[Dict[str, str]] = None) -> Optional[str]:
+    """The ``unheld`` of a kernel's park (its own, or one from outside through its status endpoint): None when it
+    holds a JAX kernel's threads while parked, else why not."""
+    return None if hold_turned_on(env) else HOLD_TURNED_OFF
+
+
 def unproven_refusal(pid: int, proc: str = "/proc", environ: Optional[List[bytes]] = None,
-                     maps: Optional[str] = None) -> Optional[str]:
-    """Why a kernel whose framework's park is not safe is not parked (None: none is in use, or it was let
-    through): on an H100 every JAX kernel left parked for 6 s died while parked (11 of 11), an XLA thread faulting
-    in the driver's ``cuStreamQuery`` while the process was checkpointed (share/FACTS.md §11). ``maps``: the
-    process's ``/proc/PID/maps`` already read (None: read here)."""
+                     maps: Optional[str] = None, unheld: Optional[str] = NOT_A_KERNEL) -> Optional[str]:
+    """Why a kernel whose framework's park is not safe is not parked (None: none is in use, the park holds its
+    threads while parked, or it was let through). On an H100 (driver 580.159.04) JAX kernels parked without that
+    hold were lost, 9 of 29 resumed by their next cell and 11 of 11 left parked for 6 s, each by an XLA thread
+    faulting in the driver's ``cuStreamQuery`` while the process was checkpointed; with the hold, none of 117
+    (share/FACTS.md §11; tests/bench/results/h100-park-hold-*-179687d-2026-12-07.log). ``unheld``: why this park
+    holds no thread (None: it holds them, :func:`.parked_hold.start`). ``maps``: the process's ``/proc/PID/maps``
+    already read (None: read here)."""
     maps = _maps(pid, proc) if maps is None else maps
     if maps is None:
         return None
@@ -616,10 +636,13 @@ def unproven_refusal(pid: int, proc: str = "/proc", environ: Optional[List[bytes
     for name, marks in UNPROVEN.items():
         if name in allowed or not any(mark in maps for mark in marks):
             continue
-        return (f"[gpucleanup.park.651] process {pid} runs {'JAX' if name == 'jax' else name} on the GPU, whose "
-                "kernels died while parked on an H100 (a thread of it calls the driver while the process is "
-                f"checkpointed): it is not parked; GPUCLEANUP_PARK_UNPROVEN={name} (for the kernel, or for the "
-                "command or server that parks) parks it all the same")
+        if unheld is None and name in HOLD_WHILE_PARKED:
+            continue
+        return (f"[gpucleanup.park.651] process {pid} runs {'JAX' if name == 'jax' else name} on the GPU, whose own "
+                "threads call the driver while the process is checkpointed and kill it unless they are held while it "
+                f"is parked, and this park holds none ({unheld or 'none are known'}): it is not parked; "
+                f"GPUCLEANUP_PARK_UNPROVEN={name} (for the kernel, or for the command or server that parks) parks it "
+                "all the same")
     return None
 
 
@@ -656,7 +679,8 @@ def managed_refusal(pid: int, maps: Optional[str], environ: Optional[List[bytes]
             f"{MANAGED_REMEDY}; GPUCLEANUP_PARK_UNPROVEN=managed tries the park all the same")
 
 
-def unsupported_refusals(pid: int, proc: str = "/proc", tracing: bool = False) -> List[str]:
+def unsupported_refusals(pid: int, proc: str = "/proc", tracing: bool = False,
+                         unheld: Optional[str] = NOT_A_KERNEL) -> List[str]:
     """Sentences for what the driver's checkpoint does not support (share/FACTS.md §11), read from files alone
     (and ``tracing``, which only the kernel knows): CUPTI in use, a MIG device among those the process may use
     (``MIG-`` in its ``CUDA_VISIBLE_DEVICES``), and an MPS server on the machine (its clients go through it).
@@ -674,7 +698,7 @@ def unsupported_refusals(pid: int, proc: str = "/proc", tracing: bool = False) -
     except OSError:
         environ = []
     maps = _maps(pid, proc)
-    for refusal in (unproven_refusal(pid, proc, environ, maps), managed_refusal(pid, maps, environ)):
+    for refusal in (unproven_refusal(pid, proc, environ, maps, unheld), managed_refusal(pid, maps, environ)):
         if refusal:
             out.append(refusal)
     injected = next((v.split(b"=", 1)[1] for v in environ if v.startswith(b"CUDA_INJECTION64_PATH=")), b"")
@@ -731,10 +755,13 @@ def refused_again_refusal(pid: int, memo: dict, now_ns: Optional[int] = None) ->
 
 def refusals(pid: int, found: Optional[Step], usage: Optional[Dict[str, int]], view: Optional[List[Gpu]] = None,
              parked_bytes: Optional[int] = None, meminfo: str = "/proc/meminfo", proc: str = "/proc",
-             cgroup_root: str = "/sys/fs/cgroup", tracing: bool = False) -> List[str]:
+             cgroup_root: str = "/sys/fs/cgroup", tracing: bool = False,
+             unheld: Optional[str] = NOT_A_KERNEL) -> List[str]:
     """Why process ``pid`` cannot be parked now, each reason one sentence (empty: it can), from what is known
     without touching it: the driver's state (``found``, a ``state`` step), the GPUs it uses, host memory and
-    its cgroup's limit, and whether the kernel's own trace is on (``tracing``). The one decision every way of parking goes through, and what ``park --check`` says."""
+    its cgroup's limit, whether the kernel's own trace is on (``tracing``), and whether the park holds a JAX
+    kernel's threads while parked (``unheld``: None when it does, else why not; :func:`kernel_hold`). The one
+    decision every way of parking goes through, and what ``park --check`` says."""
     out: List[str] = []
     if found is not None and (found.refused or found.hung or found.state != RUNNING):
         out.append(_refusal_for_state(pid, found, usage))
@@ -743,7 +770,7 @@ def refusals(pid: int, found: Optional[Step], usage: Optional[Dict[str, int]], v
                    cgroup_memory_refusal(size, cgroup_memory(pid, proc, cgroup_root))):
         if reason:
             out.append(reason)
-    out.extend(unsupported_refusals(pid, proc, tracing))
+    out.extend(unsupported_refusals(pid, proc, tracing, unheld))
     return out
 
 
@@ -786,8 +813,9 @@ def park(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = No
 
     found = state(pid, limits, env)
     steps.append(found)
+    unheld = kernel_hold(env) if hold_threads is not None else NOT_A_KERNEL
     reasons = refusals(pid, found, usage, gpus() if usage and len(usage) > 1 else None, parked_bytes,
-                       tracing=tracing)
+                       tracing=tracing, unheld=unheld)
     layout = layout_refusal(found, gpus) if not reasons else None
     if reasons or layout:
         raise ParkRefused(reasons[0] if reasons else layout)
@@ -796,8 +824,7 @@ def park(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = No
                           f"process {pid} runs as before")
 
     hold: Optional[Callable[[], Optional[str]]] = None
-    if (hold_threads is not None and (os.environ if env is None else env).get("GPUCLEANUP_PARK_HOLD") != "off"
-            and holds_while_parked(pid)):
+    if unheld is None and holds_while_parked(pid):
         listed = hold_plan(pid, found.restore_thread, hold_threads)
 
         def hold_after_lock() -> Optional[str]:

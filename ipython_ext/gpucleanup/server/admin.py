@@ -79,7 +79,8 @@ def quick_check(kernel, state: Optional[dict], error: Optional[str], view: GpuVi
     if said:
         out["reasons"].append(said)
     usage = out["usage"] = (park_steps.process_gpu_usage(pid, apps=view.apps) if view.apps is not None else None)
-    out["reasons"].extend(park_steps.refusals(pid, None, usage, view.gpus if usage else None))
+    out["reasons"].extend(park_steps.refusals(pid, None, usage, view.gpus if usage else None,
+                                              unheld=park_steps.kernel_hold()))
     out["parkable"] = not out["reasons"]
     return out
 
