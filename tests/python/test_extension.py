@@ -1234,6 +1234,27 @@ def test_release_rerun_a_kernel_still_parked_after_its_resume_drops_the_release_
     assert job.cancelled and job.done.is_set() and gpu.cupy.calls["drain"] == 0 and gpu.cupy.cached[0] == GiB
 
 
+def test_release_rerun_a_release_woken_while_parked_is_dropped_when_ctrl_c_stops_the_cell_before_its_resume(
+        shell, gpu, capsys, monkeypatch):
+    del shell.config.GPUCleanup["release"]
+    shell.run_line_magic("load_ext", "gpucleanup")
+    shell.run_line_magic("config", "GPUCleanup.idle_release_s = 3600")
+    gpu.cupy.cached[0] = GiB
+    _run(shell, "x = 0", capsys)
+    job = _ext(shell).engine.releases.idle_job
+    monkeypatch.setattr(gpu.endpoint, "parked", lambda: 1)
+    monkeypatch.setattr(gpu.endpoint, "background", lambda begin, activity=False: not begin)
+
+    def ctrl_c(state, cell=None, since_ns=None):
+        raise KeyboardInterrupt  # Ctrl-C as the cell starts, before its resume
+
+    monkeypatch.setattr(gpu.endpoint, "cell_state", ctrl_c)
+    _run(shell, "y = 1", capsys)
+    assert "y" not in shell.user_ns  # the cell was stopped, as Ctrl-C asks
+    # not left asleep for good (it would keep every later idle cell from its proof): dropped, the caches kept
+    assert job.done.wait(30) and job.cancelled and gpu.cupy.calls["drain"] == 0
+
+
 def test_release_rerun_another_cell_waits_for_the_release_at_most_settle_timeout(shell, gpu, capsys):
     shell.config.GPUCleanup.release = "rerun"
     shell.run_line_magic("load_ext", "gpucleanup")

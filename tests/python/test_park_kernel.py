@@ -253,6 +253,12 @@ def test_park_check_and_park_refuse_a_jax_kernel_whose_thread_list_is_gone_until
             "before").format(pid=kernel.pid)
     check = cli("park", "--check", str(kernel.pid))
     assert (check.returncode, check.stdout) == (4, f"kernel {kernel.pid} cannot be parked now:\n  - {said}\n"), check
+    # the page's cheap check (files only: no helper, no request) says the same, so no bulk park counts on it
+    from gpucleanup.server import admin
+
+    [found] = [k for k in discovery.scan(runtime).live if k.pid == kernel.pid]
+    quick = admin.quick_check(found, {"state": "idle"}, None, admin.GpuView())
+    assert (quick["parkable"], quick["reasons"]) == (False, [said])
     refused = cli("park", str(kernel.pid))
     assert (refused.returncode, said in refused.stderr) == (4, True), refused
     assert record(checkpoints, kernel.pid)["calls"].get("cuCheckpointProcessLock") is None
@@ -260,6 +266,7 @@ def test_park_check_and_park_refuse_a_jax_kernel_whose_thread_list_is_gone_until
     kernel.execute("6 * 7")
     assert listed[0].exists()  # listed again as that cell ended
     assert cli("park", "--check", str(kernel.pid)).returncode == 0
+    assert admin.quick_check(found, {"state": "idle"}, None, admin.GpuView())["parkable"] is True
 
 
 def test_the_park_step_tracer_is_signed_taken_only_while_parked_and_checks_its_pid(kernel, checkpoints):

@@ -374,6 +374,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             self._put_right_unended_cells()
         self.parking.parked_at_start = None  # set again below by the resume, once the cell says "running"
         self.clears.cell_starts()
+        released = None
         try:
             if outside_drain:
                 self.outside.wait()  # one that began before this cell: it ends first
@@ -403,11 +404,16 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                 self._refuse_the_cell.arm(self.parking.refusal)
             if released is not None:
                 self._wait_for_release(released)
+                released = None
         except KeyboardInterrupt:
             self._interrupt_the_cell.arm(self.shell)  # Ctrl-C is the user's: it stops the cell
         except Exception as exc:
             with contextlib.suppress(Exception):
                 self._warn_once_now(f"pre:{type(exc).__name__}", f"before the cell: {type(exc).__name__}: {exc}")
+        finally:
+            if released is not None:  # not waited for: dropped unless it runs (a parked kernel's would sleep on)
+                with contextlib.suppress(Exception):
+                    released.cancel()
 
     def _put_right_unended_cells(self) -> None:
         """A cell starts while the count says another runs, but none runs code: an earlier ``pre_run_cell``

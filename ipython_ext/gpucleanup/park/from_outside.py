@@ -19,6 +19,7 @@ from ..protocol import status_client
 from ..say import printable
 
 __all__ = ["remote_record", "owner_refusal", "refused_before", "process_uid", "park_from_outside", "check_kernel",
+           "hold_refused",
            "resume_from_outside", "allow_from_outside", "not_parked_refusal", "outcome_text"]
 
 
@@ -116,6 +117,19 @@ def outside_hold(pid: int, lock_file: os.PathLike, blocker):
         return parked_hold.listed_threads(lock_file, pid, restore_thread, uid)
 
     return threads
+
+
+def hold_refused(pid: int, lock_file: os.PathLike) -> Optional[str]:
+    """``park.654`` as the park's hold would say it, from files alone (the page's cheap check, which has no restore
+    thread to hand): Yama's ptrace_scope, a JAX kernel that has listed no thread, or one with a thread it has not
+    listed. None: the park holds no thread here, or none of these stands."""
+    if park_steps.kernel_hold() is not None or not park_steps.holds_while_parked(pid):
+        return None
+    why = park_steps.ptrace_refusal()
+    if not why:
+        listed = parked_hold.listed_threads(lock_file, pid, None, process_uid(pid))
+        why = park_steps.UNLISTED if listed is None else (listed if isinstance(listed, str) else None)
+    return park_steps.hold_refusal(pid, why) if why else None
 
 
 def _blocker(target, timeout: float) -> Optional[str]:

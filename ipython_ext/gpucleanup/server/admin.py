@@ -81,6 +81,9 @@ def quick_check(kernel, state: Optional[dict], error: Optional[str], view: GpuVi
     usage = out["usage"] = (park_steps.process_gpu_usage(pid, apps=view.apps) if view.apps is not None else None)
     out["reasons"].extend(park_steps.refusals(pid, None, usage, view.gpus if usage else None,
                                               unheld=park_steps.kernel_hold()))
+    held = remote_park.hold_refused(pid, lock) if not out["reasons"] else None
+    if held:
+        out["reasons"].append(held)
     out["parkable"] = not out["reasons"]
     return out
 
