@@ -1179,18 +1179,25 @@ def test_release_rerun_is_the_default_and_another_cell_starts_with_the_caches_gi
     assert job.result()["when"] == "cell" and _ext(shell).history.last()[-1]["idle"] == [job.result()]
 
 
+def _a_rerun_release_waiting(shell, gpu, capsys):
+    """Under the default release, "rerun", a cell that left 1 GiB cached: its release waits (for an hour, or for
+    another cell), as it does when a park comes right after the cell."""
+    del shell.config.GPUCleanup["release"]
+    shell.run_line_magic("load_ext", "gpucleanup")
+    shell.run_line_magic("config", "GPUCleanup.idle_release_s = 3600")
+    gpu.cupy.cached[0] = GiB
+    _run(shell, "x = 0", capsys)
+    job = _ext(shell).engine.releases.idle_job
+    assert job is not None and gpu.cupy.calls["drain"] == 0
+    return job
+
+
 def test_release_rerun_a_parked_kernels_next_cell_is_resumed_before_it_waits_for_the_release(
         shell, gpu, capsys, monkeypatch):
     # parked right after a cell (gpucleanup park, the page's Park), with the release "rerun" still waiting: the next
     # cell, another one, waited settle_timeout (30 s) for that release before its resume, and the release could not
     # begin while the kernel was parked (an H100, CuPy and PyTorch, tests/bench/results/h100-park-hold-*-179687d-*)
-    del shell.config.GPUCleanup["release"]  # the default, "rerun"
-    shell.run_line_magic("load_ext", "gpucleanup")
-    shell.run_line_magic("config", "GPUCleanup.idle_release_s = 3600")  # still waiting when the park comes
-    gpu.cupy.cached[0] = GiB
-    _run(shell, "x = 0", capsys)
-    job = _ext(shell).engine.releases.idle_job
-    assert job is not None and gpu.cupy.calls["drain"] == 0
+    job = _a_rerun_release_waiting(shell, gpu, capsys)
     parked, began = [1], []  # the kernel's server says parked until the resume
 
     def background(begin, activity=False):
@@ -1217,12 +1224,7 @@ def test_release_rerun_a_parked_kernels_next_cell_is_resumed_before_it_waits_for
 
 def test_release_rerun_a_kernel_still_parked_after_its_resume_drops_the_release_and_does_not_wait(
         shell, gpu, capsys, monkeypatch):
-    del shell.config.GPUCleanup["release"]
-    shell.run_line_magic("load_ext", "gpucleanup")
-    shell.run_line_magic("config", "GPUCleanup.idle_release_s = 3600")
-    gpu.cupy.cached[0] = GiB
-    _run(shell, "x = 0", capsys)
-    job = _ext(shell).engine.releases.idle_job
+    job = _a_rerun_release_waiting(shell, gpu, capsys)
     monkeypatch.setattr(gpu.endpoint, "cell_state", lambda state, cell=None, since_ns=None: 1)
     monkeypatch.setattr(gpu.endpoint, "parked", lambda: 1)
     monkeypatch.setattr(gpu.endpoint, "background", lambda begin, activity=False: not begin)
@@ -1236,12 +1238,7 @@ def test_release_rerun_a_kernel_still_parked_after_its_resume_drops_the_release_
 
 def test_release_rerun_a_release_woken_while_parked_is_dropped_when_ctrl_c_stops_the_cell_before_its_resume(
         shell, gpu, capsys, monkeypatch):
-    del shell.config.GPUCleanup["release"]
-    shell.run_line_magic("load_ext", "gpucleanup")
-    shell.run_line_magic("config", "GPUCleanup.idle_release_s = 3600")
-    gpu.cupy.cached[0] = GiB
-    _run(shell, "x = 0", capsys)
-    job = _ext(shell).engine.releases.idle_job
+    job = _a_rerun_release_waiting(shell, gpu, capsys)
     monkeypatch.setattr(gpu.endpoint, "parked", lambda: 1)
     monkeypatch.setattr(gpu.endpoint, "background", lambda begin, activity=False: not begin)
 
