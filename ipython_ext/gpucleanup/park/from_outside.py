@@ -119,11 +119,12 @@ def outside_hold(pid: int, lock_file: os.PathLike, blocker):
     return threads
 
 
-def hold_refused(pid: int, lock_file: os.PathLike) -> Optional[str]:
+def hold_refused(pid: int, lock_file: os.PathLike, maps: Optional[str] = None) -> Optional[str]:
     """``park.654`` as the park's hold would say it, from files alone (the page's cheap check, which has no restore
     thread to hand): Yama's ptrace_scope, a JAX kernel that has listed no thread, or one with a thread it has not
-    listed. None: the park holds no thread here, or none of these stands."""
-    if park_steps.kernel_hold() is not None or not park_steps.holds_while_parked(pid):
+    listed. None: the park holds no thread here, or none of these stands. ``maps``: the process's mappings, already
+    read."""
+    if park_steps.kernel_hold() is not None or not park_steps.holds_while_parked(pid, maps=maps):
         return None
     why = park_steps.ptrace_refusal()
     if not why:

@@ -595,6 +595,12 @@ def unproven_opt_in(environ: Optional[List[bytes]] = None) -> set:
     return names
 
 
+def read_maps(pid: int, proc: str = "/proc") -> Optional[str]:
+    """Process ``pid``'s ``/proc/PID/maps`` (None: gone, or not readable here), for a caller that asks
+    :func:`refusals` and :func:`holds_while_parked` of it in one look."""
+    return _maps(pid, proc)
+
+
 def _maps(pid: int, proc: str) -> Optional[str]:
     try:
         with open(f"{proc}/{int(pid)}/maps", encoding="utf-8", errors="replace") as fh:
@@ -680,7 +686,7 @@ def managed_refusal(pid: int, maps: Optional[str], environ: Optional[List[bytes]
 
 
 def unsupported_refusals(pid: int, proc: str = "/proc", tracing: bool = False,
-                         unheld: Optional[str] = NOT_A_KERNEL) -> List[str]:
+                         unheld: Optional[str] = NOT_A_KERNEL, maps: Optional[str] = None) -> List[str]:
     """Sentences for what the driver's checkpoint does not support (share/FACTS.md §11), read from files alone
     (and ``tracing``, which only the kernel knows): CUPTI in use, a MIG device among those the process may use
     (``MIG-`` in its ``CUDA_VISIBLE_DEVICES``), and an MPS server on the machine (its clients go through it).
@@ -697,7 +703,7 @@ def unsupported_refusals(pid: int, proc: str = "/proc", tracing: bool = False,
             environ = fh.read().split(b"\0")
     except OSError:
         environ = []
-    maps = _maps(pid, proc)
+    maps = _maps(pid, proc) if maps is None else maps
     for refusal in (unproven_refusal(pid, proc, environ, maps, unheld), managed_refusal(pid, maps, environ)):
         if refusal:
             out.append(refusal)
@@ -756,12 +762,13 @@ def refused_again_refusal(pid: int, memo: dict, now_ns: Optional[int] = None) ->
 def refusals(pid: int, found: Optional[Step], usage: Optional[Dict[str, int]], view: Optional[List[Gpu]] = None,
              parked_bytes: Optional[int] = None, meminfo: str = "/proc/meminfo", proc: str = "/proc",
              cgroup_root: str = "/sys/fs/cgroup", tracing: bool = False,
-             unheld: Optional[str] = NOT_A_KERNEL) -> List[str]:
+             unheld: Optional[str] = NOT_A_KERNEL, maps: Optional[str] = None) -> List[str]:
     """Why process ``pid`` cannot be parked now, each reason one sentence (empty: it can), from what is known
     without touching it: the driver's state (``found``, a ``state`` step), the GPUs it uses, host memory and
     its cgroup's limit, whether the kernel's own trace is on (``tracing``), and whether the park holds a JAX
     kernel's threads while parked (``unheld``: None when it does, else why not; :func:`kernel_hold`). The one
-    decision every way of parking goes through, and what ``park --check`` says."""
+    decision every way of parking goes through, and what ``park --check`` says. ``maps``: the process's
+    ``/proc/PID/maps`` already read (:func:`read_maps`; None: read here)."""
     out: List[str] = []
     if found is not None and (found.refused or found.hung or found.state != RUNNING):
         out.append(_refusal_for_state(pid, found, usage))
@@ -770,7 +777,7 @@ def refusals(pid: int, found: Optional[Step], usage: Optional[Dict[str, int]], v
                    cgroup_memory_refusal(size, cgroup_memory(pid, proc, cgroup_root))):
         if reason:
             out.append(reason)
-    out.extend(unsupported_refusals(pid, proc, tracing, unheld))
+    out.extend(unsupported_refusals(pid, proc, tracing, unheld, maps))
     return out
 
 
@@ -969,9 +976,9 @@ def hold_refusal(pid: int, why: str) -> str:
             "it is not parked and runs as before")
 
 
-def holds_while_parked(pid: int, proc: str = "/proc") -> bool:
-    """Whether process ``pid`` runs a framework of :data:`HOLD_WHILE_PARKED` (its mappings)."""
-    maps = _maps(pid, proc)
+def holds_while_parked(pid: int, proc: str = "/proc", maps: Optional[str] = None) -> bool:
+    """Whether process ``pid`` runs a framework of :data:`HOLD_WHILE_PARKED` (its mappings; ``maps``: already read)."""
+    maps = _maps(pid, proc) if maps is None else maps
     return maps is not None and any(mark in maps for name in HOLD_WHILE_PARKED for mark in UNPROVEN[name])
 
 

@@ -79,9 +79,10 @@ def quick_check(kernel, state: Optional[dict], error: Optional[str], view: GpuVi
     if said:
         out["reasons"].append(said)
     usage = out["usage"] = (park_steps.process_gpu_usage(pid, apps=view.apps) if view.apps is not None else None)
+    maps = park_steps.read_maps(pid)  # one read for the refusals and the hold's check
     out["reasons"].extend(park_steps.refusals(pid, None, usage, view.gpus if usage else None,
-                                              unheld=park_steps.kernel_hold()))
-    held = remote_park.hold_refused(pid, lock) if not out["reasons"] else None
+                                              unheld=park_steps.kernel_hold(), maps=maps))
+    held = remote_park.hold_refused(pid, lock, maps) if not out["reasons"] and maps is not None else None
     if held:
         out["reasons"].append(held)
     out["parkable"] = not out["reasons"]
