@@ -596,12 +596,8 @@ def unproven_opt_in(environ: Optional[List[bytes]] = None) -> set:
 
 
 def read_maps(pid: int, proc: str = "/proc") -> Optional[str]:
-    """Process ``pid``'s ``/proc/PID/maps`` (None: gone, or not readable here), for a caller that asks
-    :func:`refusals` and :func:`holds_while_parked` of it in one look."""
-    return _maps(pid, proc)
-
-
-def _maps(pid: int, proc: str) -> Optional[str]:
+    """Process ``pid``'s ``/proc/PID/maps`` (None: gone, or not readable here); a caller that asks :func:`refusals`
+    and :func:`holds_while_parked` of it in one look reads it once and passes it to both."""
     try:
         with open(f"{proc}/{int(pid)}/maps", encoding="utf-8", errors="replace") as fh:
             return fh.read()
@@ -615,15 +611,11 @@ NOT_A_KERNEL = ("a park by process id alone (gpucleanup.park.park) cannot list a
                 "gpucleanup park, the page or %gpumem --park")
 
 
-def hold_turned_on(env: Optional[Dict[str, str]] = None) -> bool:
-    """Whether the parks of this process hold a JAX kernel's threads while it is parked (``GPUCLEANUP_PARK_HOLD``)."""
-    return (os.environ if env is None else env).get("GPUCLEANUP_PARK_HOLD") != "off"
-
-
 def kernel_hold(env: Optional[Dict[str, str]] = None) -> Optional[str]:
     """The ``unheld`` of a kernel's park (its own, or one from outside through its status endpoint): None when it
-    holds a JAX kernel's threads while parked, else why not."""
-    return None if hold_turned_on(env) else HOLD_TURNED_OFF
+    holds a JAX kernel's threads while parked, else why not (``GPUCLEANUP_PARK_HOLD=off`` in ``env``, or in this
+    process's environment)."""
+    return HOLD_TURNED_OFF if (os.environ if env is None else env).get("GPUCLEANUP_PARK_HOLD") == "off" else None
 
 
 def unproven_refusal(pid: int, proc: str = "/proc", environ: Optional[List[bytes]] = None,
@@ -635,7 +627,7 @@ def unproven_refusal(pid: int, proc: str = "/proc", environ: Optional[List[bytes
     (share/FACTS.md §11; tests/bench/results/h100-park-hold-*-179687d-2026-12-07.log). ``unheld``: why this park
     holds no thread (None: it holds them, :func:`.parked_hold.start`). ``maps``: the process's ``/proc/PID/maps``
     already read (None: read here)."""
-    maps = _maps(pid, proc) if maps is None else maps
+    maps = read_maps(pid, proc) if maps is None else maps
     if maps is None:
         return None
     allowed = unproven_opt_in(environ)
@@ -703,7 +695,7 @@ def unsupported_refusals(pid: int, proc: str = "/proc", tracing: bool = False,
             environ = fh.read().split(b"\0")
     except OSError:
         environ = []
-    maps = _maps(pid, proc) if maps is None else maps
+    maps = read_maps(pid, proc) if maps is None else maps
     for refusal in (unproven_refusal(pid, proc, environ, maps, unheld), managed_refusal(pid, maps, environ)):
         if refusal:
             out.append(refusal)
@@ -978,7 +970,7 @@ def hold_refusal(pid: int, why: str) -> str:
 
 def holds_while_parked(pid: int, proc: str = "/proc", maps: Optional[str] = None) -> bool:
     """Whether process ``pid`` runs a framework of :data:`HOLD_WHILE_PARKED` (its mappings; ``maps``: already read)."""
-    maps = _maps(pid, proc) if maps is None else maps
+    maps = read_maps(pid, proc) if maps is None else maps
     return maps is not None and any(mark in maps for name in HOLD_WHILE_PARKED for mark in UNPROVEN[name])
 
 
