@@ -159,6 +159,17 @@ class IdleRelease:
                 self._wake.notify()  # it would wake too late: waking a thread costs the cell's thread the GIL
             return True
 
+    def before_cell(self, limit_s: float, still_parked: bool) -> bool:
+        """Another cell starts under release "rerun" and waits for this release, woken again (woken while the
+        kernel was parked, it was told to wait for the next cell: its driver calls would wait for the restore), at
+        most ``limit_s`` seconds; dropped when the kernel is still parked after its resume, and the next cleanup
+        finds what is cached. False when the release still runs past the limit (the cell runs alongside it)."""
+        if still_parked:
+            self.cancel()
+            return True
+        self.run_now()  # False, and nothing moved, once it runs or ran
+        return limit_s <= 0 or self.done.wait(limit_s)
+
     def cancel(self) -> bool:
         """Drop it if it has not started; True if it was dropped."""
         with self._lock:

@@ -14,8 +14,9 @@ import threading
 from typing import Any, Optional
 
 from ..records.record import CellRecord
+from ..units import count_of
 
-__all__ = ["CellState", "a_cell_runs_code", "running_cell_number"]
+__all__ = ["CellState", "a_cell_runs_code", "running_cell_number", "unended_cells"]
 
 
 class CellState:
@@ -47,7 +48,10 @@ class CellState:
 
     def put_right(self) -> int:
         """A cell starts while the depth says another runs, but none runs code: the earlier cells' ``post_run_cell``
-        never came. Only this cell is counted from now on; returns how many were dropped."""
+        never came (IPython fires it only from ``run_cell``, so a tool that awaits ``run_cell_async`` itself leaves
+        it out). Counted as still running, they would make every later cell "nested": no line, no cleanup, drains
+        refused, a park asked for never done. Only this cell is counted from now on; returns how many were
+        dropped (:func:`unended_cells` says it)."""
         unended = self.depth - 1
         self.depth = 1
         with self.lock:
@@ -57,6 +61,13 @@ class CellState:
     def busy(self) -> bool:
         """Is a cell under way (its hooks included)?"""
         return self.under_way > 0 or self.depth > 0
+
+
+def unended_cells(unended: int) -> str:
+    """The sentence said once when :meth:`CellState.put_right` dropped ``unended`` cells."""
+    return (f"{count_of(unended, 'cell')} run through run_cell_async got no post_run_cell (IPython fires it only "
+            f"from run_cell): gpucleanup had counted {'it' if unended == 1 else 'them'} as still running; put right, "
+            "this cell and the next are cleaned as usual")
 
 
 def a_cell_runs_code() -> bool:

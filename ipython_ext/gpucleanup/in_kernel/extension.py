@@ -28,11 +28,11 @@ from . import holders
 from ..records import report
 from ..engine.after_cell import AfterCell, Settings
 from .allocation_trace import AllocationTrace
-from .cell_state import CellState, a_cell_runs_code, running_cell_number
+from .cell_state import CellState, a_cell_runs_code, running_cell_number, unended_cells
 from .config import GPUCleanupOptions
 from .gpumem_command import GpumemCommand
 from ..records.history import History
-from .load_notes import LoadNotes, environment_notes, no_cleanup_here, probe_failure
+from .load_notes import LoadNotes, environment_notes, no_cleanup_here, no_hooks_reason, probe_failure
 from .endpoint_link import MISSING as _MISSING, EndpointLink
 from .magics import gpumem_arguments, parse_gpumem, unregister_magics, with_settings
 from .outside_drain import OutsideDrain, gave_no_way as outside_drain_gave_no_way
@@ -41,7 +41,6 @@ from .pending_clear import PendingClear
 from ..records.record import CellRecord, Outcome
 from ..say import PREFIX, say
 from ..records.totals import Totals
-from ..units import count_of
 from .tracing import Tracer
 
 __all__ = ["GPUCleanup", "load_ipython_extension", "unload_ipython_extension"]
@@ -416,33 +415,18 @@ class GPUCleanup(Magics, GPUCleanupOptions):
                     released.cancel()
 
     def _put_right_unended_cells(self) -> None:
-        """A cell starts while the count says another runs, but none runs code: an earlier ``pre_run_cell``
-        never got its ``post_run_cell`` (IPython fires it only from ``run_cell``, so a tool that awaits
-        ``run_cell_async`` itself leaves it out). Counted as still running, it would make every later cell
-        "nested": no line, no cleanup, drains refused, a park asked for never done. Put right, said once."""
+        """A cell starts while the count says another runs, but none runs code (``CellState.put_right``)."""
         unended = self.cells.put_right()
         with contextlib.suppress(Exception):
             self.engine.cell_ends()  # what the unended cell held is dropped, as its post_run_cell would have
         with contextlib.suppress(Exception):
-            self._warn_once_now("unended-cell", f"{count_of(unended, 'cell')} run through run_cell_async got no "
-                                "post_run_cell (IPython fires it only from run_cell): gpucleanup had counted "
-                                f"{'it' if unended == 1 else 'them'} as still running; put right, this cell and the "
-                                "next are cleaned as usual")
+            self._warn_once_now("unended-cell", unended_cells(unended))
 
     def _wait_for_release(self, job: Any) -> None:
-        """Another cell starts under release "rerun": it finds the caches the last cell left given back, as
-        after release "cell". The release runs on its own thread; the cell waits for it at most
-        ``settle_timeout`` seconds (past that it runs alongside the release, and says so once).
-
-        Called after the resume before the cell: a release woken while the kernel was parked was told to wait
-        for the next cell (its driver calls would wait for the restore), so it is woken again here; one whose
-        kernel is still parked (the resume failed) is dropped, and the next cleanup finds what is cached."""
-        if self.parking.refusal:
-            job.cancel()
-            return
-        job.run_now()  # False, and nothing moved, once it runs or ran
+        """Another cell starts under release "rerun": it finds the caches the last cell left given back, as after
+        release "cell"; called after the resume before the cell (``IdleRelease.before_cell``)."""
         limit = float(self.settle_timeout)
-        if limit > 0 and not job.done.wait(limit):
+        if not job.before_cell(limit, bool(self.parking.refusal)):
             self._warn_once_now("release:late", f"the release of what cell [{job.cell}] left still ran after "
                                 f"{limit:g} s: this cell runs alongside it (a framework's free waits for the GPU)")
 
@@ -603,14 +587,7 @@ class GPUCleanup(Magics, GPUCleanupOptions):
 
     def why_no_hooks(self) -> str:
         """Why no cleanup runs after cells in this kernel (no driver, no GPU, no native library)."""
-        state = self.engine.last_driver_state
-        if state == "no_driver":
-            return "no CUDA driver"
-        if state == "unusable":
-            return "the CUDA driver is unusable"
-        if state == "ready":
-            return "no GPU on this machine"
-        return "the native library could not be loaded"
+        return no_hooks_reason(self.engine.last_driver_state)
 
 
 # ---------------------------------------------------------------- entry points

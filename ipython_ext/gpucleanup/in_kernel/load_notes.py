@@ -14,7 +14,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 from ..say import printable, say
 
-__all__ = ["LoadNotes", "environment_notes", "no_cleanup_here", "probe_failure"]
+__all__ = ["LoadNotes", "environment_notes", "no_cleanup_here", "no_hooks_reason", "probe_failure"]
 
 
 class LoadNotes:
@@ -112,6 +112,18 @@ def environment_notes(environ=None) -> List[str]:
             out.append(f"{name}={_shown(value)} is not a whole number of milliseconds from {low} to {high}: it is read "
                        f"as {default} (set one, or unset it)")
     return out
+
+
+def no_hooks_reason(driver_state: Optional[str]) -> str:
+    """Why no cleanup runs after cells, from the driver state the last probe found (no driver, no GPU, no native
+    library)."""
+    if driver_state == "no_driver":
+        return "no CUDA driver"
+    if driver_state == "unusable":
+        return "the CUDA driver is unusable"
+    if driver_state == "ready":
+        return "no GPU on this machine"
+    return "the native library could not be loaded"
 
 
 def probe_failure(exc: BaseException) -> Tuple[Optional[str], str]:
