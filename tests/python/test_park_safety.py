@@ -1177,6 +1177,11 @@ def test_a_jax_kernel_is_parked_only_by_a_park_that_holds_its_threads_unless_let
     (proc / "520" / "environ").write_bytes(b"CUDA_VISIBLE_DEVICES=0\0")
     monkeypatch.setenv("GPUCLEANUP_PARK_UNPROVEN", "jax")
     assert park.refusals(520, None, {}, proc=str(proc)) == []
+    # a park given an environment of its own (park(pid, env=...)) reads the opt-in there, as it reads
+    # GPUCLEANUP_PARK_HOLD: this process's opt-in does not reach it, and its own lets the park through
+    assert park.refusals(520, None, {}, proc=str(proc), env={})[0].startswith("[gpucleanup.park.651] process 520 ")
+    monkeypatch.delenv("GPUCLEANUP_PARK_UNPROVEN")
+    assert park.refusals(520, None, {}, proc=str(proc), env={"GPUCLEANUP_PARK_UNPROVEN": "jax"}) == []
     park._MPS_SEEN.clear()
 
 

@@ -468,15 +468,16 @@ def test_a_resume_not_given_the_parks_report_finds_the_hold_and_ends_it_after_th
 
 
 def test_with_holding_turned_off_a_jax_kernel_is_refused_unless_let_through_then_parked_without_the_hold(
-        jax_like, env, checkpoints, monkeypatch):
+        jax_like, env, checkpoints):
     proc, poller = jax_like
     asked = []
     off = dict(env, GPUCLEANUP_PARK_HOLD="off")
     with pytest.raises(park.ParkRefused, match=r"park\.651.*this park holds none \(holding is turned off here"):
         park.park(proc.pid, FAST, env=off, hold_threads=lambda restore: asked.append(restore) or [poller])
     assert asked == [] and park.state(proc.pid, FAST, env=env).state == park.RUNNING
-    monkeypatch.setenv("GPUCLEANUP_PARK_UNPROVEN", "jax")  # the opt-in of the process that parks
-    outcome = park.park(proc.pid, FAST, env=off, hold_threads=lambda restore: asked.append(restore) or [poller])
+    # the opt-in of the process that parks: in the park's own environment, where it reads GPUCLEANUP_PARK_HOLD too
+    outcome = park.park(proc.pid, FAST, env=dict(off, GPUCLEANUP_PARK_UNPROVEN="jax"),
+                        hold_threads=lambda restore: asked.append(restore) or [poller])
     assert (outcome.ok, outcome.parked_hold, asked) == (True, None, [])
     assert tracer(proc.pid, poller) == 0
     assert park.resume(proc.pid, FAST, env=env).ok

@@ -584,11 +584,12 @@ def mps_server(proc: str = "/proc", max_age_s: float = 5.0) -> Optional[str]:
 UNPROVEN = {"jax": ("xla_cuda_plugin", "/jaxlib/cuda/")}
 
 
-def unproven_opt_in(environ: Optional[List[bytes]] = None) -> set:
+def unproven_opt_in(environ: Optional[List[bytes]] = None, env: Optional[Dict[str, str]] = None) -> set:
     """The frameworks ``GPUCLEANUP_PARK_UNPROVEN`` (comma-separated) lets be parked all the same: set for the
-    process that parks (the command, the server) or for the kernel itself."""
+    process that parks (the command, the server; ``env`` in its place where the park was given one, as
+    :func:`kernel_hold` reads it) or for the kernel itself (``environ``, its ``/proc/PID/environ``)."""
     names = set()
-    for value in [os.environ.get("GPUCLEANUP_PARK_UNPROVEN", "")] + [
+    for value in [(os.environ if env is None else env).get("GPUCLEANUP_PARK_UNPROVEN", "")] + [
             v.split(b"=", 1)[1].decode("utf-8", "replace") for v in environ or ()
             if v.startswith(b"GPUCLEANUP_PARK_UNPROVEN=")]:
         names.update(n.strip() for n in value.split(",") if n.strip())
@@ -619,18 +620,19 @@ def kernel_hold(env: Optional[Dict[str, str]] = None) -> Optional[str]:
 
 
 def unproven_refusal(pid: int, proc: str = "/proc", environ: Optional[List[bytes]] = None,
-                     maps: Optional[str] = None, unheld: Optional[str] = NOT_A_KERNEL) -> Optional[str]:
+                     maps: Optional[str] = None, unheld: Optional[str] = NOT_A_KERNEL,
+                     env: Optional[Dict[str, str]] = None) -> Optional[str]:
     """Why a kernel whose framework's park is not safe is not parked (None: none is in use, the park holds its
     threads while parked, or it was let through). On an H100 (driver 580.159.04) JAX kernels parked without that
     hold were lost, 9 of 29 resumed by their next cell and 11 of 11 left parked for 6 s, each by an XLA thread
     faulting in the driver's ``cuStreamQuery`` while the process was checkpointed; with the hold, none of 117
     (share/FACTS.md §11; tests/bench/results/h100-park-hold-*-179687d-2026-12-07.log). ``unheld``: why this park
     holds no thread (None: it holds them, :func:`.parked_hold.start`). ``maps``: the process's ``/proc/PID/maps``
-    already read (None: read here)."""
+    already read (None: read here). ``env``: the parking process's environment, as :func:`unproven_opt_in`."""
     maps = read_maps(pid, proc) if maps is None else maps
     if maps is None:
         return None
-    allowed = unproven_opt_in(environ)
+    allowed = unproven_opt_in(environ, env)
     for name, marks in UNPROVEN.items():
         if name in allowed or not any(mark in maps for mark in marks):
             continue
@@ -664,13 +666,14 @@ def managed_bytes(maps: str) -> int:
     return sum(sizes) - min(sizes) if len(sizes) > 1 else 0
 
 
-def managed_refusal(pid: int, maps: Optional[str], environ: Optional[List[bytes]] = None) -> Optional[str]:
+def managed_refusal(pid: int, maps: Optional[str], environ: Optional[List[bytes]] = None,
+                    env: Optional[Dict[str, str]] = None) -> Optional[str]:
     """``park.653``: the process holds CUDA managed memory now, which the driver's checkpoint refuses
     (``CUDA_ERROR_NOT_SUPPORTED``, and every later one after it): said before anything is locked, so that the
     process stays parkable once it frees that memory. ``GPUCLEANUP_PARK_UNPROVEN=managed`` lets the park be tried
     all the same (a driver that maps its device otherwise)."""
     held = managed_bytes(maps) if maps else 0
-    if not held or "managed" in unproven_opt_in(environ):
+    if not held or "managed" in unproven_opt_in(environ, env):
         return None
     return (f"[gpucleanup.park.653] process {pid} holds {format_bytes(held)} of CUDA managed memory (its mappings "
             f"of {UVM_DEVICE}), which the driver's checkpoint does not support: it is not parked; "
@@ -678,7 +681,8 @@ def managed_refusal(pid: int, maps: Optional[str], environ: Optional[List[bytes]
 
 
 def unsupported_refusals(pid: int, proc: str = "/proc", tracing: bool = False,
-                         unheld: Optional[str] = NOT_A_KERNEL, maps: Optional[str] = None) -> List[str]:
+                         unheld: Optional[str] = NOT_A_KERNEL, maps: Optional[str] = None,
+                         env: Optional[Dict[str, str]] = None) -> List[str]:
     """Sentences for what the driver's checkpoint does not support (share/FACTS.md §11), read from files alone
     (and ``tracing``, which only the kernel knows): CUPTI in use, a MIG device among those the process may use
     (``MIG-`` in its ``CUDA_VISIBLE_DEVICES``), and an MPS server on the machine (its clients go through it).
@@ -696,7 +700,7 @@ def unsupported_refusals(pid: int, proc: str = "/proc", tracing: bool = False,
     except OSError:
         environ = []
     maps = read_maps(pid, proc) if maps is None else maps
-    for refusal in (unproven_refusal(pid, proc, environ, maps, unheld), managed_refusal(pid, maps, environ)):
+    for refusal in (unproven_refusal(pid, proc, environ, maps, unheld, env), managed_refusal(pid, maps, environ, env)):
         if refusal:
             out.append(refusal)
     injected = next((v.split(b"=", 1)[1] for v in environ if v.startswith(b"CUDA_INJECTION64_PATH=")), b"")
@@ -754,13 +758,15 @@ def refused_again_refusal(pid: int, memo: dict, now_ns: Optional[int] = None) ->
 def refusals(pid: int, found: Optional[Step], usage: Optional[Dict[str, int]], view: Optional[List[Gpu]] = None,
              parked_bytes: Optional[int] = None, meminfo: str = "/proc/meminfo", proc: str = "/proc",
              cgroup_root: str = "/sys/fs/cgroup", tracing: bool = False,
-             unheld: Optional[str] = NOT_A_KERNEL, maps: Optional[str] = None) -> List[str]:
+             unheld: Optional[str] = NOT_A_KERNEL, maps: Optional[str] = None,
+             env: Optional[Dict[str, str]] = None) -> List[str]:
     """Why process ``pid`` cannot be parked now, each reason one sentence (empty: it can), from what is known
     without touching it: the driver's state (``found``, a ``state`` step), the GPUs it uses, host memory and
     its cgroup's limit, whether the kernel's own trace is on (``tracing``), and whether the park holds a JAX
     kernel's threads while parked (``unheld``: None when it does, else why not; :func:`kernel_hold`). The one
     decision every way of parking goes through, and what ``park --check`` says. ``maps``: the process's
-    ``/proc/PID/maps`` already read (:func:`read_maps`; None: read here)."""
+    ``/proc/PID/maps`` already read (:func:`read_maps`; None: read here); ``env``: the parking process's
+    environment where it is not this one's (:func:`unproven_opt_in`)."""
     out: List[str] = []
     if found is not None and (found.refused or found.hung or found.state != RUNNING):
         out.append(_refusal_for_state(pid, found, usage))
@@ -769,7 +775,7 @@ def refusals(pid: int, found: Optional[Step], usage: Optional[Dict[str, int]], v
                    cgroup_memory_refusal(size, cgroup_memory(pid, proc, cgroup_root))):
         if reason:
             out.append(reason)
-    out.extend(unsupported_refusals(pid, proc, tracing, unheld, maps))
+    out.extend(unsupported_refusals(pid, proc, tracing, unheld, maps, env))
     return out
 
 
@@ -814,7 +820,7 @@ def park(pid: int, limits: Limits = Limits(), env: Optional[Dict[str, str]] = No
     steps.append(found)
     unheld = kernel_hold(env) if hold_threads is not None else NOT_A_KERNEL
     reasons = refusals(pid, found, usage, gpus() if usage and len(usage) > 1 else None, parked_bytes,
-                       tracing=tracing, unheld=unheld)
+                       tracing=tracing, unheld=unheld, env=env)
     layout = layout_refusal(found, gpus) if not reasons else None
     if reasons or layout:
         raise ParkRefused(reasons[0] if reasons else layout)
