@@ -990,7 +990,9 @@ CUDA_MAPS = ("7f00-7f10 r-xp 0 08:01 1 /usr/lib/libcuda.so.1\n"
              "7f3000000000-7f3000200000 rw-s 00000000 00:05 811 /dev/nvidia0\n")
 
 
-def test_a_process_holding_managed_memory_is_refused_before_anything_is_locked_and_one_without_is_not(tmp_path):
+def test_a_process_holding_managed_memory_is_refused_before_anything_is_locked_and_one_without_is_not(
+        tmp_path, monkeypatch):
+    monkeypatch.delenv("GPUCLEANUP_PARK_UNPROVEN", raising=False)
     proc = tmp_path / "proc"
     write(proc / "520" / "maps", CUDA_MAPS + UVM_BASE + UVM_MANAGED)
     (proc / "520" / "environ").write_bytes(b"CUDA_VISIBLE_DEVICES=0\0")
@@ -1008,6 +1010,10 @@ def test_a_process_holding_managed_memory_is_refused_before_anything_is_locked_a
     # a driver that maps its device otherwise: the kernel's own opt-in lets the park be tried
     (proc / "520" / "environ").write_bytes(b"CUDA_VISIBLE_DEVICES=0\0GPUCLEANUP_PARK_UNPROVEN=jax,managed\0")
     assert park.unsupported_refusals(520, str(proc)) == []
+    # or the opt-in of a park given an environment of its own (park(pid, env=...)), and only there
+    (proc / "520" / "environ").write_bytes(b"CUDA_VISIBLE_DEVICES=0\0")
+    assert park.refusals(520, None, {}, proc=str(proc), env={"GPUCLEANUP_PARK_UNPROVEN": "managed"}) == []
+    assert park.refusals(520, None, {}, proc=str(proc), env={}) == [refusal]
     park._MPS_SEEN.clear()
 
 
