@@ -164,7 +164,7 @@ class Lab:
 
         cell = self.wait(active, "no active cell with an editor")
         editor = cell.find_element("css selector", ".cm-content")
-        editor.click()
+        self.click(lambda d: editor, "the active cell's editor")
         editor.send_keys(code)
         editor.send_keys(Keys.SHIFT, Keys.ENTER)
         return cell
@@ -194,11 +194,30 @@ class Lab:
 
         from test_server import TIMEOUT
 
-        from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+        from selenium.common.exceptions import (ElementClickInterceptedException, NoSuchElementException,
+                                                StaleElementReferenceException)
 
-        # an element JupyterLab drew again between the look and the use: looked at again on the next poll
+        # an element JupyterLab drew again between the look and the use, or a click that another element would
+        # take while the page is still being laid out (the browser then clicks nothing): tried again on the next
+        # poll
         return WebDriverWait(self.browser, TIMEOUT, poll_frequency=0.1, ignored_exceptions=(
-            NoSuchElementException, StaleElementReferenceException)).until(condition, message=what)
+            NoSuchElementException, StaleElementReferenceException, ElementClickInterceptedException)).until(
+                condition, message=what)
+
+    def click(self, find, what: str) -> None:
+        """Clicks the element ``find(driver)`` returns once it is there and the click reaches it."""
+        def clicked(driver):
+            target = find(driver)
+            if target:
+                target.click()
+            return bool(target)
+
+        self.wait(clicked, what)
+
+    def click_item(self) -> None:
+        """Clicks the status item once it names a kernel."""
+        self.item()
+        self.click(lambda d: d.find_elements("css selector", ".gpucleanup-status")[0], "the status item")
 
     def item(self, text_starts: str = ""):
         """The status item once it shows figures (starting with ``text_starts``) of a kernel it names."""
@@ -217,7 +236,7 @@ class Lab:
                      if b.text.strip() == label]
             return found[-1] if found else False
 
-        self.wait(button, f"no dialog button {label!r}").click()
+        self.click(button, f"no dialog button {label!r}")
 
     def close(self) -> None:
         if self.browser is not None:
@@ -303,11 +322,9 @@ def test_notebook_7_shows_the_item_at_the_top_of_the_notebooks_page_and_the_kern
 
         def running_tab(driver):
             tabs = [t for t in driver.find_elements("css selector", ".lm-TabBar-tab") if t.text.strip() == "Running"]
-            if tabs:
-                tabs[0].click()
-            return bool(tabs)
+            return tabs[0] if tabs else False
 
-        lab.wait(running_tab, "no Running tab on the tree page")
+        lab.click(running_tab, "no Running tab on the tree page")
         row = lab.wait(lambda d: d.find_elements("css selector", ".gpucleanup-running-item"), "no gpucleanup row")[0]
         assert row.get_attribute("data-context") == kernel_id
         assert row.find_element("css selector", ".jp-RunningSessions-itemDetail").text == _expected(
@@ -332,21 +349,19 @@ def test_the_item_follows_the_notebook_in_focus(lab):
     second = lab.wait(shows(other_than=first), "the item did not switch to the second notebook's kernel")
     assert lab.srv.entry(second)["notebook"] == "eval.ipynb"
 
-    def click_tab(driver):
+    def tab(driver):
         tabs = [t for t in driver.find_elements("css selector", ".lm-DockPanel-tabBar .lm-TabBar-tab")
                 if t.text.strip() == "fit.ipynb"]
-        if tabs:
-            tabs[0].click()
-        return bool(tabs)
+        return tabs[0] if tabs else False
 
-    lab.wait(click_tab, "no tab of fit.ipynb")
+    lab.click(tab, "no tab of fit.ipynb")
     assert lab.wait(shows(equal_to=first), "the item did not switch back to the first notebook's kernel") == first
 
 
 @needs_browser
 def test_the_items_panel_parks_and_resumes_the_kernel_and_the_item_follows(lab):
     kernel_id = lab.item("GPU0 ").get_attribute("data-kernel")
-    lab.item().click()
+    lab.click_item()
     lab.press("Park")
     lab.press("OK")  # the server's sentence: parked ... in host memory
     # the fake driver has no nvidia-smi beside it: the park measures no bytes, and the item says none
@@ -354,14 +369,14 @@ def test_the_items_panel_parks_and_resumes_the_kernel_and_the_item_follows(lab):
     assert lab.srv.entry(kernel_id)["state"]["state"] == "parked"
     own = lab.srv.entry(kernel_id)["kernel_id"]
     assert lab.ps()[own]["status"]["state"]["state"] == "parked"
-    lab.item().click()
+    lab.click_item()
     lab.press("Resume")
     lab.press("OK")
     lab.item("GPU0 ")
     assert lab.srv.entry(kernel_id)["state"]["state"] == "idle"
     # parked again through the item, then a cell of the notebook resumes it and takes 3 GiB with a stand-in CuPy,
     # live, 1 GiB cached (what the fake driver's pool held is drained after each cell): the item follows
-    lab.item().click()
+    lab.click_item()
     lab.press("Park")
     lab.press("OK")
     lab.item("GPU parked")
@@ -377,7 +392,7 @@ def test_the_items_panel_parks_and_resumes_the_kernel_and_the_item_follows(lab):
 @needs_browser
 def test_the_items_panel_says_idle_time_and_park_check_and_opens_the_page_in_a_tab(lab):
     kernel_id = lab.item("GPU0 ").get_attribute("data-kernel")
-    lab.item().click()
+    lab.click_item()
     idle = lab.wait(lambda d: d.find_elements("css selector", ".jp-Dialog .gpucleanup-idle"), "no idle line")[0]
     assert idle.text.startswith("idle for ") and "(since " in idle.text
     check = lab.wait(lambda d: d.find_elements("css selector", ".jp-Dialog .gpucleanup-check"), "no check line")[0]
@@ -396,7 +411,7 @@ def test_the_items_panel_says_idle_time_and_park_check_and_opens_the_page_in_a_t
 @needs_browser
 def test_the_running_panel_lists_the_kernel_with_its_figures_and_parks_it(lab):
     kernel_id = lab.item("GPU0 ").get_attribute("data-kernel")
-    lab.wait(lambda d: d.find_elements("css selector", "[data-id='jp-running-sessions']"), "no Running tab")[0].click()
+    lab.click(lambda d: d.find_elements("css selector", "[data-id='jp-running-sessions']")[0], "no Running tab")
 
     def row(driver):
         rows = driver.find_elements("css selector", ".gpucleanup-running-item")
@@ -406,7 +421,7 @@ def test_the_running_panel_lists_the_kernel_with_its_figures_and_parks_it(lab):
     entry = lab.srv.entry(kernel_id)
     label = listed.find_element("css selector", ".jp-RunningSessions-itemLabel")
     assert label.text == "fit.ipynb"
-    label.click()  # this server's kernel: its notebook opens (it is open already: its tab stays the one)
+    lab.click(lambda d: label, "the row's notebook")  # this server's kernel: its notebook opens (it is open already: its tab stays the one)
     assert [t.text for t in lab.browser.find_elements("css selector", ".lm-DockPanel-tabBar .lm-TabBar-tabLabel")
             ] == ["fit.ipynb"]
     assert listed.find_element("css selector", ".jp-RunningSessions-itemDetail").text == _expected(entry)
