@@ -1361,8 +1361,18 @@ def test_gc_auto_collects_when_a_kept_cache_hands_out_memory_the_driver_cannot_s
     assert collects == []
 
 
-def test_a_kernel_that_never_used_cuda_costs_one_quick_call_per_cell(shell, gpu, capsys):
-    # the library answers "nothing initialised CUDA" in one driver call: no JSON pass at all
+def test_a_kernel_that_never_used_cuda_costs_one_quick_call_per_cell(shell, gpu, capsys, monkeypatch):
+    # the library answers "nothing initialised CUDA" in one driver call: no JSON pass at all, and once a pass has
+    # found it so (the probe at load is one), no pass is even built (AfterCell.never_initialised)
+    from gpucleanup.engine import after_cell
+
+    build, built = after_cell.CellPass, []
+
+    def counted(*args):
+        built.append(args)
+        return build(*args)
+
+    monkeypatch.setattr(after_cell, "CellPass", counted)
     gpu.fake.update({"initialized": False})
     shell.run_line_magic("load_ext", "gpucleanup")
     gpu.native.calls.clear()
@@ -1370,12 +1380,23 @@ def test_a_kernel_that_never_used_cuda_costs_one_quick_call_per_cell(shell, gpu,
         _, out = _run(shell, "x = 1", capsys)
         assert _lines(out.out) == []
     assert gpu.native.calls == {"cuda_initialized": 3}
+    assert built == []  # the probe at load found CUDA not initialised, as each cell does
     assert _ext(shell).engine.last_driver_state == "not_initialized"
     # %gpumem --drain still asks the full probe, which says why there is nothing to clean
     _, out = _run(shell, "%gpumem --drain", capsys)
     assert gpu.native.calls["cuda_initialized"] == 4  # the cell's own cleanup after the magic
     assert sum(gpu.native.calls.values()) > 4
     assert len(_lines(out.out)) == 1
+    assert len(built) == 1  # the drain's
+    # CUDA initialised at last (by a cell, or a thread between cells): that cell's own pass sees the device, and
+    # says it is the first use of it
+    gpu.fake.update({"initialized": True})
+    _, out = _run(shell, "x = 2", capsys)
+    assert len(built) == 2
+    assert _lines(out.out) == [
+        f"gpucleanup · GPU0 {gpu.name} · freed 4.0 GiB (cupy 3.0, driver 1.0) · pinned 1.0 GiB · first use of GPU0: "
+        "1.0 GiB outside every pool (the CUDA context, library code, raw allocations, or another process on GPU0) · "
+        "kept 2.0 GiB live (cupy) · device 3.0/80.0 GiB · <t>"]
 
 
 def test_a_cache_its_drain_cannot_empty_is_not_drained_again_until_it_changes(shell, gpu, capsys):

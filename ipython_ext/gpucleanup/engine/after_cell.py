@@ -106,10 +106,25 @@ class AfterCell:
         """
         self.releases.cell_starts()  # a release still waiting is re-armed, or replaced by this cleanup's
         try:
+            if not forced and self.never_initialised():
+                return None  # what the last pass found and kept (CellPass.nothing_initialised) still stands
             return CellPass(self.native, self.frameworks, settings, Cell(cell, namespace, forced, after_forced, hidden),
                             self.since, self.quiet, self.releases, self.hooks).run()
         finally:
             self.releases.cell_ends()
+
+    def never_initialised(self) -> bool:
+        """Nothing in the process has initialised CUDA, as the last pass found too: one driver call, no pass built.
+        Initialisation is for the process's life, so from True nothing can have used a GPU since the last pass."""
+        if self.since.driver_state != "not_initialized" or self.quiet.ok or not self.releases.quiet:
+            return False
+        try:
+            if self.native.cuda_initialized() is not False:
+                return False
+        except Exception:
+            return False  # the whole pass says what is wrong
+        self.since.know_baseline()  # as CellPass.nothing_initialised: the next device in use is a first use
+        return True
 
     def memory_status(self, settings: Settings) -> dict:
         """The process's GPU memory as data with exact bytes (what %gpumem shows); see :func:`memory_status`."""
