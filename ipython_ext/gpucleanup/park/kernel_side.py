@@ -289,6 +289,7 @@ class InKernel:
         self._blocker_said: Optional[str] = None
         self._lock_of: object = None  # the endpoint whose park lock _lock is
         self._lock = None
+        self._news = resume_news.NewsLook()
         #: what the resume before this cell found: False, not parked (the cell's state is "running" since,
         #: so no park can begin before the cell's cleanup); None: not known, asked again
         self.parked_at_start: Optional[bool] = None
@@ -441,6 +442,7 @@ class InKernel:
         self._closed.set()
         self.disarm()
         self._listed.close()
+        self._news.close()
 
     def park_after_cell(self) -> None:
         """The park ``%gpumem --park`` asked for, now that the cell has ended (its state is idle)."""
@@ -487,7 +489,7 @@ class InKernel:
             self._say([say(note)])
         if not (self.parked() if parked is None else parked):
             self.parked_at_start = False
-            told = resume_news.take(self._lock_file())  # resumed meanwhile for a request, or from outside
+            told = self._news.take(self._lock_file())  # resumed meanwhile for a request, or from outside
             if told:
                 self._say([say(told)])
             return

@@ -7,12 +7,13 @@ park lock file (:mod:`gpucleanup.park.kernel_side`).
 from __future__ import annotations
 
 import os
+import stat
 import time
 from typing import Optional
 
 from ..units import format_bytes, format_duration
 
-__all__ = ["FROM_OUTSIDE", "for_request", "after_resume", "sentence", "take"]
+__all__ = ["FROM_OUTSIDE", "NewsLook", "for_request", "after_resume", "sentence", "take"]
 
 #: how a resume made through the kernel's status endpoint by another process is said
 FROM_OUTSIDE = "from outside the kernel (gpucleanup resume or the page)"
@@ -105,3 +106,61 @@ def take(lock_file: Optional[os.PathLike]) -> Optional[str]:
     except (LockBusy, ParkRefused, OSError):
         return None
     return sentence(news) if isinstance(news, dict) else None
+
+
+class NewsLook:
+    """The kernel's look for a resume to say, once per cell: :func:`take` behind one ``fstat`` of the lock file held
+    open for reading, instead of a ``stat`` that walks its path on every cell.
+
+    The descriptor is opened without following a link and without blocking (a FIFO planted at the name is closed at
+    once: no news), and opened again when the file at the name is no longer the one held (its link count 0: removed,
+    or replaced by a rename) or the lock file changes. A file of size 0 has nothing to say; anything else goes to
+    :func:`take`, which locks, reads and checks it as before. Never raises."""
+
+    def __init__(self) -> None:
+        self._path: Optional[os.PathLike] = None
+        self._fd: Optional[int] = None
+
+    def take(self, lock_file: Optional[os.PathLike]) -> Optional[str]:
+        if lock_file is None:
+            self.close()
+            return None
+        return take(lock_file) if self._size(lock_file) else None
+
+    def _size(self, lock_file: os.PathLike) -> int:
+        if self._path is not lock_file:
+            self.close()
+        for _ in range(2):  # the held file, then once more the one now at the name
+            if self._fd is None and not self._open(lock_file):
+                return 0
+            try:
+                info = os.fstat(self._fd)
+            except OSError:
+                info = None
+            if info is not None and info.st_nlink > 0:
+                return info.st_size
+            self.close()
+        return 0
+
+    def _open(self, lock_file: os.PathLike) -> bool:
+        try:
+            fd = os.open(lock_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            return False  # absent (removed at exit) or a link: nothing to say; the next cell looks again
+        try:
+            regular = stat.S_ISREG(os.fstat(fd).st_mode)
+        except OSError:
+            regular = False
+        if not regular:
+            os.close(fd)
+            return False
+        self._path, self._fd = lock_file, fd
+        return True
+
+    def close(self) -> None:
+        fd, self._fd, self._path = self._fd, None, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
