@@ -476,8 +476,10 @@ class GPUCleanup(Magics, GPUCleanupOptions):
             self.engine.cell_ends()  # a release the cell held and no cleanup re-armed (paused, parked) is dropped
             self.cells.forced = None
             self._interrupt_the_cell.disarm(self.shell)
-            with contextlib.suppress(Exception):  # before "idle": from then a policy may park the kernel
+            try:  # before "idle": from then a policy may park the kernel (no contextlib.suppress: every cell)
                 self.parking.threads_seen()
+            except Exception:
+                pass
             self._say_idle()
             try:
                 # %gpumem --park: the cell has ended, the kernel is idle; and parked if it stays idle that long
