@@ -81,9 +81,9 @@ def take(lock_file: Optional[os.PathLike]) -> Optional[str]:
 
     The cell shows it as ``gpucleanup · resumed 1.5 GiB from host memory in 0.9 s (parked 42 min), 5 min before this
     cell, for a completion``. The memo is what a park the driver refused for what the kernel holds leaves there (no
-    park is tried again: :func:`gpucleanup.park.kernel_side.park_kernel`). Reading it costs a cell one ``stat`` of
-    that file while there is nothing to say (an empty or absent file), and the lock and a read in a kernel whose
-    park the driver refused.
+    park is tried again: :func:`gpucleanup.park.kernel_side.park_kernel`). Called alone it costs one ``stat`` of that
+    file while there is nothing to say (an empty or absent file); a kernel's cells call it through :class:`NewsLook`,
+    one ``fstat``. A kernel whose park the driver refused pays the lock and a read as well.
     """
     if lock_file is None:
         return None
