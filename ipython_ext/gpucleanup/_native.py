@@ -9,7 +9,6 @@ such as "no CUDA driver" are values in the returned dicts, never exceptions.
 from __future__ import annotations
 
 import ctypes
-import functools
 import json
 import math
 import os
@@ -294,6 +293,21 @@ def cuda_initialized() -> Optional[bool]:
     """
     found = held().gpucleanup_cuda_initialized()
     return None if found < 0 else bool(found)
+
+
+def file_size(fd: int) -> int:
+    """The size of the regular file open on ``fd``, in one library call that keeps the interpreter lock
+    (gpucleanup_file_size): -1 when ``fd`` is not open, not a regular file, or the file has no name any more.
+    ``os.fstat`` gives the lock up, which on every cell let IPython's history thread commit its database after
+    each cell. Without that call (an older build of the library) ``os.fstat`` answers."""
+    fn = getattr(held(), "gpucleanup_file_size", None)
+    if fn is not None:
+        return fn(fd)
+    try:
+        info = os.fstat(fd)
+    except OSError:
+        return -1
+    return info.st_size if stat.S_ISREG(info.st_mode) and info.st_nlink > 0 else -1
 
 
 def snapshot() -> dict:

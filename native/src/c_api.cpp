@@ -17,6 +17,8 @@
 #include <string>
 #include <string_view>
 
+#include <sys/stat.h>
+
 #include <nlohmann/json.hpp>
 
 #include "accounting.hpp"
@@ -321,6 +323,12 @@ int gpucleanup_cuda_initialized(void) {
   } catch (...) {
     return -1;
   }
+}
+
+long long gpucleanup_file_size(int fd) {
+  struct stat info {};
+  if (::fstat(fd, &info) != 0 || !S_ISREG(info.st_mode) || info.st_nlink == 0) return -1;
+  return static_cast<long long>(info.st_size);
 }
 
 gpucleanup_status gpucleanup_snapshot(char** json_out) {

@@ -1530,3 +1530,57 @@ def test_underscore_is_the_last_result_after_a_cell_whose_line_was_shown(shell, 
     result, out = _run(shell, "_ * 2", capsys)
     assert result.result == 24 and shell.user_ns["__"] == 12
     assert not hasattr(builtins, "_") or builtins._ != 12  # the output cache's, never written into builtins
+
+
+def test_idle_cells_let_no_other_python_thread_run(shell, real, fake_cuda, tmp_path, monkeypatch):
+    # Every call an idle cell makes keeps the interpreter lock: the library's through ctypes.PyDLL, and the look at
+    # the park lock's size through gpucleanup_file_size (os.stat and os.fstat give the lock up). A hook that gave it
+    # up would let IPython's history thread commit its database after every cell. With the switch interval out of
+    # reach, a thread waiting for the lock can run during the hooks only if one of them gives it up.
+    from IPython.core.interactiveshell import ExecutionInfo, ExecutionResult
+
+    from gpucleanup import _native
+
+    fake_cuda.reset({"devices": [{"primary_active": True}]})
+    shell.run_line_magic("load_ext", "gpucleanup")
+    ext = _ext(shell)
+    lock = tmp_path / "4242-0123456789abcdef.park"
+    lock.write_bytes(b"")  # the endpoint's empty park lock: nothing to say
+    ext._endpoint.park_lock = lock
+    looks = []
+    monkeypatch.setattr(_native, "file_size", lambda fd, size=_native.file_size: looks.append(fd) or size(fd))
+    info = ExecutionInfo("x = 1", True, False, True, None)
+    result = ExecutionResult(info)
+    for _ in range(5):  # the first pass, then cells proven idle
+        ext.pre_run_cell(info)
+        ext.post_run_cell(result)
+    counted, stop, started = [0], threading.Event(), threading.Event()
+
+    def count():
+        started.set()
+        while not stop.is_set():
+            counted[0] += 1
+            time.sleep(0)  # gives the lock up, and waits for it again
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)  # before the thread starts: each of its waits for the lock uses it
+    thread = threading.Thread(target=count, daemon=True)
+    try:
+        thread.start()
+        assert started.wait(10)
+        for _ in range(3):  # the new thread is seen and said (it keeps automatic parks away), which starts a watch
+            ext.pre_run_cell(info)
+            ext.post_run_cell(result)
+        looks.clear()
+        before = counted[0]
+        for _ in range(50):
+            ext.pre_run_cell(info)
+            ext.post_run_cell(result)
+        after = counted[0]
+    finally:
+        sys.setswitchinterval(interval)
+        stop.set()
+        thread.join(10)
+    assert len(looks) == 50  # each cell looked at the park lock for a resume to say
+    assert ext.engine.since.skipped >= 50  # proven idle
+    assert after == before

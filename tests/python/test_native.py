@@ -55,6 +55,28 @@ def test_versions_match_the_binding():
     assert _native.version() == gpucleanup.__version__
 
 
+def test_file_size_of_a_descriptor_is_its_regular_files_size_else_minus_one(tmp_path):
+    path = tmp_path / "lock.park"
+    path.write_bytes(b"12345")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert _native.held().gpucleanup_file_size is not None  # the library's own call, not the fallback
+        assert _native.file_size(fd) == 5
+        os.truncate(path, 0)  # written in place, as a park's note is
+        assert _native.file_size(fd) == 0
+        path.unlink()  # no name any more: the caller opens the name again
+        assert _native.file_size(fd) == -1
+    finally:
+        os.close(fd)
+    assert _native.file_size(fd) == -1  # closed
+    read_end, write_end = os.pipe()
+    try:
+        assert _native.file_size(read_end) == -1  # not a regular file
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
 def test_probe_and_snapshot_follow_the_schema(fake_cuda, schemas):
     fake_cuda.reset(eight_devices_three_in_use())
     probe = _native.probe()
@@ -219,4 +241,4 @@ def test_the_library_gives_the_list_of_its_entry_points_and_it_is_the_checkouts_
     from_file = _native._entry_points(None)
     assert [e[0] for e in own] == [e[0] for e in from_file]
     assert own == from_file
-    assert "gpucleanup_entry_points" in [e[0] for e in own] and len(own) == 35
+    assert "gpucleanup_entry_points" in [e[0] for e in own] and len(own) == 36

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import stat
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from ..units import format_bytes, format_duration
 
@@ -109,15 +109,19 @@ def take(lock_file: Optional[os.PathLike]) -> Optional[str]:
 
 
 class NewsLook:
-    """The kernel's look for a resume to say, once per cell: :func:`take` behind one ``fstat`` of the lock file held
-    open for reading, instead of a ``stat`` that walks its path on every cell.
+    """The kernel's look for a resume to say, once per cell: :func:`take` behind the size of the lock file held open
+    for reading, instead of a ``stat`` that walks its path on every cell.
 
-    The descriptor is opened without following a link and without blocking (a FIFO planted at the name is closed at
-    once: no news), and opened again when the file at the name is no longer the one held (its link count 0: removed,
-    or replaced by a rename) or the lock file changes. A file of size 0 has nothing to say; anything else goes to
-    :func:`take`, which locks, reads and checks it as before. Never raises."""
+    ``size``: the size of the file open on a descriptor, -1 when it is not open, not a regular file or has no name
+    any more (default: :func:`gpucleanup._native.file_size`, which keeps the interpreter lock; ``os.fstat`` and
+    ``os.stat`` give it up, and IPython's history thread then commits its database on every cell). The descriptor is
+    opened without following a link and without blocking (a FIFO planted at the name is closed at once: no news),
+    and opened again when the file at the name is no longer the one held (removed, or replaced by a rename) or the
+    lock file changes. A file of size 0 has nothing to say; anything else goes to :func:`take`, which locks, reads
+    and checks it as before. Never raises."""
 
-    def __init__(self) -> None:
+    def __init__(self, size: Optional[Callable[[int], int]] = None) -> None:
+        self._read_size = size
         self._path: Optional[os.PathLike] = None
         self._fd: Optional[int] = None
 
@@ -125,7 +129,7 @@ class NewsLook:
         if lock_file is None:
             self.close()
             return None
-        return take(lock_file) if self._size(lock_file) else None
+        return take(lock_file) if self._size(lock_file) > 0 else None
 
     def _size(self, lock_file: os.PathLike) -> int:
         if self._path is not lock_file:
@@ -134,13 +138,20 @@ class NewsLook:
             if self._fd is None and not self._open(lock_file):
                 return 0
             try:
-                info = os.fstat(self._fd)
-            except OSError:
-                info = None
-            if info is not None and info.st_nlink > 0:
-                return info.st_size
+                size = self._reader()(self._fd)
+            except Exception:
+                size = -1
+            if size >= 0:
+                return size
             self.close()
         return 0
+
+    def _reader(self) -> Callable[[int], int]:
+        if self._read_size is None:
+            from .. import _native
+
+            self._read_size = _native.file_size
+        return self._read_size
 
     def _open(self, lock_file: os.PathLike) -> bool:
         try:
