@@ -298,8 +298,8 @@ def cuda_initialized() -> Optional[bool]:
 def file_size(fd: int) -> int:
     """The size of the regular file open on ``fd``, in one library call that keeps the interpreter lock
     (gpucleanup_file_size): -1 when ``fd`` is not open, not a regular file, or the file has no name any more.
-    ``os.fstat`` gives the lock up, which on every cell let IPython's history thread commit its database after
-    each cell. Without that call (an older build of the library) ``os.fstat`` answers."""
+    ``os.fstat`` gives the lock up, and a waiting Python thread may then run in the middle of a cell's hooks. Without
+    that call (an older build of the library) ``os.fstat`` answers."""
     fn = getattr(held(), "gpucleanup_file_size", None)
     if fn is not None:
         return fn(fd)

@@ -1535,8 +1535,8 @@ def test_underscore_is_the_last_result_after_a_cell_whose_line_was_shown(shell, 
 def test_idle_cells_let_no_other_python_thread_run(shell, real, fake_cuda, tmp_path, monkeypatch):
     # Every call an idle cell makes keeps the interpreter lock: the library's through ctypes.PyDLL, and the look at
     # the park lock's size through gpucleanup_file_size (os.stat and os.fstat give the lock up). A hook that gave it
-    # up would let IPython's history thread commit its database after every cell. With the switch interval out of
-    # reach, a thread waiting for the lock can run during the hooks only if one of them gives it up.
+    # up would let a waiting thread (IPython's history thread, a notebook's own) run in the middle of the hooks. With
+    # the switch interval out of reach, a thread waiting for the lock can run then only if a hook gives it up.
     from IPython.core.interactiveshell import ExecutionInfo, ExecutionResult
 
     from gpucleanup import _native

@@ -113,8 +113,8 @@ class NewsLook:
     for reading, instead of a ``stat`` that walks its path on every cell.
 
     ``size``: the size of the file open on a descriptor, -1 when it is not open, not a regular file or has no name
-    any more (default: :func:`gpucleanup._native.file_size`, which keeps the interpreter lock; ``os.fstat`` and
-    ``os.stat`` give it up, and IPython's history thread then commits its database on every cell). The descriptor is
+    any more (default: :func:`gpucleanup._native.file_size`, which keeps the interpreter lock as every other call of a
+    cell's hooks does; ``os.fstat`` and ``os.stat`` give it up to any waiting thread). The descriptor is
     opened without following a link and without blocking (a FIFO planted at the name is closed at once: no news),
     and opened again when the file at the name is no longer the one held (removed, or replaced by a rename) or the
     lock file changes. A file of size 0 has nothing to say; anything else goes to :func:`take`, which locks, reads
