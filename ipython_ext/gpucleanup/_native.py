@@ -295,19 +295,19 @@ def cuda_initialized() -> Optional[bool]:
     return None if found < 0 else bool(found)
 
 
-def file_size(fd: int) -> int:
-    """The size of the regular file open on ``fd``, in one library call that keeps the interpreter lock
-    (gpucleanup_file_size): -1 when ``fd`` is not open, not a regular file, or the file has no name any more.
-    ``os.fstat`` gives the lock up, and a waiting Python thread may then run in the middle of a cell's hooks. Without
-    that call (an older build of the library) ``os.fstat`` answers."""
+def file_size(path: bytes) -> int:
+    """The size of the regular file at ``path`` (not following a link), in one library call that keeps the
+    interpreter lock (gpucleanup_file_size): -1 when there is none or it is not a regular file. ``os.stat`` gives the
+    lock up, and a waiting Python thread may then run in the middle of a cell's hooks. Without that call (an older
+    build of the library) ``os.lstat`` answers."""
     fn = getattr(held(), "gpucleanup_file_size", None)
     if fn is not None:
-        return fn(fd)
+        return fn(path)
     try:
-        info = os.fstat(fd)
+        info = os.lstat(path)
     except OSError:
         return -1
-    return info.st_size if stat.S_ISREG(info.st_mode) and info.st_nlink > 0 else -1
+    return info.st_size if stat.S_ISREG(info.st_mode) else -1
 
 
 def snapshot() -> dict:

@@ -325,9 +325,9 @@ int gpucleanup_cuda_initialized(void) {
   }
 }
 
-long long gpucleanup_file_size(int fd) {
+long long gpucleanup_file_size(const char* path) {
   struct stat info {};
-  if (::fstat(fd, &info) != 0 || !S_ISREG(info.st_mode) || info.st_nlink == 0) return -1;
+  if (path == nullptr || ::lstat(path, &info) != 0 || !S_ISREG(info.st_mode)) return -1;
   return static_cast<long long>(info.st_size);
 }
 

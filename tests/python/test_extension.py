@@ -1532,11 +1532,12 @@ def test_underscore_is_the_last_result_after_a_cell_whose_line_was_shown(shell, 
     assert not hasattr(builtins, "_") or builtins._ != 12  # the output cache's, never written into builtins
 
 
-def test_idle_cells_let_no_other_python_thread_run(shell, real, fake_cuda, tmp_path, monkeypatch):
-    # Every call an idle cell makes keeps the interpreter lock: the library's through ctypes.PyDLL, and the look at
-    # the park lock's size through gpucleanup_file_size (os.stat and os.fstat give the lock up). A hook that gave it
-    # up would let a waiting thread (IPython's history thread, a notebook's own) run in the middle of the hooks. With
-    # the switch interval out of reach, a thread waiting for the lock can run then only if a hook gives it up.
+def test_idle_cells_make_no_call_that_gives_the_interpreter_lock_up(shell, real, fake_cuda, tmp_path, monkeypatch):
+    # Every call an idle cell's hooks make keeps the interpreter lock: the library's through ctypes.PyDLL
+    # (test_a_cell_makes_no_call_that_releases_the_interpreter_lock), and the look at the park lock's size through
+    # gpucleanup_file_size. The operating system's calls in Python's os module (os.stat, os.lstat, os.fstat, opens,
+    # reads) and time.sleep give it up, and a waiting thread (IPython's history thread, a notebook's own) may then
+    # run in the middle of the hooks. Every C function the hooks call is seen here (sys.setprofile).
     from IPython.core.interactiveshell import ExecutionInfo, ExecutionResult
 
     from gpucleanup import _native
@@ -1548,39 +1549,28 @@ def test_idle_cells_let_no_other_python_thread_run(shell, real, fake_cuda, tmp_p
     lock.write_bytes(b"")  # the endpoint's empty park lock: nothing to say
     ext._endpoint.park_lock = lock
     looks = []
-    monkeypatch.setattr(_native, "file_size", lambda fd, size=_native.file_size: looks.append(fd) or size(fd))
+    monkeypatch.setattr(_native, "file_size", lambda path, size=_native.file_size: looks.append(path) or size(path))
     info = ExecutionInfo("x = 1", True, False, True, None)
     result = ExecutionResult(info)
     for _ in range(5):  # the first pass, then cells proven idle
         ext.pre_run_cell(info)
         ext.post_run_cell(result)
-    counted, stop, started = [0], threading.Event(), threading.Event()
+    looks.clear()
+    called = set()
 
-    def count():
-        started.set()
-        while not stop.is_set():
-            counted[0] += 1
-            time.sleep(0)  # gives the lock up, and waits for it again
+    def seen(frame, event, arg):
+        if event == "c_call":
+            called.add((getattr(arg, "__module__", None) or type(getattr(arg, "__self__", None)).__name__,
+                        getattr(arg, "__name__", repr(arg))))
 
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1000.0)  # before the thread starts: each of its waits for the lock uses it
-    thread = threading.Thread(target=count, daemon=True)
+    sys.setprofile(seen)
     try:
-        thread.start()
-        assert started.wait(10)
-        for _ in range(3):  # the new thread is seen and said (it keeps automatic parks away), which starts a watch
+        for _ in range(20):
             ext.pre_run_cell(info)
             ext.post_run_cell(result)
-        looks.clear()
-        before = counted[0]
-        for _ in range(50):
-            ext.pre_run_cell(info)
-            ext.post_run_cell(result)
-        after = counted[0]
     finally:
-        sys.setswitchinterval(interval)
-        stop.set()
-        thread.join(10)
-    assert len(looks) == 50  # each cell looked at the park lock for a resume to say
-    assert ext.engine.since.skipped >= 50  # proven idle
-    assert after == before
+        sys.setprofile(None)
+    assert len(looks) == 20  # each cell looked at the park lock for a resume to say
+    assert ext.engine.since.skipped >= 20  # proven idle
+    system_calls = {name for module, name in called if module in ("posix", "nt", "time", "select", "socket")}
+    assert system_calls <= {"getpid", "fspath", "time_ns", "monotonic", "perf_counter", "time"}, system_calls

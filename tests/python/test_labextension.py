@@ -163,8 +163,8 @@ class Lab:
             return cells[-1] if cells and cells[-1].find_elements("css selector", ".cm-content") else False
 
         cell = self.wait(active, "no active cell with an editor")
+        self.click(lambda d: cell.find_element("css selector", ".cm-content"), "the active cell's editor")
         editor = cell.find_element("css selector", ".cm-content")
-        self.click(lambda d: editor, "the active cell's editor")
         editor.send_keys(code)
         editor.send_keys(Keys.SHIFT, Keys.ENTER)
         return cell
@@ -217,7 +217,7 @@ class Lab:
     def click_item(self) -> None:
         """Clicks the status item once it names a kernel."""
         self.item()
-        self.click(lambda d: d.find_elements("css selector", ".gpucleanup-status")[0], "the status item")
+        self.click(lambda d: (d.find_elements("css selector", ".gpucleanup-status") or [False])[0], "the status item")
 
     def item(self, text_starts: str = ""):
         """The status item once it shows figures (starting with ``text_starts``) of a kernel it names."""
@@ -411,7 +411,8 @@ def test_the_items_panel_says_idle_time_and_park_check_and_opens_the_page_in_a_t
 @needs_browser
 def test_the_running_panel_lists_the_kernel_with_its_figures_and_parks_it(lab):
     kernel_id = lab.item("GPU0 ").get_attribute("data-kernel")
-    lab.click(lambda d: d.find_elements("css selector", "[data-id='jp-running-sessions']")[0], "no Running tab")
+    lab.click(lambda d: (d.find_elements("css selector", "[data-id='jp-running-sessions']") or [False])[0],
+              "no Running tab")
 
     def row(driver):
         rows = driver.find_elements("css selector", ".gpucleanup-running-item")
@@ -421,7 +422,8 @@ def test_the_running_panel_lists_the_kernel_with_its_figures_and_parks_it(lab):
     entry = lab.srv.entry(kernel_id)
     label = listed.find_element("css selector", ".jp-RunningSessions-itemLabel")
     assert label.text == "fit.ipynb"
-    lab.click(lambda d: label, "the row's notebook")  # this server's kernel: its notebook opens (it is open already: its tab stays the one)
+    lab.click(lambda d: listed.find_element("css selector", ".jp-RunningSessions-itemLabel"),
+              "the row's notebook")  # this server's kernel: its notebook opens (it is open already: its tab stays the one)
     assert [t.text for t in lab.browser.find_elements("css selector", ".lm-DockPanel-tabBar .lm-TabBar-tabLabel")
             ] == ["fit.ipynb"]
     assert listed.find_element("css selector", ".jp-RunningSessions-itemDetail").text == _expected(entry)

@@ -55,26 +55,21 @@ def test_versions_match_the_binding():
     assert _native.version() == gpucleanup.__version__
 
 
-def test_file_size_of_a_descriptor_is_its_regular_files_size_else_minus_one(tmp_path):
+def test_file_size_is_the_regular_files_size_at_the_path_else_minus_one(tmp_path):
     path = tmp_path / "lock.park"
+    assert _native.held().gpucleanup_file_size is not None  # the library's own call, not the fallback
+    assert _native.file_size(bytes(path)) == -1  # none yet
     path.write_bytes(b"12345")
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        assert _native.held().gpucleanup_file_size is not None  # the library's own call, not the fallback
-        assert _native.file_size(fd) == 5
-        os.truncate(path, 0)  # written in place, as a park's note is
-        assert _native.file_size(fd) == 0
-        path.unlink()  # no name any more: the caller opens the name again
-        assert _native.file_size(fd) == -1
-    finally:
-        os.close(fd)
-    assert _native.file_size(fd) == -1  # closed
-    read_end, write_end = os.pipe()
-    try:
-        assert _native.file_size(read_end) == -1  # not a regular file
-    finally:
-        os.close(read_end)
-        os.close(write_end)
+    assert _native.file_size(bytes(path)) == 5
+    os.truncate(path, 0)  # written in place, as a park's note is
+    assert _native.file_size(bytes(path)) == 0
+    link = tmp_path / "link.park"
+    link.symlink_to(path)
+    assert _native.file_size(bytes(link)) == -1  # a link is not followed
+    fifo = tmp_path / "fifo.park"
+    os.mkfifo(fifo)
+    assert _native.file_size(bytes(fifo)) == -1  # not a regular file, and not opened
+    assert _native.file_size(bytes(tmp_path)) == -1  # a directory
 
 
 def test_probe_and_snapshot_follow_the_schema(fake_cuda, schemas):

@@ -406,12 +406,12 @@ def test_a_resume_no_cell_said_is_taken_once_from_the_lock_file(tmp_path):
     assert lock.stat().st_size == 0 and resume_news.take(lock) is None  # said once
 
 
-def test_the_cells_look_for_news_follows_the_file_at_the_lock_name_and_never_opens_a_planted_one(tmp_path):
+def test_the_cells_look_for_news_reads_the_file_at_the_lock_name_and_never_a_planted_one(tmp_path):
     from gpucleanup.park import kernel_side as parking, resume_news
 
     lock = tmp_path / "4242-0123456789abcdef.park"
     look = resume_news.NewsLook()
-    assert look.take(lock) is None  # no file yet: nothing held
+    assert look.take(lock) is None  # no file yet
     lock.write_bytes(b"")  # the endpoint's empty lock file
     assert look.take(lock) is None and look.take(lock) is None
 
@@ -420,21 +420,24 @@ def test_the_cells_look_for_news_follows_the_file_at_the_lock_name_and_never_ope
             held.write_note(resume_news.after_resume({"parked_bytes": 3 << 30, "since_ns": 5 * S}, 0.5,
                                                      resume_news.FROM_OUTSIDE))
 
-    resumed(lock)  # written in place: the held file shows it
+    resumed(lock)  # written in place, under the lock
     said = look.take(lock)
     assert said is not None and said.startswith("resumed 3.0 GiB from host memory in 0.5 s")
     assert look.take(lock) is None  # said once
-    # the file replaced by a rename (another endpoint's start, a restore of the directory): the new one is read
+    # the file replaced by a rename, or removed and made again: what is at the name now is read
     fresh = tmp_path / "fresh.park"
     fresh.write_bytes(b"")
     resumed(fresh)
     os.replace(fresh, lock)
     said = look.take(lock)
     assert said is not None and said.endswith(resume_news.FROM_OUTSIDE)
-    # removed (a SIGTERM's cleanup): nothing to say, and nothing created in its place
     lock.unlink()
-    assert look.take(lock) is None and not lock.exists()
+    assert look.take(lock) is None and not lock.exists()  # nothing made in its place
+    lock.write_bytes(b"")
+    resumed(lock)
+    assert look.take(lock) is not None
     # a FIFO or a link planted at the name is not read (opening a FIFO for reading would wait for a writer)
+    lock.unlink()
     os.mkfifo(lock)
     assert look.take(lock) is None
     lock.unlink()
@@ -442,7 +445,6 @@ def test_the_cells_look_for_news_follows_the_file_at_the_lock_name_and_never_ope
     target.write_text('{"resumed": {"resumed_ns": 1}}')
     lock.symlink_to(target)
     assert look.take(lock) is None and target.read_text() == '{"resumed": {"resumed_ns": 1}}'
-    look.close()
     assert look.take(None) is None
 
 

@@ -442,7 +442,6 @@ class InKernel:
         self._closed.set()
         self.disarm()
         self._listed.close()
-        self._news.close()
 
     def park_after_cell(self) -> None:
         """The park ``%gpumem --park`` asked for, now that the cell has ended (its state is idle)."""

@@ -7,7 +7,6 @@ park lock file (:mod:`gpucleanup.park.kernel_side`).
 from __future__ import annotations
 
 import os
-import stat
 import time
 from typing import Callable, Optional
 
@@ -83,7 +82,7 @@ def take(lock_file: Optional[os.PathLike]) -> Optional[str]:
     cell, for a completion``. The memo is what a park the driver refused for what the kernel holds leaves there (no
     park is tried again: :func:`gpucleanup.park.kernel_side.park_kernel`). Called alone it costs one ``stat`` of that
     file while there is nothing to say (an empty or absent file); a kernel's cells call it through :class:`NewsLook`,
-    one ``fstat``. A kernel whose park the driver refused pays the lock and a read as well.
+    whose look keeps the interpreter lock. A kernel whose park the driver refused pays the lock and a read as well.
     """
     if lock_file is None:
         return None
@@ -109,69 +108,29 @@ def take(lock_file: Optional[os.PathLike]) -> Optional[str]:
 
 
 class NewsLook:
-    """The kernel's look for a resume to say, once per cell: :func:`take` behind the size of the lock file held open
-    for reading, instead of a ``stat`` that walks its path on every cell.
+    """The kernel's look for a resume to say, once per cell: :func:`take` behind the size of the park lock file.
 
-    ``size``: the size of the file open on a descriptor, -1 when it is not open, not a regular file or has no name
-    any more (default: :func:`gpucleanup._native.file_size`, which keeps the interpreter lock as every other call of a
-    cell's hooks does; ``os.fstat`` and ``os.stat`` give it up to any waiting thread). The descriptor is
-    opened without following a link and without blocking (a FIFO planted at the name is closed at once: no news),
-    and opened again when the file at the name is no longer the one held (removed, or replaced by a rename) or the
-    lock file changes. A file of size 0 has nothing to say; anything else goes to :func:`take`, which locks, reads
-    and checks it as before. Never raises."""
+    ``size``: the size of the regular file at a path (bytes), -1 when there is none (default:
+    :func:`gpucleanup._native.file_size`, which keeps the interpreter lock as every other call of a cell's hooks does;
+    ``os.stat`` gives it up to any waiting thread). A file of size 0, or none, has nothing to say; anything else goes
+    to :func:`take`, which locks, reads and checks it. Never raises."""
 
-    def __init__(self, size: Optional[Callable[[int], int]] = None) -> None:
+    def __init__(self, size: Optional[Callable[[bytes], int]] = None) -> None:
         self._read_size = size
-        self._path: Optional[os.PathLike] = None
-        self._fd: Optional[int] = None
+        self._path: Optional[os.PathLike] = None  # the lock file whose encoded path _encoded is
+        self._encoded = b""
 
     def take(self, lock_file: Optional[os.PathLike]) -> Optional[str]:
         if lock_file is None:
-            self.close()
             return None
-        return take(lock_file) if self._size(lock_file) > 0 else None
-
-    def _size(self, lock_file: os.PathLike) -> int:
         if self._path is not lock_file:
-            self.close()
-        for _ in range(2):  # the held file, then once more the one now at the name
-            if self._fd is None and not self._open(lock_file):
-                return 0
-            try:
-                size = self._reader()(self._fd)
-            except Exception:
-                size = -1
-            if size >= 0:
-                return size
-            self.close()
-        return 0
-
-    def _reader(self) -> Callable[[int], int]:
-        if self._read_size is None:
-            from .. import _native
-
-            self._read_size = _native.file_size
-        return self._read_size
-
-    def _open(self, lock_file: os.PathLike) -> bool:
+            self._path, self._encoded = lock_file, os.fsencode(lock_file)
         try:
-            fd = os.open(lock_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError:
-            return False  # absent (removed at exit) or a link: nothing to say; the next cell looks again
-        try:
-            regular = stat.S_ISREG(os.fstat(fd).st_mode)
-        except OSError:
-            regular = False
-        if not regular:
-            os.close(fd)
-            return False
-        self._path, self._fd = lock_file, fd
-        return True
+            if self._read_size is None:
+                from .. import _native
 
-    def close(self) -> None:
-        fd, self._fd, self._path = self._fd, None, None
-        if fd is not None:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+                self._read_size = _native.file_size
+            size = self._read_size(self._encoded)
+        except Exception:
+            return None
+        return take(lock_file) if size > 0 else None
