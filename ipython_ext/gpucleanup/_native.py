@@ -299,7 +299,9 @@ def file_size(path: bytes) -> int:
     """The size of the regular file at ``path`` (not following a link), in one library call that keeps the
     interpreter lock (gpucleanup_file_size): -1 when there is none or it is not a regular file. ``os.stat`` gives the
     lock up, and a waiting Python thread may then run in the middle of a cell's hooks. Without that call (an older
-    build of the library) ``os.lstat`` answers."""
+    build of the library) ``os.lstat`` answers. A path with a NUL byte names no file: -1."""
+    if b"\0" in path:
+        return -1  # C would read the path up to it
     fn = getattr(held(), "gpucleanup_file_size", None)
     if fn is not None:
         return fn(path)

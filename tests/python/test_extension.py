@@ -1533,11 +1533,11 @@ def test_underscore_is_the_last_result_after_a_cell_whose_line_was_shown(shell, 
 
 
 def test_idle_cells_make_no_call_that_gives_the_interpreter_lock_up(shell, real, fake_cuda, tmp_path, monkeypatch):
-    # Every call an idle cell's hooks make keeps the interpreter lock: the library's through ctypes.PyDLL
-    # (test_a_cell_makes_no_call_that_releases_the_interpreter_lock), and the look at the park lock's size through
-    # gpucleanup_file_size. The operating system's calls in Python's os module (os.stat, os.lstat, os.fstat, opens,
-    # reads) and time.sleep give it up, and a waiting thread (IPython's history thread, a notebook's own) may then
-    # run in the middle of the hooks. Every C function the hooks call is seen here (sys.setprofile).
+    # Every call an idle cell's hooks make keeps the interpreter lock: the library's through ctypes.PyDLL, never the
+    # ctypes.CDLL handle, and the look at the park lock's size through gpucleanup_file_size. The operating system's
+    # calls in Python (os.stat, os.lstat, os.fstat, files, sockets, time.sleep) give it up, and a waiting thread
+    # (IPython's history thread, a notebook's own) may then run in the middle of the hooks. Every builtin C function
+    # the hooks call is seen here (sys.setprofile; ctypes calls are not builtins, hence the watched handle).
     from IPython.core.interactiveshell import ExecutionInfo, ExecutionResult
 
     from gpucleanup import _native
@@ -1556,21 +1556,37 @@ def test_idle_cells_make_no_call_that_gives_the_interpreter_lock_up(shell, real,
         ext.pre_run_cell(info)
         ext.post_run_cell(result)
     looks.clear()
-    called = set()
+    called, releasing = set(), []
+
+    class Releasing:  # the ctypes.CDLL handle (its calls give the lock up), watched: no idle cell may use it
+        def __init__(self, lib):
+            self._lib = lib
+
+        def __getattr__(self, name):
+            releasing.append(name)
+            return getattr(self._lib, name)
 
     def seen(frame, event, arg):
         if event == "c_call":
             called.add((getattr(arg, "__module__", None) or type(getattr(arg, "__self__", None)).__name__,
                         getattr(arg, "__name__", repr(arg))))
 
+    monkeypatch.setattr(_native, "_lib", Releasing(_native._lib))
+    gc.collect()  # no finalizer of an earlier test's garbage runs among the hooks' calls
+    profiler = sys.getprofile()
     sys.setprofile(seen)
     try:
         for _ in range(20):
             ext.pre_run_cell(info)
             ext.post_run_cell(result)
     finally:
-        sys.setprofile(None)
+        sys.setprofile(profiler)
     assert len(looks) == 20  # each cell looked at the park lock for a resume to say
     assert ext.engine.since.skipped >= 20  # proven idle
-    system_calls = {name for module, name in called if module in ("posix", "nt", "time", "select", "socket")}
-    assert system_calls <= {"getpid", "fspath", "time_ns", "monotonic", "perf_counter", "time"}, system_calls
+    assert releasing == []
+    # the operating system's calls (os, time, select, sockets, files, fcntl) and blocking lock waits
+    system = {(module, name) for module, name in called
+              if module in ("posix", "nt", "time", "select", "socket", "_socket", "io", "_io", "fcntl", "_thread",
+                            "FileIO", "BufferedReader", "BufferedWriter", "TextIOWrapper", "lock")}
+    assert system <= {("posix", "getpid"), ("posix", "fspath"), ("time", "time_ns"), ("time", "monotonic"),
+                      ("time", "perf_counter"), ("time", "time")}, system

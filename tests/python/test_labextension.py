@@ -162,8 +162,9 @@ class Lab:
             cells = driver.find_elements("css selector", ".jp-Notebook .jp-Cell.jp-mod-active")
             return cells[-1] if cells and cells[-1].find_elements("css selector", ".cm-content") else False
 
+        self.click(lambda d: (found := active(d)) and found.find_element("css selector", ".cm-content"),
+                   "no active cell with an editor")
         cell = self.wait(active, "no active cell with an editor")
-        self.click(lambda d: cell.find_element("css selector", ".cm-content"), "the active cell's editor")
         editor = cell.find_element("css selector", ".cm-content")
         editor.send_keys(code)
         editor.send_keys(Keys.SHIFT, Keys.ENTER)
@@ -194,15 +195,15 @@ class Lab:
 
         from test_server import TIMEOUT
 
-        from selenium.common.exceptions import (ElementClickInterceptedException, NoSuchElementException,
-                                                StaleElementReferenceException)
+        from selenium.common.exceptions import (ElementClickInterceptedException, ElementNotInteractableException,
+                                                NoSuchElementException, StaleElementReferenceException)
 
         # an element JupyterLab drew again between the look and the use, or a click that another element would
-        # take while the page is still being laid out (the browser then clicks nothing): tried again on the next
-        # poll
+        # take, or that the element cannot take yet, while the page is still being laid out (the browser then
+        # clicks nothing): tried again on the next poll
         return WebDriverWait(self.browser, TIMEOUT, poll_frequency=0.1, ignored_exceptions=(
-            NoSuchElementException, StaleElementReferenceException, ElementClickInterceptedException)).until(
-                condition, message=what)
+            NoSuchElementException, StaleElementReferenceException, ElementClickInterceptedException,
+            ElementNotInteractableException)).until(condition, message=what)
 
     def click(self, find, what: str) -> None:
         """Clicks the element ``find(driver)`` returns once it is there and the click reaches it."""
@@ -422,7 +423,7 @@ def test_the_running_panel_lists_the_kernel_with_its_figures_and_parks_it(lab):
     entry = lab.srv.entry(kernel_id)
     label = listed.find_element("css selector", ".jp-RunningSessions-itemLabel")
     assert label.text == "fit.ipynb"
-    lab.click(lambda d: listed.find_element("css selector", ".jp-RunningSessions-itemLabel"),
+    lab.click(lambda d: (found := row(d)) and found.find_element("css selector", ".jp-RunningSessions-itemLabel"),
               "the row's notebook")  # this server's kernel: its notebook opens (it is open already: its tab stays the one)
     assert [t.text for t in lab.browser.find_elements("css selector", ".lm-DockPanel-tabBar .lm-TabBar-tabLabel")
             ] == ["fit.ipynb"]

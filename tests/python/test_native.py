@@ -72,6 +72,16 @@ def test_file_size_is_the_regular_files_size_at_the_path_else_minus_one(tmp_path
     assert _native.file_size(bytes(tmp_path)) == -1  # a directory
 
 
+def test_file_size_without_the_librarys_call_answers_the_same_through_os_lstat(tmp_path, monkeypatch):
+    path = tmp_path / "lock.park"
+    path.write_bytes(b"123")
+    link = tmp_path / "link.park"
+    link.symlink_to(path)
+    monkeypatch.setattr(_native, "held", lambda: object())  # a build older than gpucleanup_file_size
+    assert [_native.file_size(bytes(p)) for p in (path, link, tmp_path, tmp_path / "none")] == [3, -1, -1, -1]
+    assert _native.file_size(bytes(path) + b"\0tail") == -1  # names no file
+
+
 def test_probe_and_snapshot_follow_the_schema(fake_cuda, schemas):
     fake_cuda.reset(eight_devices_three_in_use())
     probe = _native.probe()

@@ -123,9 +123,9 @@ class NewsLook:
     def take(self, lock_file: Optional[os.PathLike]) -> Optional[str]:
         if lock_file is None:
             return None
-        if self._path is not lock_file:
-            self._path, self._encoded = lock_file, os.fsencode(lock_file)
         try:
+            if self._path is not lock_file:
+                self._path, self._encoded = lock_file, os.fsencode(lock_file)
             if self._read_size is None:
                 from .. import _native
 
