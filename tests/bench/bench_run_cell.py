@@ -12,6 +12,11 @@ cost. In ``unused`` a third state, ``whole``, interleaved with the two: gpuclean
 check of an unused driver turned off (``CellPass.still_unused``), so that each cell runs the whole native pass as
 before that check existed.
 
+Each block is also timed in process CPU time (``time.process_time``): under load the wall-clock figures grow by
+the share of the CPU the process gets, the CPU figures do not. With gpucleanup loaded, its two hooks are timed where
+they run, inside ``run_cell`` (a wrapper around each, about 0.1 us a call of its own): ``hooks_us``. What the cell
+adds beyond them (``added - hooks``) is time IPython's own steps take longer when the hooks ran between them.
+
 Usage: python tests/bench/bench_run_cell.py [device|unused|never ...] [--rounds N] [--block N] [--json PATH]
 (GPUCLEANUP_BUILD_DIR selects the build tree whose fake driver and library are used, default build/)
 """
@@ -48,27 +53,62 @@ def run(scenario: str, rounds: int, block: int) -> dict:
 
     quiet_unused = CellPass.still_unused
 
-    def timed(on: bool, whole: bool = False) -> float:
+    in_hooks = [0.0]
+    wrapped_hooks: dict = {}  # wrapper -> the callback it times
+
+    def time_hooks(on: bool) -> None:
+        """Wraps gpucleanup's own pre_run_cell and post_run_cell callbacks (load_ext registers them again), or
+        puts them back (on False), so that unload_ext finds what it unregisters."""
+        for event in ("pre_run_cell", "post_run_cell"):
+            callbacks = shell.events.callbacks[event]
+            for i, callback in enumerate(callbacks):
+                if not on:
+                    callbacks[i] = wrapped_hooks.pop(callback, callback)
+                elif type(getattr(callback, "__self__", None)).__name__ == "GPUCleanup":
+                    def wrapped(*args, _callback=callback):
+                        start = time.perf_counter()
+                        try:
+                            _callback(*args)
+                        finally:
+                            in_hooks[0] += time.perf_counter() - start
+                    callbacks[i] = wrapped
+                    wrapped_hooks[wrapped] = callback
+
+    def timed(on: bool, whole: bool = False) -> tuple:
         CellPass.still_unused = (lambda self: False) if whole else quiet_unused
+        time_hooks(False)
         shell.run_line_magic("load_ext" if on else "unload_ext", "gpucleanup")
+        if on:
+            time_hooks(True)
         for _ in range(20):
             shell.run_cell("x = 1", store_history=True)
-        start = time.perf_counter()
+        in_hooks[0] = 0.0
+        start, start_cpu = time.perf_counter(), time.process_time()
         for _ in range(block):
             result = shell.run_cell("x = 1", store_history=True)
             if not result.success:
                 raise SystemExit(f"bench_run_cell: a cell failed: {result.error_in_exec!r}")
-        return (time.perf_counter() - start) / block * 1e3
+        return ((time.perf_counter() - start) / block * 1e3, (time.process_time() - start_cpu) / block * 1e3,
+                in_hooks[0] / block * 1e6)
 
     states = ["on", "off"] + (["whole"] if scenario == "unused" else [])
     times: dict = {state: [] for state in states}
+    cpu: dict = {state: [] for state in states}
+    hooks: list = []
     for r in range(rounds):
         for state in states[r % len(states):] + states[:r % len(states)]:
-            times[state].append(timed(state != "off", state == "whole"))
+            wall, cpu_ms, hooks_us = timed(state != "off", state == "whole")
+            times[state].append(wall)
+            cpu[state].append(cpu_ms)
+            if state == "on":
+                hooks.append(hooks_us)
     CellPass.still_unused = quiet_unused
     on_med, off_med = statistics.median(times["on"]), statistics.median(times["off"])
+    on_cpu, off_cpu = statistics.median(cpu["on"]), statistics.median(cpu["off"])
     out = {"scenario": scenario, "rounds": rounds, "block": block, "on_ms": times["on"], "off_ms": times["off"],
-           "on_median_ms": on_med, "off_median_ms": off_med, "added_ms": on_med - off_med, "ratio": on_med / off_med}
+           "on_median_ms": on_med, "off_median_ms": off_med, "added_ms": on_med - off_med, "ratio": on_med / off_med,
+           "on_cpu_ms": cpu["on"], "off_cpu_ms": cpu["off"], "added_cpu_ms": on_cpu - off_cpu,
+           "hooks_us": hooks, "hooks_median_us": statistics.median(hooks)}
     if "whole" in times:
         whole_med = statistics.median(times["whole"])
         out.update(whole_ms=times["whole"], whole_median_ms=whole_med, whole_added_ms=whole_med - off_med)
@@ -101,7 +141,9 @@ def main() -> int:
         out = [run(args.scenario[0], args.rounds, args.block)]
     for r in out:
         print(f"{r['scenario']:8s} run_cell per idle cell: on {r['on_median_ms']:.3f} ms, off {r['off_median_ms']:.3f} ms: "
-              f"added {r['added_ms']:+.3f} ms, {r['ratio']:.2f}x ({r['rounds']} rounds of {r['block']} cells each)"
+              f"added {r['added_ms']:+.3f} ms, {r['ratio']:.2f}x ({r['rounds']} rounds of {r['block']} cells each); "
+              f"CPU time added {r['added_cpu_ms']:+.3f} ms; the hooks where they run {r['hooks_median_us']:.1f} us, "
+              f"the rest of the cell {r['added_ms'] * 1e3 - r['hooks_median_us']:+.1f} us"
               + (f"; the whole pass each cell instead: {r['whole_median_ms']:.3f} ms, added "
                  f"{r['whole_added_ms']:+.3f} ms" if "whole_median_ms" in r else ""),
               file=sys.stderr if str(args.json) == "/dev/stdout" else sys.stdout)

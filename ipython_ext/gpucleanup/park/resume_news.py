@@ -110,13 +110,13 @@ def take(lock_file: Optional[os.PathLike]) -> Optional[str]:
 class NewsLook:
     """The kernel's look for a resume to say, once per cell: :func:`take` behind the size of the park lock file.
 
-    ``size``: the size of the regular file at a path (bytes), -1 when there is none (default:
-    :func:`gpucleanup._native.file_size`, which keeps the interpreter lock as every other call of a cell's hooks does;
-    ``os.stat`` gives it up to any waiting thread). A file of size 0, or none, has nothing to say; anything else goes
-    to :func:`take`, which locks, reads and checks it. Never raises."""
+    The size comes from :func:`gpucleanup._native.file_size` (-1 where no regular file is), which keeps the
+    interpreter lock as every other call of a cell's hooks does (``os.stat`` gives it up to any waiting thread).
+    A file of size 0, or none, has nothing to say; anything else goes to :func:`take`, which locks, reads and
+    checks it. Never raises."""
 
-    def __init__(self, size: Optional[Callable[[bytes], int]] = None) -> None:
-        self._read_size = size
+    def __init__(self) -> None:
+        self._read_size: Optional[Callable[[bytes], int]] = None  # the library's, loaded at the first look
         self._path: Optional[os.PathLike] = None  # the lock file whose encoded path _encoded is
         self._encoded = b""
 
