@@ -8,7 +8,7 @@
 # for server: server-tests.log and server/ (the page's data, /metrics, the plots);
 # for lab: lab-tests.log and lab/ (the answers the JupyterLab item draws);
 # and for the stage kernels: kernels.json, kernels.log, kernel-calls.json, kernel-calls.log.
-# Usage: scripts/gpu_run.sh [STAGE ...]   stages: tests facts bench demo kernels kernels-focus per-cell paired paired-stages paired-ab stages trace dask server lab managed reliability memcheck park park-kernels park-loop park-hold park-bench-kernels
+# Usage: scripts/gpu_run.sh [STAGE ...]   stages: tests facts bench demo kernels kernels-focus per-cell paired idle-kernels in-process paired-stages paired-ab stages trace dask server lab managed reliability memcheck park park-kernels park-loop park-hold park-bench-kernels
 #        (default: tests facts bench demo)
 # The stage stages (tests/bench/profile_cell.py --stages --primitives, in-process, about a minute) writes
 # stages.log: where the per-cell time goes, step by step, with CUDA unused and PyTorch or CuPy idle; and
@@ -231,6 +231,23 @@ if [[ $stages == *" paired "* ]]; then
   python3 tests/bench/bench_kernels.py --scenario cupy-idle,torch-idle,rerun-cupy-pinned \
     --variants bare,gpucleanup,gpucleanup-cell --cells 400 --budget-s 240 --json "$out/per-cell.json" 2>&1 \
     | tee "$out/per-cell.log"
+fi
+if [[ $stages == *" in-process "* ]]; then
+  # an idle cell in process on this machine's quiet CPUs (tests/bench/bench_run_cell.py, under a minute): the fake
+  # driver, carried in .fake/ (strip -o .fake/tests/fake_cuda/libcuda.so.1 build/tests/fake_cuda/libcuda.so.1, after
+  # a build with -DGPUCLEANUP_BUILD_TESTS=ON), under the wheel's package and library
+  if [[ -f .fake/tests/fake_cuda/libcuda.so.1 ]]; then
+    GPUCLEANUP_BUILD_DIR=$PWD/.fake python3 tests/bench/bench_run_cell.py never device unused --rounds 12 --block 300 \
+      --json "$out/in-process.json" 2>&1 | tee "$out/in-process.log"
+  else
+    echo "in-process: no fake driver carried in .fake/tests/fake_cuda/libcuda.so.1; skipped" | tee "$out/in-process.log"
+  fi
+fi
+if [[ $stages == *" idle-kernels "* ]]; then
+  # an idle cell in real kernels, untimed steps (bench_paired.py, CuPy and PyTorch idle, 3 kernels each, about
+  # 2 minutes): what the per-cell goal in real kernels is checked against
+  python3 tests/bench/bench_paired.py --scenario cupy-idle,torch-idle --cells 400 --json "$out/idle-kernels.json" 2>&1 \
+    | tee "$out/idle-kernels.log"
 fi
 if [[ $stages == *" paired-stages "* ]]; then
   # where an idle cell's added time goes inside each kernel (bench_paired.py --stages, about a minute): the hooks,
