@@ -49,9 +49,12 @@ def run(scenario: str, rounds: int, block: int) -> dict:
 
     shell = InteractiveShell.instance()
 
-    from gpucleanup.engine.cell_pass import CellPass
+    try:
+        from gpucleanup.engine.cell_pass import CellPass
+    except ImportError:  # a build before the package's folders (an A/B against an older commit)
+        from gpucleanup.cell_pass import CellPass
 
-    quiet_unused = CellPass.still_unused
+    quiet_unused = getattr(CellPass, "still_unused", None)  # None: a build before the unused driver's quiet check
 
     in_hooks = [0.0]
     wrapped_hooks: dict = {}  # wrapper -> the callback it times
@@ -75,7 +78,8 @@ def run(scenario: str, rounds: int, block: int) -> dict:
                     wrapped_hooks[wrapped] = callback
 
     def timed(on: bool, whole: bool = False) -> tuple:
-        CellPass.still_unused = (lambda self: False) if whole else quiet_unused
+        if quiet_unused is not None:
+            CellPass.still_unused = (lambda self: False) if whole else quiet_unused
         time_hooks(False)
         shell.run_line_magic("load_ext" if on else "unload_ext", "gpucleanup")
         if on:
@@ -102,7 +106,8 @@ def run(scenario: str, rounds: int, block: int) -> dict:
             cpu[state].append(cpu_ms)
             if state == "on":
                 hooks.append(hooks_us)
-    CellPass.still_unused = quiet_unused
+    if quiet_unused is not None:
+        CellPass.still_unused = quiet_unused
     on_med, off_med = statistics.median(times["on"]), statistics.median(times["off"])
     on_cpu, off_cpu = statistics.median(cpu["on"]), statistics.median(cpu["off"])
     out = {"scenario": scenario, "rounds": rounds, "block": block, "on_ms": times["on"], "off_ms": times["off"],
