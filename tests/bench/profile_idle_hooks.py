@@ -33,7 +33,10 @@ def main() -> int:
     fake_driver.use(SCENARIOS[scenario])
     from IPython.core.interactiveshell import ExecutionInfo, ExecutionResult, InteractiveShell
 
-    from gpucleanup.in_kernel import extension
+    try:
+        from gpucleanup.in_kernel import extension
+    except ImportError:  # a build before the package's folders (an A/B against an older commit)
+        from gpucleanup import extension
 
     shell = InteractiveShell.instance()
     shell.run_line_magic("load_ext", "gpucleanup")
@@ -48,7 +51,7 @@ def main() -> int:
         ext.pre_run_cell(info)
         ext.post_run_cell(result)
     print(f"{scenario}: hooks per cell {(time.perf_counter() - start) / n * 1e6:.1f} us, "
-          f"cells skipped as idle {ext.engine.since.skipped}")
+          f"cells skipped as idle {getattr(getattr(ext.engine, 'since', None), 'skipped', '?')}")
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(n):
