@@ -119,6 +119,24 @@ def _record(cell, used, live, cached, outside, freed, index=0, name="NVIDIA H100
                          "freed_bytes": {"cupy": freed}, "state": "drained"}]}
 
 
+def test_series_matches_its_schema_for_cells_drains_and_records_with_fields_missing(schemas):
+    drain = dict(_record(None, 90, 60, 0, 30, 10), source="outside")  # a drain asked for from outside
+    old = {"cell": 4, "devices": [{"index": 2}]}  # a record of an older version: nothing but the index
+    data = timeline.series([_record(1, 100, 60, 10, 30, 0), drain, old, "not a record"])
+    schemas["timeline.schema.json"].validate(data)
+    assert data["cells"] == 3
+    assert [d["index"] for d in data["devices"]] == [0, 2]
+    assert data["devices"][0]["points"][1]["source"] == "outside" and "source" not in data["devices"][0]["points"][0]
+    assert data["devices"][1] == {"index": 2, "name": None, "total_bytes": None, "points": [
+        {"cell": 4, "time_ns": None, "used_bytes": None, "used_before_bytes": None, "live_bytes": 0,
+         "cached_bytes": 0, "outside_bytes": None, "freed_bytes": 0, "state": None}]}
+    schemas["timeline.schema.json"].validate(timeline.series([]))
+    # a point the series never makes is refused: the schema says the whole shape
+    bad = timeline.series([_record(1, 100, 60, 10, 30, 0)])
+    bad["devices"][0]["points"][0]["extra"] = 1
+    assert not schemas["timeline.schema.json"].is_valid(bad)
+
+
 def test_series_has_one_point_per_cell_and_device():
     records = [_record(1, 100, 60, 10, 30, 0), _record(2, 200, 150, 20, 30, 50), _record(2, 210, 150, 20, 40, 0, index=1)]
     data = timeline.series(records)

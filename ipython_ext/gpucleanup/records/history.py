@@ -1,39 +1,6 @@
-"""The bounded history of cell records.
+"""The bounded history of cell records, read by ``%gpumem``, the status endpoint and the plots.
 
-A record is plain data (JSON-ready: str keys, ints for bytes, floats for
-seconds), built by the extension after each cell and read by ``%gpumem``, the
-status endpoint and, later, plots. Its shape::
-
-    {
-      "cell": 12 | None,              # execution count; None for %gpumem --drain
-      "time_ns": ...,                 # wall clock when the cleanup finished
-      "elapsed_s": 0.012,             # time the cleanup took
-      "driver_state": "ready",
-      "touched": True,                # the cell changed GPU memory
-      "shown": True,                  # a summary line was printed
-      "interrupted": False,           # Ctrl-C stopped the cleanup
-      "devices": [{
-          "index": 0, "name": "NVIDIA H100 80GB HBM3", "state": "drained" | "busy" | "unusable"
-                                                      | "error" | "interrupted",
-          "settle": {"status": "done", "waited_s": 0.0, "busy_for_s": None},
-          "total_bytes": ...,
-          "used_at_start_bytes": ...,     # device used when the cell started (None: CUDA was not in use)
-          "used_before_bytes": ...,       # ... when it ended, before the cleanup
-          "used_after_bytes": ...,        # ... after the cleanup
-          "freed_bytes": {"cupy": ..., "driver": ...},
-          "live_bytes": {"cupy": ...}, "cached_bytes": {"jax": ...},
-          "message": None,                # the driver's one line for a busy/unusable device
-          "quiet": False,                 # unusable and already said: no line any more
-      }],
-      "pinned": {"freed_bytes": {"cupy": ...},          # released by this cell's cleanup
-                 "background": [{"cell": 11, "freed_bytes": {...}, "elapsed_s": ...}],  # finished since
-                 "pending": False,                       # a release still runs in the background
-                 "pools": {"cupy": {"live_bytes": ..., "cached_bytes": ...}}},
-      "gc": {"policy": "auto", "ran": None | "young" | "full", "elapsed_s": ..., "collected": ...},
-      "notes": ["..."],               # every note of this cell
-      "shown_notes": ["..."],         # the ones printed (first of their kind)
-      "unraisable": [{"type": ..., "message": ..., "object": ...}],
-    }
+A record is plain JSON-ready data (``records/record.py``), its shape ``share/schema/cell_record.schema.json``.
 """
 
 from __future__ import annotations

@@ -1,34 +1,7 @@
 """Device memory per cell over a session, from cell records: the data behind every timeline.
 
-``%gpumem --plot`` draws it (matplotlib, SVG or a text sparkline), ``%gpumem --plot --json``
-returns it, and the Jupyter Server page (``gpucleanup.server``) draws the same data for each
-kernel from the records its status endpoint keeps. One shape for all of them
-(``share/schema/timeline.schema.json``)::
-
-    {
-      "timeline": 1,
-      "cells": 12,                       # records read
-      "devices": [{
-          "index": 0, "name": "NVIDIA H100 80GB HBM3", "total_bytes": 85045460992,
-          "points": [{
-              "cell": 7 | None,          # None: a %gpumem --drain between cells, or a drain from outside
-                                         # ("source": "outside" then)
-              "time_ns": ...,
-              "used_bytes": ...,         # device used after the cleanup (None: unknown)
-              "used_before_bytes": ...,  # ... when the cell ended, before it
-              "live_bytes": ...,         # held by live arrays and tensors, all frameworks
-              "cached_bytes": ...,       # kept by a framework, not freeable now
-              "outside_bytes": ... | None,  # in no pool at all (context, raw allocations, ...)
-              "freed_bytes": ...,        # freed by this cell's cleanup, pools and driver together, plus
-                                         # what releases deferred by earlier cells gave back since the
-                                         # last record (release "rerun" and "idle": the record's "idle")
-              "state": "drained",
-          }],
-      }],
-    }
-
-Records are plain dicts (``CellRecord.to_dict()``); anything a record lacks is None or 0, so
-old records and records from other versions still draw.
+``%gpumem --plot`` draws it, ``%gpumem --plot --json`` returns it and the Jupyter Server page draws it for each
+kernel; its shape is ``share/schema/timeline.schema.json`` (checked in ``tests/python/test_kernels_timeline.py``).
 """
 
 from __future__ import annotations

@@ -1,29 +1,7 @@
 """What the extension has done since it loaded, cumulative: the counters behind ``gpucleanup.outside.metrics``.
 
-A cell's record says what that cell's cleanup freed; a Prometheus counter needs the sum since
-the kernel started. :class:`Totals` keeps it: the extension adds every record it keeps (after a
-cell, ``%gpumem --drain``, ``%gpumem --release``) and publishes ``as_dict()`` beside the record, so
-the status reply's ``last_record.totals`` is the kernel's cumulative figures as of its last cleanup
-(``share/schema/cell_record.schema.json``, ``$defs/totals``)::
-
-    {
-      "started_ns": 1763780000000000000,   # when counting began (the extension loaded)
-      "cleanups": 12,                       # records kept
-      "devices": [{"index": 0, "freed_bytes": {"driver": ..., "torch": ...}}],
-      "pinned_freed_bytes": {"cupy": ...},  # pinned host pools, host-wide
-      "settle_wait_s": {                    # how long each cleanup waited for queued GPU work
-          "le": [0.001, 0.01, ...],         # upper bounds (inclusive), seconds
-          "counts": [3, 10, ...],           # cumulative: cleanups that waited <= le
-          "count": 12, "sum": 0.42,         # the +Inf bucket is "count"
-      },
-    }
-
-Freed bytes count everything a record reports once: the cleanup's own (``devices[].freed_bytes``,
-``pinned.freed_bytes``), a background pinned release that finished since (``pinned.background``) and
-releases run while the kernel was idle (``idle``). A cleanup's wait is the longest of its devices'
-settles (they settle at once, from one start); a cleanup that did not wait (every settle
-``skipped``: ``settle_timeout`` 0, unusable devices, no device in use) is not an observation.
-
+The extension adds every record it keeps and publishes :meth:`Totals.as_dict` beside it, so the status reply's
+``last_record.totals`` is the kernel's cumulative figures (``share/schema/cell_record.schema.json``, ``$defs/totals``).
 Nothing here raises: a malformed record adds what can be read of it.
 """
 
@@ -72,7 +50,11 @@ def settle_wait_s(record: dict) -> Optional[float]:
 
 
 class Totals:
-    """Cumulative cleanups, freed bytes and settle waits of one extension object."""
+    """Cumulative cleanups, freed bytes and settle waits of one extension object.
+
+    Freed bytes count once everything a record reports: its cleanup's own, a background pinned release finished
+    since and the releases run while the kernel was idle. A cleanup's wait is the longest of its devices' settles;
+    one whose settles were all skipped is not an observation."""
 
     def __init__(self, buckets: Sequence[float] = BUCKETS_S, started_ns: Optional[int] = None):
         bounds = [float(b) for b in buckets]
