@@ -1,48 +1,10 @@
-"""The after-cell engine: what gpucleanup does to GPU memory after a cell, as plain steps.
+"""The after-cell engine's face: :class:`AfterCell` hands each cell to a :class:`~.cell_pass.CellPass` (whose
+docstring tells the steps) and holds what lasts between cells, each part in its own home.
 
-Like IPython's own ``autoreload`` (a ``ModuleReloader`` that knows nothing of the shell,
-and a hook of a few lines that delegates), this module imports nothing from IPython:
-the extension (``extension.py``) owns the lifecycle, the traits and ``%gpumem``, and
-hands each cell to :meth:`AfterCell.run`, which returns an :class:`~.record.Outcome`:
-a typed record and the lines to print, separately.
-
-The steps, each a method of :class:`~.cell_pass.CellPass` over one :class:`~.cell_pass.DeviceWork` per
-device in use (built once from the native pass's entry for it) and the frameworks' figures read
-once into :class:`~.figures.FrameworkFigures`:
-
-0. ``proven_idle``: once a cell has been proven idle, the next asks the library's quiet check
-   (``QuietCheck.look``: ``_native.quiet``, the same devices, free memory and pools as that pass left,
-   nothing queued) and reads each framework once (which frameworks are in use: as the last idle cell
-   found them while nothing was imported since, ``adapters_in_use``); figures equal to the last
-   cleanup's with nothing new to give back (``nothing_new``) end the cell there, and leave
-   what that proof rested on (:class:`IdleProof`): the next cell that finds all of it as it was,
-   every framework's quiet token included, is proven idle without the comparisons. Anything else
-   runs the steps below.
-1. ``settle``: the driver pass (``_native.after_cell``, the only native protocol). On every
-   device already in use, wait (at most ``settle_timeout``) for queued work, then trim the
-   driver's pools once; busy devices are skipped. Past 2 s a progress line is written.
-2. ``collect``: garbage collection, only when it can release GPU memory; then each
-   framework's figures. ``unchanged``: nothing changed since the last cleanup (``same_devices``:
-   the same free memory and pools on every settled device; ``nothing_new``: the same framework
-   figures, nothing cached or queued): the steps below are skipped, no record is built, kept
-   or published.
-3. ``drain``: each framework adapter empties its caches on the settled devices.
-4. ``trim``: the driver's pools again, only if a framework gave memory back to them.
-5. ``snapshot``: device figures after the cleanup (the driver pass's own, or the trim's,
-   when nothing changed since it).
-6. ``release_pinned``: pinned host pools are released on a background thread, started
-   after the cell's last driver call (a pinned free makes concurrent driver calls wait).
-7. ``record`` and ``outcome``: the record, whether to speak (the show policy), and the lines, rendered by
-   the voice the caller handed in (``report.CellVoice``): the engine itself renders nothing.
-
-What lasts between cells lives in named homes, which :class:`AfterCell` (a facade) holds and hands to each
-:class:`~.cell_pass.CellPass`: the background releases (``releases.py``), the figures since the last pass
-(``since_last_pass.py``), the quiet check and its proof (``quiet_check.py``) and the framework reader
-(``figures.py``).
-
-When nothing in the process uses CUDA, a cell costs one native call and nothing else.
-Nothing here raises into the caller for a fault of a framework or of the driver: each
-becomes a note, said once per kind.
+Like IPython's own ``autoreload``, it imports nothing from IPython: the extension owns the lifecycle, the traits and
+``%gpumem``, and gets back an :class:`~.record.Outcome` (a typed record and the lines to print). When nothing in the
+process uses CUDA, a cell costs one native call; a fault of a framework or of the driver becomes a note, said once
+per kind, never an exception.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""One cell's cleanup (:class:`CellPass`): the steps of ``after_cell``'s docstring as methods, in their order,
-over this cell's state only: a :class:`DeviceWork` per device in use, built from the native pass, and the
+"""One cell's cleanup (:class:`CellPass`): the after-cell steps (its docstring tells them) as methods, in their
+order, over this cell's state only: a :class:`DeviceWork` per device in use, built from the native pass, and the
 frameworks' figures. What lasts between cells is handed in, each part in its own home: the figures since the
 last pass (:class:`~.since_last_pass.SinceLastPass`), the quiet check (:class:`~.quiet_check.QuietCheck`), the
 background releases (:class:`~.releases.Releases`), the framework reader (:class:`~.figures.FrameworkReader`)
@@ -186,11 +186,41 @@ class DeviceWork:
 
 
 class CellPass:
-    """One cell's cleanup: the steps of ``after_cell``'s docstring as methods, in their order, over this cell's
-    state only. Built from what it reads and what it changes between cells, each a part of its own:
-    ``native`` (the library), ``frameworks`` (the adapters in use and their figures), ``settings``, ``cell``
-    (what the extension hands over), ``since`` (the figures the last pass left), ``quiet`` (the idle proof),
-    ``releases`` (the background releases) and ``hooks``."""
+    """One cell's cleanup: the steps below as methods, in their order, over this cell's state only. Built from
+    what it reads and what it changes between cells, each a part of its own: ``native`` (the library),
+    ``frameworks`` (the adapters in use and their figures), ``settings``, ``cell`` (what the extension hands over),
+    ``since`` (the figures the last pass left), ``quiet`` (the idle proof), ``releases`` (the background releases)
+    and ``hooks``.
+
+    The steps, each a method of this class over one :class:`DeviceWork` per
+    device in use (built once from the native pass's entry for it) and the frameworks' figures read
+    once into :class:`~.figures.FrameworkFigures`:
+
+    0. ``proven_idle``: once a cell has been proven idle, the next asks the library's quiet check
+       (``QuietCheck.look``: ``_native.quiet``, the same devices, free memory and pools as that pass left,
+       nothing queued) and reads each framework once (which frameworks are in use: as the last idle cell
+       found them while nothing was imported since, ``adapters_in_use``); figures equal to the last
+       cleanup's with nothing new to give back (``nothing_new``) end the cell there, and leave
+       what that proof rested on (:class:`IdleProof`): the next cell that finds all of it as it was,
+       every framework's quiet token included, is proven idle without the comparisons. Anything else
+       runs the steps below.
+    1. ``settle``: the driver pass (``_native.after_cell``, the only native protocol). On every
+       device already in use, wait (at most ``settle_timeout``) for queued work, then trim the
+       driver's pools once; busy devices are skipped. Past 2 s a progress line is written.
+    2. ``collect``: garbage collection, only when it can release GPU memory; then each
+       framework's figures. ``unchanged``: nothing changed since the last cleanup (``same_devices``:
+       the same free memory and pools on every settled device; ``nothing_new``: the same framework
+       figures, nothing cached or queued): the steps below are skipped, no record is built, kept
+       or published.
+    3. ``drain``: each framework adapter empties its caches on the settled devices.
+    4. ``trim``: the driver's pools again, only if a framework gave memory back to them.
+    5. ``snapshot``: device figures after the cleanup (the driver pass's own, or the trim's,
+       when nothing changed since it).
+    6. ``release_pinned``: pinned host pools are released on a background thread, started
+       after the cell's last driver call (a pinned free makes concurrent driver calls wait).
+    7. ``record`` and ``outcome``: the record, whether to speak (the show policy), and the lines, rendered by
+       the voice the caller handed in (``report.CellVoice``): the engine itself renders nothing.
+    """
 
     # slots: a cell pass is built on every cell, idle ones too (a third of the cost of 35 dict-held fields)
     __slots__ = ("native", "frameworks", "settings", "cell", "since", "quiet_check", "releases", "hooks",
