@@ -7,6 +7,7 @@
 # for the stage trace: trace-tests.log, trace-bench.json, trace-bench.log; for dask: dask-tests.log, dask-bench.*;
 # for server: server-tests.log and server/ (the page's data, /metrics, the plots);
 # for lab: lab-tests.log and lab/ (the answers the JupyterLab item draws);
+# for in-process: in-process.log, in-process.json; for idle-kernels: idle-kernels.log, idle-kernels.json;
 # and for the stage kernels: kernels.json, kernels.log, kernel-calls.json, kernel-calls.log.
 # Usage: scripts/gpu_run.sh [STAGE ...]   stages: tests facts bench demo kernels kernels-focus per-cell paired idle-kernels in-process paired-stages paired-ab stages trace dask server lab managed reliability memcheck park park-kernels park-loop park-hold park-bench-kernels
 #        (default: tests facts bench demo)

@@ -12,8 +12,8 @@ cost. In ``unused`` a third state, ``whole``, interleaved with the two: gpuclean
 check of an unused driver turned off (``CellPass.still_unused``), so that each cell runs the whole native pass as
 before that check existed.
 
-Each block is also timed in process CPU time (``time.process_time``): under load the wall-clock figures grow by
-the share of the CPU the process gets, the CPU figures do not. With gpucleanup loaded, its two hooks are timed where
+Each block is also timed in process CPU time (``time.process_time``): under load the wall-clock figures grow with
+the share of the CPU the process gets, the CPU figures much less. With gpucleanup loaded, its two hooks are timed where
 they run, inside ``run_cell`` (a wrapper around each, about 0.1 us a call of its own): ``hooks_us``. What the cell
 adds beyond them (``added - hooks``) is time IPython's own steps take longer when the hooks ran between them.
 

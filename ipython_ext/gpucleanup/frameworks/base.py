@@ -86,7 +86,7 @@ class Adapter:
     what an adapter needs to see objects as they are made: PyCUDA keeps no registry of its
     memory pools, so :mod:`.pycuda` watches their making from PyCUDA's import on.
 
-    What the rest of gpucleanup knows of a framework is in the class attributes below: ``packages`` and
+    What the rest of gpucleanup knows of a framework is in the class attributes and methods below: ``packages`` and
     ``libraries`` (the trace), ``oom_types`` and ``oom_texts`` (the hidden holders), ``object_modules``,
     ``object_kind`` and ``object_info`` (its GPU objects) and ``name`` (the configuration).
     """

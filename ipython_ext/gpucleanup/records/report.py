@@ -1,7 +1,7 @@
 """What the user reads: the summary line after a cell, the %gpumem tables (text and HTML), units.
 
 Everything here is a pure function of the records the extension builds (plain
-dicts with exact bytes, see ``history.py``), so it is tested without a GPU and
+dicts with exact bytes, ``share/schema/cell_record.schema.json``), so it is tested without a GPU and
 without a shell. Numbers shown to a user are rounded for reading and carry a
 unit (``6.0 GiB``, ``512 MiB``, ``4 ms``); ``--json`` output keeps exact bytes.
 """
