@@ -37,6 +37,7 @@ pytest.importorskip("jupyter_client")
 pytest.importorskip("ipykernel")
 
 from gpucleanup.park import kernel_side as parking  # noqa: E402
+from gpucleanup.protocol import discovery  # noqa: E402
 import support  # noqa: E402
 from support import wait_until  # noqa: E402
 
@@ -214,7 +215,8 @@ def test_a_parked_kernel_is_culled_on_its_last_cells_clock_and_leaves_nothing_be
         culled = [m for m in CULLED.finditer(srv.log()) if m["id"] == found.kernel_id]
         assert len(culled) == 1, srv.log()
         assert int(culled[0]["idle"]) >= cull_after_s
-        wait_until(lambda: process_ended(pid), "the culled kernel's process is gone", 30)
+        # gone: no process, or one that exited and waits to be reaped (a zombie), as discovery.is_alive counts it
+        wait_until(lambda: not discovery.is_alive(found.info), "the culled kernel's process is gone", 30)
 
         # Resumed before it exited (its frameworks' frees at exit would wait for a restore), then ended by itself:
         # the park lock goes with the other files, at a clean exit or by the SIGTERM handler.
@@ -244,7 +246,8 @@ def test_a_parked_kernel_whose_resume_at_exit_outlasts_the_shutdown_wait_leaves_
         nb.close()
         nb = None
         wait_until(lambda: srv.kernel_model(found.kernel_id) is None, "the culler ends the parked kernel")
-        wait_until(lambda: process_ended(pid), "the culled kernel's process is gone", 30)
+        # gone: no process, or one that exited and waits to be reaped (a zombie), as discovery.is_alive counts it
+        wait_until(lambda: not discovery.is_alive(found.info), "the culled kernel's process is gone", 30)
         left = {name: str(path) for name, path in files.items() if path.exists()}
         assert left == {}, f"the culled kernel left {left} behind"
     finally:
@@ -253,16 +256,6 @@ def test_a_parked_kernel_whose_resume_at_exit_outlasts_the_shutdown_wait_leaves_
         if nb is not None:
             nb.close()
         srv.stop()
-
-
-def process_ended(pid: int) -> bool:
-    """No process ``pid`` runs: none exists, or it is a zombie (it has exited; a parent or a tracer that has not
-    waited for it yet keeps its entry in /proc, which holds no memory and runs nothing)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat[stat.rindex(")") + 2:].startswith("Z")  # the state follows the command name, which may hold ")"
 
 
 def hang_restore(srv: Server, pid: int, hang: bool) -> None:
